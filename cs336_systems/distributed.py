@@ -1,0 +1,110 @@
+"""Process-group set-up shared by the distributed code, its tests and its benchmarks.
+
+Two ways in:
+
+* ``torchrun --nproc_per_node=N script.py``: the script calls :func:`init_from_env`, which reads the
+  ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_ADDR``/``MASTER_PORT`` variables torchrun sets.
+* tests and single-command benchmarks: :func:`spawn` starts ``world_size`` processes with
+  ``torch.multiprocessing`` on a free port and fails with ``TimeoutError`` (instead of hanging) when a
+  collective never completes.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+# NVLink multicast (NVLS) can take a shared host's GPUs out of service; keep it off everywhere.
+_SAFE_NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def find_free_port() -> int:
+    """A TCP port on localhost that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def default_backend() -> str:
+    """``nccl`` when every rank can have its own GPU, ``gloo`` otherwise."""
+    return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+
+
+def setup_process_group(
+    rank: int, world_size: int, backend: str = "gloo", port: int | None = None, timeout_s: float = 120.0
+) -> torch.device:
+    """Join a process group on localhost and return this rank's device (its own GPU under NCCL)."""
+    for key, value in _SAFE_NCCL_ENV.items():
+        os.environ.setdefault(key, value)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if port is not None:
+        os.environ["MASTER_PORT"] = str(port)
+    if "MASTER_PORT" not in os.environ:
+        raise ValueError("no port: pass port= or set MASTER_PORT")
+    if backend == "nccl":
+        if torch.cuda.device_count() < world_size:
+            raise ValueError(f"nccl needs one GPU per rank: world_size={world_size}, GPUs={torch.cuda.device_count()}")
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group(
+        backend,
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+        device_id=device if backend == "nccl" else None,
+    )
+    return device
+
+
+def init_from_env(backend: str | None = None, timeout_s: float = 600.0) -> torch.device:
+    """Join the process group described by torchrun's environment variables."""
+    rank = int(os.environ["RANK"])
+    world_size = int(os.environ["WORLD_SIZE"])
+    return setup_process_group(rank, world_size, backend or default_backend(), timeout_s=timeout_s)
+
+
+def cleanup() -> None:
+    """Leave the process group if this process is in one."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _run_rank(rank: int, fn: Callable[..., Any], world_size: int, backend: str, port: int, timeout_s: float, args):
+    setup_process_group(rank, world_size, backend, port, timeout_s)
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        cleanup()
+
+
+def spawn(
+    fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo", timeout_s: float = 120.0
+) -> None:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes joined in a process group.
+
+    ``fn`` must be picklable (defined at module level). A rank that raises fails the call with its
+    traceback; ranks still running after ``timeout_s`` seconds (a hung collective) are killed and
+    ``TimeoutError`` is raised.
+    """
+    port = find_free_port()
+    context = mp.spawn(
+        _run_rank, args=(fn, world_size, backend, port, timeout_s, args), nprocs=world_size, join=False
+    )
+    deadline = time.monotonic() + timeout_s
+    while not context.join(timeout=max(0.0, min(1.0, deadline - time.monotonic()))):
+        if time.monotonic() >= deadline:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+            for process in context.processes:
+                process.join()
+            raise TimeoutError(f"distributed run of {fn.__name__} did not finish in {timeout_s:.0f} s")
