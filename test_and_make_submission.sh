@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Run the whole test suite (junit XML report in test-results.xml), then pack the code for upload
+# into cs336-spring2025-assignment-2-submission.zip. The zip is built even when tests fail, so
+# that partial work can still be handed in; the script's exit status is the test run's.
+set -uo pipefail
+cd "$(dirname "$0")"
+
+uv run pytest -v ./tests --junitxml=test-results.xml
+test_status=$?
+
+output=cs336-spring2025-assignment-2-submission.zip
+rm -f "$output"
+zip -q -r "$output" . \
+    -x '*.git*' '.venv/*' '*/.venv/*' '*__pycache__*' '*.pytest_cache*' '*.egg-info*' \
+       'build/*' 'dist/*' '*.pyc' '*.so' '*.pkl' '*.pickle' '*.pt' '*.pth' '*.ckpt' '*.safetensors' \
+       '*.nsys-rep' '*.qdrep' '*.sqlite' '*.trace.json' '*.json.gz' 'traces/*' 'snapshots/*' \
+       '*.zip' '*.tar' '*.tar.gz' '*.npy' '*.bin' '.gl/*' '.whl/*' \
+    -x@<(find . -type f -size +5M -not -path './.git/*' -not -path './.venv/*' | sed 's|^\./||')
+echo "Tests exited with status $test_status; wrote $output ($(du -h "$output" | cut -f1))"
+exit "$test_status"

@@ -1,0 +1,55 @@
+"""The process-group helpers every distributed test relies on: free ports, spawn, time-outs."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from cs336_systems.distributed import find_free_port, spawn
+
+
+def _all_reduce_ranks(rank: int, world_size: int, results) -> None:
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    results.put((rank, t.item(), dist.get_world_size()))
+
+
+def _hang_on_rank_one(rank: int, world_size: int) -> None:
+    if rank == 1:
+        time.sleep(600)
+    dist.barrier()
+
+
+def _raise_on_rank_zero(rank: int, world_size: int) -> None:
+    if rank == 0:
+        raise RuntimeError("rank zero failed on purpose")
+
+
+def test_find_free_port_is_bindable():
+    port = find_free_port()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", port))
+
+
+def test_spawn_runs_a_collective():
+    results = mp.get_context("spawn").SimpleQueue()
+    spawn(_all_reduce_ranks, 2, results)
+    got = sorted(results.get() for _ in range(2))
+    assert got == [(0, 3.0, 2), (1, 3.0, 2)]
+
+
+def test_spawn_fails_instead_of_hanging():
+    start = time.monotonic()
+    with pytest.raises((TimeoutError, mp.ProcessRaisedException)):
+        spawn(_hang_on_rank_one, 2, timeout_s=15)
+    assert time.monotonic() - start < 60
+
+
+def test_spawn_reports_a_failing_rank():
+    with pytest.raises(mp.ProcessRaisedException, match="on purpose"):
+        spawn(_raise_on_rank_zero, 2)
