@@ -167,3 +167,20 @@ def test_model_size_parameter_counts(size):
     d, d_ff, n_layers, vocab = cfg["d_model"], cfg["d_ff"], cfg["num_layers"], 10_000
     formula = 2 * vocab * d + n_layers * (4 * d * d + 3 * d * d_ff + 2 * d) + d
     assert model.get_num_params(non_embedding=False) == formula == EXPECTED_PARAMS[size]
+
+
+@pytest.mark.gpu
+def test_lm_on_gpu_matches_cpu_and_runs_under_bf16_autocast():
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = _tiny_lm()
+    ids = torch.randint(0, 97, (2, 24))
+    expected = model(ids)
+    gpu_model = model.cuda()
+    torch.testing.assert_close(gpu_model(ids.cuda()).cpu(), expected, rtol=1e-4, atol=1e-4)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        logits = gpu_model(ids.cuda())
+    assert logits.dtype == torch.bfloat16
+    rel = (logits.float().cpu() - expected).norm() / expected.norm()
+    assert rel < 3e-2, rel
+    logits.float().sum().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in gpu_model.parameters())
