@@ -1,0 +1,27 @@
+"""Data-parallel training wrappers, from naive to bucketed (SPEC section 4).
+
+All share one interface, so a benchmark can swap them: ``wrapper(module, ...)``, ``.module``,
+``forward``, ``no_sync()`` and ``finish_gradient_synchronization()`` after backward.
+
+* :class:`DDPNaive`: one blocking all-reduce per gradient, after backward;
+* :class:`DDPFlattened`: one blocking all-reduce over all gradients, flattened;
+* :class:`DDPIndividualParameters`: one async all-reduce per gradient, launched during backward;
+* :class:`DDPBucketed`: one async all-reduce per bucket of at most ``bucket_size_mb`` MiB.
+
+``python -m cs336_systems.ddp.toy_training`` checks each against single-process training.
+"""
+
+from .base import DataParallelModule, broadcast_module_state
+from .bucketed import DDPBucketed
+from .flattened import DDPFlattened
+from .naive import DDPNaive
+from .overlapped import DDPIndividualParameters
+
+__all__ = [
+    "DataParallelModule",
+    "DDPBucketed",
+    "DDPFlattened",
+    "DDPIndividualParameters",
+    "DDPNaive",
+    "broadcast_module_state",
+]
