@@ -1,0 +1,216 @@
+"""Optimizer-state sharding (SPEC section 5): each rank keeps optimizer state for its own parameters only.
+
+Every rank holds all parameters and all (already averaged) gradients, as in plain data parallelism.
+The parameters are split among the ranks; a rank's inner optimizer steps only the ones it owns, so the
+optimizer state (for AdamW, two tensors per parameter) is divided by the world size. After the local
+step, each owner broadcasts its updated parameters so that every rank again holds all of them.
+Compared with ZeRO stage 1, which reduce-scatters gradients and all-gathers parameters, this keeps
+the DDP all-reduce of full gradients and adds one broadcast of every parameter per step.
+
+Only broadcast is used (gloo supports it on CPU and CUDA tensors, NCCL on GPUs); tensors travel on the
+device of their parameter. Without an initialised process group the optimizer works as one rank.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.distributed as dist
+from torch.optim import Optimizer
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _broadcast_(tensor: torch.Tensor, src: int) -> None:
+    """Blocking broadcast into ``tensor`` in place (through a contiguous copy if it needs one)."""
+    wire = tensor if tensor.is_contiguous() else tensor.contiguous()
+    dist.broadcast(wire, src=src)
+    if wire is not tensor:
+        tensor.copy_(wire)
+
+
+class ShardedOptimizer(Optimizer):
+    """Wraps ``optimizer_cls`` so that each rank holds the optimizer state of a share of the parameters.
+
+    ``params`` are tensors or param-group dicts (with their own hyper-parameters), as for any optimizer;
+    ``kwargs`` are the defaults passed to ``optimizer_cls``. Parameters are assigned to ranks greedily,
+    largest first, each to the rank holding the fewest bytes so far (ties to the lowest rank): the same
+    answer on every rank, since every rank sees the same parameters. With more ranks than parameters
+    some ranks own nothing; they still take part in every broadcast.
+
+    ``param_groups`` lists all parameters, with every hyper-parameter filled in; changes made to it (by
+    a learning-rate schedule, say) reach the inner optimizer at the next :meth:`step`.
+    :meth:`add_param_group`, :meth:`step` and :meth:`state_dict` are collective or must be called
+    identically on every rank.
+    """
+
+    def __init__(self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], optimizer_cls: type[Optimizer], **kwargs: Any):
+        distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if distributed else 0
+        self.world_size = dist.get_world_size() if distributed else 1
+        self.optimizer_cls = optimizer_cls
+        self.local_optimizer: Optimizer | None = None
+        self.owners: list[list[int]] = []  # owners[g][i]: the rank that steps param_groups[g]["params"][i]
+        self._bytes_per_rank = [0] * self.world_size
+        self._local_groups: list[dict[str, Any]] = []  # collected while the base constructor adds groups
+        super().__init__(params, defaults=dict(kwargs))
+        # One inner group per outer group, possibly with no parameters, so group g here is group g there.
+        self.local_optimizer = optimizer_cls(self._local_groups, **kwargs)
+        self._fill_in_defaults()
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group; its parameters are assigned to ranks and this rank's share joins its inner optimizer."""
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        owners = self._assign_owners(group["params"])
+        self.owners.append(owners)
+        local_group = {key: value for key, value in group.items() if key != "params"}
+        local_group["params"] = [param for param, owner in zip(group["params"], owners) if owner == self.rank]
+        if self.local_optimizer is None:
+            self._local_groups.append(local_group)
+        else:
+            self.local_optimizer.add_param_group(local_group)
+            self._fill_in_defaults()
+
+    def _assign_owners(self, params: list[torch.Tensor]) -> list[int]:
+        owners = [0] * len(params)
+        largest_first = sorted(range(len(params)), key=lambda i: (-_nbytes(params[i]), i))
+        for index in largest_first:
+            owner = min(range(self.world_size), key=lambda rank: (self._bytes_per_rank[rank], rank))
+            owners[index] = owner
+            self._bytes_per_rank[owner] += _nbytes(params[index])
+        return owners
+
+    def _fill_in_defaults(self) -> None:
+        """Copy the inner optimizer's default hyper-parameters into groups that did not set them."""
+        for key, value in self.local_optimizer.defaults.items():
+            self.defaults.setdefault(key, value)
+        for group, local_group in zip(self.param_groups, self.local_optimizer.param_groups):
+            for key, value in local_group.items():
+                if key != "params":
+                    group.setdefault(key, value)
+
+    def _copy_hyperparameters(self, source: list[dict[str, Any]], target: list[dict[str, Any]]) -> None:
+        for source_group, target_group in zip(source, target):
+            for key, value in source_group.items():
+                if key != "params":
+                    target_group[key] = value
+
+    def step(self, closure: Callable[[], float] | None = None, **kwargs: Any):
+        """Step the parameters this rank owns, then broadcast every parameter from its owner."""
+        self._copy_hyperparameters(self.param_groups, self.local_optimizer.param_groups)
+        loss = self.local_optimizer.step(closure, **kwargs)
+        # Some optimizers keep per-group counters; let them show in param_groups.
+        self._copy_hyperparameters(self.local_optimizer.param_groups, self.param_groups)
+        if self.world_size > 1:
+            self._broadcast_parameters()
+        return loss
+
+    @torch.no_grad()
+    def _broadcast_parameters(self) -> None:
+        pending = []
+        for group, owners in zip(self.param_groups, self.owners):
+            for param, owner in zip(group["params"], owners):
+                wire = param if param.is_contiguous() else param.contiguous()
+                pending.append((param, wire, dist.broadcast(wire, src=owner, async_op=True)))
+        for param, wire, work in pending:
+            work.wait()
+            if wire is not param:
+                param.copy_(wire)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The state of all parameters, gathered from their owners on every rank (a collective call).
+
+        The format is that of ``optimizer_cls(all params).state_dict()``: parameters numbered in
+        ``param_groups`` order, so it also loads into an unsharded optimizer, and vice versa.
+        """
+        self._copy_hyperparameters(self.local_optimizer.param_groups, self.param_groups)
+        indexed = [
+            (index, param, owner)
+            for index, (param, owner) in enumerate(
+                (param, owner)
+                for group, owners in zip(self.param_groups, self.owners)
+                for param, owner in zip(group["params"], owners)
+            )
+        ]
+        local_state = self.local_optimizer.state
+        # What each owner holds: for every state entry, either ("tensor", shape, dtype, device type) or
+        # ("value", the value itself). Tensors then travel by broadcast on their parameter's device.
+        layout = {}
+        for index, param, owner in indexed:
+            if owner == self.rank and param in local_state:
+                layout[index] = {
+                    key: ("tensor", tuple(value.shape), value.dtype, value.device.type)
+                    if torch.is_tensor(value)
+                    else ("value", value)
+                    for key, value in local_state[param].items()
+                }
+        layouts = [layout]
+        if self.world_size > 1:
+            layouts = []
+            for src in range(self.world_size):
+                message = [layout if src == self.rank else None]
+                dist.broadcast_object_list(message, src=src)
+                layouts.append(message[0])
+
+        state: dict[int, dict[str, Any]] = {}
+        for index, param, owner in indexed:
+            if index not in layouts[owner]:
+                continue
+            entries = {}
+            for key, description in layouts[owner][index].items():
+                if description[0] == "value":
+                    entries[key] = copy.deepcopy(description[1])
+                    continue
+                _, shape, dtype, device_type = description
+                if owner == self.rank:
+                    tensor = local_state[param][key]
+                    if self.world_size > 1:
+                        _broadcast_(tensor.to(param.device), src=owner)
+                else:
+                    tensor = torch.empty(shape, dtype=dtype, device=param.device)
+                    _broadcast_(tensor, src=owner)
+                    if device_type != param.device.type:
+                        tensor = tensor.to(device_type)
+                entries[key] = tensor
+            state[index] = entries
+
+        param_groups = []
+        next_index = 0
+        for group in self.param_groups:
+            saved = {key: copy.deepcopy(value) for key, value in group.items() if key != "params"}
+            saved["params"] = list(range(next_index, next_index + len(group["params"])))
+            next_index += len(group["params"])
+            param_groups.append(saved)
+        return {"state": state, "param_groups": param_groups}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a consolidated state dict (from :meth:`state_dict` or an unsharded optimizer); not collective."""
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(f"state dict has {len(saved_groups)} param groups, optimizer has {len(self.param_groups)}")
+        for number, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError(
+                    f"param group {number}: state dict has {len(saved['params'])} parameters, "
+                    f"optimizer has {len(group['params'])}"
+                )
+        local_groups, local_state, next_local_index = [], {}, 0
+        for saved, group, owners in zip(saved_groups, self.param_groups, self.owners):
+            hyperparameters = {key: copy.deepcopy(value) for key, value in saved.items() if key != "params"}
+            group.update(hyperparameters)
+            local_indices = []
+            for saved_index, owner in zip(saved["params"], owners):
+                if owner != self.rank:
+                    continue
+                if saved_index in state_dict["state"]:
+                    local_state[next_local_index] = state_dict["state"][saved_index]
+                local_indices.append(next_local_index)
+                next_local_index += 1
+            local_groups.append({**hyperparameters, "params": local_indices})
+        # The inner optimizer copies the tensors, casting them to its parameters' devices and dtypes.
+        self.local_optimizer.load_state_dict({"state": local_state, "param_groups": local_groups})
