@@ -52,5 +52,14 @@ class DDPIndividualParameters(DataParallelModule):
         grads = [grad for grad, _, _ in self._in_flight]
         if grads:
             torch._foreach_div_(grads, self.world_size)
+        self._reset_step_state()
+
+    def on_train_batch_start(self) -> None:
+        """Forget the previous step's bookkeeping (waiting for any all-reduce still in flight)."""
+        for _, _, work in self._in_flight:
+            work.wait()
+        self._reset_step_state()
+
+    def _reset_step_state(self) -> None:
         self._in_flight.clear()
         self._launched.clear()

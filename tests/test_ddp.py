@@ -1,0 +1,214 @@
+"""The DDP wrappers against single-process training (gloo on CPU, world size 2; NCCL with 2+ GPUs).
+
+Every spawned process costs seconds of imports, so each test is one spawn that loops over models,
+optimizers and bucket sizes. In every run each rank builds the model from its own seed (the wrapper
+must broadcast rank 0's weights), trains on its slice of each batch, and after every step its gradients
+and weights are compared with a single-process model that started from rank 0's weights and trained on
+the full batch (loss averaged over the batch).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tests._ddp_toy_models import MODELS, BranchNet, assert_same_tensors, build, current_device, make_optimizer
+from cs336_systems.ddp import DDPBucketed, DDPFlattened, DDPIndividualParameters, DDPNaive
+from cs336_systems.distributed import spawn
+
+BATCH_SIZE = 8
+STEPS = 4
+TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
+# Tiny: every tensor in a bucket of its own; 0.0015 MiB: a few tensors per bucket; huge: one bucket per dtype.
+BUCKET_SIZES_MB = (1e-6, 0.0015, 1000.0)
+WRAPPERS = ("naive", "flattened", "individual", "bucketed")
+
+
+def wrap(wrapper: str, module: nn.Module, bucket_size_mb: float | None) -> nn.Module:
+    if wrapper == "naive":
+        return DDPNaive(module)
+    if wrapper == "flattened":
+        return DDPFlattened(module)
+    if wrapper == "individual":
+        return DDPIndividualParameters(module)
+    return DDPBucketed(module, bucket_size_mb)
+
+
+def bucket_sizes(wrapper: str) -> tuple[float | None, ...]:
+    return BUCKET_SIZES_MB if wrapper == "bucketed" else (None,)
+
+
+def _grads(module: nn.Module) -> dict[str, torch.Tensor | None]:
+    return {name: param.grad for name, param in module.named_parameters()}
+
+
+def _assert_same_grads(ddp_model: nn.Module, reference: nn.Module, context: str) -> None:
+    actual, expected = _grads(ddp_model.module), _grads(reference)
+    for name, expected_grad in expected.items():
+        if expected_grad is None:
+            assert actual[name] is None, f"{context}, {name}: has a gradient, single-process training has none"
+        else:
+            assert actual[name] is not None, f"{context}, {name}: no gradient"
+            torch.testing.assert_close(actual[name], expected_grad, **TOLERANCE, msg=lambda m: f"{context}, {name}: {m}")
+
+
+def check_matches_single_process(rank: int, world_size: int, wrapper: str, device: torch.device) -> None:
+    """Construction broadcast, parameter order, then several steps of SGD and AdamW against one process."""
+    local = slice(rank * BATCH_SIZE // world_size, (rank + 1) * BATCH_SIZE // world_size)
+    for bucket_size_mb in bucket_sizes(wrapper):
+        for model_name, model_cls in MODELS.items():
+            for optimizer_name in ("sgd", "adamw"):
+                context = f"{wrapper} (bucket {bucket_size_mb} MiB), {model_name}, {optimizer_name}, rank {rank}"
+                ddp_model = wrap(wrapper, build(model_cls, seed=rank, device=device), bucket_size_mb)
+                reference = build(model_cls, seed=0, device=device)
+
+                assert ddp_model.module.__class__ is model_cls
+                assert [name for name, _ in ddp_model.named_parameters()] == [
+                    f"module.{name}" for name, _ in reference.named_parameters()
+                ], context
+                assert_same_tensors(dict(ddp_model.module.state_dict()), dict(reference.state_dict()), f"{context}, after construction")
+                frozen = {name: p.detach().clone() for name, p in reference.named_parameters() if not p.requires_grad}
+
+                optimizer = make_optimizer(optimizer_name, ddp_model.parameters())
+                reference_optimizer = make_optimizer(optimizer_name, reference.parameters())
+                # SGD keeps gradients allocated (zeroed in place), AdamW sets them to None: both paths of the
+                # bucketed wrapper's gradient views get exercised.
+                set_to_none = optimizer_name == "adamw"
+                for step in range(STEPS):
+                    x, y = model_cls.batch(step, BATCH_SIZE, device)
+                    ddp_model.on_train_batch_start()
+                    optimizer.zero_grad(set_to_none=set_to_none)
+                    model_cls.loss(ddp_model(x[local]), y[local]).backward()
+                    ddp_model.finish_gradient_synchronization()
+                    optimizer.step()
+
+                    reference_optimizer.zero_grad(set_to_none=set_to_none)
+                    model_cls.loss(reference(x), y).backward()
+                    reference_optimizer.step()
+
+                    _assert_same_grads(ddp_model, reference, f"{context}, step {step}")
+                    assert_same_tensors(
+                        dict(ddp_model.module.named_parameters()), dict(reference.named_parameters()),
+                        f"{context}, step {step}", **TOLERANCE,
+                    )
+                for name, param in ddp_model.module.named_parameters():
+                    if name in frozen:
+                        assert param.grad is None and torch.equal(param, frozen[name]), f"{context}: frozen {name} changed"
+
+
+def check_gradient_accumulation(rank: int, world_size: int, wrapper: str, device: torch.device) -> None:
+    """Two micro-batches, the first under no_sync(), then one synchronisation: the full-batch gradient."""
+    model_cls = MODELS["frozen_parts"]
+    local = slice(rank * BATCH_SIZE // world_size, (rank + 1) * BATCH_SIZE // world_size)
+    for bucket_size_mb in bucket_sizes(wrapper):
+        context = f"{wrapper} (bucket {bucket_size_mb} MiB), gradient accumulation, rank {rank}"
+        ddp_model = wrap(wrapper, build(model_cls, seed=rank, device=device), bucket_size_mb)
+        reference = build(model_cls, seed=0, device=device)
+        micro_batches = [model_cls.batch(step, BATCH_SIZE, device) for step in range(2)]
+        for repeat in range(2):  # the second round starts from the views left by the first
+            ddp_model.on_train_batch_start()
+            ddp_model.zero_grad(set_to_none=repeat == 0)
+            reference.zero_grad(set_to_none=repeat == 0)
+            with ddp_model.no_sync():
+                x, y = micro_batches[0]
+                model_cls.loss(ddp_model(x[local]), y[local]).backward()
+            x, y = micro_batches[1]
+            model_cls.loss(ddp_model(x[local]), y[local]).backward()
+            ddp_model.finish_gradient_synchronization()
+            for x, y in micro_batches:
+                model_cls.loss(reference(x), y).backward()
+            _assert_same_grads(ddp_model, reference, f"{context}, round {repeat}")
+
+
+def check_second_backward_raises(rank: int, world_size: int, wrapper: str, device: torch.device) -> None:
+    """Producing a gradient twice before synchronising is an error, not a silent race with the wire."""
+    model_cls = MODELS["tied_embedding"]
+    ddp_model = wrap(wrapper, build(model_cls, seed=rank, device=device), 1e-6)
+    x, y = model_cls.batch(0, BATCH_SIZE, device)
+    model_cls.loss(ddp_model(x), y).backward()
+    with pytest.raises(RuntimeError, match="no_sync"):
+        model_cls.loss(ddp_model(x), y).backward()
+    ddp_model.on_train_batch_start()  # waits for what the first backward launched
+    ddp_model.zero_grad()
+    model_cls.loss(ddp_model(x), y).backward()
+    ddp_model.finish_gradient_synchronization()
+
+
+def check_rank_dependent_unused_parameter(rank: int, world_size: int, device: torch.device) -> None:
+    """Only rank 0 uses a branch: no hang, and every rank ends with the same, averaged gradients.
+
+    A rank without a gradient counts as zeros; a parameter no rank used keeps ``grad is None``.
+    """
+    local_size = BATCH_SIZE // world_size
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(BATCH_SIZE, BranchNet.in_features, generator=generator).to(device)
+    y = torch.randn(BATCH_SIZE, generator=generator).to(device)
+
+    def local_loss(model: nn.Module, some_rank: int) -> torch.Tensor:
+        part = slice(some_rank * local_size, (some_rank + 1) * local_size)
+        return ((model(x[part], use_branch=some_rank == 0) - y[part]) ** 2).mean()
+
+    reference = build(BranchNet, seed=0, device=device)
+    expected = {}
+    for some_rank in range(world_size):
+        reference.zero_grad()
+        local_loss(reference, some_rank).backward()
+        for name, param in reference.named_parameters():
+            if param.grad is not None:
+                expected[name] = expected.get(name, 0) + param.grad / world_size
+
+    for bucket_size_mb in BUCKET_SIZES_MB:
+        context = f"bucketed (bucket {bucket_size_mb} MiB), branch used on rank 0 only, rank {rank}"
+        ddp_model = DDPBucketed(build(BranchNet, seed=rank, device=device), bucket_size_mb)
+        for step in range(2):
+            ddp_model.on_train_batch_start()
+            ddp_model.zero_grad(set_to_none=step == 0)
+            local_loss(ddp_model, rank).backward()
+            ddp_model.finish_gradient_synchronization()
+            for name, param in ddp_model.module.named_parameters():
+                if name in expected:
+                    torch.testing.assert_close(param.grad, expected[name], **TOLERANCE, msg=lambda m: f"{context}, {name}: {m}")
+                else:
+                    assert param.grad is None, f"{context}, {name}: no rank used it, yet it has a gradient"
+
+
+def run_wrapper_checks(rank: int, world_size: int, wrappers: tuple[str, ...]) -> None:
+    torch.set_num_threads(1)
+    device = current_device()
+    for wrapper in wrappers:
+        check_matches_single_process(rank, world_size, wrapper, device)
+        check_gradient_accumulation(rank, world_size, wrapper, device)
+        if wrapper in ("individual", "bucketed"):
+            check_second_backward_raises(rank, world_size, wrapper, device)
+        if wrapper == "bucketed":
+            check_rank_dependent_unused_parameter(rank, world_size, device)
+
+
+@pytest.mark.parametrize("wrapper", WRAPPERS)
+def test_ddp_wrapper_matches_single_process(wrapper):
+    spawn(run_wrapper_checks, 2, (wrapper,), backend="gloo", timeout_s=180)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_ddp_wrappers_with_nccl():
+    spawn(run_wrapper_checks, 2, WRAPPERS, backend="nccl", timeout_s=300)
+
+
+def test_bucket_assignment():
+    """Reverse order, the cap respected, an oversized tensor alone, a new bucket when the dtype changes."""
+    from cs336_systems.ddp.bucketed import assign_buckets
+
+    params = [
+        nn.Parameter(torch.zeros(10)),  # 40 bytes
+        nn.Parameter(torch.zeros(10)),
+        nn.Parameter(torch.zeros(100)),  # 400 bytes: over the cap, alone
+        nn.Parameter(torch.zeros(5, dtype=torch.float64)),  # 40 bytes, another dtype
+        nn.Parameter(torch.zeros(10)),
+    ]
+    groups = assign_buckets(params, bucket_size_bytes=100)
+    index = {id(param): i for i, param in enumerate(params)}
+    assert [[index[id(param)] for param in group] for group in groups] == [[4], [3], [2], [1, 0]]
+    assert len(assign_buckets(params, bucket_size_bytes=1)) == len(params)
