@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Run the test suite on a GPU machine whose python3 already has torch and triton (no installing),
+# writing the log, a junit report and the environment under $OUT (default: ./device-out).
+#   bash scripts/device_tests.sh            # the whole suite
+#   bash scripts/device_tests.sh -m gpu     # only the GPU tests
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-device-out}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD:$PWD/cs336-basics PYTHONUNBUFFERED=1
+# NVLink multicast stays off on shared hosts.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export CS336_RESULTS_DIR=$OUT
+{
+    date -u +%Y-%m-%dT%H:%M:%SZ
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    python3 -c 'import sys, torch, triton, numpy; print("python", sys.version.split()[0], "torch", torch.__version__, "triton", triton.__version__, "numpy", numpy.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count())'
+} 2>&1 | tee "$OUT/environment.txt"
+python3 -m pytest -q -p no:cacheprovider --junitxml="$OUT/junit.xml" "$@" tests 2>&1 | tee "$OUT/pytest.log"
