@@ -129,14 +129,10 @@ class ShardedOptimizer(Optimizer):
         ``param_groups`` order, so it also loads into an unsharded optimizer, and vice versa.
         """
         self._copy_hyperparameters(self.local_optimizer.param_groups, self.param_groups)
-        indexed = [
-            (index, param, owner)
-            for index, (param, owner) in enumerate(
-                (param, owner)
-                for group, owners in zip(self.param_groups, self.owners)
-                for param, owner in zip(group["params"], owners)
-            )
-        ]
+        indexed = []  # (index in the state dict, parameter, owner), in param_groups order
+        for group, owners in zip(self.param_groups, self.owners):
+            for param, owner in zip(group["params"], owners):
+                indexed.append((len(indexed), param, owner))
         local_state = self.local_optimizer.state
         # What each owner holds: for every state entry, either ("tensor", shape, dtype, device type) or
         # ("value", the value itself). Tensors then travel by broadcast on their parameter's device.
