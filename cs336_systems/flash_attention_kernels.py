@@ -1,0 +1,418 @@
+"""Triton kernels of FlashAttention-2 (SPEC sections 3.2-3.3); the launch code, input checks and the
+``torch.autograd.Function`` are in ``flash_attention_triton.py``.
+
+Layout. Every kernel sees its tensors as ``(batch, heads, seq, HEAD_DIM)`` through explicit strides
+(3-D inputs pass a head stride of 0 and ``n_heads = 1``), with a unit stride along ``HEAD_DIM``.
+Program ``(i, bh)`` handles tile ``i`` of the sequence it is parallel over, for batch
+``bh // n_heads`` and head ``bh % n_heads``. ``L`` (logsumexp) and ``Delta`` (``rowsum(O * dO)``)
+are float32 ``(batch * heads, n_queries)``, contiguous.
+
+Speed-ups, each visible in the code:
+
+* Scores live in the base-2 domain: ``qk_scale = log2(e) / sqrt(d)`` is folded into one multiply,
+  and ``exp2`` replaces ``exp``; ``L`` is converted back to a natural log when stored, and to base 2
+  again when loaded by the backward kernels.
+* Causal early exit: key tiles entirely above the diagonal are never loaded.
+* Each sweep is split into tiles that need no mask (full, below the diagonal) and the few that do
+  (crossing the diagonal, or ragged at the end of the sequence), selected by the ``MASKED``
+  constexpr so that the common loop carries no mask arithmetic.
+* The backward runs as two kernels without atomics: one parallel over key tiles accumulates dK
+  and dV in registers, one parallel over query tiles accumulates dQ. No kernel accumulates into a
+  global buffer, so autotuning (which runs a kernel several times) needs no zeroing pre-hook.
+
+All accumulators are float32; ``P`` and ``dS`` are cast to the input dtype before the matmuls that
+consume them, as in the paper. ``DOT_PRECISION`` is ``"ieee"`` or ``"tf32"`` for float32 inputs
+(chosen by the caller from ``torch.backends.cuda.matmul.allow_tf32``) and ignored for 16-bit ones.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# Globals read inside kernels must be tl.constexpr objects (Triton refuses plain Python globals).
+LOG2_E = tl.constexpr(1.4426950408889634)  # log2(e): exp(x) = exp2(x * LOG2_E)
+LN_2 = tl.constexpr(0.6931471805599453)  # ln(2): ln(x) = log2(x) * LN_2
+MASKED_SCORE = tl.constexpr(-1.0e30)
+"""Base-2 score given to invisible keys in the forward. Finite, so that a row whose first tile were
+fully invisible would still rescale to the right answer instead of producing ``-inf - -inf = nan``."""
+
+RUNNING_IN_INTERPRETER: bool = triton.knobs.runtime.interpret
+"""Whether ``@triton.jit`` below built interpreter functions (``TRITON_INTERPRET=1`` at import)."""
+
+# Sequence lengths vary from call to call: don't compile a variant per length (divisibility by 16
+# or equality to 1). The autotune keys are coarsened lengths that the kernels do not read.
+_LENGTH_ARGS = ["n_queries", "n_keys", "n_queries_key", "n_keys_key"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Forward: O = softmax(Q K^T / sqrt(d)) V and L = logsumexp, one query tile per program.
+# ---------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _attn_fwd_sweep(
+    acc, row_sum, row_max,  # running state of the online softmax: (BLOCK_M, HEAD_DIM), (BLOCK_M,), (BLOCK_M,)
+    q,  # the query tile, (BLOCK_M, HEAD_DIM)
+    K_block, V_block,  # block pointers to key/value tiles, positioned at key 0
+    key_start, key_stop,  # sweep key tiles starting at key_start (a multiple of BLOCK_N) up to key_stop
+    offs_m,  # query indices of the tile's rows, (BLOCK_M,)
+    n_keys,
+    qk_scale,
+    IS_CAUSAL: tl.constexpr,
+    MASKED: tl.constexpr,  # apply the causal and the key-bounds mask (tiles crossing the diagonal or the end)
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    K_block = tl.advance(K_block, (key_start, 0))
+    V_block = tl.advance(V_block, (key_start, 0))
+    for start_n in range(key_start, key_stop, BLOCK_N):
+        if MASKED:
+            k = tl.load(K_block, boundary_check=(0,), padding_option="zero")
+            v = tl.load(V_block, boundary_check=(0,), padding_option="zero")
+        else:
+            k = tl.load(K_block)
+            v = tl.load(V_block)
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), base 2
+        if MASKED:
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            visible = offs_n[None, :] < n_keys
+            if IS_CAUSAL:
+                visible = visible & (offs_m[:, None] >= offs_n[None, :])
+            scores = tl.where(visible, scores, MASKED_SCORE)
+        new_row_max = tl.maximum(row_max, tl.max(scores, 1))
+        p = tl.math.exp2(scores - new_row_max[:, None])
+        rescale = tl.math.exp2(row_max - new_row_max)  # 0 on the first tile, where row_max = -inf
+        row_sum = row_sum * rescale + tl.sum(p, 1)
+        acc = acc * rescale[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        row_max = new_row_max
+        K_block = tl.advance(K_block, (BLOCK_N, 0))
+        V_block = tl.advance(V_block, (BLOCK_N, 0))
+    return acc, row_sum, row_max
+
+
+@triton.jit(do_not_specialize=_LENGTH_ARGS)
+def attn_fwd_kernel(
+    Q, K, V,  # inputs: (batch, heads, n_queries | n_keys, HEAD_DIM) through the strides below
+    O,  # output, like Q
+    L,  # output logsumexp (natural log), float32 (batch * heads, n_queries)
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_ob, stride_oh, stride_om,
+    n_heads, n_queries, n_keys,
+    n_queries_key, n_keys_key,  # coarsened lengths, read only by the autotuner
+    qk_scale,  # log2(e) / sqrt(HEAD_DIM)
+    HEAD_DIM: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    start_m = tl.program_id(0) * BLOCK_M
+    off_bh = tl.program_id(1)
+    off_b = (off_bh // n_heads).to(tl.int64)  # int64: batch offsets can exceed 2^31 elements
+    off_h = (off_bh % n_heads).to(tl.int64)
+
+    Q_block = tl.make_block_ptr(Q + off_b * stride_qb + off_h * stride_qh, shape=(n_queries, HEAD_DIM),
+                                strides=(stride_qm, 1), offsets=(start_m, 0), block_shape=(BLOCK_M, HEAD_DIM),
+                                order=(1, 0))
+    K_block = tl.make_block_ptr(K + off_b * stride_kb + off_h * stride_kh, shape=(n_keys, HEAD_DIM),
+                                strides=(stride_kn, 1), offsets=(0, 0), block_shape=(BLOCK_N, HEAD_DIM),
+                                order=(1, 0))
+    V_block = tl.make_block_ptr(V + off_b * stride_vb + off_h * stride_vh, shape=(n_keys, HEAD_DIM),
+                                strides=(stride_vn, 1), offsets=(0, 0), block_shape=(BLOCK_N, HEAD_DIM),
+                                order=(1, 0))
+    q = tl.load(Q_block, boundary_check=(0,), padding_option="zero")
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+
+    row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+
+    full_tiles_end = n_keys // BLOCK_N * BLOCK_N  # keys in complete tiles
+    if IS_CAUSAL:
+        # Keys beyond the tile's last query are invisible (early exit). A key tile is visible to
+        # every row iff its last key <= start_m, the tile's first query.
+        key_stop = tl.minimum(n_keys, start_m + BLOCK_M)
+        unmasked_end = tl.minimum((start_m + 1) // BLOCK_N * BLOCK_N, full_tiles_end)
+    else:
+        key_stop = n_keys
+        unmasked_end = full_tiles_end
+    # Key 0 is in the first tile swept and visible to every query, so row_max is finite after it.
+    acc, row_sum, row_max = _attn_fwd_sweep(acc, row_sum, row_max, q, K_block, V_block, 0, unmasked_end, offs_m,
+                                            n_keys, qk_scale, IS_CAUSAL, False, DOT_PRECISION, BLOCK_N)
+    acc, row_sum, row_max = _attn_fwd_sweep(acc, row_sum, row_max, q, K_block, V_block, unmasked_end, key_stop,
+                                            offs_m, n_keys, qk_scale, IS_CAUSAL, True, DOT_PRECISION, BLOCK_N)
+
+    acc = acc / row_sum[:, None]
+    O_block = tl.make_block_ptr(O + off_b * stride_ob + off_h * stride_oh, shape=(n_queries, HEAD_DIM),
+                                strides=(stride_om, 1), offsets=(start_m, 0), block_shape=(BLOCK_M, HEAD_DIM),
+                                order=(1, 0))
+    tl.store(O_block, acc.to(O.dtype.element_ty), boundary_check=(0,))
+    logsumexp = (row_max + tl.math.log2(row_sum)) * LN_2  # back to natural log
+    tl.store(L + off_bh.to(tl.int64) * n_queries + offs_m, logsumexp, mask=offs_m < n_queries)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Backward (Algorithm 2), with P = exp(S - L) recomputed tile by tile:
+#   Delta = rowsum(O * dO);  dV = P^T dO;  dP = dO V^T;  dS = P * (dP - Delta)
+#   dQ = dS K / sqrt(d);  dK = dS^T Q / sqrt(d)
+# ---------------------------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["n_queries"])
+def attn_bwd_delta_kernel(
+    O, dO,  # (batch, heads, n_queries, HEAD_DIM) through the strides below
+    Delta,  # output rowsum(O * dO), float32 (batch * heads, n_queries)
+    stride_ob, stride_oh, stride_om,
+    stride_dob, stride_doh, stride_dom,
+    n_heads, n_queries,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    start_m = tl.program_id(0) * BLOCK_M
+    off_bh = tl.program_id(1)
+    off_b = (off_bh // n_heads).to(tl.int64)
+    off_h = (off_bh % n_heads).to(tl.int64)
+    O_block = tl.make_block_ptr(O + off_b * stride_ob + off_h * stride_oh, shape=(n_queries, HEAD_DIM),
+                                strides=(stride_om, 1), offsets=(start_m, 0), block_shape=(BLOCK_M, HEAD_DIM),
+                                order=(1, 0))
+    dO_block = tl.make_block_ptr(dO + off_b * stride_dob + off_h * stride_doh, shape=(n_queries, HEAD_DIM),
+                                 strides=(stride_dom, 1), offsets=(start_m, 0), block_shape=(BLOCK_M, HEAD_DIM),
+                                 order=(1, 0))
+    o = tl.load(O_block, boundary_check=(0,), padding_option="zero").to(tl.float32)
+    do = tl.load(dO_block, boundary_check=(0,), padding_option="zero").to(tl.float32)
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    tl.store(Delta + off_bh.to(tl.int64) * n_queries + offs_m, tl.sum(o * do, 1), mask=offs_m < n_queries)
+
+
+@triton.jit
+def _attn_bwd_dkdv_sweep(
+    dk, dv,  # accumulators, float32 (BLOCK_N, HEAD_DIM)
+    k, v,  # this program's key/value tile, (BLOCK_N, HEAD_DIM)
+    offs_n,  # key indices of the tile's rows, (BLOCK_N,)
+    Q_ptr, dO_ptr, L_ptr, Delta_ptr,  # bases for this (batch, head)
+    stride_qm, stride_dom,
+    query_start, query_stop,  # sweep query tiles from query_start (a multiple of BLOCK_M) up to query_stop
+    n_queries,
+    qk_scale,
+    MASK_CAUSAL: tl.constexpr,  # tiles crossing the diagonal
+    MASK_ROWS: tl.constexpr,  # tiles that may extend past n_queries
+    DOT_PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    Q_block = tl.make_block_ptr(Q_ptr, shape=(n_queries, HEAD_DIM), strides=(stride_qm, 1),
+                                offsets=(query_start, 0), block_shape=(BLOCK_M, HEAD_DIM), order=(1, 0))
+    dO_block = tl.make_block_ptr(dO_ptr, shape=(n_queries, HEAD_DIM), strides=(stride_dom, 1),
+                                 offsets=(query_start, 0), block_shape=(BLOCK_M, HEAD_DIM), order=(1, 0))
+    for start_m in range(query_start, query_stop, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        if MASK_ROWS:
+            q = tl.load(Q_block, boundary_check=(0,), padding_option="zero")
+            do = tl.load(dO_block, boundary_check=(0,), padding_option="zero")
+            in_bounds = offs_m < n_queries
+            logsumexp = tl.load(L_ptr + offs_m, mask=in_bounds, other=0.0) * LOG2_E
+            delta = tl.load(Delta_ptr + offs_m, mask=in_bounds, other=0.0)
+        else:
+            q = tl.load(Q_block)
+            do = tl.load(dO_block)
+            logsumexp = tl.load(L_ptr + offs_m) * LOG2_E
+            delta = tl.load(Delta_ptr + offs_m)
+        # Transposed tile (keys x queries), so that dK and dV accumulate without transposing them.
+        scores_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_N, BLOCK_M)
+        p_t = tl.math.exp2(scores_t - logsumexp[None, :])
+        if MASK_CAUSAL:
+            visible = offs_m[None, :] >= offs_n[:, None]
+            if MASK_ROWS:
+                visible = visible & (offs_m[None, :] < n_queries)
+            p_t = tl.where(visible, p_t, 0.0)
+        elif MASK_ROWS:
+            p_t = tl.where(offs_m[None, :] < n_queries, p_t, 0.0)
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+        Q_block = tl.advance(Q_block, (BLOCK_M, 0))
+        dO_block = tl.advance(dO_block, (BLOCK_M, 0))
+    return dk, dv
+
+
+@triton.jit(do_not_specialize=_LENGTH_ARGS)
+def attn_bwd_dkdv_kernel(
+    Q, K, V, dO,  # inputs: (batch, heads, n_queries | n_keys, HEAD_DIM) through the strides below
+    L, Delta,  # float32 (batch * heads, n_queries): logsumexp (natural log) and rowsum(O * dO)
+    dK, dV,  # outputs, like K and V
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_dom,
+    stride_dkb, stride_dkh, stride_dkn,
+    stride_dvb, stride_dvh, stride_dvn,
+    n_heads, n_queries, n_keys,
+    n_queries_key, n_keys_key,  # coarsened lengths, read only by the autotuner
+    sm_scale,  # 1 / sqrt(HEAD_DIM)
+    qk_scale,  # log2(e) / sqrt(HEAD_DIM)
+    HEAD_DIM: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # query tile swept
+    BLOCK_N: tl.constexpr,  # key tile held by the program
+):
+    start_n = tl.program_id(0) * BLOCK_N
+    off_bh = tl.program_id(1)
+    off_b = (off_bh // n_heads).to(tl.int64)
+    off_h = (off_bh % n_heads).to(tl.int64)
+
+    K_block = tl.make_block_ptr(K + off_b * stride_kb + off_h * stride_kh, shape=(n_keys, HEAD_DIM),
+                                strides=(stride_kn, 1), offsets=(start_n, 0), block_shape=(BLOCK_N, HEAD_DIM),
+                                order=(1, 0))
+    V_block = tl.make_block_ptr(V + off_b * stride_vb + off_h * stride_vh, shape=(n_keys, HEAD_DIM),
+                                strides=(stride_vn, 1), offsets=(start_n, 0), block_shape=(BLOCK_N, HEAD_DIM),
+                                order=(1, 0))
+    # Rows past n_keys load as zeros; what they accumulate stays in rows that are never stored.
+    k = tl.load(K_block, boundary_check=(0,), padding_option="zero")
+    v = tl.load(V_block, boundary_check=(0,), padding_option="zero")
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+
+    Q_ptr = Q + off_b * stride_qb + off_h * stride_qh
+    dO_ptr = dO + off_b * stride_dob + off_h * stride_doh
+    L_ptr = L + off_bh.to(tl.int64) * n_queries
+    Delta_ptr = Delta + off_bh.to(tl.int64) * n_queries
+
+    if IS_CAUSAL:
+        # Queries before start_n see none of these keys (early exit). A query tile sees every key
+        # here iff its first query >= the tile's last key, start_n + BLOCK_N - 1.
+        diagonal_start = start_n // BLOCK_M * BLOCK_M
+        diagonal_stop = tl.minimum(tl.cdiv(start_n + BLOCK_N - 1, BLOCK_M) * BLOCK_M, n_queries)
+        dk, dv = _attn_bwd_dkdv_sweep(dk, dv, k, v, offs_n, Q_ptr, dO_ptr, L_ptr, Delta_ptr, stride_qm, stride_dom,
+                                      diagonal_start, diagonal_stop, n_queries, qk_scale, True, True,
+                                      DOT_PRECISION, HEAD_DIM, BLOCK_M)
+    else:
+        diagonal_stop = 0
+    # diagonal_stop is a multiple of BLOCK_M unless it was clipped to n_queries, which ends the sweep.
+    full_tiles_end = tl.maximum(n_queries // BLOCK_M * BLOCK_M, diagonal_stop)
+    dk, dv = _attn_bwd_dkdv_sweep(dk, dv, k, v, offs_n, Q_ptr, dO_ptr, L_ptr, Delta_ptr, stride_qm, stride_dom,
+                                  diagonal_stop, full_tiles_end, n_queries, qk_scale, False, False,
+                                  DOT_PRECISION, HEAD_DIM, BLOCK_M)
+    dk, dv = _attn_bwd_dkdv_sweep(dk, dv, k, v, offs_n, Q_ptr, dO_ptr, L_ptr, Delta_ptr, stride_qm, stride_dom,
+                                  full_tiles_end, n_queries, n_queries, qk_scale, False, True,
+                                  DOT_PRECISION, HEAD_DIM, BLOCK_M)
+
+    dK_block = tl.make_block_ptr(dK + off_b * stride_dkb + off_h * stride_dkh, shape=(n_keys, HEAD_DIM),
+                                 strides=(stride_dkn, 1), offsets=(start_n, 0), block_shape=(BLOCK_N, HEAD_DIM),
+                                 order=(1, 0))
+    dV_block = tl.make_block_ptr(dV + off_b * stride_dvb + off_h * stride_dvh, shape=(n_keys, HEAD_DIM),
+                                 strides=(stride_dvn, 1), offsets=(start_n, 0), block_shape=(BLOCK_N, HEAD_DIM),
+                                 order=(1, 0))
+    tl.store(dK_block, (dk * sm_scale).to(dK.dtype.element_ty), boundary_check=(0,))
+    tl.store(dV_block, dv.to(dV.dtype.element_ty), boundary_check=(0,))
+
+
+@triton.jit
+def _attn_bwd_dq_sweep(
+    dq,  # accumulator, float32 (BLOCK_M, HEAD_DIM)
+    q, do,  # this program's query and output-gradient tiles, (BLOCK_M, HEAD_DIM)
+    logsumexp, delta,  # base-2 logsumexp and rowsum(O * dO) of the tile's rows, (BLOCK_M,)
+    offs_m,  # query indices of the tile's rows, (BLOCK_M,)
+    K_block, V_block,  # block pointers to key/value tiles, positioned at key 0
+    key_start, key_stop,  # sweep key tiles from key_start (a multiple of BLOCK_N) up to key_stop
+    n_keys,
+    qk_scale,
+    IS_CAUSAL: tl.constexpr,
+    MASKED: tl.constexpr,  # apply the causal and the key-bounds mask
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    K_block = tl.advance(K_block, (key_start, 0))
+    V_block = tl.advance(V_block, (key_start, 0))
+    for start_n in range(key_start, key_stop, BLOCK_N):
+        if MASKED:
+            k = tl.load(K_block, boundary_check=(0,), padding_option="zero")
+            v = tl.load(V_block, boundary_check=(0,), padding_option="zero")
+        else:
+            k = tl.load(K_block)
+            v = tl.load(V_block)
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), base 2
+        p = tl.math.exp2(scores - logsumexp[:, None])
+        if MASKED:
+            # Zero the padded keys too: exp2(0 - L) may overflow, and inf * 0 would reach valid rows of dQ.
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            visible = offs_n[None, :] < n_keys
+            if IS_CAUSAL:
+                visible = visible & (offs_m[:, None] >= offs_n[None, :])
+            p = tl.where(visible, p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+        K_block = tl.advance(K_block, (BLOCK_N, 0))
+        V_block = tl.advance(V_block, (BLOCK_N, 0))
+    return dq
+
+
+@triton.jit(do_not_specialize=_LENGTH_ARGS)
+def attn_bwd_dq_kernel(
+    Q, K, V, dO,  # inputs: (batch, heads, n_queries | n_keys, HEAD_DIM) through the strides below
+    L, Delta,  # float32 (batch * heads, n_queries): logsumexp (natural log) and rowsum(O * dO)
+    dQ,  # output, like Q
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_dom,
+    stride_dqb, stride_dqh, stride_dqm,
+    n_heads, n_queries, n_keys,
+    n_queries_key, n_keys_key,  # coarsened lengths, read only by the autotuner
+    sm_scale,  # 1 / sqrt(HEAD_DIM)
+    qk_scale,  # log2(e) / sqrt(HEAD_DIM)
+    HEAD_DIM: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # query tile held by the program
+    BLOCK_N: tl.constexpr,  # key tile swept
+):
+    start_m = tl.program_id(0) * BLOCK_M
+    off_bh = tl.program_id(1)
+    off_b = (off_bh // n_heads).to(tl.int64)
+    off_h = (off_bh % n_heads).to(tl.int64)
+
+    Q_block = tl.make_block_ptr(Q + off_b * stride_qb + off_h * stride_qh, shape=(n_queries, HEAD_DIM),
+                                strides=(stride_qm, 1), offsets=(start_m, 0), block_shape=(BLOCK_M, HEAD_DIM),
+                                order=(1, 0))
+    dO_block = tl.make_block_ptr(dO + off_b * stride_dob + off_h * stride_doh, shape=(n_queries, HEAD_DIM),
+                                 strides=(stride_dom, 1), offsets=(start_m, 0), block_shape=(BLOCK_M, HEAD_DIM),
+                                 order=(1, 0))
+    K_block = tl.make_block_ptr(K + off_b * stride_kb + off_h * stride_kh, shape=(n_keys, HEAD_DIM),
+                                strides=(stride_kn, 1), offsets=(0, 0), block_shape=(BLOCK_N, HEAD_DIM),
+                                order=(1, 0))
+    V_block = tl.make_block_ptr(V + off_b * stride_vb + off_h * stride_vh, shape=(n_keys, HEAD_DIM),
+                                strides=(stride_vn, 1), offsets=(0, 0), block_shape=(BLOCK_N, HEAD_DIM),
+                                order=(1, 0))
+    # Rows past n_queries load as zeros (and logsumexp 0), so they stay finite; they are never stored.
+    q = tl.load(Q_block, boundary_check=(0,), padding_option="zero")
+    do = tl.load(dO_block, boundary_check=(0,), padding_option="zero")
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    in_bounds = offs_m < n_queries
+    logsumexp = tl.load(L + off_bh.to(tl.int64) * n_queries + offs_m, mask=in_bounds, other=0.0) * LOG2_E
+    delta = tl.load(Delta + off_bh.to(tl.int64) * n_queries + offs_m, mask=in_bounds, other=0.0)
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+
+    full_tiles_end = n_keys // BLOCK_N * BLOCK_N
+    if IS_CAUSAL:  # the same key ranges as the forward
+        key_stop = tl.minimum(n_keys, start_m + BLOCK_M)
+        unmasked_end = tl.minimum((start_m + 1) // BLOCK_N * BLOCK_N, full_tiles_end)
+    else:
+        key_stop = n_keys
+        unmasked_end = full_tiles_end
+    dq = _attn_bwd_dq_sweep(dq, q, do, logsumexp, delta, offs_m, K_block, V_block, 0, unmasked_end, n_keys,
+                            qk_scale, IS_CAUSAL, False, DOT_PRECISION, BLOCK_N)
+    dq = _attn_bwd_dq_sweep(dq, q, do, logsumexp, delta, offs_m, K_block, V_block, unmasked_end, key_stop, n_keys,
+                            qk_scale, IS_CAUSAL, True, DOT_PRECISION, BLOCK_N)
+
+    dQ_block = tl.make_block_ptr(dQ + off_b * stride_dqb + off_h * stride_dqh, shape=(n_queries, HEAD_DIM),
+                                 strides=(stride_dqm, 1), offsets=(start_m, 0), block_shape=(BLOCK_M, HEAD_DIM),
+                                 order=(1, 0))
+    tl.store(dQ_block, (dq * sm_scale).to(dQ.dtype.element_ty), boundary_check=(0,))

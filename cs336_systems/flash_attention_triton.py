@@ -1,0 +1,286 @@
+"""FlashAttention-2 in Triton (SPEC sections 3.2-3.4): input checks, launch parameters, the launch
+wrappers and the ``torch.autograd.Function``. The kernels are in ``flash_attention_kernels.py``.
+
+    O = FlashAttention2Triton.apply(Q, K, V, is_causal)       # or flash_attention(Q, K, V, is_causal)
+
+Q is ``(batch, n_queries, d)`` and K, V are ``(batch, n_keys, d)``, or all four-dimensional
+``(batch, heads, seq, d)``; any lengths (``n_queries != n_keys`` allowed, the causal rule being
+``i >= j`` on absolute indices), ``d`` in 16, 32, 64, 128, dtype float16, bfloat16 or float32 (float32
+matmuls use TF32 exactly when ``torch.backends.cuda.matmul.allow_tf32`` is set, as PyTorch's do).
+Inputs may be non-contiguous; a copy is made only when the last dimension is strided.
+
+Launch parameters:
+
+* on a GPU, ``triton.autotune`` picks the tiles per (coarsened lengths, head dim, causal, dtype);
+  set ``CS336_FLASH_AUTOTUNE=0`` (or ``AUTOTUNE = False`` here) for one fixed configuration per
+  dtype and head dim instead, which compiles far less (the tests use it);
+* under ``TRITON_INTERPRET=1`` (CPU), one small configuration with unequal tiles, so that the tests
+  exercise every masking path at small sizes in seconds.
+
+Requires the environment variable to be set before this module is first imported: ``@triton.jit``
+decides at definition time whether it builds GPU kernels or interpreter functions.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+from jaxtyping import Float
+from torch import Tensor
+
+from cs336_systems import flash_attention_kernels as kernels
+from cs336_systems.attention_reference import check_attention_inputs
+
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_GRID_Y = 65535  # CUDA's limit on the second grid dimension, which runs over batch * heads
+
+AUTOTUNE: bool = os.environ.get("CS336_FLASH_AUTOTUNE", "1") != "0"
+"""Autotune the tiles on a GPU (default), or use :func:`fixed_config`."""
+
+FILL_OUTPUTS_WITH_NAN: bool = False
+"""Tests set this so that outputs start as NaN instead of uninitialised memory: an element a kernel
+fails to write then shows."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# Launch parameters
+# ---------------------------------------------------------------------------------------------------
+
+
+def _config(block_m: int, block_n: int, num_warps: int, num_stages: int) -> triton.Config:
+    return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=num_warps, num_stages=num_stages)
+
+
+# BLOCK_M tiles queries and BLOCK_N keys in every kernel. The forward and the dQ kernel hold a query
+# tile and sweep key tiles; the dK/dV kernel holds a key tile (two float32 accumulators) and sweeps
+# query tiles, hence its smaller BLOCK_M. Float32 gets smaller tiles: without TF32, tl.dot runs on
+# the FMA units and larger tiles spill registers (checked by compiling for sm_90 with ptxas).
+AUTOTUNE_CONFIGS = {
+    "fwd": {
+        "16-bit": [_config(128, 64, 4, 3), _config(128, 64, 8, 3), _config(128, 128, 8, 3), _config(128, 32, 4, 4),
+                   _config(64, 64, 4, 3), _config(64, 32, 4, 2)],
+        "32-bit": [_config(32, 16, 4, 2), _config(32, 16, 8, 2), _config(32, 32, 4, 2), _config(64, 16, 8, 2)],
+    },
+    "dkdv": {
+        "16-bit": [_config(32, 128, 8, 3), _config(64, 128, 8, 3), _config(32, 64, 4, 3), _config(64, 64, 4, 3),
+                   _config(16, 64, 4, 2)],
+        "32-bit": [_config(16, 32, 4, 1), _config(16, 32, 8, 1), _config(32, 32, 8, 1)],
+    },
+    "dq": {
+        "16-bit": [_config(128, 32, 8, 3), _config(128, 64, 8, 3), _config(64, 64, 4, 3), _config(64, 32, 4, 2)],
+        "32-bit": [_config(32, 16, 4, 1), _config(32, 16, 8, 1), _config(32, 32, 8, 1)],
+    },
+}
+INTERPRETER_CONFIGS = {"fwd": _config(32, 16, 4, 1), "dkdv": _config(16, 32, 4, 1), "dq": _config(32, 16, 4, 1)}
+DELTA_BLOCK_M = 64
+
+SHARED_MEMORY_BUDGET = 200 * 1024  # bytes; an H100 has 227 KiB per block, leave room for the compiler's own
+_HELD_TILES = {"fwd": 1, "dq": 2, "dkdv": 2}  # q; q and dO; k and v
+
+
+def _shared_memory_estimate(kernel: str, config: triton.Config, head_dim: int, element_size: int) -> int:
+    """Bytes of the tiles a kernel keeps in shared memory: held tiles once, the two swept ones per stage."""
+    block_m, block_n, stages = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], max(config.num_stages, 1)
+    held, swept = (block_m, block_n) if kernel in ("fwd", "dq") else (block_n, block_m)
+    return element_size * head_dim * (_HELD_TILES[kernel] * held + 2 * swept * stages)
+
+
+def _precision_class(element_size: int) -> str:
+    return "32-bit" if element_size == 4 else "16-bit"
+
+
+def _pruner(kernel: str):
+    """Keep the configurations meant for the input's precision that fit in shared memory."""
+
+    def prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
+        head_dim, element_size = kwargs["HEAD_DIM"], named_args["Q"].element_size()
+        candidates = AUTOTUNE_CONFIGS[kernel][_precision_class(element_size)]
+        fitting = [c for c in candidates if _shared_memory_estimate(kernel, c, head_dim, element_size) <= SHARED_MEMORY_BUDGET]
+        return fitting or [min(candidates, key=lambda c: _shared_memory_estimate(kernel, c, head_dim, element_size))]
+
+    return prune
+
+
+# Coarsened lengths (next power of two) bound how often the autotuner runs; the dtype of the tensor
+# arguments is part of every key automatically.
+_AUTOTUNE_KEY = ["n_queries_key", "n_keys_key", "HEAD_DIM", "IS_CAUSAL", "DOT_PRECISION"]
+_plain = {"fwd": kernels.attn_fwd_kernel, "dkdv": kernels.attn_bwd_dkdv_kernel, "dq": kernels.attn_bwd_dq_kernel}
+_autotuned = {
+    name: triton.autotune(
+        [config for group in AUTOTUNE_CONFIGS[name].values() for config in group],
+        key=_AUTOTUNE_KEY,
+        prune_configs_by={"early_config_prune": _pruner(name)},
+    )(kernel)
+    for name, kernel in _plain.items()
+}
+
+
+def fixed_config(kernel: str, dtype: torch.dtype, head_dim: int) -> triton.Config:
+    """The configuration used when not autotuning: sound on an H100 for every supported input (no
+    register spills at any head dim, checked with ptxas for sm_90)."""
+    if kernels.RUNNING_IN_INTERPRETER:
+        return INTERPRETER_CONFIGS[kernel]
+    num_warps = 4 if head_dim <= 64 else 8
+    if dtype == torch.float32:
+        return {"fwd": _config(32, 16, num_warps, 2), "dkdv": _config(16, 32, num_warps, 1),
+                "dq": _config(32, 16, num_warps, 1)}[kernel]
+    return {"fwd": _config(128, 64, num_warps, 3), "dkdv": _config(32, 64, num_warps, 2),
+            "dq": _config(64, 32, num_warps, 2)}[kernel]
+
+
+def _launch(kernel: str, n_parallel: int, parallel_block: str, batch_heads: int, args: tuple, meta: dict) -> None:
+    """Run ``kernel`` on the grid ``(cdiv(n_parallel, parallel_block), batch * heads)``."""
+    if AUTOTUNE and not kernels.RUNNING_IN_INTERPRETER:
+        _autotuned[kernel][lambda META: (triton.cdiv(n_parallel, META[parallel_block]), batch_heads)](*args, **meta)
+    else:
+        config = fixed_config(kernel, args[0].dtype, meta["HEAD_DIM"])
+        grid = (triton.cdiv(n_parallel, config.kwargs[parallel_block]), batch_heads)
+        _plain[kernel][grid](*args, **meta, **config.all_kwargs())
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # "ieee" only for float32 without TF32; 16-bit inputs take the default, whatever its name.
+    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+        return "ieee"
+    return "tf32"
+
+
+def _length_key(n: int) -> int:
+    return triton.next_power_of_2(n)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Launch wrappers
+# ---------------------------------------------------------------------------------------------------
+
+
+def _check_triton_inputs(Q: Tensor, K: Tensor, V: Tensor) -> None:
+    check_attention_inputs(Q, K, V)
+    if Q.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"unsupported dtype {Q.dtype}: the Triton kernels take float16, bfloat16 or float32")
+    if Q.shape[-1] not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(
+            f"unsupported head dimension d={Q.shape[-1]}: the Triton kernels support d in {SUPPORTED_HEAD_DIMS}"
+        )
+    if Q.device.type != "cuda" and not kernels.RUNNING_IN_INTERPRETER:
+        raise ValueError(
+            f"the Triton kernels need CUDA tensors, got tensors on {Q.device}; to run them on the CPU through the "
+            "Triton interpreter, set TRITON_INTERPRET=1 before cs336_systems.flash_attention_kernels is imported"
+        )
+    batch_heads = math.prod(Q.shape[:-2])
+    if batch_heads > MAX_GRID_Y:
+        raise ValueError(f"batch * heads = {batch_heads} exceeds the grid limit {MAX_GRID_Y}")
+
+
+def _unit_last_stride(x: Tensor) -> Tensor:
+    """The kernels address the head dimension with stride 1; copy only when it is not."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _strides(x: Tensor) -> tuple[int, int, int]:
+    """(batch, head, sequence) strides, with head stride 0 for 3-D tensors."""
+    if x.dim() == 3:
+        return x.stride(0), 0, x.stride(1)
+    return x.stride(0), x.stride(1), x.stride(2)
+
+
+def _new_output(shape, dtype: torch.dtype, device: torch.device) -> Tensor:
+    if FILL_OUTPUTS_WITH_NAN:
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def flash_attention_forward(
+    Q: Float[Tensor, "batch *heads q d"], K: Float[Tensor, "batch *heads k d"], V: Float[Tensor, "batch *heads k d"],
+    is_causal: bool,
+) -> tuple[Float[Tensor, "batch *heads q d"], Float[Tensor, "batch *heads q"]]:
+    """``O`` (Q's shape and dtype) and the natural-log logsumexp ``L`` (float32). Inputs are checked by
+    the caller and have unit stride along ``d``."""
+    n_heads = Q.shape[1] if Q.dim() == 4 else 1
+    batch_heads, (n_queries, head_dim), n_keys = Q.shape[0] * n_heads, Q.shape[-2:], K.shape[-2]
+    O = _new_output(Q.shape, Q.dtype, Q.device)
+    L = _new_output((batch_heads, n_queries), torch.float32, Q.device)
+    sm_scale = 1.0 / math.sqrt(head_dim)
+    args = (
+        Q, K, V, O, L,
+        *_strides(Q), *_strides(K), *_strides(V), *_strides(O),
+        n_heads, n_queries, n_keys, _length_key(n_queries), _length_key(n_keys),
+        sm_scale * math.log2(math.e),
+    )
+    meta = dict(HEAD_DIM=head_dim, IS_CAUSAL=is_causal, DOT_PRECISION=_dot_precision(Q.dtype))
+    _launch("fwd", n_queries, "BLOCK_M", batch_heads, args, meta)
+    return O, L.view(Q.shape[:-1])
+
+
+def flash_attention_backward(
+    Q: Float[Tensor, "batch *heads q d"], K: Float[Tensor, "batch *heads k d"], V: Float[Tensor, "batch *heads k d"],
+    O: Float[Tensor, "batch *heads q d"], L: Float[Tensor, "batch *heads q"], dO: Float[Tensor, "batch *heads q d"],
+    is_causal: bool,
+) -> tuple[Float[Tensor, "batch *heads q d"], Float[Tensor, "batch *heads k d"], Float[Tensor, "batch *heads k d"]]:
+    """``dQ, dK, dV`` (in the inputs' dtype) from the saved forward state and the output gradient."""
+    dO = _unit_last_stride(dO.to(O.dtype))  # o.sum().backward() sends an expanded, all-stride-0 dO
+    n_heads = Q.shape[1] if Q.dim() == 4 else 1
+    batch_heads, (n_queries, head_dim), n_keys = Q.shape[0] * n_heads, Q.shape[-2:], K.shape[-2]
+
+    Delta = _new_output((batch_heads, n_queries), torch.float32, Q.device)
+    delta_grid = (triton.cdiv(n_queries, DELTA_BLOCK_M), batch_heads)
+    kernels.attn_bwd_delta_kernel[delta_grid](
+        O, dO, Delta, *_strides(O), *_strides(dO), n_heads, n_queries, HEAD_DIM=head_dim, BLOCK_M=DELTA_BLOCK_M
+    )
+
+    dQ = _new_output(Q.shape, Q.dtype, Q.device)
+    dK = _new_output(K.shape, K.dtype, K.device)
+    dV = _new_output(V.shape, V.dtype, V.device)
+    sm_scale = 1.0 / math.sqrt(head_dim)
+    common = (
+        n_heads, n_queries, n_keys, _length_key(n_queries), _length_key(n_keys),
+        sm_scale, sm_scale * math.log2(math.e),
+    )
+    meta = dict(HEAD_DIM=head_dim, IS_CAUSAL=is_causal, DOT_PRECISION=_dot_precision(Q.dtype))
+    inputs = (Q, K, V, dO, L, Delta)
+    input_strides = (*_strides(Q), *_strides(K), *_strides(V), *_strides(dO))
+    _launch("dkdv", n_keys, "BLOCK_N", batch_heads,
+            (*inputs, dK, dV, *input_strides, *_strides(dK), *_strides(dV), *common), meta)
+    _launch("dq", n_queries, "BLOCK_M", batch_heads, (*inputs, dQ, *input_strides, *_strides(dQ), *common), meta)
+    return dQ, dK, dV
+
+
+# ---------------------------------------------------------------------------------------------------
+# Autograd function and functional entry point
+# ---------------------------------------------------------------------------------------------------
+
+
+class FlashAttention2Triton(torch.autograd.Function):
+    """FlashAttention-2 in Triton: ``FlashAttention2Triton.apply(Q, K, V, is_causal=False) -> O``.
+
+    Saved for backward: Q, K, V, O and the logsumexp L, float32 natural log, of shape
+    ``(batch, n_queries)`` (``(batch, heads, n_queries)`` for 4-D inputs), the only saved tensor of
+    that shape. Gradients come back in the inputs' dtype.
+    """
+
+    @staticmethod
+    def forward(ctx, Q: Tensor, K: Tensor, V: Tensor, is_causal: bool = False) -> Tensor:
+        _check_triton_inputs(Q, K, V)
+        Q, K, V = (_unit_last_stride(x) for x in (Q, K, V))
+        O, L = flash_attention_forward(Q, K, V, bool(is_causal))
+        ctx.save_for_backward(Q, K, V, O, L)
+        ctx.is_causal = bool(is_causal)
+        return O
+
+    @staticmethod
+    def backward(ctx, dO: Tensor):
+        Q, K, V, O, L = ctx.saved_tensors
+        dQ, dK, dV = flash_attention_backward(Q, K, V, O, L, dO, ctx.is_causal)
+        return dQ, dK, dV, None
+
+
+def flash_attention(
+    Q: Float[Tensor, "batch *heads q d"], K: Float[Tensor, "batch *heads k d"], V: Float[Tensor, "batch *heads k d"],
+    is_causal: bool = False,
+) -> Float[Tensor, "batch *heads q d"]:
+    """Functional form of :class:`FlashAttention2Triton`, with the model's attention protocol."""
+    return FlashAttention2Triton.apply(Q, K, V, is_causal)
