@@ -118,10 +118,15 @@ def make_optimizer(name: str, params) -> torch.optim.Optimizer:
     raise ValueError(name)
 
 
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, where: str, **tolerance) -> None:
+    """``torch.testing.assert_close`` with ``where`` in front of its message."""
+    torch.testing.assert_close(actual, expected, **tolerance, msg=lambda message: f"{where}: {message}")
+
+
 def assert_same_tensors(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], context: str, **tolerance):
     """Same names and values (exactly, unless tolerances are given)."""
     assert list(actual) == list(expected), f"{context}: names {list(actual)} != {list(expected)}"
     if not tolerance:
         tolerance = {"rtol": 0.0, "atol": 0.0}
-    for name in expected:
-        torch.testing.assert_close(actual[name], expected[name], **tolerance, msg=lambda m: f"{context}, {name}: {m}")
+    for name, expected_tensor in expected.items():
+        assert_close(actual[name], expected_tensor, f"{context}, {name}", **tolerance)

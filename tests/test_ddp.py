@@ -11,12 +11,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from tests._ddp_toy_models import MODELS, BranchNet, assert_same_tensors, build, current_device, make_optimizer
 from cs336_systems.ddp import DDPBucketed, DDPFlattened, DDPIndividualParameters, DDPNaive
 from cs336_systems.distributed import spawn
+from tests._ddp_toy_models import (
+    MODELS,
+    BranchNet,
+    assert_close,
+    assert_same_tensors,
+    build,
+    current_device,
+    make_optimizer,
+)
 
 BATCH_SIZE = 8
 STEPS = 4
@@ -51,7 +58,7 @@ def _assert_same_grads(ddp_model: nn.Module, reference: nn.Module, context: str)
             assert actual[name] is None, f"{context}, {name}: has a gradient, single-process training has none"
         else:
             assert actual[name] is not None, f"{context}, {name}: no gradient"
-            torch.testing.assert_close(actual[name], expected_grad, **TOLERANCE, msg=lambda m: f"{context}, {name}: {m}")
+            assert_close(actual[name], expected_grad, f"{context}, {name}", **TOLERANCE)
 
 
 def check_matches_single_process(rank: int, world_size: int, wrapper: str, device: torch.device) -> None:
@@ -68,7 +75,9 @@ def check_matches_single_process(rank: int, world_size: int, wrapper: str, devic
                 assert [name for name, _ in ddp_model.named_parameters()] == [
                     f"module.{name}" for name, _ in reference.named_parameters()
                 ], context
-                assert_same_tensors(dict(ddp_model.module.state_dict()), dict(reference.state_dict()), f"{context}, after construction")
+                assert_same_tensors(
+                    dict(ddp_model.module.state_dict()), dict(reference.state_dict()), f"{context}, after construction"
+                )
                 frozen = {name: p.detach().clone() for name, p in reference.named_parameters() if not p.requires_grad}
 
                 optimizer = make_optimizer(optimizer_name, ddp_model.parameters())
@@ -90,12 +99,16 @@ def check_matches_single_process(rank: int, world_size: int, wrapper: str, devic
 
                     _assert_same_grads(ddp_model, reference, f"{context}, step {step}")
                     assert_same_tensors(
-                        dict(ddp_model.module.named_parameters()), dict(reference.named_parameters()),
-                        f"{context}, step {step}", **TOLERANCE,
+                        dict(ddp_model.module.named_parameters()),
+                        dict(reference.named_parameters()),
+                        f"{context}, step {step}",
+                        **TOLERANCE,
                     )
                 for name, param in ddp_model.module.named_parameters():
                     if name in frozen:
-                        assert param.grad is None and torch.equal(param, frozen[name]), f"{context}: frozen {name} changed"
+                        assert param.grad is None and torch.equal(param, frozen[name]), (
+                            f"{context}: frozen {name} changed"
+                        )
 
 
 def check_gradient_accumulation(rank: int, world_size: int, wrapper: str, device: torch.device) -> None:
@@ -169,7 +182,7 @@ def check_rank_dependent_unused_parameter(rank: int, world_size: int, device: to
             ddp_model.finish_gradient_synchronization()
             for name, param in ddp_model.module.named_parameters():
                 if name in expected:
-                    torch.testing.assert_close(param.grad, expected[name], **TOLERANCE, msg=lambda m: f"{context}, {name}: {m}")
+                    assert_close(param.grad, expected[name], f"{context}, {name}", **TOLERANCE)
                 else:
                     assert param.grad is None, f"{context}, {name}: no rank used it, yet it has a gradient"
 

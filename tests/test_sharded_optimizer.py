@@ -85,7 +85,9 @@ def assert_same_state_dicts(actual: dict, expected: dict, context: str) -> None:
     assert actual["param_groups"] == expected["param_groups"], context
     assert sorted(actual["state"]) == sorted(expected["state"]), context
     for index, state in expected["state"].items():
-        assert_same_tensors(actual["state"][index], state, f"{context}, state of parameter {index}", rtol=1.3e-6, atol=1e-7)
+        assert_same_tensors(
+            actual["state"][index], state, f"{context}, state of parameter {index}", rtol=1.3e-6, atol=1e-7
+        )
 
 
 def check_ownership(sharded: ShardedOptimizer, rank: int, world_size: int, context: str) -> None:
@@ -119,8 +121,13 @@ def check_matches_unsharded(rank: int, world_size: int, model_cls: type[nn.Modul
                 optimizer.param_groups[0]["lr"] *= 0.5
         train_step(model, sharded, step, device)
         train_step(reference, unsharded, step, device)
-        assert_same_tensors(dict(model.named_parameters()), dict(reference.named_parameters()), f"{context}, step {step}",
-                            rtol=1.3e-6, atol=1e-6)
+        assert_same_tensors(
+            dict(model.named_parameters()),
+            dict(reference.named_parameters()),
+            f"{context}, step {step}",
+            rtol=1.3e-6,
+            atol=1e-6,
+        )
     check_ownership(sharded, rank, world_size, context)
     if model_cls is TwoParameterNet and world_size == 3:
         # Largest first to the least-loaded rank: weight (32 floats), bias (4), then the late scale (4).
@@ -145,9 +152,18 @@ def check_matches_unsharded(rank: int, world_size: int, model_cls: type[nn.Modul
     for step in range(STEPS, STEPS + 3):
         for pair in ((model, sharded), (reference, unsharded), (resumed_model, resumed), (plain_model, plain)):
             train_step(*pair, step, device)
-        for other, name in ((model, "original"), (resumed_model, "resumed"), (plain_model, "unsharded from the state dict")):
-            assert_same_tensors(dict(other.named_parameters()), dict(reference.named_parameters()),
-                                f"{context}, {name}, step {step}", rtol=1.3e-6, atol=1e-6)
+        for other, name in (
+            (model, "original"),
+            (resumed_model, "resumed"),
+            (plain_model, "unsharded from the state dict"),
+        ):
+            assert_same_tensors(
+                dict(other.named_parameters()),
+                dict(reference.named_parameters()),
+                f"{context}, {name}, step {step}",
+                rtol=1.3e-6,
+                atol=1e-6,
+            )
 
 
 def run_sharded_optimizer_checks(rank: int, world_size: int) -> None:

@@ -18,10 +18,10 @@ from .naive import DDPNaive
 from .overlapped import DDPIndividualParameters
 
 __all__ = [
-    "DataParallelModule",
     "DDPBucketed",
     "DDPFlattened",
     "DDPIndividualParameters",
     "DDPNaive",
+    "DataParallelModule",
     "broadcast_module_state",
 ]

@@ -9,8 +9,9 @@ so the same code runs on either backend; tensors are communicated on the device 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist

@@ -100,7 +100,9 @@ def _train_all_variants(rank: int, world_size: int, args) -> None:
         matches = difference <= args.atol
         if rank == 0:
             verdict = "matches" if matches else "MISMATCH"
-            print(f"{variant:>18}: max |w - w_single| = {difference:.2e} after {args.steps} steps: {verdict}", flush=True)
+            print(
+                f"{variant:>18}: max |w - w_single| = {difference:.2e} after {args.steps} steps: {verdict}", flush=True
+            )
         if not matches:
             failures.append(variant)
     assert not failures, f"weights differ from single-process training for {failures} (atol={args.atol})"
@@ -119,20 +121,32 @@ def choose_backend(requested: str, world_size: int) -> tuple[str, str]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world-size", type=int, default=2, help="number of processes (default: 2)")
-    parser.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
-                        help="auto: NCCL when there is one GPU per rank, gloo on CPU otherwise")
-    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS), help="what to check (default: all)")
+    parser.add_argument(
+        "--backend",
+        choices=("auto", "gloo", "nccl"),
+        default="auto",
+        help="auto: NCCL when there is one GPU per rank, gloo on CPU otherwise",
+    )
+    parser.add_argument(
+        "--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS), help="what to check (default: all)"
+    )
     parser.add_argument("--steps", type=int, default=10, help="training steps (default: 10)")
     parser.add_argument("--batch-size", type=int, default=32, help="full batch size, split over ranks (default: 32)")
     parser.add_argument("--lr", type=float, default=1e-2, help="AdamW learning rate (default: 1e-2)")
-    parser.add_argument("--bucket-size-mb", type=float, default=0.002,
-                        help="bucket cap in MiB; the default makes several buckets of this small model")
+    parser.add_argument(
+        "--bucket-size-mb",
+        type=float,
+        default=0.002,
+        help="bucket cap in MiB; the default makes several buckets of this small model",
+    )
     parser.add_argument("--atol", type=float, default=1e-5, help="largest weight difference accepted (default: 1e-5)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout-s", type=float, default=300.0, help="give up if a run hangs this long")
     args = parser.parse_args(argv)
     if args.world_size < 1 or args.batch_size % args.world_size:
-        parser.error(f"--batch-size ({args.batch_size}) must be a positive multiple of --world-size ({args.world_size})")
+        parser.error(
+            f"--batch-size ({args.batch_size}) must be a positive multiple of --world-size ({args.world_size})"
+        )
     return args
 
 
