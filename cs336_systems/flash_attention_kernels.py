@@ -40,9 +40,10 @@ fully invisible would still rescale to the right answer instead of producing ``-
 RUNNING_IN_INTERPRETER: bool = triton.knobs.runtime.interpret
 """Whether ``@triton.jit`` below built interpreter functions (``TRITON_INTERPRET=1`` at import)."""
 
-# Sequence lengths vary from call to call: don't compile a variant per length (divisibility by 16
-# or equality to 1). The autotune keys are coarsened lengths that the kernels do not read.
-_LENGTH_ARGS = ["n_queries", "n_keys", "n_queries_key", "n_keys_key"]
+# Sizes vary from call to call: don't compile a variant per size (Triton otherwise specialises
+# integers on divisibility by 16 and on equality to 1). The autotune keys are coarsened lengths that
+# the kernels do not read.
+_SIZE_ARGS = ["n_heads", "n_queries", "n_keys", "n_queries_key", "n_keys_key"]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -92,7 +93,7 @@ def _attn_fwd_sweep(
     return acc, row_sum, row_max
 
 
-@triton.jit(do_not_specialize=_LENGTH_ARGS)
+@triton.jit(do_not_specialize=_SIZE_ARGS)
 def attn_fwd_kernel(
     Q, K, V,  # inputs: (batch, heads, n_queries | n_keys, HEAD_DIM) through the strides below
     O,  # output, like Q
@@ -162,7 +163,7 @@ def attn_fwd_kernel(
 # ---------------------------------------------------------------------------------------------------
 
 
-@triton.jit(do_not_specialize=["n_queries"])
+@triton.jit(do_not_specialize=["n_heads", "n_queries"])
 def attn_bwd_delta_kernel(
     O, dO,  # (batch, heads, n_queries, HEAD_DIM) through the strides below
     Delta,  # output rowsum(O * dO), float32 (batch * heads, n_queries)
@@ -240,7 +241,7 @@ def _attn_bwd_dkdv_sweep(
     return dk, dv
 
 
-@triton.jit(do_not_specialize=_LENGTH_ARGS)
+@triton.jit(do_not_specialize=_SIZE_ARGS)
 def attn_bwd_dkdv_kernel(
     Q, K, V, dO,  # inputs: (batch, heads, n_queries | n_keys, HEAD_DIM) through the strides below
     L, Delta,  # float32 (batch * heads, n_queries): logsumexp (natural log) and rowsum(O * dO)
@@ -354,7 +355,7 @@ def _attn_bwd_dq_sweep(
     return dq
 
 
-@triton.jit(do_not_specialize=_LENGTH_ARGS)
+@triton.jit(do_not_specialize=_SIZE_ARGS)
 def attn_bwd_dq_kernel(
     Q, K, V, dO,  # inputs: (batch, heads, n_queries | n_keys, HEAD_DIM) through the strides below
     L, Delta,  # float32 (batch * heads, n_queries): logsumexp (natural log) and rowsum(O * dO)

@@ -98,7 +98,8 @@ def _pruner(kernel: str):
 
     def prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
         head_dim, element_size = kwargs["HEAD_DIM"], named_args["Q"].element_size()
-        candidates = AUTOTUNE_CONFIGS[kernel][_precision_class(element_size)]
+        meant_for_this_precision = AUTOTUNE_CONFIGS[kernel][_precision_class(element_size)]
+        candidates = [c for c in configs if c in meant_for_this_precision]
         fitting = [c for c in candidates if _shared_memory_estimate(kernel, c, head_dim, element_size) <= SHARED_MEMORY_BUDGET]
         return fitting or [min(candidates, key=lambda c: _shared_memory_estimate(kernel, c, head_dim, element_size))]
 
@@ -108,20 +109,27 @@ def _pruner(kernel: str):
 # Coarsened lengths (next power of two) bound how often the autotuner runs; the dtype of the tensor
 # arguments is part of every key automatically.
 _AUTOTUNE_KEY = ["n_queries_key", "n_keys_key", "HEAD_DIM", "IS_CAUSAL", "DOT_PRECISION"]
-_plain = {"fwd": kernels.attn_fwd_kernel, "dkdv": kernels.attn_bwd_dkdv_kernel, "dq": kernels.attn_bwd_dq_kernel}
+_plain = {
+    "fwd": kernels.attn_fwd_kernel,
+    "dkdv": kernels.attn_bwd_dkdv_kernel,
+    "dq": kernels.attn_bwd_dq_kernel,
+    "delta": kernels.attn_bwd_delta_kernel,
+}
 _autotuned = {
     name: triton.autotune(
         [config for group in AUTOTUNE_CONFIGS[name].values() for config in group],
         key=_AUTOTUNE_KEY,
         prune_configs_by={"early_config_prune": _pruner(name)},
-    )(kernel)
-    for name, kernel in _plain.items()
+    )(_plain[name])
+    for name in AUTOTUNE_CONFIGS
 }
 
 
 def fixed_config(kernel: str, dtype: torch.dtype, head_dim: int) -> triton.Config:
-    """The configuration used when not autotuning: sound on an H100 for every supported input (no
-    register spills at any head dim, checked with ptxas for sm_90)."""
+    """The configuration of ``kernel`` ("fwd", "dkdv", "dq" or "delta") when not autotuning: sound on
+    an H100 for every supported input (no register spills at any head dim, checked with ptxas for sm_90)."""
+    if kernel == "delta":
+        return triton.Config({"BLOCK_M": DELTA_BLOCK_M}, num_warps=4, num_stages=1)
     if kernels.RUNNING_IN_INTERPRETER:
         return INTERPRETER_CONFIGS[kernel]
     num_warps = 4 if head_dim <= 64 else 8
@@ -133,13 +141,15 @@ def fixed_config(kernel: str, dtype: torch.dtype, head_dim: int) -> triton.Confi
 
 
 def _launch(kernel: str, n_parallel: int, parallel_block: str, batch_heads: int, args: tuple, meta: dict) -> None:
-    """Run ``kernel`` on the grid ``(cdiv(n_parallel, parallel_block), batch * heads)``."""
-    if AUTOTUNE and not kernels.RUNNING_IN_INTERPRETER:
+    """Run ``kernel`` on the grid ``(cdiv(n_parallel, parallel_block), batch * heads)``, autotuned or
+    with :func:`fixed_config`. ``args[0]`` is Q (or O) and ``meta`` holds the constexprs but the tiles."""
+    if kernel in _autotuned and AUTOTUNE and not kernels.RUNNING_IN_INTERPRETER:
         _autotuned[kernel][lambda META: (triton.cdiv(n_parallel, META[parallel_block]), batch_heads)](*args, **meta)
     else:
         config = fixed_config(kernel, args[0].dtype, meta["HEAD_DIM"])
         grid = (triton.cdiv(n_parallel, config.kwargs[parallel_block]), batch_heads)
-        _plain[kernel][grid](*args, **meta, **config.all_kwargs())
+        # Only the tiles, warps and stages: torch.compile refuses num_ctas passed as a launch argument.
+        _plain[kernel][grid](*args, **meta, **config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -227,10 +237,8 @@ def flash_attention_backward(
     batch_heads, (n_queries, head_dim), n_keys = Q.shape[0] * n_heads, Q.shape[-2:], K.shape[-2]
 
     Delta = _new_output((batch_heads, n_queries), torch.float32, Q.device)
-    delta_grid = (triton.cdiv(n_queries, DELTA_BLOCK_M), batch_heads)
-    kernels.attn_bwd_delta_kernel[delta_grid](
-        O, dO, Delta, *_strides(O), *_strides(dO), n_heads, n_queries, HEAD_DIM=head_dim, BLOCK_M=DELTA_BLOCK_M
-    )
+    _launch("delta", n_queries, "BLOCK_M", batch_heads,
+            (O, dO, Delta, *_strides(O), *_strides(dO), n_heads, n_queries), dict(HEAD_DIM=head_dim))
 
     dQ = _new_output(Q.shape, Q.dtype, Q.device)
     dK = _new_output(K.shape, K.dtype, K.device)

@@ -1,0 +1,66 @@
+"""Compile ``@triton.jit`` kernels for a GPU on a machine without one (ahead of time, down to a cubin
+through the ptxas that ships with Triton), and read their register, spill and shared-memory use.
+
+The CPU interpreter runs kernels as NumPy, so it cannot see what only the compiler checks (globals
+that are not ``tl.constexpr``, layouts, shared-memory and register limits); this can. It uses
+Triton 3.6 internals (the argument binder of ``JITFunction``), the pinned version.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass
+
+import triton
+
+
+def nvidia_toolchain_available() -> bool:
+    """Whether this Triton has its NVIDIA backend and the ptxas/cuobjdump binaries next to it."""
+    try:
+        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
+    except ImportError:
+        return False
+    return os.path.exists(_tool("ptxas")) and os.path.exists(_tool("cuobjdump"))
+
+
+def _tool(name: str) -> str:
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+@dataclass
+class ResourceUsage:
+    registers: int  # per thread
+    spill_bytes: int  # per-thread stack, which is where ptxas spills registers
+    shared_bytes: int  # dynamic shared memory the kernel asks for
+
+
+def compile_for_gpu(jit_function, args: tuple, kwargs: dict, capability: int = 90):
+    """Compile ``jit_function`` as a launch ``jit_function[grid](*args, **kwargs)`` would on a CUDA GPU
+    of compute capability ``capability`` (90: H100). ``args`` may hold CPU tensors: only their dtypes
+    and the alignment of their pointers matter."""
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend
+    from triton.compiler.compiler import ASTSource
+    from triton.runtime.jit import create_function_from_signature
+
+    target = GPUTarget("cuda", capability, 32)
+    backend = CUDABackend(target)
+    binder = create_function_from_signature(jit_function.signature, jit_function.params, backend)
+    bound_args, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = jit_function._pack_args(backend, kwargs, bound_args, specialization, options)
+    return triton.compile(ASTSource(jit_function, signature, constexprs, attrs), target=target, options=options.__dict__)
+
+
+def resource_usage(compiled) -> ResourceUsage:
+    with tempfile.TemporaryDirectory() as directory:
+        path = os.path.join(directory, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        report = subprocess.run([_tool("cuobjdump"), "-res-usage", path], capture_output=True, text=True, check=True).stdout
+    match = re.search(r"REG:(\d+) STACK:(\d+)", report)
+    if match is None:
+        raise RuntimeError(f"cannot read the resource usage from cuobjdump:\n{report}")
+    return ResourceUsage(int(match.group(1)), int(match.group(2)), compiled.metadata.shared)

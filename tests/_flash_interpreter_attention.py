@@ -1,0 +1,127 @@
+"""FlashAttention-2 Triton kernels under the Triton CPU interpreter, at small sizes.
+
+Not collected by a plain ``pytest`` run (the name does not start with ``test_``):
+``tests/test_flash_attention_triton.py::test_triton_kernels_under_interpreter`` runs this file in a
+subprocess with ``TRITON_INTERPRET=1``, because ``@triton.jit`` reads that variable when the kernels
+are defined, so it cannot be switched on inside a process that already imported them. To run it by
+hand: ``TRITON_INTERPRET=1 python -m pytest tests/_flash_interpreter_attention.py``.
+
+float32 and float16 only: the interpreter's ``tl.dot`` multiplies the raw bits of bfloat16 values.
+The interpreter uses one small configuration with unequal tiles (see ``INTERPRETER_CONFIGS``), so
+these sizes cover full, ragged, diagonal and skipped tiles in every kernel.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("runs under TRITON_INTERPRET=1 (see the module docstring)", allow_module_level=True)
+
+from cs336_systems import flash_attention_triton
+from cs336_systems.flash_attention_triton import FlashAttention2Triton
+from tests._flash_checks import QUANTITIES, make_qkv, relative_error, run_function, run_reference
+
+# The interpreter itself triggers NumPy deprecation warnings by the hundred.
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+# float32 through the interpreter is NumPy float32, so its error is rounding only.
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 5e-3}
+
+
+@pytest.fixture(autouse=True)
+def _poison_outputs(monkeypatch):
+    monkeypatch.setattr(flash_attention_triton, "FILL_OUTPUTS_WITH_NAN", True)
+
+
+def test_running_in_interpreter():
+    assert flash_attention_triton.kernels.RUNNING_IN_INTERPRETER
+
+
+# (batch, heads or None for 3-D, n_queries, n_keys, d, is_causal, dtype)
+CASES = [
+    (2, None, 1, 1, 16, True, torch.float32),
+    (2, None, 17, 17, 16, False, torch.float32),
+    (1, 2, 100, 100, 32, True, torch.float32),
+    (1, 2, 129, 129, 16, False, torch.float16),
+    (2, None, 64, 64, 64, True, torch.float16),
+    (1, 2, 33, 70, 16, True, torch.float32),
+    (1, 2, 70, 33, 32, True, torch.float32),
+    (2, None, 48, 100, 16, False, torch.float16),
+    (1, None, 47, 47, 128, True, torch.float32),
+    (1, 1, 16, 32, 16, True, torch.float16),
+    (1, None, 1, 40, 16, True, torch.float32),
+    (3, 3, 21, 1, 32, False, torch.float32),
+    (2, None, 90, 20, 64, False, torch.float16),
+    (1, 2, 31, 31, 128, False, torch.float16),
+]
+
+
+@pytest.mark.parametrize("batch, heads, n_queries, n_keys, d, is_causal, dtype", CASES)
+def test_matches_float64_reference(batch, heads, n_queries, n_keys, d, is_causal, dtype):
+    Q, K, V = make_qkv(batch, heads, n_queries, n_keys, d, dtype, "cpu")
+    dO = torch.randn(Q.shape).to(dtype)
+    result = run_function(FlashAttention2Triton, Q, K, V, is_causal, dO)
+    reference = run_reference(Q, K, V, is_causal, dO)
+    for name in QUANTITIES:
+        assert result[name].dtype == (torch.float32 if name == "L" else dtype)
+        assert torch.isfinite(result[name]).all(), f"{name} has elements that were never written"
+        error = relative_error(result[name], reference[name])
+        assert error <= TOLERANCE[dtype], f"{name}: relative error {error:.2e}"
+        # The grader's criterion.
+        torch.testing.assert_close(result[name].double(), reference[name], rtol=1e-2, atol=1e-2)
+
+
+def test_expanded_output_gradient_from_sum():
+    """``o.sum().backward()`` sends an all-stride-0 dO."""
+    Q, K, V = make_qkv(2, 2, 40, 40, 16, torch.float32, "cpu")
+    FlashAttention2Triton.apply(Q, K, V, True).sum().backward()
+    reference = run_reference(Q, K, V, True, torch.ones(Q.shape))
+    for name, grad in (("dQ", Q.grad), ("dK", K.grad), ("dV", V.grad)):
+        assert relative_error(grad, reference[name]) <= 1e-5, name
+
+
+def test_non_contiguous_inputs():
+    """Heads-from-features layout (as the model's rearrange gives) and a strided head dimension."""
+    batch, seq, heads, d = 2, 37, 2, 16
+    Q = torch.randn(batch, seq, heads, d).transpose(1, 2).requires_grad_()  # (batch, heads, seq, d), strided
+    K = torch.randn(batch, heads, seq, 2 * d)[..., ::2].requires_grad_()  # unit stride broken along d
+    V = torch.randn(batch, heads, d, seq).transpose(-1, -2).requires_grad_()
+    assert not (Q.is_contiguous() or K.is_contiguous() or V.is_contiguous())
+    dO = torch.randn(batch, heads, seq, d)
+    result = run_function(FlashAttention2Triton, Q, K, V, True, dO)
+    reference = run_reference(Q, K, V, True, dO)
+    for name in QUANTITIES:
+        assert relative_error(result[name], reference[name]) <= 1e-5, name
+
+
+def test_three_and_four_dimensional_inputs_agree():
+    Q, K, V = make_qkv(3, None, 50, 50, 32, torch.float32, "cpu")
+    O3 = FlashAttention2Triton.apply(Q, K, V, True)
+    O4 = FlashAttention2Triton.apply(Q[None], K[None], V[None], True)
+    assert O4.shape == (1, 3, 50, 32)
+    torch.testing.assert_close(O4[0], O3, rtol=0, atol=0)
+
+
+def test_transformer_lm_with_triton_attention_matches_naive():
+    from cs336_basics.model import BasicsTransformerLM
+    from cs336_systems.attention import get_attention
+
+    model = BasicsTransformerLM(vocab_size=50, context_length=32, d_model=64, num_layers=2, num_heads=2, d_ff=128)
+    token_ids = torch.randint(0, 50, (2, 24))
+
+    def logits_and_grads(attention_name):
+        model.set_attention(get_attention(attention_name))
+        model.zero_grad()
+        logits = model(token_ids)
+        logits.square().mean().backward()
+        return logits.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+    naive_logits, naive_grads = logits_and_grads("naive")
+    triton_logits, triton_grads = logits_and_grads("triton")
+    torch.testing.assert_close(triton_logits, naive_logits, rtol=1e-4, atol=1e-5)
+    for name, grad in naive_grads.items():
+        torch.testing.assert_close(triton_grads[name], grad, rtol=1e-3, atol=1e-5, msg=lambda m: f"{name}: {m}")

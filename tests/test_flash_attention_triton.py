@@ -1,0 +1,409 @@
+"""FlashAttention-2 in Triton (SPEC section 3): correctness against a float64 reference, the grader's
+contract, input errors, and that the kernels compile for an H100.
+
+How the tests are split:
+
+* CPU, in this process: input errors, and an ahead-of-time compile of the kernels for sm_90 with
+  Triton's own ptxas (catches what only the compiler sees: non-constexpr globals, shared memory,
+  register spills), no GPU needed.
+* CPU, in a subprocess: ``_flash_interpreter_attention.py`` under ``TRITON_INTERPRET=1`` (the variable
+  must be set before the kernels are defined, so not in this process), float32 and float16.
+* GPU (marker ``gpu``): a grid of 58 shapes x dtypes against float64 with NaN-poisoned outputs,
+  gradients included; the grader's shapes; autotuning; the leaderboard shape against PyTorch's fused
+  attention; ``torch.compile``; the language model. Errors per dtype are printed at the end of the
+  run and written to ``$CS336_RESULTS_DIR/flash_attention_triton_errors.json`` when that is set.
+
+Error bound for the GPU grid: the relative error ||out - ref|| / ||ref|| against float64 must be
+below a floor per precision, or below 3x the error of plain PyTorch attention computed at the same
+precision on the same inputs (whichever is larger).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import triton
+
+from cs336_systems import flash_attention_triton
+from cs336_systems.flash_attention_triton import SUPPORTED_HEAD_DIMS, FlashAttention2Triton
+from tests import adapters
+from tests._flash_checks import QUANTITIES, make_qkv, relative_error, run_function, run_reference
+
+# ---------------------------------------------------------------------------------------------------
+# CPU
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_triton_kernels_under_interpreter():
+    cases = Path(__file__).with_name("_flash_interpreter_attention.py")
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(cases)],
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, f"interpreter tests failed:\n{result.stdout[-8000:]}\n{result.stderr[-3000:]}"
+
+
+def _valid(**overrides):
+    shapes = dict(q=(2, 3, 20, 32), k=(2, 3, 24, 32), v=(2, 3, 24, 32))
+    shapes.update(overrides)
+    dtype = shapes.pop("dtype", torch.float32)
+    return [torch.randn(shapes[name], dtype=dtype) for name in ("q", "k", "v")]
+
+
+@pytest.mark.parametrize(
+    "inputs, error, match",
+    [
+        (_valid(dtype=torch.float64), TypeError, "unsupported dtype"),
+        (_valid(q=(2, 3, 20, 24), k=(2, 3, 24, 24), v=(2, 3, 24, 24)), ValueError, r"16, 32, 64, 128"),
+        (_valid(q=(3, 3, 20, 32)), ValueError, "batch"),
+        (_valid(q=(2, 4, 20, 32)), ValueError, "batch"),
+        (_valid(k=(2, 3, 24, 16)), ValueError, "head dimension"),
+        (_valid(v=(2, 3, 25, 32)), ValueError, "same length"),
+        (_valid(q=(2, 20, 32)), ValueError, "rank"),
+        (_valid(q=(20, 32), k=(24, 32), v=(24, 32)), ValueError, "shape"),
+    ],
+)
+def test_rejects_invalid_inputs(inputs, error, match):
+    with pytest.raises(error, match=match):
+        FlashAttention2Triton.apply(*inputs, False)
+
+
+def test_rejects_mixed_dtypes_and_devices():
+    q, k, v = _valid()
+    with pytest.raises(TypeError, match="one dtype"):
+        FlashAttention2Triton.apply(q, k.half(), v, False)
+    with pytest.raises(ValueError, match="one device"):
+        FlashAttention2Triton.apply(q, k.to("meta"), v, False)
+
+
+@pytest.mark.skipif(flash_attention_triton.kernels.RUNNING_IN_INTERPRETER, reason="the interpreter takes CPU tensors")
+def test_rejects_cpu_tensors_without_interpreter():
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        FlashAttention2Triton.apply(*_valid(), True)
+
+
+def _captured_launches(monkeypatch, dtype, head_dim, is_causal):
+    """The (kernel, args, meta) of every launch of one forward and backward, without running them."""
+    launches = []
+    monkeypatch.setattr(flash_attention_triton, "_launch", lambda kernel, n, block, bh, args, meta: launches.append((kernel, args, meta)))
+    q, k, v = (torch.randn(2, 3, 200, head_dim).to(dtype) for _ in range(3))
+    O, L = flash_attention_triton.flash_attention_forward(q, k, v, is_causal)
+    flash_attention_triton.flash_attention_backward(q, k, v, O, L, torch.randn_like(O), is_causal)
+    assert [launch[0] for launch in launches] == ["fwd", "delta", "dkdv", "dq"]
+    return launches
+
+
+H100_SHARED_MEMORY = 227 * 1024
+
+
+@pytest.mark.skipif(flash_attention_triton.kernels.RUNNING_IN_INTERPRETER, reason="compiles the GPU kernels")
+@pytest.mark.parametrize(
+    "dtype, head_dim, is_causal",
+    [(torch.bfloat16, 64, True), (torch.float16, 128, False), (torch.float32, 32, True)],
+)
+def test_fixed_configs_compile_for_h100_without_spills(monkeypatch, dtype, head_dim, is_causal):
+    from tests._flash_aot import compile_for_gpu, nvidia_toolchain_available, resource_usage
+
+    if not nvidia_toolchain_available():
+        pytest.skip("this Triton has no NVIDIA backend or ptxas")
+    for kernel, args, meta in _captured_launches(monkeypatch, dtype, head_dim, is_causal):
+        config = flash_attention_triton.fixed_config(kernel, dtype, head_dim)
+        compiled = compile_for_gpu(flash_attention_triton._plain[kernel], args, {**meta, **config.all_kwargs()})
+        usage = resource_usage(compiled)
+        assert usage.spill_bytes == 0, f"{kernel} {config}: {usage}"
+        assert usage.shared_bytes <= H100_SHARED_MEMORY, f"{kernel} {config}: {usage}"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(flash_attention_triton.kernels.RUNNING_IN_INTERPRETER, reason="compiles the GPU kernels")
+def test_autotune_configs_compile_for_h100(monkeypatch):
+    """Every configuration the autotuner may try on the leaderboard's dtype and head dim compiles and
+    fits in shared memory (spilling ones are allowed: the autotuner just finds them slow)."""
+    from tests._flash_aot import compile_for_gpu, nvidia_toolchain_available, resource_usage
+
+    if not nvidia_toolchain_available():
+        pytest.skip("this Triton has no NVIDIA backend or ptxas")
+    for kernel, args, meta in _captured_launches(monkeypatch, torch.bfloat16, 64, True):
+        if kernel == "delta":
+            continue
+        autotuner = flash_attention_triton._autotuned[kernel]
+        for config in autotuner.early_config_prune(autotuner.configs, {"Q": args[0]}, **meta):
+            compiled = compile_for_gpu(flash_attention_triton._plain[kernel], args, {**meta, **config.all_kwargs()})
+            assert resource_usage(compiled).shared_bytes <= H100_SHARED_MEMORY, f"{kernel} {config}"
+
+
+# ---------------------------------------------------------------------------------------------------
+# GPU
+# ---------------------------------------------------------------------------------------------------
+
+# Relative-error floors per precision; "tf32" is float32 inputs with torch.backends.cuda.matmul.allow_tf32.
+ERROR_FLOOR = {"fp32": 1e-4, "tf32": 5e-3, "fp16": 5e-3, "bf16": 2e-2}
+TORCH_ERROR_FACTOR = 3.0
+DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+_RECORDS: list[dict] = []  # one per GPU grid case, for the end-of-run summary
+
+
+def _grid() -> list[tuple]:
+    """(precision, batch, heads or None, n_queries, n_keys, d, is_causal): 18 length pairs per dtype,
+    head dims and causality rotating so that every dtype sees every head dim, causal or not."""
+    length_pairs = [
+        (1, 1), (17, 17), (100, 100), (129, 129), (1000, 1000), (16, 16), (64, 64), (128, 128), (256, 256),
+        (512, 512), (1024, 1024), (2048, 2048), (4096, 4096), (100, 129), (129, 100), (1, 1000), (1000, 17),
+        (17, 4096),
+    ]
+    cases = []
+    for p, precision in enumerate(("fp32", "fp16", "bf16")):
+        for i, (n_queries, n_keys) in enumerate(length_pairs):
+            d = SUPPORTED_HEAD_DIMS[i % 4]
+            is_causal = (i + p) % 2 == 0
+            long = max(n_queries, n_keys) >= 2048
+            batch, heads = (1, 2) if long else ((3, None) if i % 3 == 0 else (2, 3))
+            cases.append((precision, batch, heads, n_queries, n_keys, d, is_causal))
+    cases += [
+        ("tf32", 2, 3, 128, 128, 64, True),
+        ("tf32", 1, 2, 1000, 1000, 128, False),
+        ("tf32", 3, None, 100, 129, 32, True),
+        ("tf32", 1, 2, 4096, 4096, 16, True),
+    ]
+    return cases
+
+
+@pytest.fixture
+def fixed_tiles_poisoned_outputs(monkeypatch):
+    """One configuration per dtype and head dim (far fewer compilations than autotuning), and
+    outputs allocated full of NaN so that an element no kernel writes shows up."""
+    monkeypatch.setattr(flash_attention_triton, "AUTOTUNE", False)
+    monkeypatch.setattr(flash_attention_triton, "FILL_OUTPUTS_WITH_NAN", True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision, batch, heads, n_queries, n_keys, d, is_causal", _grid())
+def test_matches_float64_reference_gpu(fixed_tiles_poisoned_outputs, monkeypatch, precision, batch, heads, n_queries, n_keys, d, is_causal):
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", precision == "tf32")
+    dtype = DTYPES[precision]
+    Q, K, V = make_qkv(batch, heads, n_queries, n_keys, d, dtype, "cuda")
+    dO = torch.randn(Q.shape, device="cuda").to(dtype)
+    result = run_function(FlashAttention2Triton, Q, K, V, is_causal, dO)
+    reference = run_reference(Q, K, V, is_causal, dO)
+    torch_result = run_reference(Q, K, V, is_causal, dO, dtype=dtype)  # plain PyTorch at this precision
+
+    record = dict(precision=precision, batch=batch, heads=heads, n_queries=n_queries, n_keys=n_keys, d=d,
+                  is_causal=is_causal, errors={}, torch_errors={}, max_abs_errors={})
+    _RECORDS.append(record)
+    failures = []
+    for name in QUANTITIES:
+        value = result[name]
+        assert value.dtype == (torch.float32 if name == "L" else dtype), name
+        assert torch.isfinite(value).all(), f"{name}: {(~torch.isfinite(value)).sum().item()} non-finite elements"
+        error, torch_error = relative_error(value, reference[name]), relative_error(torch_result[name], reference[name])
+        record["errors"][name], record["torch_errors"][name] = error, torch_error
+        record["max_abs_errors"][name] = (value.double() - reference[name]).abs().max().item()
+        bound = max(ERROR_FLOOR[precision], TORCH_ERROR_FACTOR * torch_error)
+        if error > bound:
+            failures.append(f"{name}: relative error {error:.2e} > bound {bound:.2e} (PyTorch's own {torch_error:.2e})")
+    assert not failures, "; ".join(failures)
+    if precision != "bf16":  # the grader's criterion (bf16 rounding alone can reach it)
+        for name in QUANTITIES:
+            torch.testing.assert_close(result[name].double(), reference[name], rtol=1e-2, atol=1e-2, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_grader_contract_gpu(fixed_tiles_poisoned_outputs, is_causal):
+    """The grader's shapes and check, through ``tests/adapters.py``."""
+    function = adapters.get_flashattention_autograd_function_triton()
+    Q, K, V = make_qkv(4, None, 128, 128, 64, torch.float32, "cuda")
+    dO = torch.randn(Q.shape, device="cuda")
+    result = run_function(function, Q, K, V, is_causal, dO)
+    reference = run_reference(Q, K, V, is_causal, dO, dtype=torch.float32)  # the grader's is float32
+    assert result["L"].shape == (4, 128)
+    for name in QUANTITIES:
+        torch.testing.assert_close(result[name], reference[name], rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.gpu
+def test_four_dimensional_logsumexp_shape_gpu(fixed_tiles_poisoned_outputs):
+    Q, K, V = make_qkv(2, 3, 70, 90, 32, torch.float16, "cuda")
+    O = FlashAttention2Triton.apply(Q, K, V, True)
+    L = [t for t in O.grad_fn.saved_tensors if t.shape == (2, 3, 70)]
+    assert O.shape == Q.shape and len(L) == 1 and L[0].dtype == torch.float32
+
+
+@pytest.mark.gpu
+def test_expanded_gradient_and_non_contiguous_inputs_gpu(fixed_tiles_poisoned_outputs):
+    batch, seq, heads, d = 2, 300, 4, 64
+    Q = torch.randn(batch, seq, heads, d, device="cuda").transpose(1, 2).requires_grad_()
+    K = torch.randn(batch, heads, seq, 2 * d, device="cuda")[..., ::2].requires_grad_()
+    V = torch.randn(batch, heads, d, seq, device="cuda").transpose(-1, -2).requires_grad_()
+    FlashAttention2Triton.apply(Q, K, V, True).sum().backward()  # dO is expanded: every stride 0
+    reference = run_reference(Q, K, V, True, torch.ones(Q.shape, device="cuda"))
+    for name, grad in (("dQ", Q.grad), ("dK", K.grad), ("dV", V.grad)):
+        assert grad.shape == reference[name].shape
+        assert relative_error(grad, reference[name]) <= 1e-4, name
+
+
+@pytest.mark.gpu
+def test_rejects_tensors_on_different_devices_gpu():
+    Q, K, V = make_qkv(1, 2, 32, 32, 32, torch.float16, "cuda")
+    with pytest.raises(ValueError, match="one device"):
+        FlashAttention2Triton.apply(Q, K.detach().cpu(), V, True)
+
+
+@pytest.mark.gpu
+def test_autotuned_kernels_match_reference_gpu(monkeypatch):
+    monkeypatch.setattr(flash_attention_triton, "AUTOTUNE", True)
+    monkeypatch.setattr(flash_attention_triton, "FILL_OUTPUTS_WITH_NAN", True)
+    Q, K, V = make_qkv(2, 4, 1024, 1024, 64, torch.bfloat16, "cuda")
+    dO = torch.randn(Q.shape, device="cuda").to(torch.bfloat16)
+    result = run_function(FlashAttention2Triton, Q, K, V, True, dO)
+    reference = run_reference(Q, K, V, True, dO)
+    for name in QUANTITIES:
+        assert torch.isfinite(result[name]).all(), name
+        assert relative_error(result[name], reference[name]) <= ERROR_FLOOR["bf16"], name
+    chosen = {name: str(autotuner.best_config) for name, autotuner in flash_attention_triton._autotuned.items()}
+    _RECORDS.append(dict(precision="bf16", note="autotuned", chosen_configs=chosen,
+                         errors={name: relative_error(result[name], reference[name]) for name in QUANTITIES}))
+
+
+@pytest.mark.gpu
+def test_leaderboard_shape_against_pytorch_fused_attention_gpu(fixed_tiles_poisoned_outputs):
+    """16 x 16384 x 64, bf16, causal: too large for a materialised float64 reference, so the reference
+    is PyTorch's fused attention in float32. Also records rough timings (fixed tiles, not autotuned)."""
+    import torch.nn.functional as F
+
+    Q, K, V = make_qkv(16, None, 16384, 16384, 64, torch.bfloat16, "cuda")
+    dO = torch.randn(Q.shape, device="cuda").to(torch.bfloat16)
+    result = run_function(FlashAttention2Triton, Q, K, V, True, dO)
+    # 4-D views (1, 16, seq, d): with 3-D inputs SDPA would fall back to its materialising math backend.
+    q32, k32, v32 = (t.detach().float()[None].requires_grad_() for t in (Q, K, V))
+    O32 = F.scaled_dot_product_attention(q32, k32, v32, is_causal=True)
+    O32.backward(dO.float()[None])
+    reference = {"O": O32.detach()[0], "dQ": q32.grad[0], "dK": k32.grad[0], "dV": v32.grad[0]}
+    errors = {name: relative_error(result[name], reference[name]) for name in reference}
+    for name, error in errors.items():
+        assert torch.isfinite(result[name]).all(), name
+        assert error <= ERROR_FLOOR["bf16"], f"{name}: {error:.2e}"
+
+    def forward_backward(attention):
+        q, k, v = (t.detach()[None].requires_grad_() for t in (Q, K, V))  # (1, 16, seq, d)
+        return lambda: attention(q, k, v).backward(dO[None])
+
+    ours_ms = triton.testing.do_bench(
+        forward_backward(lambda q, k, v: FlashAttention2Triton.apply(q, k, v, True)), warmup=25, rep=200
+    )
+    sdpa_ms = triton.testing.do_bench(
+        forward_backward(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)), warmup=25, rep=200
+    )
+    _RECORDS.append(dict(precision="bf16", note="leaderboard shape (16, 16384, 64), causal, vs fp32 SDPA",
+                         errors=errors, forward_backward_ms={"triton_fixed_tiles": ours_ms, "pytorch_sdpa": sdpa_ms}))
+
+
+@pytest.mark.gpu
+def test_torch_compile_of_apply_gpu(fixed_tiles_poisoned_outputs):
+    """The leaderboard times torch.compile(FlashAttention2.apply)."""
+    compiled = torch.compile(FlashAttention2Triton.apply)
+    Q, K, V = make_qkv(4, None, 512, 512, 64, torch.bfloat16, "cuda")
+    dO = torch.randn(Q.shape, device="cuda").to(torch.bfloat16)
+    q, k, v = (t.detach().clone().requires_grad_() for t in (Q, K, V))
+    compiled(q, k, v, True).backward(dO)
+    eager = run_function(FlashAttention2Triton, Q, K, V, True, dO)
+    torch.testing.assert_close(q.grad, eager["dQ"])
+    torch.testing.assert_close(k.grad, eager["dK"])
+    torch.testing.assert_close(v.grad, eager["dV"])
+
+
+@pytest.mark.gpu
+def test_transformer_lm_with_triton_attention_matches_naive_gpu(fixed_tiles_poisoned_outputs):
+    from cs336_basics.model import BasicsTransformerLM
+    from cs336_systems.attention import get_attention
+
+    model = BasicsTransformerLM(vocab_size=500, context_length=256, d_model=256, num_layers=2, num_heads=4, d_ff=512).cuda()
+    token_ids = torch.randint(0, 500, (4, 200), device="cuda")
+
+    def logits_and_grads(attention_name):
+        model.set_attention(get_attention(attention_name))
+        model.zero_grad()
+        logits = model(token_ids)
+        logits.square().mean().backward()
+        return logits.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+    naive_logits, naive_grads = logits_and_grads("naive")
+    triton_logits, triton_grads = logits_and_grads("triton")
+    torch.testing.assert_close(triton_logits, naive_logits, rtol=1e-4, atol=1e-4)
+    for name, grad in naive_grads.items():
+        torch.testing.assert_close(triton_grads[name], grad, rtol=1e-3, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# End-of-run summary of the GPU errors
+# ---------------------------------------------------------------------------------------------------
+
+
+def summarize(records: list[dict]) -> dict:
+    """Per precision: the number of grid cases and, per quantity, the worst relative error, the case
+    it came from, and the worst ratio to PyTorch's own error at that precision."""
+    summary = {}
+    for record in records:
+        if "note" in record:
+            continue
+        entry = summary.setdefault(record["precision"], {"cases": 0, "worst": {}})
+        entry["cases"] += 1
+        case = "{batch}x{heads}x{n_queries}x{n_keys} d={d} causal={is_causal}".format(**record)
+        for name, error in record["errors"].items():
+            worst = entry["worst"].setdefault(name, {"relative_error": -1.0, "case": "", "max_ratio_to_torch": 0.0})
+            if error > worst["relative_error"]:
+                worst.update(relative_error=error, case=case, max_abs_error=record["max_abs_errors"][name])
+            torch_error = record["torch_errors"][name]
+            if torch_error > 0:
+                worst["max_ratio_to_torch"] = max(worst["max_ratio_to_torch"], error / torch_error)
+    return summary
+
+
+class _ErrorReport:
+    """A pytest plugin, registered by the fixture below, that prints the summary after the run."""
+
+    def pytest_terminal_summary(self, terminalreporter):
+        if not _RECORDS:
+            return
+        summary = summarize(_RECORDS)
+        terminalreporter.section("FlashAttention-2 (Triton) on GPU: worst relative errors against float64")
+        for precision, entry in summary.items():
+            terminalreporter.write_line(f"{precision}: {entry['cases']} cases")
+            for name, worst in entry["worst"].items():
+                terminalreporter.write_line(
+                    f"  {name:2s} {worst['relative_error']:.2e} (max abs {worst['max_abs_error']:.2e}; "
+                    f"<= {worst['max_ratio_to_torch']:.2f}x PyTorch's own error) at {worst['case']}"
+                )
+        for record in _RECORDS:
+            if "note" in record:
+                terminalreporter.write_line(f"{record['note']}: {json.dumps({k: v for k, v in record.items() if k != 'note'})}")
+        results_dir = os.environ.get("CS336_RESULTS_DIR")
+        if results_dir:
+            path = Path(results_dir) / "flash_attention_triton_errors.json"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({
+                "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                "torch": torch.__version__, "triton": triton.__version__,
+                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                "error_floor": ERROR_FLOOR, "torch_error_factor": TORCH_ERROR_FACTOR,
+                "summary": summary, "records": _RECORDS,
+            }, indent=1))
+            terminalreporter.write_line(f"written to {path}")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _register_error_report(request):
+    name = "flash-attention-triton-error-report"
+    if request.config.pluginmanager.get_plugin(name) is None:
+        request.config.pluginmanager.register(_ErrorReport(), name)
