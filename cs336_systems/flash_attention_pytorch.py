@@ -138,8 +138,16 @@ class FlashAttention2PyTorch(torch.autograd.Function):
     def backward(ctx, dO: Tensor):
         Q, K, V, O, L = ctx.saved_tensors
         compute_dtype = L.dtype  # float32, or float64 for float64 inputs
-        # One rank and one dtype for the compiled graph: (batch * heads, seq, d) in the compute dtype.
-        q, k, v, o, do = (t.to(compute_dtype).reshape(-1, *t.shape[-2:]) for t in (Q, K, V, O, dO))
+        # Every call must look alike to the compiled graph, or it recompiles: fresh contiguous copies
+        # (not views, not requires_grad; dO from o.sum() has stride 0) of rank 3, (batch * heads, seq, d),
+        # in the compute dtype, and no assumption that equal sizes stay equal (duck shapes off).
+        q, k, v, o, do, logsumexp = (
+            t.detach()
+            .reshape(-1, *t.shape[-2:])
+            .to(compute_dtype, memory_format=torch.contiguous_format, copy=True)
+            for t in (Q, K, V, O, dO, L[..., None])
+        )
+        logsumexp = logsumexp[..., 0]
         with torch.fx.experimental._config.patch(use_duck_shape=False):
-            dQ, dK, dV = _compiled_backward(q, k, v, o, L.reshape(-1, L.shape[-1]), do, ctx.is_causal)
+            dQ, dK, dV = _compiled_backward(q, k, v, o, logsumexp, do, ctx.is_causal)
         return dQ.view(Q.shape).to(Q.dtype), dK.view(K.shape).to(K.dtype), dV.view(V.shape).to(V.dtype), None

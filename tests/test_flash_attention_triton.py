@@ -402,6 +402,40 @@ class _ErrorReport:
             terminalreporter.write_line(f"written to {path}")
 
 
+def test_error_report_summarizes_and_writes_json(tmp_path, monkeypatch):
+    """The end-of-run report (exercised here on made-up records, since it only runs after GPU tests)."""
+    errors = {name: 1e-3 for name in QUANTITIES}
+    records = [
+        dict(precision="bf16", batch=2, heads=3, n_queries=17, n_keys=17, d=64, is_causal=True,
+             errors=errors, torch_errors=dict(errors, L=0.0), max_abs_errors=errors),
+        dict(precision="bf16", batch=1, heads=None, n_queries=1, n_keys=1, d=16, is_causal=False,
+             errors=dict(errors, dQ=5e-3), torch_errors=errors, max_abs_errors=errors),
+        dict(precision="bf16", note="autotuned", errors=errors),
+    ]
+    summary = summarize(records)
+    assert summary["bf16"]["cases"] == 2
+    assert summary["bf16"]["worst"]["dQ"]["relative_error"] == 5e-3
+    assert summary["bf16"]["worst"]["dQ"]["case"] == "1xNonex1x1 d=16 causal=False"
+    assert summary["bf16"]["worst"]["dQ"]["max_ratio_to_torch"] == pytest.approx(5.0)
+
+    class Reporter:
+        lines: list[str] = []
+
+        def section(self, title):
+            self.lines.append(title)
+
+        def write_line(self, line):
+            self.lines.append(line)
+
+    monkeypatch.setattr(sys.modules[__name__], "_RECORDS", records)
+    monkeypatch.setenv("CS336_RESULTS_DIR", str(tmp_path))
+    reporter = Reporter()
+    _ErrorReport().pytest_terminal_summary(reporter)
+    assert any(line.startswith("bf16: 2 cases") for line in reporter.lines)
+    written = json.loads((tmp_path / "flash_attention_triton_errors.json").read_text())
+    assert written["summary"]["bf16"]["cases"] == 2 and len(written["records"]) == 3
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _register_error_report(request):
     name = "flash-attention-triton-error-report"
