@@ -61,6 +61,28 @@ def test_rejects_bad_inputs():
             weighted_sum(torch.randn(4, 5), torch.randn(5))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernels_compile_for_h100(dtype):
+    """Ahead-of-time compile for sm_90 (see ``_flash_aot.py``): what the interpreter cannot check."""
+    import triton
+
+    from cs336_systems import weighted_sum as module
+    from tests._flash_aot import compile_for_gpu, nvidia_toolchain_available, resource_usage
+
+    if triton.knobs.runtime.interpret or not nvidia_toolchain_available():
+        pytest.skip("needs Triton's NVIDIA backend and ptxas, outside the interpreter")
+    n_rows, D = 100, 300
+    x, weight, y = torch.randn(n_rows, D, dtype=dtype), torch.randn(D, dtype=dtype), torch.empty(n_rows, dtype=dtype)
+    tiles = dict(ROWS_TILE=module.ROWS_TILE, D_TILE=module._d_tile(D))
+    forward = compile_for_gpu(module.weighted_sum_fwd_kernel, (x, weight, y, D, 1, 1, 1, n_rows, D), tiles)
+    partial = torch.empty(4, D)
+    backward = compile_for_gpu(
+        module.weighted_sum_bwd_kernel, (x, weight, y, torch.empty_like(x), partial, D, 1, 1, 1, D, 1, D, n_rows, D), tiles
+    )
+    for compiled in (forward, backward):
+        assert resource_usage(compiled).spill_bytes == 0
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "shape, dtype",
