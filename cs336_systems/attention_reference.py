@@ -38,7 +38,8 @@ def reference_attention(
     """
     scores = Q @ K.transpose(-2, -1) / math.sqrt(Q.shape[-1])  # (..., q, k)
     if is_causal:
-        scores = scores.masked_fill(~causal_mask(Q.shape[-2], K.shape[-2], Q.device), CAUSAL_MASK_VALUE)
+        mask_value = max(CAUSAL_MASK_VALUE, torch.finfo(scores.dtype).min)  # -1e6 overflows float16
+        scores = scores.masked_fill(~causal_mask(Q.shape[-2], K.shape[-2], Q.device), mask_value)
     logsumexp = torch.logsumexp(scores, dim=-1)  # (..., q)
     probabilities = torch.exp(scores - logsumexp[..., None])
     return probabilities @ V, logsumexp

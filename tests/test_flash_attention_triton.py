@@ -20,6 +20,7 @@ precision on the same inputs (whichever is larger).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -187,10 +188,25 @@ def fixed_tiles_poisoned_outputs(monkeypatch):
     monkeypatch.setattr(flash_attention_triton, "FILL_OUTPUTS_WITH_NAN", True)
 
 
+@contextlib.contextmanager
+def _matmul_tf32(enabled: bool):
+    # Not monkeypatch: torch.backends.cuda.matmul is a module proxy whose attributes it cannot restore.
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = enabled
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("precision, batch, heads, n_queries, n_keys, d, is_causal", _grid())
-def test_matches_float64_reference_gpu(fixed_tiles_poisoned_outputs, monkeypatch, precision, batch, heads, n_queries, n_keys, d, is_causal):
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", precision == "tf32")
+def test_matches_float64_reference_gpu(fixed_tiles_poisoned_outputs, precision, batch, heads, n_queries, n_keys, d, is_causal):
+    with _matmul_tf32(precision == "tf32"):
+        _check_against_float64(precision, batch, heads, n_queries, n_keys, d, is_causal)
+
+
+def _check_against_float64(precision, batch, heads, n_queries, n_keys, d, is_causal):
     dtype = DTYPES[precision]
     Q, K, V = make_qkv(batch, heads, n_queries, n_keys, d, dtype, "cuda")
     dO = torch.randn(Q.shape, device="cuda").to(dtype)
