@@ -14,8 +14,8 @@ Speed-ups, each visible in the code:
   again when loaded by the backward kernels.
 * Causal early exit: key tiles entirely above the diagonal are never loaded.
 * Each sweep is split into tiles that need no mask (full, below the diagonal) and the few that do
-  (crossing the diagonal, or ragged at the end of the sequence), selected by the ``MASKED``
-  constexpr so that the common loop carries no mask arithmetic.
+  (crossing the diagonal, or ragged at the end of the sequence), chosen by constexpr flags
+  (``MASKED``, ``MASK_CAUSAL``, ``MASK_ROWS``) so that the common loop carries no mask arithmetic.
 * The backward runs as two kernels without atomics: one parallel over key tiles accumulates dK
   and dV in registers, one parallel over query tiles accumulates dQ. No kernel accumulates into a
   global buffer, so autotuning (which runs a kernel several times) needs no zeroing pre-hook.
