@@ -22,7 +22,7 @@ Speed-ups, each visible in the code:
 
 All accumulators are float32; ``P`` and ``dS`` are cast to the input dtype before the matmuls that
 consume them, as in the paper. ``DOT_PRECISION`` is ``"ieee"`` or ``"tf32"`` for float32 inputs
-(chosen by the caller from ``torch.backends.cuda.matmul.allow_tf32``) and ignored for 16-bit ones.
+(chosen by the caller from PyTorch's float32 matmul precision) and ignored for 16-bit ones.
 """
 
 from __future__ import annotations

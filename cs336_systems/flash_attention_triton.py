@@ -6,7 +6,8 @@ wrappers and the ``torch.autograd.Function``. The kernels are in ``flash_attenti
 Q is ``(batch, n_queries, d)`` and K, V are ``(batch, n_keys, d)``, or all four-dimensional
 ``(batch, heads, seq, d)``; any lengths (``n_queries != n_keys`` allowed, the causal rule being
 ``i >= j`` on absolute indices), ``d`` in 16, 32, 64, 128, dtype float16, bfloat16 or float32 (float32
-matmuls use TF32 exactly when ``torch.backends.cuda.matmul.allow_tf32`` is set, as PyTorch's do).
+matmuls use TF32 exactly when PyTorch's may: ``torch.backends.cuda.matmul.allow_tf32 = True`` or
+``torch.set_float32_matmul_precision("high")``).
 Inputs may be non-contiguous; a copy is made only when the last dimension is strided.
 
 Launch parameters:
@@ -153,8 +154,13 @@ def _launch(kernel: str, n_parallel: int, parallel_block: str, batch_heads: int,
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
-    # "ieee" only for float32 without TF32; 16-bit inputs take the default, whatever its name.
-    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+    """TF32 for float32 exactly when PyTorch's own matmuls may use it; 16-bit inputs take the default.
+
+    Reads ``torch.backends.cuda.matmul.fp32_precision``, which ``allow_tf32 = True`` and
+    ``torch.set_float32_matmul_precision("high")`` also set, and which (unlike ``allow_tf32``) does not
+    raise once a program has mixed the legacy and the new precision APIs.
+    """
+    if dtype == torch.float32 and torch.backends.cuda.matmul.fp32_precision != "tf32":
         return "ieee"
     return "tf32"
 

@@ -15,7 +15,8 @@ How the tests are split:
 
 Error bound for the GPU grid: the relative error ||out - ref|| / ||ref|| against float64 must be
 below a floor per precision, or below 3x the error of plain PyTorch attention computed at the same
-precision on the same inputs (whichever is larger).
+precision on the same inputs (whichever is larger). For "tf32" the floor decides: cuBLAS need not pick
+TF32 kernels for PyTorch's small matmuls, so PyTorch's own error there can be that of full float32.
 """
 
 from __future__ import annotations
@@ -91,6 +92,29 @@ def test_rejects_mixed_dtypes_and_devices():
 def test_rejects_cpu_tensors_without_interpreter():
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         FlashAttention2Triton.apply(*_valid(), True)
+
+
+def test_float32_dot_precision_follows_pytorch():
+    """TF32 exactly when PyTorch's matmuls may use it, through either precision API; run in a fresh
+    process, since mixing the two APIs leaves PyTorch's legacy flag unreadable."""
+    script = """
+import torch
+from cs336_systems.flash_attention_triton import _dot_precision
+seen = [_dot_precision(torch.float32), _dot_precision(torch.bfloat16)]
+torch.backends.cuda.matmul.allow_tf32 = True
+seen.append(_dot_precision(torch.float32))
+torch.backends.cuda.matmul.allow_tf32 = False
+seen.append(_dot_precision(torch.float32))
+torch.set_float32_matmul_precision("high")
+seen.append(_dot_precision(torch.float32))
+torch.set_float32_matmul_precision("highest")
+torch.backends.cuda.matmul.fp32_precision = "tf32"
+seen.append(_dot_precision(torch.float32))
+print(" ".join(seen))
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["ieee", "tf32", "tf32", "ieee", "tf32", "tf32"]
 
 
 def _captured_launches(monkeypatch, dtype, head_dim, is_causal):
