@@ -36,6 +36,7 @@ import triton
 from cs336_systems import flash_attention_triton
 from cs336_systems.flash_attention_triton import SUPPORTED_HEAD_DIMS, FlashAttention2Triton
 from tests import adapters
+from tests._markers import needs_interpreter_numpy
 from tests._flash_checks import QUANTITIES, make_qkv, relative_error, run_function, run_reference
 
 # ---------------------------------------------------------------------------------------------------
@@ -43,6 +44,7 @@ from tests._flash_checks import QUANTITIES, make_qkv, relative_error, run_functi
 # ---------------------------------------------------------------------------------------------------
 
 
+@needs_interpreter_numpy
 def test_triton_kernels_under_interpreter():
     cases = Path(__file__).with_name("_flash_interpreter_attention.py")
     result = subprocess.run(

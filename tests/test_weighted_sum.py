@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests._markers import needs_interpreter_numpy
+
 
 def check_against_torch(shape, dtype, device, x=None, use_sum=False):
     """Forward and both gradients of ``weighted_sum`` against float64 PyTorch on the same inputs."""
@@ -37,6 +39,7 @@ def check_against_torch(shape, dtype, device, x=None, use_sum=False):
         torch.testing.assert_close(value.double(), expected, rtol=rtol, atol=rtol * scale, msg=lambda m: f"{name}: {m}")
 
 
+@needs_interpreter_numpy
 def test_weighted_sum_under_interpreter():
     cases = Path(__file__).with_name("_flash_interpreter_weighted_sum.py")
     result = subprocess.run(
