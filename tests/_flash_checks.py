@@ -49,3 +49,44 @@ def relative_error(value: Tensor, reference: Tensor) -> float:
     difference = (value.double() - reference.double()).norm().item()
     scale = reference.double().norm().item()
     return difference / scale if scale > 0 else difference
+
+
+def lm_logits_and_grads(model, token_ids: Tensor, attention_name: str) -> tuple[Tensor, dict[str, Tensor]]:
+    """Logits and parameter gradients of ``model`` with every block using ``get_attention(attention_name)``."""
+    from cs336_systems.attention import get_attention
+
+    model.set_attention(get_attention(attention_name))
+    model.zero_grad()
+    logits = model(token_ids)
+    logits.square().mean().backward()
+    return logits.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def assert_lm_matches_naive(model, token_ids: Tensor, attention_name: str, logits_tol: tuple[float, float]) -> None:
+    """The LM with ``attention_name`` gives the naive attention's logits and gradients within tolerance."""
+    naive_logits, naive_grads = lm_logits_and_grads(model, token_ids, "naive")
+    logits, grads = lm_logits_and_grads(model, token_ids, attention_name)
+    rtol, atol = logits_tol
+    torch.testing.assert_close(logits, naive_logits, rtol=rtol, atol=atol)
+    for name, grad in naive_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-3, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def run_under_interpreter(test_file: str) -> None:
+    """Run the pytest file ``tests/<test_file>`` in a subprocess with ``TRITON_INTERPRET=1``.
+
+    The variable must be set before the kernels are defined, so it cannot be switched on in this process.
+    """
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__).with_name(test_file))],
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, f"interpreter tests failed:\n{result.stdout[-8000:]}\n{result.stderr[-3000:]}"

@@ -23,7 +23,14 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 
 from cs336_systems import flash_attention_triton
 from cs336_systems.flash_attention_triton import FlashAttention2Triton
-from tests._flash_checks import QUANTITIES, make_qkv, relative_error, run_function, run_reference
+from tests._flash_checks import (
+    QUANTITIES,
+    assert_lm_matches_naive,
+    make_qkv,
+    relative_error,
+    run_function,
+    run_reference,
+)
 
 # The interpreter itself triggers NumPy deprecation warnings by the hundred.
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -108,23 +115,10 @@ def test_three_and_four_dimensional_inputs_agree():
 
 def test_transformer_lm_with_triton_attention_matches_naive():
     from cs336_basics.model import BasicsTransformerLM
-    from cs336_systems.attention import get_attention
 
     model = BasicsTransformerLM(vocab_size=50, context_length=32, d_model=64, num_layers=2, num_heads=2, d_ff=128)
     token_ids = torch.randint(0, 50, (2, 24))
-
-    def logits_and_grads(attention_name):
-        model.set_attention(get_attention(attention_name))
-        model.zero_grad()
-        logits = model(token_ids)
-        logits.square().mean().backward()
-        return logits.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
-
-    naive_logits, naive_grads = logits_and_grads("naive")
-    triton_logits, triton_grads = logits_and_grads("triton")
-    torch.testing.assert_close(triton_logits, naive_logits, rtol=1e-4, atol=1e-5)
-    for name, grad in naive_grads.items():
-        torch.testing.assert_close(triton_grads[name], grad, rtol=1e-3, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    assert_lm_matches_naive(model, token_ids, "triton", logits_tol=(1e-4, 1e-5))
 
 
 def test_torch_compile_of_apply():

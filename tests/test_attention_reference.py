@@ -13,6 +13,7 @@ from cs336_systems.attention_reference import (
     causal_mask,
     reference_attention,
 )
+from tests._flash_checks import assert_lm_matches_naive
 
 
 def test_causal_mask_uses_absolute_indices():
@@ -68,16 +69,4 @@ def test_compiled_attention_on_cpu():
 def test_transformer_lm_with_flash_pytorch_attention_matches_naive():
     model = BasicsTransformerLM(vocab_size=50, context_length=32, d_model=64, num_layers=2, num_heads=2, d_ff=128)
     token_ids = torch.randint(0, 50, (2, 24))
-
-    def logits_and_grads(attention_name):
-        model.set_attention(get_attention(attention_name))
-        model.zero_grad()
-        logits = model(token_ids)
-        logits.square().mean().backward()
-        return logits.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
-
-    naive_logits, naive_grads = logits_and_grads("naive")
-    flash_logits, flash_grads = logits_and_grads("flash_pytorch")
-    torch.testing.assert_close(flash_logits, naive_logits, rtol=1e-4, atol=1e-5)
-    for name, grad in naive_grads.items():
-        torch.testing.assert_close(flash_grads[name], grad, rtol=1e-3, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    assert_lm_matches_naive(model, token_ids, "flash_pytorch", logits_tol=(1e-4, 1e-5))

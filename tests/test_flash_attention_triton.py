@@ -34,10 +34,21 @@ import torch
 import triton
 
 from cs336_systems import flash_attention_triton
-from cs336_systems.flash_attention_triton import SUPPORTED_HEAD_DIMS, FlashAttention2Triton
+from cs336_systems.flash_attention_triton import (
+    SUPPORTED_HEAD_DIMS,
+    FlashAttention2Triton,
+)
 from tests import adapters
+from tests._flash_checks import (
+    QUANTITIES,
+    assert_lm_matches_naive,
+    make_qkv,
+    relative_error,
+    run_function,
+    run_reference,
+    run_under_interpreter,
+)
 from tests._markers import needs_interpreter_numpy
-from tests._flash_checks import QUANTITIES, make_qkv, relative_error, run_function, run_reference
 
 # ---------------------------------------------------------------------------------------------------
 # CPU
@@ -46,15 +57,7 @@ from tests._flash_checks import QUANTITIES, make_qkv, relative_error, run_functi
 
 @needs_interpreter_numpy
 def test_triton_kernels_under_interpreter():
-    cases = Path(__file__).with_name("_flash_interpreter_attention.py")
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(cases)],
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, f"interpreter tests failed:\n{result.stdout[-8000:]}\n{result.stderr[-3000:]}"
+    run_under_interpreter("_flash_interpreter_attention.py")
 
 
 def _valid(**overrides):
@@ -139,7 +142,11 @@ H100_SHARED_MEMORY = 227 * 1024
     [(torch.bfloat16, 64, True), (torch.float16, 128, False), (torch.float32, 32, True)],
 )
 def test_fixed_configs_compile_for_h100_without_spills(monkeypatch, dtype, head_dim, is_causal):
-    from tests._flash_aot import compile_for_gpu, nvidia_toolchain_available, resource_usage
+    from tests._flash_aot import (
+        compile_for_gpu,
+        nvidia_toolchain_available,
+        resource_usage,
+    )
 
     if not nvidia_toolchain_available():
         pytest.skip("this Triton has no NVIDIA backend or ptxas")
@@ -156,7 +163,11 @@ def test_fixed_configs_compile_for_h100_without_spills(monkeypatch, dtype, head_
 def test_autotune_configs_compile_for_h100(monkeypatch):
     """Every configuration the autotuner may try on the leaderboard's dtype and head dim compiles and
     fits in shared memory (spilling ones are allowed: the autotuner just finds them slow)."""
-    from tests._flash_aot import compile_for_gpu, nvidia_toolchain_available, resource_usage
+    from tests._flash_aot import (
+        compile_for_gpu,
+        nvidia_toolchain_available,
+        resource_usage,
+    )
 
     if not nvidia_toolchain_available():
         pytest.skip("this Triton has no NVIDIA backend or ptxas")
@@ -368,23 +379,10 @@ def test_torch_compile_of_apply_gpu(fixed_tiles_poisoned_outputs):
 @pytest.mark.gpu
 def test_transformer_lm_with_triton_attention_matches_naive_gpu(fixed_tiles_poisoned_outputs):
     from cs336_basics.model import BasicsTransformerLM
-    from cs336_systems.attention import get_attention
 
     model = BasicsTransformerLM(vocab_size=500, context_length=256, d_model=256, num_layers=2, num_heads=4, d_ff=512).cuda()
     token_ids = torch.randint(0, 500, (4, 200), device="cuda")
-
-    def logits_and_grads(attention_name):
-        model.set_attention(get_attention(attention_name))
-        model.zero_grad()
-        logits = model(token_ids)
-        logits.square().mean().backward()
-        return logits.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
-
-    naive_logits, naive_grads = logits_and_grads("naive")
-    triton_logits, triton_grads = logits_and_grads("triton")
-    torch.testing.assert_close(triton_logits, naive_logits, rtol=1e-4, atol=1e-4)
-    for name, grad in naive_grads.items():
-        torch.testing.assert_close(triton_grads[name], grad, rtol=1e-3, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    assert_lm_matches_naive(model, token_ids, "triton", logits_tol=(1e-4, 1e-4))
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -3,14 +3,10 @@ CPU interpreter in a subprocess (see ``_flash_interpreter_weighted_sum.py``), an
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
+from tests._flash_checks import run_under_interpreter
 from tests._markers import needs_interpreter_numpy
 
 
@@ -41,15 +37,7 @@ def check_against_torch(shape, dtype, device, x=None, use_sum=False):
 
 @needs_interpreter_numpy
 def test_weighted_sum_under_interpreter():
-    cases = Path(__file__).with_name("_flash_interpreter_weighted_sum.py")
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(cases)],
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, f"interpreter tests failed:\n{result.stdout[-6000:]}\n{result.stderr[-3000:]}"
+    run_under_interpreter("_flash_interpreter_weighted_sum.py")
 
 
 def test_rejects_bad_inputs():
@@ -70,7 +58,11 @@ def test_kernels_compile_for_h100(dtype):
     import triton
 
     from cs336_systems import weighted_sum as module
-    from tests._flash_aot import compile_for_gpu, nvidia_toolchain_available, resource_usage
+    from tests._flash_aot import (
+        compile_for_gpu,
+        nvidia_toolchain_available,
+        resource_usage,
+    )
 
     if triton.knobs.runtime.interpret or not nvidia_toolchain_available():
         pytest.skip("needs Triton's NVIDIA backend and ptxas, outside the interpreter")
