@@ -5,14 +5,13 @@ Two ways in:
 * ``torchrun --nproc_per_node=N script.py``: the script calls :func:`init_from_env`, which reads the
   ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_ADDR``/``MASTER_PORT`` variables torchrun sets.
 * tests and single-command benchmarks: :func:`spawn` starts ``world_size`` processes with
-  ``torch.multiprocessing`` on a free port and fails with ``TimeoutError`` (instead of hanging) when a
+  ``torch.multiprocessing``, joined through a store this process hosts, and fails with ``TimeoutError`` (instead of hanging) when a
   collective never completes.
 """
 
 from __future__ import annotations
 
 import os
-import socket
 import time
 from datetime import timedelta
 from typing import Any, Callable
@@ -25,29 +24,32 @@ import torch.multiprocessing as mp
 _SAFE_NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
-def find_free_port() -> int:
-    """A TCP port on localhost that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def default_backend() -> str:
     """``nccl`` when every rank can have its own GPU, ``gloo`` otherwise."""
     return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
 
 
 def setup_process_group(
-    rank: int, world_size: int, backend: str = "gloo", port: int | None = None, timeout_s: float = 120.0
+    rank: int,
+    world_size: int,
+    backend: str = "gloo",
+    port: int | None = None,
+    timeout_s: float = 120.0,
+    store: dist.Store | None = None,
 ) -> torch.device:
-    """Join a process group on localhost and return this rank's device (its own GPU under NCCL)."""
+    """Join a process group on localhost and return this rank's device (its own GPU under NCCL).
+
+    The ranks meet through ``store`` when given, else at ``MASTER_ADDR:port`` (``MASTER_PORT`` when
+    ``port`` is None).
+    """
     for key, value in _SAFE_NCCL_ENV.items():
         os.environ.setdefault(key, value)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if port is not None:
-        os.environ["MASTER_PORT"] = str(port)
-    if "MASTER_PORT" not in os.environ:
-        raise ValueError("no port: pass port= or set MASTER_PORT")
+    if store is None:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        if port is not None:
+            os.environ["MASTER_PORT"] = str(port)
+        if "MASTER_PORT" not in os.environ:
+            raise ValueError("no port: pass port= or set MASTER_PORT")
     if backend == "nccl":
         if torch.cuda.device_count() < world_size:
             raise ValueError(f"nccl needs one GPU per rank: world_size={world_size}, GPUs={torch.cuda.device_count()}")
@@ -61,6 +63,7 @@ def setup_process_group(
         world_size=world_size,
         timeout=timedelta(seconds=timeout_s),
         device_id=device if backend == "nccl" else None,
+        store=store,
     )
     return device
 
@@ -78,8 +81,9 @@ def cleanup() -> None:
         dist.destroy_process_group()
 
 
-def _run_rank(rank: int, fn: Callable[..., Any], world_size: int, backend: str, port: int, timeout_s: float, args):
-    setup_process_group(rank, world_size, backend, port, timeout_s)
+def _run_rank(rank: int, fn: Callable[..., Any], world_size: int, backend: str, store_port: int, timeout_s: float, args):
+    store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=timedelta(seconds=timeout_s))
+    setup_process_group(rank, world_size, backend, timeout_s=timeout_s, store=store)
     try:
         fn(rank, world_size, *args)
     finally:
@@ -94,10 +98,13 @@ def spawn(
     ``fn`` must be picklable (defined at module level). A rank that raises fails the call with its
     traceback; ranks still running after ``timeout_s`` seconds (a hung collective) are killed and
     ``TimeoutError`` is raised.
+
+    The ranks meet through a key-value store that this process hosts on a port the operating system
+    assigns while binding it, so no other process can take the port between choosing and binding it.
     """
-    port = find_free_port()
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
     context = mp.spawn(
-        _run_rank, args=(fn, world_size, backend, port, timeout_s, args), nprocs=world_size, join=False
+        _run_rank, args=(fn, world_size, backend, store.port, timeout_s, args), nprocs=world_size, join=False
     )
     deadline = time.monotonic() + timeout_s
     while not context.join(timeout=max(0.0, min(1.0, deadline - time.monotonic()))):

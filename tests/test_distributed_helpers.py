@@ -1,8 +1,7 @@
-"""The process-group helpers every distributed test relies on: free ports, spawn, time-outs."""
+"""The process-group helpers every distributed test relies on: spawn, its rendezvous and time-outs."""
 
 from __future__ import annotations
 
-import socket
 import time
 
 import pytest
@@ -10,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from cs336_systems.distributed import find_free_port, spawn
+from cs336_systems.distributed import spawn
 
 
 def _all_reduce_ranks(rank: int, world_size: int, results) -> None:
@@ -30,17 +29,13 @@ def _raise_on_rank_zero(rank: int, world_size: int) -> None:
         raise RuntimeError("rank zero failed on purpose")
 
 
-def test_find_free_port_is_bindable():
-    port = find_free_port()
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", port))
-
-
 def test_spawn_runs_a_collective():
     results = mp.get_context("spawn").SimpleQueue()
     spawn(_all_reduce_ranks, 2, results)
     got = sorted(results.get() for _ in range(2))
     assert got == [(0, 3.0, 2), (1, 3.0, 2)]
+    spawn(_all_reduce_ranks, 3, results)  # a second group right after the first, three ranks
+    assert sorted(results.get() for _ in range(3)) == [(0, 6.0, 3), (1, 6.0, 3), (2, 6.0, 3)]
 
 
 def test_spawn_fails_instead_of_hanging():
