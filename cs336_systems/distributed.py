@@ -16,8 +16,9 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -84,7 +85,25 @@ def cleanup() -> None:
         dist.destroy_process_group()
 
 
-def _run_rank(rank: int, fn: Callable[..., Any], world_size: int, backend: str, store_path: str, timeout_s: float, args):
+@torch.no_grad()
+def broadcast_in_place(tensors_and_sources: Iterable[tuple[torch.Tensor, int]]) -> None:
+    """Overwrite each tensor with its source rank's values: all broadcasts in flight at once, then wait.
+
+    NCCL needs contiguous memory, so a non-contiguous tensor travels through a contiguous copy.
+    """
+    pending = []
+    for tensor, src in tensors_and_sources:
+        wire = tensor if tensor.is_contiguous() else tensor.contiguous()
+        pending.append((tensor, wire, dist.broadcast(wire, src=src, async_op=True)))
+    for tensor, wire, work in pending:
+        work.wait()
+        if wire is not tensor:
+            tensor.copy_(wire)
+
+
+def _run_rank(
+    rank: int, fn: Callable[..., Any], world_size: int, backend: str, store_path: str, timeout_s: float, args
+):
     faulthandler.enable()  # a rank that dies in native code still shows where its Python was
     store = dist.FileStore(store_path, world_size)
     setup_process_group(rank, world_size, backend, timeout_s=timeout_s, store=store)
@@ -100,9 +119,7 @@ def _run_rank(rank: int, fn: Callable[..., Any], world_size: int, backend: str, 
     os._exit(0)
 
 
-def spawn(
-    fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo", timeout_s: float = 120.0
-) -> None:
+def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo", timeout_s: float = 120.0) -> None:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes joined in a process group.
 
     ``fn`` must be picklable (defined at module level). A rank that raises fails the call with its

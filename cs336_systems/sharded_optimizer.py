@@ -21,17 +21,11 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
+from cs336_systems.distributed import broadcast_in_place
+
 
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
-
-
-def _broadcast_(tensor: torch.Tensor, src: int) -> None:
-    """Blocking broadcast into ``tensor`` in place (through a contiguous copy if it needs one)."""
-    wire = tensor if tensor.is_contiguous() else tensor.contiguous()
-    dist.broadcast(wire, src=src)
-    if wire is not tensor:
-        tensor.copy_(wire)
 
 
 class ShardedOptimizer(Optimizer):
@@ -113,17 +107,12 @@ class ShardedOptimizer(Optimizer):
             self._broadcast_parameters()
         return loss
 
-    @torch.no_grad()
     def _broadcast_parameters(self) -> None:
-        pending = []
-        for group, owners in zip(self.param_groups, self.owners):
-            for param, owner in zip(group["params"], owners):
-                wire = param if param.is_contiguous() else param.contiguous()
-                pending.append((param, wire, dist.broadcast(wire, src=owner, async_op=True)))
-        for param, wire, work in pending:
-            work.wait()
-            if wire is not param:
-                param.copy_(wire)
+        broadcast_in_place(
+            (param, owner)
+            for group, owners in zip(self.param_groups, self.owners)
+            for param, owner in zip(group["params"], owners)
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """The state of all parameters, gathered from their owners on every rank (a collective call).
@@ -169,10 +158,10 @@ class ShardedOptimizer(Optimizer):
                 if owner == self.rank:
                     tensor = local_state[param][key]
                     if self.world_size > 1:
-                        _broadcast_(tensor.to(param.device), src=owner)
+                        broadcast_in_place([(tensor.to(param.device), owner)])
                 else:
                     tensor = torch.empty(shape, dtype=dtype, device=param.device)
-                    _broadcast_(tensor, src=owner)
+                    broadcast_in_place([(tensor, owner)])
                     if device_type != param.device.type:
                         tensor = tensor.to(device_type)
                 entries[key] = tensor

@@ -13,9 +13,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import nn
+
+from cs336_systems.distributed import broadcast_in_place
 
 
 def broadcast_module_state(module: nn.Module, src: int = 0) -> None:
@@ -24,17 +25,7 @@ def broadcast_module_state(module: nn.Module, src: int = 0) -> None:
     Frozen parameters are included: they never change afterwards, so every rank must start from the
     same values.
     """
-    tensors = list(module.parameters()) + list(module.buffers())
-    pending = []
-    with torch.no_grad():
-        for tensor in tensors:
-            # NCCL needs contiguous memory; a non-contiguous tensor travels through a contiguous copy.
-            wire = tensor if tensor.is_contiguous() else tensor.contiguous()
-            pending.append((tensor, wire, dist.broadcast(wire, src=src, async_op=True)))
-        for tensor, wire, work in pending:
-            work.wait()
-            if wire is not tensor:
-                tensor.copy_(wire)
+    broadcast_in_place((tensor, src) for tensor in [*module.parameters(), *module.buffers()])
 
 
 class DataParallelModule(nn.Module):
