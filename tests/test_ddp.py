@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from cs336_systems.ddp import DDPBucketed, DDPFlattened, DDPIndividualParameters, DDPNaive
+from cs336_systems.ddp import DDP_VARIANTS, DDPBucketed, wrap_ddp
 from cs336_systems.distributed import spawn
 from tests._ddp_toy_models import (
     MODELS,
@@ -30,17 +30,7 @@ STEPS = 4
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
 # Tiny: every tensor in a bucket of its own; 0.0015 MiB: a few tensors per bucket; huge: one bucket per dtype.
 BUCKET_SIZES_MB = (1e-6, 0.0015, 1000.0)
-WRAPPERS = ("naive", "flattened", "individual", "bucketed")
-
-
-def wrap(wrapper: str, module: nn.Module, bucket_size_mb: float | None) -> nn.Module:
-    if wrapper == "naive":
-        return DDPNaive(module)
-    if wrapper == "flattened":
-        return DDPFlattened(module)
-    if wrapper == "individual":
-        return DDPIndividualParameters(module)
-    return DDPBucketed(module, bucket_size_mb)
+WRAPPERS = DDP_VARIANTS
 
 
 def bucket_sizes(wrapper: str) -> tuple[float | None, ...]:
@@ -68,7 +58,7 @@ def check_matches_single_process(rank: int, world_size: int, wrapper: str, devic
         for model_name, model_cls in MODELS.items():
             for optimizer_name in ("sgd", "adamw"):
                 context = f"{wrapper} (bucket {bucket_size_mb} MiB), {model_name}, {optimizer_name}, rank {rank}"
-                ddp_model = wrap(wrapper, build(model_cls, seed=rank, device=device), bucket_size_mb)
+                ddp_model = wrap_ddp(wrapper, build(model_cls, seed=rank, device=device), bucket_size_mb)
                 reference = build(model_cls, seed=0, device=device)
 
                 assert ddp_model.module.__class__ is model_cls
@@ -117,7 +107,7 @@ def check_gradient_accumulation(rank: int, world_size: int, wrapper: str, device
     local = slice(rank * BATCH_SIZE // world_size, (rank + 1) * BATCH_SIZE // world_size)
     for bucket_size_mb in bucket_sizes(wrapper):
         context = f"{wrapper} (bucket {bucket_size_mb} MiB), gradient accumulation, rank {rank}"
-        ddp_model = wrap(wrapper, build(model_cls, seed=rank, device=device), bucket_size_mb)
+        ddp_model = wrap_ddp(wrapper, build(model_cls, seed=rank, device=device), bucket_size_mb)
         reference = build(model_cls, seed=0, device=device)
         micro_batches = [model_cls.batch(step, BATCH_SIZE, device) for step in range(2)]
         for repeat in range(2):  # the second round starts from the views left by the first
@@ -138,7 +128,7 @@ def check_gradient_accumulation(rank: int, world_size: int, wrapper: str, device
 def check_second_backward_raises(rank: int, world_size: int, wrapper: str, device: torch.device) -> None:
     """Producing a gradient twice before synchronising is an error, not a silent race with the wire."""
     model_cls = MODELS["tied_embedding"]
-    ddp_model = wrap(wrapper, build(model_cls, seed=rank, device=device), 1e-6)
+    ddp_model = wrap_ddp(wrapper, build(model_cls, seed=rank, device=device), 1e-6)
     x, y = model_cls.batch(0, BATCH_SIZE, device)
     model_cls.loss(ddp_model(x), y).backward()
     with pytest.raises(RuntimeError, match="no_sync"):
@@ -193,7 +183,7 @@ def run_wrapper_checks(rank: int, world_size: int, wrappers: tuple[str, ...]) ->
     for wrapper in wrappers:
         check_matches_single_process(rank, world_size, wrapper, device)
         check_gradient_accumulation(rank, world_size, wrapper, device)
-        if wrapper in ("individual", "bucketed"):
+        if wrapper in ("overlapped", "bucketed"):
             check_second_backward_raises(rank, world_size, wrapper, device)
         if wrapper == "bucketed":
             check_rank_dependent_unused_parameter(rank, world_size, device)

@@ -18,11 +18,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from cs336_systems.ddp import DDPBucketed, DDPFlattened, DDPIndividualParameters, DDPNaive
+from cs336_systems.ddp import DDP_VARIANTS, wrap_ddp
 from cs336_systems.distributed import spawn
 from cs336_systems.sharded_optimizer import ShardedOptimizer
 
-VARIANTS = ("naive", "flattened", "overlapped", "bucketed", "sharded-optimizer")
+VARIANTS = (*DDP_VARIANTS, "sharded-optimizer")
 IN_FEATURES, HIDDEN, OUT_FEATURES = 16, 32, 4
 
 
@@ -41,15 +41,7 @@ class ToyModel(nn.Module):
 
 def wrap(variant: str, model: nn.Module, bucket_size_mb: float) -> nn.Module:
     """The DDP wrapper a variant trains with (the sharded optimizer runs on top of bucketed DDP)."""
-    if variant == "naive":
-        return DDPNaive(model)
-    if variant == "flattened":
-        return DDPFlattened(model)
-    if variant == "overlapped":
-        return DDPIndividualParameters(model)
-    if variant in ("bucketed", "sharded-optimizer"):
-        return DDPBucketed(model, bucket_size_mb)
-    raise ValueError(f"unknown variant {variant!r}; choose from {VARIANTS}")
+    return wrap_ddp("bucketed" if variant == "sharded-optimizer" else variant, model, bucket_size_mb)
 
 
 def max_weight_difference(variant: str, rank: int, world_size: int, device: torch.device, args) -> float:
