@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from cs336_systems.attention_reference import reference_attention
+from cs336_systems.attention.reference import reference_attention
 
 QUANTITIES = ("O", "L", "dQ", "dK", "dV")
 

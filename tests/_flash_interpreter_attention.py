@@ -21,8 +21,8 @@ import torch
 if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("runs under TRITON_INTERPRET=1 (see the module docstring)", allow_module_level=True)
 
-from cs336_systems import flash_attention_triton
-from cs336_systems.flash_attention_triton import FlashAttention2Triton
+from cs336_systems.attention import flash_triton
+from cs336_systems.attention.flash_triton import FlashAttention2Triton
 from tests._flash_checks import (
     QUANTITIES,
     assert_lm_matches_naive,
@@ -41,11 +41,11 @@ TOLERANCE = {torch.float32: 1e-5, torch.float16: 5e-3}
 
 @pytest.fixture(autouse=True)
 def _poison_outputs(monkeypatch):
-    monkeypatch.setattr(flash_attention_triton, "FILL_OUTPUTS_WITH_NAN", True)
+    monkeypatch.setattr(flash_triton, "FILL_OUTPUTS_WITH_NAN", True)
 
 
 def test_running_in_interpreter():
-    assert flash_attention_triton.kernels.RUNNING_IN_INTERPRETER
+    assert flash_triton.kernels.RUNNING_IN_INTERPRETER
 
 
 # (batch, heads or None for 3-D, n_queries, n_keys, d, is_causal, dtype)

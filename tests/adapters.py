@@ -26,17 +26,17 @@ def _load(module_name: str, attribute: str, feature: str) -> Any:
 
 def get_flashattention_autograd_function_pytorch() -> Type:
     """The tiled PyTorch FlashAttention-2 ``torch.autograd.Function`` class (not an instance)."""
-    return _load("cs336_systems.flash_attention_pytorch", "FlashAttention2PyTorch", "FlashAttention-2 (PyTorch)")
+    return _load("cs336_systems.attention.flash_pytorch", "FlashAttention2PyTorch", "FlashAttention-2 (PyTorch)")
 
 
 def get_flashattention_autograd_function_triton() -> Type:
     """The Triton FlashAttention-2 ``torch.autograd.Function`` class (not an instance)."""
-    return _load("cs336_systems.flash_attention_triton", "FlashAttention2Triton", "FlashAttention-2 (Triton)")
+    return _load("cs336_systems.attention.flash_triton", "FlashAttention2Triton", "FlashAttention-2 (Triton)")
 
 
 def get_ddp_individual_parameters(module: torch.nn.Module) -> torch.nn.Module:
     """DDP that all-reduces each parameter's gradient asynchronously as soon as it is ready."""
-    return _load("cs336_systems.ddp", "DDPIndividualParameters", "Overlapped per-parameter DDP")(module)
+    return _load("cs336_systems.parallel.ddp", "DDPIndividualParameters", "Overlapped per-parameter DDP")(module)
 
 
 def ddp_individual_parameters_on_after_backward(ddp_model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -46,7 +46,7 @@ def ddp_individual_parameters_on_after_backward(ddp_model: torch.nn.Module, opti
 
 def get_ddp_bucketed(module: torch.nn.Module, bucket_size_mb: float) -> torch.nn.Module:
     """DDP that all-reduces gradients in buckets of at most ``bucket_size_mb`` megabytes."""
-    return _load("cs336_systems.ddp", "DDPBucketed", "Bucketed DDP")(module, bucket_size_mb)
+    return _load("cs336_systems.parallel.ddp", "DDPBucketed", "Bucketed DDP")(module, bucket_size_mb)
 
 
 def ddp_bucketed_on_after_backward(ddp_model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -61,14 +61,14 @@ def ddp_bucketed_on_train_batch_start(ddp_model: torch.nn.Module, optimizer: tor
 
 def get_sharded_optimizer(params, optimizer_cls: Type[torch.optim.Optimizer], **kwargs) -> torch.optim.Optimizer:
     """An optimizer whose state is sharded across ranks, wrapping ``optimizer_cls``."""
-    return _load("cs336_systems.sharded_optimizer", "ShardedOptimizer", "Optimizer-state sharding")(
+    return _load("cs336_systems.parallel.sharded_optimizer", "ShardedOptimizer", "Optimizer-state sharding")(
         params, optimizer_cls, **kwargs
     )
 
 
 def get_fsdp(module: torch.nn.Module, compute_dtype: torch.dtype | None = None) -> torch.nn.Module:
     """Fully sharded data parallel wrapper (SPEC section 6, beyond the assignment)."""
-    return _load("cs336_systems.fsdp", "FSDP", "FSDP")(module, compute_dtype=compute_dtype)
+    return _load("cs336_systems.parallel.fsdp", "FSDP", "FSDP")(module, compute_dtype=compute_dtype)
 
 
 def fsdp_on_after_backward(fsdp_model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:

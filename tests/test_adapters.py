@@ -16,5 +16,5 @@ def test_missing_feature_raises_not_implemented():
 def test_loader_names_the_missing_module():
     with pytest.raises(NotImplementedError, match="cs336_systems.no_such_module"):
         adapters._load("cs336_systems.no_such_module", "Thing", "A feature")
-    with pytest.raises(NotImplementedError, match="cs336_systems.distributed.NoSuchThing"):
-        adapters._load("cs336_systems.distributed", "NoSuchThing", "A feature")
+    with pytest.raises(NotImplementedError, match="cs336_systems.parallel.distributed.NoSuchThing"):
+        adapters._load("cs336_systems.parallel.distributed", "NoSuchThing", "A feature")

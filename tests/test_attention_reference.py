@@ -7,7 +7,7 @@ import torch
 
 from cs336_basics.model import BasicsTransformerLM, causal_attention
 from cs336_systems.attention import ATTENTION_NAMES, get_attention
-from cs336_systems.attention_reference import (
+from cs336_systems.attention.reference import (
     CAUSAL_MASK_VALUE,
     annotated_attention,
     causal_mask,

@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch import nn
 
-from cs336_systems.ddp import DDP_VARIANTS, DDPBucketed, wrap_ddp
-from cs336_systems.distributed import spawn
+from cs336_systems.parallel.ddp import DDP_VARIANTS, DDPBucketed, wrap_ddp
+from cs336_systems.parallel.distributed import spawn
 from tests._ddp_toy_models import (
     MODELS,
     BranchNet,
@@ -202,7 +202,7 @@ def test_ddp_wrappers_with_nccl():
 
 def test_bucket_assignment():
     """Reverse order, the cap respected, an oversized tensor alone, a new bucket when the dtype changes."""
-    from cs336_systems.ddp.bucketed import assign_buckets
+    from cs336_systems.parallel.ddp.bucketed import assign_buckets
 
     params = [
         nn.Parameter(torch.zeros(10)),  # 40 bytes

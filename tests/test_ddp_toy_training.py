@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cs336_systems.ddp import toy_training
+from cs336_systems.parallel.ddp import toy_training
 
 
 def test_toy_training_help(capsys):

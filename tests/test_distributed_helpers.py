@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from cs336_systems.distributed import spawn
+from cs336_systems.parallel.distributed import spawn
 
 
 def _all_reduce_ranks(rank: int, world_size: int, results) -> None:

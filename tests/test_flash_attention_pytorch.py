@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cs336_systems.flash_attention_pytorch import FlashAttention2PyTorch, flash_attention_forward_tiled
+from cs336_systems.attention.flash_pytorch import FlashAttention2PyTorch, flash_attention_forward_tiled
 from tests import adapters
 from tests._flash_checks import QUANTITIES, make_qkv, relative_error, run_function, run_reference
 

@@ -33,8 +33,8 @@ import pytest
 import torch
 import triton
 
-from cs336_systems import flash_attention_triton
-from cs336_systems.flash_attention_triton import (
+from cs336_systems.attention import flash_triton
+from cs336_systems.attention.flash_triton import (
     SUPPORTED_HEAD_DIMS,
     FlashAttention2Triton,
 )
@@ -93,7 +93,7 @@ def test_rejects_mixed_dtypes_and_devices():
         FlashAttention2Triton.apply(q, k.to("meta"), v, False)
 
 
-@pytest.mark.skipif(flash_attention_triton.kernels.RUNNING_IN_INTERPRETER, reason="the interpreter takes CPU tensors")
+@pytest.mark.skipif(flash_triton.kernels.RUNNING_IN_INTERPRETER, reason="the interpreter takes CPU tensors")
 def test_rejects_cpu_tensors_without_interpreter():
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         FlashAttention2Triton.apply(*_valid(), True)
@@ -104,7 +104,7 @@ def test_float32_dot_precision_follows_pytorch():
     process, since mixing the two APIs leaves PyTorch's legacy flag unreadable."""
     script = """
 import torch
-from cs336_systems.flash_attention_triton import _dot_precision
+from cs336_systems.attention.flash_triton import _dot_precision
 seen = [_dot_precision(torch.float32), _dot_precision(torch.bfloat16)]
 torch.backends.cuda.matmul.allow_tf32 = True
 seen.append(_dot_precision(torch.float32))
@@ -125,10 +125,10 @@ print(" ".join(seen))
 def _captured_launches(monkeypatch, dtype, head_dim, is_causal):
     """The (kernel, args, meta) of every launch of one forward and backward, without running them."""
     launches = []
-    monkeypatch.setattr(flash_attention_triton, "_launch", lambda kernel, n, block, bh, args, meta: launches.append((kernel, args, meta)))
+    monkeypatch.setattr(flash_triton, "_launch", lambda kernel, n, block, bh, args, meta: launches.append((kernel, args, meta)))
     q, k, v = (torch.randn(2, 3, 200, head_dim).to(dtype) for _ in range(3))
-    O, L = flash_attention_triton.flash_attention_forward(q, k, v, is_causal)
-    flash_attention_triton.flash_attention_backward(q, k, v, O, L, torch.randn_like(O), is_causal)
+    O, L = flash_triton.flash_attention_forward(q, k, v, is_causal)
+    flash_triton.flash_attention_backward(q, k, v, O, L, torch.randn_like(O), is_causal)
     assert [launch[0] for launch in launches] == ["fwd", "delta", "dkdv", "dq"]
     return launches
 
@@ -136,7 +136,7 @@ def _captured_launches(monkeypatch, dtype, head_dim, is_causal):
 H100_SHARED_MEMORY = 227 * 1024
 
 
-@pytest.mark.skipif(flash_attention_triton.kernels.RUNNING_IN_INTERPRETER, reason="compiles the GPU kernels")
+@pytest.mark.skipif(flash_triton.kernels.RUNNING_IN_INTERPRETER, reason="compiles the GPU kernels")
 @pytest.mark.parametrize(
     "dtype, head_dim, is_causal",
     [(torch.bfloat16, 64, True), (torch.float16, 128, False), (torch.float32, 32, True)],
@@ -151,15 +151,15 @@ def test_fixed_configs_compile_for_h100_without_spills(monkeypatch, dtype, head_
     if not nvidia_toolchain_available():
         pytest.skip("this Triton has no NVIDIA backend or ptxas")
     for kernel, args, meta in _captured_launches(monkeypatch, dtype, head_dim, is_causal):
-        config = flash_attention_triton.fixed_config(kernel, dtype, head_dim)
-        compiled = compile_for_gpu(flash_attention_triton._plain[kernel], args, {**meta, **config.all_kwargs()})
+        config = flash_triton.fixed_config(kernel, dtype, head_dim)
+        compiled = compile_for_gpu(flash_triton._plain[kernel], args, {**meta, **config.all_kwargs()})
         usage = resource_usage(compiled)
         assert usage.spill_bytes == 0, f"{kernel} {config}: {usage}"
         assert usage.shared_bytes <= H100_SHARED_MEMORY, f"{kernel} {config}: {usage}"
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(flash_attention_triton.kernels.RUNNING_IN_INTERPRETER, reason="compiles the GPU kernels")
+@pytest.mark.skipif(flash_triton.kernels.RUNNING_IN_INTERPRETER, reason="compiles the GPU kernels")
 def test_autotune_configs_compile_for_h100(monkeypatch):
     """Every configuration the autotuner may try on the leaderboard's dtype and head dim compiles and
     fits in shared memory (spilling ones are allowed: the autotuner just finds them slow)."""
@@ -174,9 +174,9 @@ def test_autotune_configs_compile_for_h100(monkeypatch):
     for kernel, args, meta in _captured_launches(monkeypatch, torch.bfloat16, 64, True):
         if kernel == "delta":
             continue
-        autotuner = flash_attention_triton._autotuned[kernel]
+        autotuner = flash_triton._autotuned[kernel]
         for config in autotuner.early_config_prune(autotuner.configs, {"Q": args[0]}, **meta):
-            compiled = compile_for_gpu(flash_attention_triton._plain[kernel], args, {**meta, **config.all_kwargs()})
+            compiled = compile_for_gpu(flash_triton._plain[kernel], args, {**meta, **config.all_kwargs()})
             assert resource_usage(compiled).shared_bytes <= H100_SHARED_MEMORY, f"{kernel} {config}"
 
 
@@ -221,8 +221,8 @@ def _grid() -> list[tuple]:
 def fixed_tiles_poisoned_outputs(monkeypatch):
     """One configuration per dtype and head dim (far fewer compilations than autotuning), and
     outputs allocated full of NaN so that an element no kernel writes shows up."""
-    monkeypatch.setattr(flash_attention_triton, "AUTOTUNE", False)
-    monkeypatch.setattr(flash_attention_triton, "FILL_OUTPUTS_WITH_NAN", True)
+    monkeypatch.setattr(flash_triton, "AUTOTUNE", False)
+    monkeypatch.setattr(flash_triton, "FILL_OUTPUTS_WITH_NAN", True)
 
 
 @contextlib.contextmanager
@@ -315,8 +315,8 @@ def test_rejects_tensors_on_different_devices_gpu():
 
 @pytest.mark.gpu
 def test_autotuned_kernels_match_reference_gpu(monkeypatch):
-    monkeypatch.setattr(flash_attention_triton, "AUTOTUNE", True)
-    monkeypatch.setattr(flash_attention_triton, "FILL_OUTPUTS_WITH_NAN", True)
+    monkeypatch.setattr(flash_triton, "AUTOTUNE", True)
+    monkeypatch.setattr(flash_triton, "FILL_OUTPUTS_WITH_NAN", True)
     Q, K, V = make_qkv(2, 4, 1024, 1024, 64, torch.bfloat16, "cuda")
     dO = torch.randn(Q.shape, device="cuda").to(torch.bfloat16)
     result = run_function(FlashAttention2Triton, Q, K, V, True, dO)
@@ -324,7 +324,7 @@ def test_autotuned_kernels_match_reference_gpu(monkeypatch):
     for name in QUANTITIES:
         assert torch.isfinite(result[name]).all(), name
         assert relative_error(result[name], reference[name]) <= ERROR_FLOOR["bf16"], name
-    chosen = {name: str(autotuner.best_config) for name, autotuner in flash_attention_triton._autotuned.items()}
+    chosen = {name: str(autotuner.best_config) for name, autotuner in flash_triton._autotuned.items()}
     _RECORDS.append(dict(precision="bf16", note="autotuned", chosen_configs=chosen,
                          errors={name: relative_error(result[name], reference[name]) for name in QUANTITIES}))
 

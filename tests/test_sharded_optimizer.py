@@ -15,8 +15,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from cs336_systems.distributed import spawn
-from cs336_systems.sharded_optimizer import ShardedOptimizer
+from cs336_systems.parallel.distributed import spawn
+from cs336_systems.parallel.sharded_optimizer import ShardedOptimizer
 from tests._ddp_toy_models import assert_same_tensors, current_device
 
 STEPS = 10

@@ -12,7 +12,7 @@ from tests._markers import needs_interpreter_numpy
 
 def check_against_torch(shape, dtype, device, x=None, use_sum=False):
     """Forward and both gradients of ``weighted_sum`` against float64 PyTorch on the same inputs."""
-    from cs336_systems.weighted_sum import weighted_sum
+    from cs336_systems.kernels.weighted_sum import weighted_sum
 
     if x is None:
         x = torch.randn(shape, device=device).to(dtype).requires_grad_()
@@ -41,7 +41,7 @@ def test_weighted_sum_under_interpreter():
 
 
 def test_rejects_bad_inputs():
-    from cs336_systems.weighted_sum import weighted_sum
+    from cs336_systems.kernels.weighted_sum import weighted_sum
 
     with pytest.raises(ValueError, match="shape"):
         weighted_sum(torch.randn(4, 5), torch.randn(6))
@@ -57,7 +57,7 @@ def test_kernels_compile_for_h100(dtype):
     """Ahead-of-time compile for sm_90 (see ``_flash_aot.py``): what the interpreter cannot check."""
     import triton
 
-    from cs336_systems import weighted_sum as module
+    from cs336_systems.kernels import weighted_sum as module
     from tests._flash_aot import (
         compile_for_gpu,
         nvidia_toolchain_available,

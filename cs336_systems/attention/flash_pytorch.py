@@ -2,7 +2,7 @@
 backward by recomputation, compiled with ``torch.compile``.
 
 Nothing here is fast; it is the algorithm written out so that each step can be read and checked, and
-the Triton version (``flash_attention_triton.py``) follows the same structure tile by tile.
+the Triton version (``flash_triton.py``) follows the same structure tile by tile.
 
 Forward (Dao, "FlashAttention-2", 2023, Algorithm 1), per query tile ``Q_i`` and key tiles ``K_j, V_j``::
 
@@ -25,7 +25,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from cs336_systems.attention_reference import CAUSAL_MASK_VALUE, check_attention_inputs
+from cs336_systems.attention.reference import CAUSAL_MASK_VALUE, check_attention_inputs
 
 
 def flash_attention_forward_tiled(

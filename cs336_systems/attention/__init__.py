@@ -33,13 +33,13 @@ def _naive() -> AttentionFn:
 
 
 def _annotated() -> AttentionFn:
-    from cs336_systems.attention_reference import annotated_attention
+    from cs336_systems.attention.reference import annotated_attention
 
     return annotated_attention
 
 
 def _flash_pytorch() -> AttentionFn:
-    from cs336_systems.flash_attention_pytorch import FlashAttention2PyTorch
+    from cs336_systems.attention.flash_pytorch import FlashAttention2PyTorch
 
     def flash_pytorch_attention(Q: Tensor, K: Tensor, V: Tensor, is_causal: bool = True) -> Tensor:
         return FlashAttention2PyTorch.apply(Q, K, V, is_causal)
@@ -48,7 +48,7 @@ def _flash_pytorch() -> AttentionFn:
 
 
 def _triton() -> AttentionFn:
-    from cs336_systems.flash_attention_triton import flash_attention
+    from cs336_systems.attention.flash_triton import flash_attention
 
     return flash_attention
 

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from cs336_systems.distributed import broadcast_in_place
+from cs336_systems.parallel.distributed import broadcast_in_place
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

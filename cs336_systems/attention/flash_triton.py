@@ -1,5 +1,5 @@
 """FlashAttention-2 in Triton (SPEC sections 3.2-3.4): input checks, launch parameters, the launch
-wrappers and the ``torch.autograd.Function``. The kernels are in ``flash_attention_kernels.py``.
+wrappers and the ``torch.autograd.Function``. The kernels are in ``flash_triton_kernels.py``.
 
     O = FlashAttention2Triton.apply(Q, K, V, is_causal)       # or flash_attention(Q, K, V, is_causal)
 
@@ -32,8 +32,8 @@ import triton
 from jaxtyping import Float
 from torch import Tensor
 
-from cs336_systems import flash_attention_kernels as kernels
-from cs336_systems.attention_reference import check_attention_inputs
+from cs336_systems.attention import flash_triton_kernels as kernels
+from cs336_systems.attention.reference import check_attention_inputs
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -185,7 +185,7 @@ def _check_triton_inputs(Q: Tensor, K: Tensor, V: Tensor) -> None:
     if Q.device.type != "cuda" and not kernels.RUNNING_IN_INTERPRETER:
         raise ValueError(
             f"the Triton kernels need CUDA tensors, got tensors on {Q.device}; to run them on the CPU through the "
-            "Triton interpreter, set TRITON_INTERPRET=1 before cs336_systems.flash_attention_kernels is imported"
+            "Triton interpreter, set TRITON_INTERPRET=1 before cs336_systems.attention.flash_triton_kernels is imported"
         )
     batch_heads = math.prod(Q.shape[:-2])
     if batch_heads > MAX_GRID_Y:

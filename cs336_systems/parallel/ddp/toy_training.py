@@ -4,8 +4,8 @@ Each rank starts from different random weights (the wrapper must broadcast rank 
 slice of every batch, and after the last step compares its weights with a single-process model that
 started from rank 0's weights and trained on the full batches (loss averaged over the batch).
 
-    python -m cs336_systems.ddp.toy_training                  # 2 ranks: NCCL with 2+ GPUs, else gloo on CPU
-    python -m cs336_systems.ddp.toy_training --backend gloo --world-size 4 --steps 20
+    python -m cs336_systems.parallel.ddp.toy_training                  # 2 ranks: NCCL with 2+ GPUs, else gloo on CPU
+    python -m cs336_systems.parallel.ddp.toy_training --backend gloo --world-size 4 --steps 20
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from cs336_systems.ddp import DDP_VARIANTS, wrap_ddp
-from cs336_systems.distributed import spawn
-from cs336_systems.sharded_optimizer import ShardedOptimizer
+from cs336_systems.parallel.ddp import DDP_VARIANTS, wrap_ddp
+from cs336_systems.parallel.distributed import spawn
+from cs336_systems.parallel.sharded_optimizer import ShardedOptimizer
 
 VARIANTS = (*DDP_VARIANTS, "sharded-optimizer")
 IN_FEATURES, HIDDEN, OUT_FEATURES = 16, 32, 4

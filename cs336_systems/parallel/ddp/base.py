@@ -16,7 +16,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
-from cs336_systems.distributed import broadcast_in_place
+from cs336_systems.parallel.distributed import broadcast_in_place
 
 
 def broadcast_module_state(module: nn.Module, src: int = 0) -> None:

@@ -10,7 +10,7 @@ from .base import DataParallelModule
 
 
 class DDPFlattened(DataParallelModule):
-    """Like :class:`~cs336_systems.ddp.naive.DDPNaive`, but one all-reduce instead of one per parameter.
+    """Like :class:`~cs336_systems.parallel.ddp.naive.DDPNaive`, but one all-reduce instead of one per parameter.
 
     The gradients are copied into one flat buffer per dtype and device (a buffer holds a single dtype),
     reduced, and copied back: fewer, larger messages in exchange for two extra copies and a buffer as

@@ -8,7 +8,7 @@ All share one interface, so a benchmark can swap them: ``wrapper(module, ...)``,
 * :class:`DDPIndividualParameters`: one async all-reduce per gradient, launched during backward;
 * :class:`DDPBucketed`: one async all-reduce per bucket of at most ``bucket_size_mb`` MiB.
 
-``python -m cs336_systems.ddp.toy_training`` checks each against single-process training.
+``python -m cs336_systems.parallel.ddp.toy_training`` checks each against single-process training.
 """
 
 from torch import nn
