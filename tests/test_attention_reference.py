@@ -47,12 +47,12 @@ def test_annotated_attention_runs_on_cpu_and_matches(is_causal):
 
 
 def test_get_attention_names():
-    assert set(ATTENTION_NAMES) == {"naive", "compiled", "annotated", "flash_pytorch", "triton"}
-    with pytest.raises(ValueError, match="naive, compiled, annotated, flash_pytorch, triton"):
+    assert set(ATTENTION_NAMES) == {"naive", "compiled", "annotated", "flash_pytorch", "triton", "sdpa"}
+    with pytest.raises(ValueError, match="naive, compiled, annotated, flash_pytorch, triton, sdpa"):
         get_attention("flash")
 
 
-@pytest.mark.parametrize("name", ["naive", "annotated", "flash_pytorch"])
+@pytest.mark.parametrize("name", ["naive", "annotated", "flash_pytorch", "sdpa"])
 def test_attention_implementations_agree_on_cpu(name):
     Q, K, V = (torch.randn(2, 4, 33, 16) for _ in range(3))
     torch.testing.assert_close(get_attention(name)(Q, K, V, True), causal_attention(Q, K, V, True), rtol=1e-5, atol=1e-5)

@@ -9,6 +9,7 @@ between them (``BasicsTransformerLM(..., attention_fn=fn)`` or ``model.set_atten
 | ``annotated`` | ``naive`` with NVTX ranges around scores, softmax and the final matmul |
 | ``flash_pytorch`` | the tiled PyTorch FlashAttention-2 (slow; a readable reference) |
 | ``triton`` | the Triton FlashAttention-2 |
+| ``sdpa`` | PyTorch's fused ``torch.nn.functional.scaled_dot_product_attention`` (the competitor) |
 
 Modules are imported on first use, so that asking for ``naive`` never imports Triton.
 """
@@ -23,7 +24,7 @@ from torch import Tensor
 
 AttentionFn = Callable[[Tensor, Tensor, Tensor, bool], Tensor]
 
-ATTENTION_NAMES = ("naive", "compiled", "annotated", "flash_pytorch", "triton")
+ATTENTION_NAMES = ("naive", "compiled", "annotated", "flash_pytorch", "triton", "sdpa")
 
 
 def _naive() -> AttentionFn:
@@ -53,6 +54,13 @@ def _triton() -> AttentionFn:
     return flash_attention
 
 
+def _sdpa() -> AttentionFn:
+    def sdpa_attention(Q: Tensor, K: Tensor, V: Tensor, is_causal: bool = True) -> Tensor:
+        return torch.nn.functional.scaled_dot_product_attention(Q, K, V, is_causal=is_causal)
+
+    return sdpa_attention
+
+
 @functools.cache
 def _compiled() -> AttentionFn:
     # One compiled function per process, so that every model layer shares its compiled graphs.
@@ -65,6 +73,7 @@ _FACTORIES: dict[str, Callable[[], AttentionFn]] = {
     "annotated": _annotated,
     "flash_pytorch": _flash_pytorch,
     "triton": _triton,
+    "sdpa": _sdpa,
 }
 
 

@@ -1,0 +1,124 @@
+"""The language model under benchmark: named sizes, random batches, and one training step in phases.
+
+Shared by every tool that runs ``BasicsTransformerLM`` (end-to-end timing, profiling, memory,
+``torch.compile``, the data-parallel benchmarks), so that all of them time the same step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import timeit
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from cs336_basics.model import MODEL_SIZES, BasicsTransformerLM
+from cs336_basics.nn_utils import cross_entropy
+from cs336_basics.optimizer import AdamW
+from cs336_systems.attention import get_attention
+from cs336_systems.bench.harness import synchronize
+
+VOCAB_SIZE = 10_000
+# A model small enough for a CPU smoke test; not one of the assignment's sizes.
+TINY = dict(d_model=64, d_ff=256, num_layers=2, num_heads=4)
+SIZES: dict[str, dict[str, int]] = {**MODEL_SIZES, "tiny": TINY}
+MODES = ("forward", "forward_backward", "train_step")
+DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class LMConfig:
+    size: str
+    context_length: int
+    batch_size: int = 4
+
+    @property
+    def hparams(self) -> dict[str, int]:
+        if self.size not in SIZES:
+            raise ValueError(f"unknown model size {self.size!r}; choose one of {', '.join(SIZES)}")
+        return SIZES[self.size]
+
+
+def build_model(config: LMConfig, device: torch.device, attention: str = "naive") -> BasicsTransformerLM:
+    """A randomly initialised float32 model of ``config.size`` on ``device``."""
+    model = BasicsTransformerLM(
+        vocab_size=VOCAB_SIZE,
+        context_length=config.context_length,
+        rope_theta=10_000.0,
+        attention_fn=get_attention(attention),
+        device=device,
+        **config.hparams,
+    )
+    return model
+
+
+def random_batch(config: LMConfig, device: torch.device, generator_seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random token ids ``(batch, seq)`` and targets of the same shape."""
+    gen = torch.Generator(device="cpu").manual_seed(generator_seed)
+    tokens = torch.randint(0, VOCAB_SIZE, (config.batch_size, config.context_length + 1), generator=gen)
+    tokens = tokens.to(device)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
+    """Mixed-precision autocast to ``dtype``, or a ``nullcontext`` for full precision."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def make_step(
+    model: nn.Module,
+    batch: tuple[torch.Tensor, torch.Tensor],
+    mode: str,
+    dtype: torch.dtype | None,
+    optimizer: torch.optim.Optimizer | None = None,
+    phase_range: Callable[[str], contextlib.AbstractContextManager] | None = None,
+) -> Callable[[dict[str, float] | None], None]:
+    """One step of ``mode`` as a function ``step(phase_seconds)``.
+
+    ``forward``: the logits (with autograd recording, as in training). ``forward_backward``: forward,
+    loss, backward.
+    ``train_step``: forward, loss, backward, ``optimizer.step()``. When ``phase_seconds`` is a dict,
+    the device is synchronised after each phase and its wall time added under ``forward``,
+    ``backward`` and ``optimizer``. ``phase_range(name)`` (e.g. an NVTX range) wraps each phase.
+    """
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+    if mode == "train_step" and optimizer is None:
+        raise ValueError("train_step needs an optimizer")
+    x, y = batch
+    device = x.device
+    phase_range = phase_range or (lambda name: contextlib.nullcontext())
+
+    def timed(name: str, fn: Callable[[], object], phase_seconds: dict[str, float] | None):
+        start = timeit.default_timer()
+        with phase_range(name):
+            out = fn()
+        if phase_seconds is not None:
+            synchronize(device)
+            phase_seconds[name] = phase_seconds.get(name, 0.0) + timeit.default_timer() - start
+        return out
+
+    def forward():
+        with autocast(device, dtype):
+            logits = model(x)
+            return cross_entropy(logits, y) if mode != "forward" else logits
+
+    def step(phase_seconds: dict[str, float] | None = None) -> None:
+        out = timed("forward", forward, phase_seconds)
+        if mode == "forward":
+            return
+        timed("backward", out.backward, phase_seconds)
+        if mode == "train_step":
+            timed("optimizer", lambda: (optimizer.step(), optimizer.zero_grad(set_to_none=True)), phase_seconds)
+        else:
+            model.zero_grad(set_to_none=True)
+
+    return step
+
+
+def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    return AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)

@@ -1,0 +1,187 @@
+"""The benchmark harness (result store, resume, out-of-memory rows, environment, timing, FLOPs) and every
+benchmark CLI's ``--quick`` run on the CPU."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from cs336_systems.bench import (
+    benchmarking_mixed_precision,
+    benchmarking_script,
+    harness,
+    memory_profiling,
+    mixed_precision_accumulation,
+    nsys_profile,
+    pytorch_attention,
+    torch_compile,
+)
+from cs336_systems.bench.lm import LMConfig, build_model
+
+CLIS = [
+    benchmarking_script,
+    nsys_profile,
+    mixed_precision_accumulation,
+    benchmarking_mixed_precision,
+    memory_profiling,
+    pytorch_attention,
+    torch_compile,
+]
+
+
+def read_rows(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_environment_record_has_device_versions_date_and_commit(monkeypatch):
+    monkeypatch.setenv("CS336_GIT_COMMIT", "abc123")
+    env = harness.environment()
+    assert {"device", "gpu_name", "gpu_count", "torch", "triton", "cuda", "date", "commit"} <= set(env)
+    assert env["commit"] == "abc123"
+    assert env["torch"] == torch.__version__
+    assert env["date"].endswith("Z")
+    if not torch.cuda.is_available():
+        assert env["device"].startswith("cpu") and env["gpu_count"] == 0
+
+
+def test_result_store_resumes_per_device_and_configuration(tmp_path):
+    store = harness.ResultStore("demo", tmp_path)
+    config = {"size": "small", "seq": 128}
+    assert not store.done(config)
+    row = store.add(config, {"mean_ms": 1.5})
+    assert row["size"] == "small" and row["mean_ms"] == 1.5 and row["run"] == store.run
+    assert row["config_keys"] == ["seq", "size"] and row["device"] == store.env["device"]
+    again = harness.ResultStore("demo", tmp_path)
+    assert again.run != store.run
+    assert again.done(config)
+    assert not again.done({"size": "small", "seq": 256})
+    assert not again.done({"size": "small"})  # a subset of a measured configuration is another case
+    assert again.pending([config, {"size": "small", "seq": 256}]) == [{"size": "small", "seq": 256}]
+    assert not harness.ResultStore("demo", tmp_path, force=True).done(config)
+    # Rows measured on another device do not count.
+    lines = (tmp_path / "demo.jsonl").read_text().replace(store.env["device"], "8x Some GPU")
+    (tmp_path / "demo.jsonl").write_text(lines)
+    assert not harness.ResultStore("demo", tmp_path).done(config)
+    with pytest.raises(ValueError, match="clash"):
+        store.add({"mean_ms": 1}, {"mean_ms": 2})
+
+
+def test_out_of_memory_is_a_row_and_other_errors_propagate():
+    def oom():
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    result = harness.measure_or_oom(oom)
+    assert result["oom"] is True and "out of memory" in result["error"]
+    assert harness.measure_or_oom(lambda: {"x": 1}) == {"oom": False, "x": 1}
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        harness.measure_or_oom(lambda: (_ for _ in ()).throw(RuntimeError("shape mismatch")))
+
+
+def test_timing_and_statistics():
+    calls = []
+    seconds = harness.time_calls(lambda: calls.append(1), warmup=3, steps=5)
+    assert len(calls) == 8 and len(seconds) == 5 and all(s >= 0 for s in seconds)
+    stats = harness.summarize_ms([0.001, 0.002, 0.003])
+    assert stats["mean_ms"] == pytest.approx(2.0) and stats["median_ms"] == pytest.approx(2.0)
+    assert stats["std_ms"] == pytest.approx(1.0) and stats["min_ms"] == pytest.approx(1.0)
+
+
+def test_lm_flops_count_every_weight_matmul_and_attention():
+    config = LMConfig("tiny", context_length=8, batch_size=2)
+    model = build_model(config, torch.device("cpu"))
+    matmul_params = sum(p.numel() for name, p in model.named_parameters() if p.dim() == 2 and "embedding" not in name)
+    h = config.hparams
+    flops = harness.lm_forward_flops(10_000, h["d_model"], h["d_ff"], h["num_layers"], 2, 8)
+    attention = h["num_layers"] * 2 * (2 * 2 * 8 * 8 * h["d_model"])  # Q K^T and P V, all heads
+    assert flops == 2 * 16 * matmul_params + attention
+    causal = harness.lm_forward_flops(10_000, h["d_model"], h["d_ff"], h["num_layers"], 2, 8, causal_attention=True)
+    assert flops - causal == attention / 2
+
+
+def test_kernel_table_and_matmul_classification():
+    kernels = [("nvjet_tst_128x256_h_bz_TNT", 30.0), ("sm90_xmma_gemm_bf16", 10.0), ("softmax_kernel", 40.0),
+               ("softmax_kernel", 20.0)]
+    table = nsys_profile.kernel_table(kernels, steps=2)
+    assert table["gpu_ms"] == pytest.approx(0.05) and table["kernel_launches"] == 2
+    assert table["matmul_share"] == pytest.approx(40 / 100)
+    assert table["top_kernels"][0] == {"name": "softmax_kernel", "ms": 0.03, "calls": 1.0, "share": 0.6, "matmul": False}
+    assert [k["name"] for k in table["top_non_matmul"]] == ["softmax_kernel"]
+
+
+@pytest.mark.parametrize("cli", CLIS, ids=lambda m: m.__name__.rsplit(".", 1)[-1])
+def test_every_cli_answers_help(cli, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--help"])
+    assert exit_info.value.code == 0
+    assert "--quick" in capsys.readouterr().out
+
+
+def test_benchmarking_script_quick_writes_rows_and_resumes(tmp_path):
+    argv = ["--quick", "--results-dir", str(tmp_path), "--modes", "forward", "train_step", "--dtypes", "fp32"]
+    benchmarking_script.main(argv)
+    rows = read_rows(tmp_path / "benchmarking_script.jsonl")
+    assert [(r["mode"], r["dtype"]) for r in rows] == [("forward", "fp32"), ("train_step", "fp32")]
+    train = rows[1]
+    assert not train["oom"] and len(train["step_ms"]) == train["steps"]
+    assert train["forward_mean_ms"] > 0 and train["backward_mean_ms"] > 0 and train["optimizer_mean_ms"] > 0
+    assert train["mean_ms"] == pytest.approx(sum(train["step_ms"]) / len(train["step_ms"]))
+    assert train["flops"] == 3 * rows[0]["flops"]
+    benchmarking_script.main(argv)  # everything measured already: no new rows
+    assert len(read_rows(tmp_path / "benchmarking_script.jsonl")) == 2
+
+
+def test_warmup_study_runs_each_warmup_count_in_its_own_process(tmp_path):
+    benchmarking_script.main(["--quick", "--results-dir", str(tmp_path), "--modes", "forward", "--dtypes", "fp32",
+                              "--warmup-study"])
+    rows = read_rows(tmp_path / "benchmarking_script.jsonl")
+    assert sorted(r["warmup"] for r in rows) == list(benchmarking_script.WARMUP_STUDY)
+    assert {r["tag"] for r in rows} == {"warmup_study"} and len({r["run"] for r in rows}) == 4
+
+
+def test_single_gpu_clis_quick_on_cpu(tmp_path, capsys):
+    args = ["--quick", "--results-dir", str(tmp_path)]
+    nsys_profile.main(args)
+    mixed_precision_accumulation.main(args)
+    benchmarking_mixed_precision.main(args)
+    memory_profiling.main(args)
+    pytorch_attention.main(args)
+    out = capsys.readouterr().out
+    assert "LayerNorm output" in out
+    accumulation = {r["variant"]: r["result"] for r in read_rows(tmp_path / "mixed_precision_accumulation.jsonl")}
+    assert accumulation["float32 += float32"] == pytest.approx(10.0, abs=1e-3)
+    assert abs(accumulation["float16 += float16"] - 10.0) > 1e-2  # float16 accumulation drifts
+    profile = read_rows(tmp_path / "nsys_profile.jsonl")[0]
+    assert profile["forward_python_ms"] > 0 and set(profile["attention_forward"]) == set(nsys_profile.ATTENTION_RANGES)
+    dtypes = {r["autocast"]: r["dtypes"] for r in read_rows(tmp_path / "benchmarking_mixed_precision.jsonl")}
+    assert dtypes["float16"]["parameters"] == "torch.float32" and dtypes["float16"]["fc1 output"] == "torch.float16"
+    assert dtypes["float16"]["gradients"] == "torch.float32"
+    assert len(read_rows(tmp_path / "memory_profiling.jsonl")) == 4
+    attention = read_rows(tmp_path / "pytorch_attention.jsonl")
+    assert all(r["forward_median_ms"] > 0 and r["backward_median_ms"] > 0 for r in attention)
+
+
+def test_torch_compile_quick_model_part(tmp_path):
+    torch_compile.main(["--quick", "--results-dir", str(tmp_path), "--part", "model", "--dtypes", "fp32",
+                        "--compile-backend", "aot_eager"])
+    rows = read_rows(tmp_path / "torch_compile.jsonl")
+    assert {(r["mode"], r["compile"]) for r in rows} == {
+        ("forward", False), ("train_step", False), ("forward", "aot_eager"), ("train_step", "aot_eager")}
+
+
+def test_memory_timeline_and_largest_allocations_from_a_snapshot(tmp_path):
+    frames = [{"filename": "/x/torch/nn/functional.py", "line": 1, "name": "linear"},
+              {"filename": "/repo/cs336_basics/model.py", "line": 42, "name": "forward"}]
+    snapshot = {"device_traces": [[
+        {"action": "alloc", "size": 2_000_000_000, "time_us": 0, "frames": frames},
+        {"action": "alloc", "size": 1_000_000_000, "time_us": 1000, "frames": []},
+        {"action": "free_requested", "size": 2_000_000_000, "time_us": 1500, "frames": frames},
+        {"action": "free_completed", "size": 2_000_000_000, "time_us": 2000, "frames": frames},
+    ]]}
+    times, gbs = memory_profiling.active_memory_timeline(snapshot)
+    assert times == [0.0, 1.0, 2.0] and gbs == [2.0, 3.0, 1.0]
+    largest = memory_profiling.largest_allocations(snapshot)
+    assert largest[0]["source"] == "model.py:42 (forward)" and largest[0]["count"] == 1
+    memory_profiling.plot_timeline(times, gbs, "test", tmp_path / "t.png")
+    assert (tmp_path / "t.png").stat().st_size > 1000
