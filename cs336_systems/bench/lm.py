@@ -95,10 +95,11 @@ def make_step(
 
     def timed(name: str, fn: Callable[[], object], phase_seconds: dict[str, float] | None):
         start = timeit.default_timer()
-        with phase_range(name):
+        with phase_range(name):  # the range ends after the synchronisation: it spans the phase's kernels
             out = fn()
+            if phase_seconds is not None:
+                synchronize(device)
         if phase_seconds is not None:
-            synchronize(device)
             phase_seconds[name] = phase_seconds.get(name, 0.0) + timeit.default_timer() - start
         return out
 

@@ -83,7 +83,8 @@ def allocation_source(frames: list[dict]) -> str:
     for frame in frames:
         if frame["filename"].endswith(".py"):
             return f"{Path(frame['filename']).name}:{frame['line']} ({frame['name']})"
-    return "unknown"
+    # Backward runs on autograd's own thread, which has no Python stack.
+    return "autograd backward (no Python frame)"
 
 
 def largest_allocations(snapshot: dict, top: int = 10) -> list[dict[str, Any]]:

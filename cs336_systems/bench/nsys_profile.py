@@ -13,8 +13,9 @@ Nsight Systems answers these questions with NVTX ranges; where ``nsys`` is missi
 Each phase runs inside NVTX ranges too, so ``nsys profile python -m cs336_systems.bench.nsys_profile``
 shows the same structure where Nsight Systems exists; nothing here depends on it.
 
-Kernels are assigned to a phase by time: the step synchronises after every phase, so a phase's kernels
-start between its range's start and end on the host clock (to which the profiler aligns GPU times).
+Kernels are assigned to a phase (and to an attention stage) by time: the profiler mirrors every
+``record_function`` range on the GPU timeline, and a kernel belongs to the range it starts in. The step
+synchronises at the end of every phase, inside its range, so phases never overlap on the GPU.
 
 Examples::
 
@@ -114,23 +115,29 @@ def profile_case(config: LMConfig, steps: int, device: torch.device) -> dict[str
             train({})
         harness.synchronize(device)
     events = list(prof.events())
-    ranges = {phase: [(e.time_range.start, e.time_range.end) for e in events if e.name == phase] for phase in PHASES}
-    device_events = [e for e in events if e.device_type != torch.autograd.DeviceType.CPU]
-    per_phase: dict[str, list[tuple[str, float]]] = {phase: [] for phase in PHASES}
-    for kernel in device_events:
-        for phase, spans in ranges.items():
-            if any(start <= kernel.time_range.start <= end for start, end in spans):
-                per_phase[phase].append((kernel.name, kernel.time_range.elapsed_us()))
-                break
+    on_gpu = lambda e: e.device_type != torch.autograd.DeviceType.CPU  # noqa: E731
+    # The profiler mirrors each record_function range on the GPU timeline as an event of the same name
+    # (a "user annotation" spanning the range's kernels): those give the spans; they are not kernels.
+    annotations = set(PHASES) | set(ATTENTION_RANGES)
+    kernels = [(e.time_range.start, e.name, e.time_range.elapsed_us()) for e in events
+               if on_gpu(e) and e.name not in annotations]
+
+    def spans(name: str) -> list[tuple[float, float]]:
+        gpu = [(e.time_range.start, e.time_range.end) for e in events if e.name == name and on_gpu(e)]
+        return gpu or [(e.time_range.start, e.time_range.end) for e in events if e.name == name]
+
+    def inside(name: str) -> list[tuple[str, float]]:
+        name_spans = spans(name)
+        return [(k, us) for start, k, us in kernels if any(a <= start <= b for a, b in name_spans)]
+
     result: dict[str, Any] = {"forward_python_ms": statistics.median(forward_s) * 1e3}
     for phase in PHASES:
-        result[phase] = kernel_table(per_phase[phase], steps)
-    step_kernels = [k for phase in PHASES for k in per_phase[phase]]
-    result["train_step"] = {key: value for key, value in kernel_table(step_kernels, steps).items()}
+        result[phase] = kernel_table(inside(phase), steps)
+    result["train_step"] = kernel_table([k for phase in PHASES for k in inside(phase)], steps)
     flops = attention_flops(config)
     attention = {}
     for name in ATTENTION_RANGES:
-        gpu_us = sum(e.device_time_total for e in events if e.name == name and e.device_type == torch.autograd.DeviceType.CPU)
+        gpu_us = sum(us for _, us in inside(name))
         attention[name] = {"gpu_ms": gpu_us / 1e3 / steps, "flops": flops[name]}
     result["attention_forward"] = attention
     return result
