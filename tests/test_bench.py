@@ -11,6 +11,7 @@ import torch
 from cs336_systems.bench import (
     benchmarking_mixed_precision,
     benchmarking_script,
+    gradient_checkpointing,
     harness,
     memory_profiling,
     mixed_precision_accumulation,
@@ -28,6 +29,7 @@ CLIS = [
     memory_profiling,
     pytorch_attention,
     torch_compile,
+    gradient_checkpointing,
 ]
 
 
@@ -185,3 +187,38 @@ def test_memory_timeline_and_largest_allocations_from_a_snapshot(tmp_path):
     assert largest[0]["source"] == "model.py:42 (forward)" and largest[0]["count"] == 1
     memory_profiling.plot_timeline(times, gbs, "test", tmp_path / "t.png")
     assert (tmp_path / "t.png").stat().st_size > 1000
+
+
+def test_activation_checkpointing_keeps_logits_and_gradients_and_saves_less():
+    config = LMConfig("tiny", context_length=16, batch_size=2)
+    model = build_model(config, torch.device("cpu"))
+    tokens = torch.randint(0, 10_000, (2, 16))
+    logits = model(tokens)
+    logits.square().mean().backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    with pytest.raises(ValueError, match=">= 0"):
+        model.set_activation_checkpointing(-1)
+    for group in (1, 2):
+        model.zero_grad()
+        model.set_activation_checkpointing(group)
+        checkpointed = model(tokens)
+        torch.testing.assert_close(checkpointed, logits, rtol=0, atol=0)
+        checkpointed.square().mean().backward()
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, grads[name], rtol=1e-6, atol=1e-7)
+    x = torch.randn(2, 16, 64, requires_grad=True)
+    per_block = gradient_checkpointing.saved_activation_bytes(model.layers[0], x, None)
+    model.set_activation_checkpointing(0)
+    whole = gradient_checkpointing.saved_activation_bytes(model, tokens, None)
+    model.set_activation_checkpointing(1)
+    assert gradient_checkpointing.saved_activation_bytes(model, tokens, None) < whole
+    assert per_block > 10 * x.numel() * 4  # a block saves many times its input
+    assert gradient_checkpointing.predicted_peak_activations(48, 4, 1, 10) == 12 * 1 + 4 * 10
+    assert gradient_checkpointing.predicted_peak_activations(48, 0, 1, 10) == 480
+
+
+def test_gradient_checkpointing_quick_on_cpu(tmp_path):
+    gradient_checkpointing.main(["--quick", "--results-dir", str(tmp_path), "--group-sizes", "1", "2", "0"])
+    rows = read_rows(tmp_path / "gradient_checkpointing.jsonl")
+    assert [r["group_size"] for r in rows] == [1, 2, 0]
+    assert all(r["saved_per_block_gb"] > 0 and r["predicted_optimum"] >= 1 and r["mean_ms"] > 0 for r in rows)

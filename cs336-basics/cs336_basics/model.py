@@ -18,6 +18,7 @@ import torch.nn as nn
 from einops import rearrange
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 from .nn_utils import softmax
 
@@ -225,6 +226,17 @@ class BasicsTransformerLM(nn.Module):
         )
         self.ln_final = RMSNorm(d_model, device=device, dtype=dtype)
         self.lm_head = Linear(d_model, vocab_size, device=device, dtype=dtype)
+        self.checkpoint_group_size = 0
+
+    def set_activation_checkpointing(self, group_size: int) -> None:
+        """Recompute activations in backward, in groups of ``group_size`` consecutive blocks (0: off).
+
+        Each group runs under ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``: forward keeps
+        only each group's input; backward re-runs the group's forward to rebuild what its gradients need.
+        """
+        if group_size < 0:
+            raise ValueError(f"group_size must be >= 0, got {group_size}")
+        self.checkpoint_group_size = group_size
 
     def set_attention(self, attention_fn: AttentionFn) -> None:
         """Make every block use ``attention_fn(Q, K, V, is_causal) -> O``."""
@@ -240,9 +252,19 @@ class BasicsTransformerLM(nn.Module):
         if token_ids.shape[-1] > self.context_length:
             raise ValueError(f"sequence length {token_ids.shape[-1]} exceeds context_length {self.context_length}")
         x = self.token_embeddings(token_ids)
-        for layer in self.layers:
-            x = layer(x)
+        k = self.checkpoint_group_size
+        if k and torch.is_grad_enabled():
+            for start in range(0, len(self.layers), k):
+                x = checkpoint(_run_blocks, self.layers[start : start + k], x, use_reentrant=False)
+        else:
+            x = _run_blocks(self.layers, x)
         return self.lm_head(self.ln_final(x))
+
+
+def _run_blocks(blocks: nn.ModuleList, x: Float[Tensor, "batch seq d_model"]) -> Float[Tensor, "batch seq d_model"]:
+    for block in blocks:
+        x = block(x)
+    return x
 
 
 MODEL_SIZES: dict[str, dict[str, int]] = {
