@@ -67,6 +67,18 @@ CASES = [
 ]
 
 
+# The backward runs in one launch or two by head dim: run each awkward case the other way too.
+OTHER_BACKWARD_CASES = [CASES[i] for i in (2, 5, 6, 8, 10, 11, 12, 13)]
+
+
+@pytest.mark.parametrize("batch, heads, n_queries, n_keys, d, is_causal, dtype", OTHER_BACKWARD_CASES)
+def test_other_backward_layout_matches_float64_reference(monkeypatch, batch, heads, n_queries, n_keys, d, is_causal,
+                                                         dtype):
+    fused = d >= flash_triton.FUSED_BACKWARD_MIN_HEAD_DIM
+    monkeypatch.setattr(flash_triton, "FUSED_BACKWARD_MIN_HEAD_DIM", 10_000 if fused else 0)
+    test_matches_float64_reference(batch, heads, n_queries, n_keys, d, is_causal, dtype)
+
+
 @pytest.mark.parametrize("batch, heads, n_queries, n_keys, d, is_causal, dtype", CASES)
 def test_matches_float64_reference(batch, heads, n_queries, n_keys, d, is_causal, dtype):
     Q, K, V = make_qkv(batch, heads, n_queries, n_keys, d, dtype, "cpu")

@@ -16,9 +16,11 @@ Speed-ups, each visible in the code:
 * Each sweep is split into tiles that need no mask (full, below the diagonal) and the few that do
   (crossing the diagonal, or ragged at the end of the sequence), chosen by constexpr flags
   (``MASKED``, ``MASK_CAUSAL``, ``MASK_ROWS``) so that the common loop carries no mask arithmetic.
-* The backward runs as two kernels without atomics: one parallel over key tiles accumulates dK
-  and dV in registers, one parallel over query tiles accumulates dQ. No kernel accumulates into a
-  global buffer, so autotuning (which runs a kernel several times) needs no zeroing pre-hook.
+* The backward needs no atomics: a program accumulates dK and dV of a key tile in registers, or dQ
+  of a query tile, or (one launch) both for tile ``i``, so that under a causal mask every program
+  does the same work. No kernel accumulates into a global buffer, so autotuning (which runs a
+  kernel several times) needs no zeroing pre-hook.
+* The forward runs its query tiles last-first: the heavy ones start early, the light ones fill the tail.
 
 All accumulators are float32; ``P`` and ``dS`` are cast to the input dtype before the matmuls that
 consume them, as in the paper. ``DOT_PRECISION`` is ``"ieee"`` or ``"tf32"`` for float32 inputs
@@ -111,7 +113,8 @@ def attn_fwd_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    start_m = tl.program_id(0) * BLOCK_M
+    # Last query tile first: under a causal mask it sweeps the most keys, and the light tiles fill the tail.
+    start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
     off_bh = tl.program_id(1)
     off_b = (off_bh // n_heads).to(tl.int64)  # int64: batch offsets can exceed 2^31 elements
     off_h = (off_bh % n_heads).to(tl.int64)
@@ -241,79 +244,6 @@ def _attn_bwd_dkdv_sweep(
     return dk, dv
 
 
-@triton.jit(do_not_specialize=_SIZE_ARGS)
-def attn_bwd_dkdv_kernel(
-    Q, K, V, dO,  # inputs: (batch, heads, n_queries | n_keys, HEAD_DIM) through the strides below
-    L, Delta,  # float32 (batch * heads, n_queries): logsumexp (natural log) and rowsum(O * dO)
-    dK, dV,  # outputs, like K and V
-    stride_qb, stride_qh, stride_qm,
-    stride_kb, stride_kh, stride_kn,
-    stride_vb, stride_vh, stride_vn,
-    stride_dob, stride_doh, stride_dom,
-    stride_dkb, stride_dkh, stride_dkn,
-    stride_dvb, stride_dvh, stride_dvn,
-    n_heads, n_queries, n_keys,
-    n_queries_key, n_keys_key,  # coarsened lengths, read only by the autotuner
-    sm_scale,  # 1 / sqrt(HEAD_DIM)
-    qk_scale,  # log2(e) / sqrt(HEAD_DIM)
-    HEAD_DIM: tl.constexpr,
-    IS_CAUSAL: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr,  # query tile swept
-    BLOCK_N: tl.constexpr,  # key tile held by the program
-):
-    start_n = tl.program_id(0) * BLOCK_N
-    off_bh = tl.program_id(1)
-    off_b = (off_bh // n_heads).to(tl.int64)
-    off_h = (off_bh % n_heads).to(tl.int64)
-
-    K_block = tl.make_block_ptr(K + off_b * stride_kb + off_h * stride_kh, shape=(n_keys, HEAD_DIM),
-                                strides=(stride_kn, 1), offsets=(start_n, 0), block_shape=(BLOCK_N, HEAD_DIM),
-                                order=(1, 0))
-    V_block = tl.make_block_ptr(V + off_b * stride_vb + off_h * stride_vh, shape=(n_keys, HEAD_DIM),
-                                strides=(stride_vn, 1), offsets=(start_n, 0), block_shape=(BLOCK_N, HEAD_DIM),
-                                order=(1, 0))
-    # Rows past n_keys load as zeros; what they accumulate stays in rows that are never stored.
-    k = tl.load(K_block, boundary_check=(0,), padding_option="zero")
-    v = tl.load(V_block, boundary_check=(0,), padding_option="zero")
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-
-    Q_ptr = Q + off_b * stride_qb + off_h * stride_qh
-    dO_ptr = dO + off_b * stride_dob + off_h * stride_doh
-    L_ptr = L + off_bh.to(tl.int64) * n_queries
-    Delta_ptr = Delta + off_bh.to(tl.int64) * n_queries
-
-    if IS_CAUSAL:
-        # Queries before start_n see none of these keys (early exit). A query tile sees every key
-        # here iff its first query >= the tile's last key, start_n + BLOCK_N - 1.
-        diagonal_start = start_n // BLOCK_M * BLOCK_M
-        diagonal_stop = tl.minimum(tl.cdiv(start_n + BLOCK_N - 1, BLOCK_M) * BLOCK_M, n_queries)
-        dk, dv = _attn_bwd_dkdv_sweep(dk, dv, k, v, offs_n, Q_ptr, dO_ptr, L_ptr, Delta_ptr, stride_qm, stride_dom,
-                                      diagonal_start, diagonal_stop, n_queries, qk_scale, True, True,
-                                      DOT_PRECISION, HEAD_DIM, BLOCK_M)
-    else:
-        diagonal_stop = 0
-    # diagonal_stop is a multiple of BLOCK_M unless it was clipped to n_queries, which ends the sweep.
-    full_tiles_end = tl.maximum(n_queries // BLOCK_M * BLOCK_M, diagonal_stop)
-    dk, dv = _attn_bwd_dkdv_sweep(dk, dv, k, v, offs_n, Q_ptr, dO_ptr, L_ptr, Delta_ptr, stride_qm, stride_dom,
-                                  diagonal_stop, full_tiles_end, n_queries, qk_scale, False, False,
-                                  DOT_PRECISION, HEAD_DIM, BLOCK_M)
-    dk, dv = _attn_bwd_dkdv_sweep(dk, dv, k, v, offs_n, Q_ptr, dO_ptr, L_ptr, Delta_ptr, stride_qm, stride_dom,
-                                  full_tiles_end, n_queries, n_queries, qk_scale, False, True,
-                                  DOT_PRECISION, HEAD_DIM, BLOCK_M)
-
-    dK_block = tl.make_block_ptr(dK + off_b * stride_dkb + off_h * stride_dkh, shape=(n_keys, HEAD_DIM),
-                                 strides=(stride_dkn, 1), offsets=(start_n, 0), block_shape=(BLOCK_N, HEAD_DIM),
-                                 order=(1, 0))
-    dV_block = tl.make_block_ptr(dV + off_b * stride_dvb + off_h * stride_dvh, shape=(n_keys, HEAD_DIM),
-                                 strides=(stride_dvn, 1), offsets=(start_n, 0), block_shape=(BLOCK_N, HEAD_DIM),
-                                 order=(1, 0))
-    tl.store(dK_block, (dk * sm_scale).to(dK.dtype.element_ty), boundary_check=(0,))
-    tl.store(dV_block, dv.to(dV.dtype.element_ty), boundary_check=(0,))
-
-
 @triton.jit
 def _attn_bwd_dq_sweep(
     dq,  # accumulator, float32 (BLOCK_M, HEAD_DIM)
@@ -355,16 +285,118 @@ def _attn_bwd_dq_sweep(
     return dq
 
 
+@triton.jit
+def _attn_bwd_dkdv_tile(
+    Q_ptr, K_ptr, V_ptr, dO_ptr, L_ptr, Delta_ptr, dK_ptr, dV_ptr,  # bases for this (batch, head)
+    stride_qm, stride_kn, stride_vn, stride_dom, stride_dkn, stride_dvn,
+    start_n,  # the key tile's first key
+    n_queries, n_keys,
+    sm_scale, qk_scale,
+    HEAD_DIM: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # query slice swept
+    BLOCK_N: tl.constexpr,  # key tile held
+):
+    """dK and dV of the keys ``start_n .. start_n + BLOCK_N``, sweeping every query that sees them."""
+    K_block = tl.make_block_ptr(K_ptr, shape=(n_keys, HEAD_DIM), strides=(stride_kn, 1), offsets=(start_n, 0),
+                                block_shape=(BLOCK_N, HEAD_DIM), order=(1, 0))
+    V_block = tl.make_block_ptr(V_ptr, shape=(n_keys, HEAD_DIM), strides=(stride_vn, 1), offsets=(start_n, 0),
+                                block_shape=(BLOCK_N, HEAD_DIM), order=(1, 0))
+    # Rows past n_keys load as zeros; what they accumulate stays in rows that are never stored.
+    k = tl.load(K_block, boundary_check=(0,), padding_option="zero")
+    v = tl.load(V_block, boundary_check=(0,), padding_option="zero")
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+
+    if IS_CAUSAL:
+        # Queries before start_n see none of these keys (early exit). A query slice sees every key
+        # here iff its first query >= the tile's last key, start_n + BLOCK_N - 1.
+        diagonal_start = start_n // BLOCK_M * BLOCK_M
+        diagonal_stop = tl.minimum(tl.cdiv(start_n + BLOCK_N - 1, BLOCK_M) * BLOCK_M, n_queries)
+        dk, dv = _attn_bwd_dkdv_sweep(dk, dv, k, v, offs_n, Q_ptr, dO_ptr, L_ptr, Delta_ptr, stride_qm, stride_dom,
+                                      diagonal_start, diagonal_stop, n_queries, qk_scale, True, True,
+                                      DOT_PRECISION, HEAD_DIM, BLOCK_M)
+    else:
+        diagonal_stop = 0
+    # diagonal_stop is a multiple of BLOCK_M unless it was clipped to n_queries, which ends the sweep.
+    full_slices_end = tl.maximum(n_queries // BLOCK_M * BLOCK_M, diagonal_stop)
+    dk, dv = _attn_bwd_dkdv_sweep(dk, dv, k, v, offs_n, Q_ptr, dO_ptr, L_ptr, Delta_ptr, stride_qm, stride_dom,
+                                  diagonal_stop, full_slices_end, n_queries, qk_scale, False, False,
+                                  DOT_PRECISION, HEAD_DIM, BLOCK_M)
+    dk, dv = _attn_bwd_dkdv_sweep(dk, dv, k, v, offs_n, Q_ptr, dO_ptr, L_ptr, Delta_ptr, stride_qm, stride_dom,
+                                  full_slices_end, n_queries, n_queries, qk_scale, False, True,
+                                  DOT_PRECISION, HEAD_DIM, BLOCK_M)
+
+    dK_block = tl.make_block_ptr(dK_ptr, shape=(n_keys, HEAD_DIM), strides=(stride_dkn, 1), offsets=(start_n, 0),
+                                 block_shape=(BLOCK_N, HEAD_DIM), order=(1, 0))
+    dV_block = tl.make_block_ptr(dV_ptr, shape=(n_keys, HEAD_DIM), strides=(stride_dvn, 1), offsets=(start_n, 0),
+                                 block_shape=(BLOCK_N, HEAD_DIM), order=(1, 0))
+    tl.store(dK_block, (dk * sm_scale).to(dK_ptr.dtype.element_ty), boundary_check=(0,))
+    tl.store(dV_block, dv.to(dV_ptr.dtype.element_ty), boundary_check=(0,))
+
+
+@triton.jit
+def _attn_bwd_dq_tile(
+    Q_ptr, K_ptr, V_ptr, dO_ptr, L_ptr, Delta_ptr, dQ_ptr,  # bases for this (batch, head)
+    stride_qm, stride_kn, stride_vn, stride_dom, stride_dqm,
+    start_m,  # the query tile's first query
+    n_queries, n_keys,
+    sm_scale, qk_scale,
+    HEAD_DIM: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # query tile held
+    BLOCK_N: tl.constexpr,  # key slice swept
+):
+    """dQ of the queries ``start_m .. start_m + BLOCK_M``, sweeping every key they see."""
+    Q_block = tl.make_block_ptr(Q_ptr, shape=(n_queries, HEAD_DIM), strides=(stride_qm, 1), offsets=(start_m, 0),
+                                block_shape=(BLOCK_M, HEAD_DIM), order=(1, 0))
+    dO_block = tl.make_block_ptr(dO_ptr, shape=(n_queries, HEAD_DIM), strides=(stride_dom, 1), offsets=(start_m, 0),
+                                 block_shape=(BLOCK_M, HEAD_DIM), order=(1, 0))
+    K_block = tl.make_block_ptr(K_ptr, shape=(n_keys, HEAD_DIM), strides=(stride_kn, 1), offsets=(0, 0),
+                                block_shape=(BLOCK_N, HEAD_DIM), order=(1, 0))
+    V_block = tl.make_block_ptr(V_ptr, shape=(n_keys, HEAD_DIM), strides=(stride_vn, 1), offsets=(0, 0),
+                                block_shape=(BLOCK_N, HEAD_DIM), order=(1, 0))
+    # Rows past n_queries load as zeros (and logsumexp 0), so they stay finite; they are never stored.
+    q = tl.load(Q_block, boundary_check=(0,), padding_option="zero")
+    do = tl.load(dO_block, boundary_check=(0,), padding_option="zero")
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    in_bounds = offs_m < n_queries
+    logsumexp = tl.load(L_ptr + offs_m, mask=in_bounds, other=0.0) * LOG2_E
+    delta = tl.load(Delta_ptr + offs_m, mask=in_bounds, other=0.0)
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+
+    full_slices_end = n_keys // BLOCK_N * BLOCK_N
+    if IS_CAUSAL:  # the same key ranges as the forward
+        key_stop = tl.minimum(n_keys, start_m + BLOCK_M)
+        unmasked_end = tl.minimum((start_m + 1) // BLOCK_N * BLOCK_N, full_slices_end)
+    else:
+        key_stop = n_keys
+        unmasked_end = full_slices_end
+    dq = _attn_bwd_dq_sweep(dq, q, do, logsumexp, delta, offs_m, K_block, V_block, 0, unmasked_end, n_keys,
+                            qk_scale, IS_CAUSAL, False, DOT_PRECISION, BLOCK_N)
+    dq = _attn_bwd_dq_sweep(dq, q, do, logsumexp, delta, offs_m, K_block, V_block, unmasked_end, key_stop, n_keys,
+                            qk_scale, IS_CAUSAL, True, DOT_PRECISION, BLOCK_N)
+
+    dQ_block = tl.make_block_ptr(dQ_ptr, shape=(n_queries, HEAD_DIM), strides=(stride_dqm, 1), offsets=(start_m, 0),
+                                 block_shape=(BLOCK_M, HEAD_DIM), order=(1, 0))
+    tl.store(dQ_block, (dq * sm_scale).to(dQ_ptr.dtype.element_ty), boundary_check=(0,))
+
+
 @triton.jit(do_not_specialize=_SIZE_ARGS)
-def attn_bwd_dq_kernel(
+def attn_bwd_kernel(
     Q, K, V, dO,  # inputs: (batch, heads, n_queries | n_keys, HEAD_DIM) through the strides below
     L, Delta,  # float32 (batch * heads, n_queries): logsumexp (natural log) and rowsum(O * dO)
-    dQ,  # output, like Q
+    dQ, dK, dV,  # outputs, like Q, K and V
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_dom,
     stride_dqb, stride_dqh, stride_dqm,
+    stride_dkb, stride_dkh, stride_dkn,
+    stride_dvb, stride_dvh, stride_dvn,
     n_heads, n_queries, n_keys,
     n_queries_key, n_keys_key,  # coarsened lengths, read only by the autotuner
     sm_scale,  # 1 / sqrt(HEAD_DIM)
@@ -372,48 +404,38 @@ def attn_bwd_dq_kernel(
     HEAD_DIM: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr,  # query tile held by the program
-    BLOCK_N: tl.constexpr,  # key tile swept
+    TILE: tl.constexpr,  # keys (dK/dV part) and queries (dQ part) held by the program
+    SLICE: tl.constexpr,  # queries (dK/dV part) and keys (dQ part) per step of the sweeps
+    PART: tl.constexpr,  # "dkdv", "dq" or "both"
 ):
-    start_m = tl.program_id(0) * BLOCK_M
+    """Program ``i`` computes dK and dV of key tile ``i`` (``PART`` "dkdv"), dQ of query tile ``i``
+    ("dq"), or both, one after the other ("both").
+
+    "both": under a causal mask key tile ``i`` sees the queries from ``i * TILE`` on and query tile ``i``
+    the keys up to ``(i + 1) * TILE``, so every program does the same work, in one launch; but the
+    program must hold the registers of both parts. Two launches ("dkdv", then "dq") let each part
+    pick its own tiles. The held tile is large and the swept slice small, which keeps the two
+    float32 accumulators of the dK/dV part in registers.
+    """
+    tile_start = tl.program_id(0) * TILE
     off_bh = tl.program_id(1)
     off_b = (off_bh // n_heads).to(tl.int64)
     off_h = (off_bh % n_heads).to(tl.int64)
+    Q_ptr = Q + off_b * stride_qb + off_h * stride_qh
+    K_ptr = K + off_b * stride_kb + off_h * stride_kh
+    V_ptr = V + off_b * stride_vb + off_h * stride_vh
+    dO_ptr = dO + off_b * stride_dob + off_h * stride_doh
+    L_ptr = L + off_bh.to(tl.int64) * n_queries
+    Delta_ptr = Delta + off_bh.to(tl.int64) * n_queries
 
-    Q_block = tl.make_block_ptr(Q + off_b * stride_qb + off_h * stride_qh, shape=(n_queries, HEAD_DIM),
-                                strides=(stride_qm, 1), offsets=(start_m, 0), block_shape=(BLOCK_M, HEAD_DIM),
-                                order=(1, 0))
-    dO_block = tl.make_block_ptr(dO + off_b * stride_dob + off_h * stride_doh, shape=(n_queries, HEAD_DIM),
-                                 strides=(stride_dom, 1), offsets=(start_m, 0), block_shape=(BLOCK_M, HEAD_DIM),
-                                 order=(1, 0))
-    K_block = tl.make_block_ptr(K + off_b * stride_kb + off_h * stride_kh, shape=(n_keys, HEAD_DIM),
-                                strides=(stride_kn, 1), offsets=(0, 0), block_shape=(BLOCK_N, HEAD_DIM),
-                                order=(1, 0))
-    V_block = tl.make_block_ptr(V + off_b * stride_vb + off_h * stride_vh, shape=(n_keys, HEAD_DIM),
-                                strides=(stride_vn, 1), offsets=(0, 0), block_shape=(BLOCK_N, HEAD_DIM),
-                                order=(1, 0))
-    # Rows past n_queries load as zeros (and logsumexp 0), so they stay finite; they are never stored.
-    q = tl.load(Q_block, boundary_check=(0,), padding_option="zero")
-    do = tl.load(dO_block, boundary_check=(0,), padding_option="zero")
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    in_bounds = offs_m < n_queries
-    logsumexp = tl.load(L + off_bh.to(tl.int64) * n_queries + offs_m, mask=in_bounds, other=0.0) * LOG2_E
-    delta = tl.load(Delta + off_bh.to(tl.int64) * n_queries + offs_m, mask=in_bounds, other=0.0)
-    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-
-    full_tiles_end = n_keys // BLOCK_N * BLOCK_N
-    if IS_CAUSAL:  # the same key ranges as the forward
-        key_stop = tl.minimum(n_keys, start_m + BLOCK_M)
-        unmasked_end = tl.minimum((start_m + 1) // BLOCK_N * BLOCK_N, full_tiles_end)
-    else:
-        key_stop = n_keys
-        unmasked_end = full_tiles_end
-    dq = _attn_bwd_dq_sweep(dq, q, do, logsumexp, delta, offs_m, K_block, V_block, 0, unmasked_end, n_keys,
-                            qk_scale, IS_CAUSAL, False, DOT_PRECISION, BLOCK_N)
-    dq = _attn_bwd_dq_sweep(dq, q, do, logsumexp, delta, offs_m, K_block, V_block, unmasked_end, key_stop, n_keys,
-                            qk_scale, IS_CAUSAL, True, DOT_PRECISION, BLOCK_N)
-
-    dQ_block = tl.make_block_ptr(dQ + off_b * stride_dqb + off_h * stride_dqh, shape=(n_queries, HEAD_DIM),
-                                 strides=(stride_dqm, 1), offsets=(start_m, 0), block_shape=(BLOCK_M, HEAD_DIM),
-                                 order=(1, 0))
-    tl.store(dQ_block, (dq * sm_scale).to(dQ.dtype.element_ty), boundary_check=(0,))
+    if PART != "dq" and tile_start < n_keys:
+        _attn_bwd_dkdv_tile(Q_ptr, K_ptr, V_ptr, dO_ptr, L_ptr, Delta_ptr,
+                            dK + off_b * stride_dkb + off_h * stride_dkh, dV + off_b * stride_dvb + off_h * stride_dvh,
+                            stride_qm, stride_kn, stride_vn, stride_dom, stride_dkn, stride_dvn,
+                            tile_start, n_queries, n_keys, sm_scale, qk_scale,
+                            HEAD_DIM, IS_CAUSAL, DOT_PRECISION, SLICE, TILE)
+    if PART != "dkdv" and tile_start < n_queries:
+        _attn_bwd_dq_tile(Q_ptr, K_ptr, V_ptr, dO_ptr, L_ptr, Delta_ptr, dQ + off_b * stride_dqb + off_h * stride_dqh,
+                          stride_qm, stride_kn, stride_vn, stride_dom, stride_dqm,
+                          tile_start, n_queries, n_keys, sm_scale, qk_scale,
+                          HEAD_DIM, IS_CAUSAL, DOT_PRECISION, TILE, SLICE)
