@@ -240,7 +240,7 @@ def settings(args) -> list[tuple[int, str, list[str]]]:
         has_gpus, reason = dl.choose_backend(world_size)
         backends = [b for b in args.backends if b == "gloo" or has_gpus == "nccl"]
         skipped = sorted(set(args.backends) - set(backends))
-        if skipped:
+        if skipped and dl.is_rank0_process():
             print(f"# {world_size} ranks: skipping {', '.join(skipped)} ({reason})", file=sys.stderr)
         if backends:
             out.append((world_size, "nccl" if "nccl" in backends else "gloo", backends))
@@ -249,9 +249,9 @@ def settings(args) -> list[tuple[int, str, list[str]]]:
 
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
-    if dl.gpu_count() == 0:
+    if dl.gpu_count() == 0 and dl.is_rank0_process():
         print("# no GPU found: gloo on CPU processes only", file=sys.stderr)
-    if args.quick:
+    if args.quick and dl.is_rank0_process():
         print("# --quick: small tensors, 2 ranks, few calls", file=sys.stderr)
     args.sizes_mb = args.sizes_mb or (QUICK_SIZES_MB if args.quick else SIZES_MB)
     args.world_sizes = args.world_sizes or ([2] if args.quick else WORLD_SIZES)
@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> None:
         args.world_sizes = [int(os.environ["WORLD_SIZE"])]
     for world_size, backend, backends in settings(args):
         dl.launch(_worker, world_size, args, backends, backend=backend, timeout_s=args.timeout_s)
-    if not dl.under_torchrun() or int(os.environ["RANK"]) == 0:
+    if dl.is_rank0_process():
         report(args)
 
 

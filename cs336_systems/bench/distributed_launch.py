@@ -30,6 +30,11 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
 
 
+def is_rank0_process() -> bool:
+    """Whether this process prints and writes: always when it spawns the ranks, rank 0's under torchrun."""
+    return not under_torchrun() or int(os.environ["RANK"]) == 0
+
+
 def gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
