@@ -140,15 +140,16 @@ class Marker:
 
 
 def make_train_step(wrapped: nn.Module, optimizer, batch, dtype: torch.dtype | None, marker: Marker):
-    """A training step ``step() -> (mark after backward, mark after gradient synchronisation)``.
+    """A training step ``step(update=True) -> (mark after backward, mark after gradient synchronisation)``.
 
-    The phases are ``record_function`` ranges, so a profiler trace shows them on the timeline.
+    ``update=False`` stops before ``optimizer.step()``. The phases are ``record_function`` ranges, so a
+    profiler trace shows them on the timeline.
     """
     x, y = batch
     finish = getattr(wrapped, "finish_gradient_synchronization", None)
     start = getattr(wrapped, "on_train_batch_start", None)
 
-    def step():
+    def step(update: bool = True):
         if start is not None:
             start()
         optimizer.zero_grad(set_to_none=True)
@@ -161,8 +162,9 @@ def make_train_step(wrapped: nn.Module, optimizer, batch, dtype: torch.dtype | N
             if finish is not None:
                 finish()
         after_sync = marker.mark()
-        with torch.profiler.record_function("optimizer"):
-            optimizer.step()
+        if update:
+            with torch.profiler.record_function("optimizer"):
+                optimizer.step()
         return after_backward, after_sync
 
     return step
