@@ -245,28 +245,33 @@ def trace_and_draw(step, variant: str, dtype: str, device: torch.device, args, s
 # ---------------------------------------------------------------------------------------------
 
 
+def case(args, world_size: int, variant: str, dtype: str) -> dict[str, Any]:
+    """The configuration keys of one row."""
+    return dict(size=args.size, context_length=args.context_length, batch_size=args.batch_size,
+                world_size=world_size, attention=args.attention, variant=variant, dtype=dtype)
+
+
+def wanted_cases(args, world_size: int) -> list[dict[str, Any]]:
+    return [case(args, world_size, v, d) for v in [LOCAL, *args.variants] for d in args.dtypes]
+
+
 def _worker(rank: int, world_size: int, args) -> None:
     device = dl.rank_device()
     store = harness.ResultStore(PROBLEM, args.results_dir, args.force) if rank == 0 else None
-    base = dict(size=args.size, context_length=args.context_length, batch_size=args.batch_size,
-                world_size=world_size, attention=args.attention)
-    wanted = [{**base, "variant": v, "dtype": d} for v in [LOCAL, *args.variants] for d in args.dtypes]
-    pending = dl.from_rank0(store.pending(wanted) if rank == 0 else None)
-    todo = [case for case in pending if case["variant"] != LOCAL]
-    if not todo and not pending:
-        if rank == 0:
-            print("# everything already measured", file=sys.stderr)
+    pending = dl.from_rank0(store.pending(wanted_cases(args, world_size)) if rank == 0 else None)
+    todo = [c for c in pending if c["variant"] != LOCAL]
+    if not pending:
         return
-    dtypes = [d for d in args.dtypes if any(case["dtype"] == d for case in pending)]
-    variants = [LOCAL, *dict.fromkeys(case["variant"] for case in todo)]
-    config = LMConfig(args.size, args.context_length, args.batch_size)
-    batch = random_batch(config, device, generator_seed=rank)  # each rank its own sequences, same in every variant
+    dtypes = [d for d in args.dtypes if any(c["dtype"] == d for c in pending)]
+    variants = [LOCAL, *dict.fromkeys(c["variant"] for c in todo)]
+    lm_config = LMConfig(args.size, args.context_length, args.batch_size)
+    batch = random_batch(lm_config, device, generator_seed=rank)  # each rank its own sequences, same in every variant
     compute_ms: dict[str, float] = {}
     rows = []
     bar = harness.progress(variants, PROBLEM) if rank == 0 else None
     for variant in variants:
         torch.manual_seed(0)  # the same weights for every variant (the wrappers also broadcast rank 0's)
-        model = build_model(config, device, args.attention)
+        model = build_model(lm_config, device, args.attention)
         wrapped = wrap(variant, model, device)
         optimizer = make_optimizer(model)
         grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
@@ -279,9 +284,9 @@ def _worker(rank: int, world_size: int, args) -> None:
                           n_buckets=communication_calls(variant, wrapped), grad_bytes=grad_bytes,
                           bucket_mb=float(m.group(1)) if (m := BUCKETED.fullmatch(variant)) else None,
                           warmup=args.warmup, steps=args.steps, backend=dist.get_backend())
-            case = {**base, "variant": variant, "dtype": dtype}
+            config = case(args, world_size, variant, dtype)
             if rank == 0:
-                rows.append(store.add(case, result) if case in pending else {**case, **result})
+                rows.append(store.add(config, result) if config in pending else {**config, **result})
         del model, wrapped, optimizer
         harness.free_memory()
         if bar is not None:
@@ -306,6 +311,10 @@ def main(argv: list[str] | None = None) -> None:
     args.batch_size = args.batch_size or (2 if tiny else 4)
     if args.quick:
         args.warmup, args.steps = 1, 2
+    if not harness.ResultStore(PROBLEM, args.results_dir, args.force).pending(wanted_cases(args, world_size)):
+        if dl.is_rank0_process():
+            print("# everything already measured", file=sys.stderr)
+        return
     dl.launch(_worker, world_size, args, backend=backend, timeout_s=args.timeout_s)
 
 

@@ -115,13 +115,14 @@ def measure_case(size_mb: float, group: dist.ProcessGroup | None, device: torch.
     }
 
 
+def wanted_cases(args, world_size: int, backends: list[str]) -> list[dict[str, Any]]:
+    return [{"backend": b, "world_size": world_size, "size_mb": s} for b in backends for s in args.sizes_mb]
+
+
 def _worker(rank: int, world_size: int, args, backends: list[str]) -> None:
     default_backend = dist.get_backend()
     store = harness.ResultStore(PROBLEM, args.results_dir, args.force) if rank == 0 else None
-    cases = dl.from_rank0(
-        store.pending([{"backend": b, "world_size": world_size, "size_mb": s} for b in backends for s in args.sizes_mb])
-        if rank == 0 else None
-    )
+    cases = dl.from_rank0(store.pending(wanted_cases(args, world_size, backends)) if rank == 0 else None)
     for backend in backends:
         # Every rank creates every group, in the same order (new_group is collective).
         group = None if backend == default_backend else dist.new_group(backend=backend)
@@ -259,8 +260,10 @@ def main(argv: list[str] | None = None) -> None:
         args.warmup, args.iters, args.min_iters = 1, 3, 2
     if dl.under_torchrun():
         args.world_sizes = [int(os.environ["WORLD_SIZE"])]
+    store = harness.ResultStore(PROBLEM, args.results_dir, args.force)
     for world_size, backend, backends in settings(args):
-        dl.launch(_worker, world_size, args, backends, backend=backend, timeout_s=args.timeout_s)
+        if store.pending(wanted_cases(args, world_size, backends)):  # else no group to start
+            dl.launch(_worker, world_size, args, backends, backend=backend, timeout_s=args.timeout_s)
     if dl.is_rank0_process():
         report(args)
 

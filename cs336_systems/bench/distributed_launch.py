@@ -60,11 +60,19 @@ def launch(worker: Callable[..., None], world_size: int, *args: Any, backend: st
             print(f"# torchrun: world size {torchrun_world} (not {world_size})", file=sys.stderr)
         init_from_env(backend, timeout_s=timeout_s)
         try:
-            worker(rank, torchrun_world, *args)
+            _run_worker(rank, torchrun_world, worker, *args)
         finally:
             cleanup()
     else:
-        spawn(worker, world_size, *args, backend=backend, timeout_s=timeout_s)
+        spawn(_run_worker, world_size, worker, *args, backend=backend, timeout_s=timeout_s)
+
+
+def _run_worker(rank: int, world_size: int, worker: Callable[..., None], *args: Any) -> None:
+    if dist.get_backend() == "gloo":
+        # CPU ranks share the host's cores; each taking all of them oversubscribes it many times over.
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
+    worker(rank, world_size, *args)
 
 
 def rank_device() -> torch.device:

@@ -172,15 +172,17 @@ def summarize(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def wanted_cases(args, world_size: int) -> list[dict[str, Any]]:
+    base = dict(size=args.size, context_length=args.context_length, batch_size=args.batch_size,
+                world_size=world_size, dtype=args.dtype, ddp=args.ddp, attention=args.attention)
+    return [{**base, "optimizer": o} for o in args.optimizers]
+
+
 def _worker(rank: int, world_size: int, args) -> None:
     device = dl.rank_device()
     store = harness.ResultStore(PROBLEM, args.results_dir, args.force) if rank == 0 else None
-    base = dict(size=args.size, context_length=args.context_length, batch_size=args.batch_size,
-                world_size=world_size, dtype=args.dtype, ddp=args.ddp, attention=args.attention)
-    cases = dl.from_rank0(store.pending([{**base, "optimizer": o} for o in args.optimizers]) if rank == 0 else None)
+    cases = dl.from_rank0(store.pending(wanted_cases(args, world_size)) if rank == 0 else None)
     if not cases:
-        if rank == 0:
-            print("# everything already measured", file=sys.stderr)
         return
     batch = random_batch(LMConfig(args.size, args.context_length, args.batch_size), device, generator_seed=rank)
     rows = []
@@ -208,6 +210,10 @@ def main(argv: list[str] | None = None) -> None:
     args.batch_size = args.batch_size or (2 if tiny else 4)
     if args.quick:
         args.warmup, args.steps = 1, 2
+    if not harness.ResultStore(PROBLEM, args.results_dir, args.force).pending(wanted_cases(args, world_size)):
+        if dl.is_rank0_process():
+            print("# everything already measured", file=sys.stderr)
+        return
     dl.launch(_worker, world_size, args, backend=backend, timeout_s=args.timeout_s)
 
 
