@@ -121,5 +121,8 @@ def make_step(
     return step
 
 
+ADAMW_KWARGS = dict(lr=1e-4, weight_decay=0.01)
+
+
 def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
-    return AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+    return AdamW(model.parameters(), **ADAMW_KWARGS)

@@ -40,11 +40,12 @@ def setup_process_group(
     port: int | None = None,
     timeout_s: float = 120.0,
     store: dist.Store | None = None,
+    local_rank: int | None = None,
 ) -> torch.device:
-    """Join a process group on localhost and return this rank's device (its own GPU under NCCL).
+    """Join a process group and return this rank's device (under NCCL, GPU ``local_rank`` of this host).
 
     The ranks meet through ``store`` when given, else at ``MASTER_ADDR:port`` (``MASTER_PORT`` when
-    ``port`` is None).
+    ``port`` is None; ``MASTER_ADDR`` defaults to localhost). ``local_rank`` defaults to ``rank`` (one host).
     """
     for key, value in _SAFE_NCCL_ENV.items():
         os.environ.setdefault(key, value)
@@ -55,9 +56,14 @@ def setup_process_group(
         if "MASTER_PORT" not in os.environ:
             raise ValueError("no port: pass port= or set MASTER_PORT")
     if backend == "nccl":
-        if torch.cuda.device_count() < world_size:
-            raise ValueError(f"nccl needs one GPU per rank: world_size={world_size}, GPUs={torch.cuda.device_count()}")
-        device = torch.device("cuda", rank)
+        # One host: every rank needs its GPU here. Several hosts (torchrun): this host's ranks do.
+        gpus_needed = world_size if local_rank is None else local_rank + 1
+        if torch.cuda.device_count() < gpus_needed:
+            raise ValueError(
+                f"nccl needs one GPU per rank: world_size={world_size}, local rank {local_rank}, "
+                f"GPUs={torch.cuda.device_count()}"
+            )
+        device = torch.device("cuda", rank if local_rank is None else local_rank)
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
@@ -73,10 +79,13 @@ def setup_process_group(
 
 
 def init_from_env(backend: str | None = None, timeout_s: float = 600.0) -> torch.device:
-    """Join the process group described by torchrun's environment variables."""
+    """Join the process group described by torchrun's environment variables (one GPU per local rank)."""
     rank = int(os.environ["RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
-    return setup_process_group(rank, world_size, backend or default_backend(), timeout_s=timeout_s)
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    return setup_process_group(
+        rank, world_size, backend or default_backend(), timeout_s=timeout_s, local_rank=local_rank
+    )
 
 
 def cleanup() -> None:

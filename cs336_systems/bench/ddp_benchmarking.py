@@ -1,0 +1,322 @@
+"""Data-parallel training of the XL model on 2 GPUs, every DDP variant beside PyTorch's (problem ``ddp_benchmarking``).
+
+Variants (all with the same data, the same AdamW and the same random weights, fp32 and bf16 autocast):
+
+* ``naive``: one blocking all-reduce per parameter after backward; ``flat``: one all-reduce of all
+  gradients flattened into one buffer; ``overlap``: one async all-reduce per parameter, launched by a
+  gradient hook during backward; ``bucketed_<N>mb``: async all-reduces of buckets of at most N MiB;
+  ``torch_ddp``: ``torch.nn.parallel.DistributedDataParallel`` with its defaults;
+* ``local``: every rank trains its own batch alone, no wrapper, no communication. Its step time is the
+  compute time of the per-rank batch, measured in the same run as the others (it is measured whenever
+  anything else is, and its row written when it is missing).
+
+Per variant and dtype, after warm-up steps, every step is timed on every rank (synchronised wall
+clock) and averaged over ranks; the row holds the median step (``step_ms``), the communication time
+``comm_ms`` and the exposed communication ``exposed_ms = step_ms - compute_ms``, ``compute_ms`` being
+the ``local`` median of this run. ``comm_ms`` is the device time from the end of backward to the end of
+``finish_gradient_synchronization()`` (CUDA events on the compute stream): for ``naive`` and ``flat``
+the whole all-reduce time (plus the flattening copies), for ``overlap`` and the bucketed ones the wait
+for the all-reduces still in flight when backward ends. PyTorch's DDP waits inside backward: no
+``comm_ms``, only ``exposed_ms``.
+
+``--trace`` records one more step of each of ``--trace-variants`` with ``torch.profiler`` on every rank
+(Chrome traces under ``--trace-dir``, outside git), draws the compute and NCCL lanes of all ranks to
+``writeup/figures/ddp_overlap_<variant>_<dtype>.png`` (:mod:`cs336_systems.bench.timeline`) and adds the
+traced communication busy time and its share overlapped with compute to the row.
+
+With fewer GPUs than ranks the ranks are CPU processes (gloo) and the model is tiny, as the tool says.
+
+Examples::
+
+    python -m cs336_systems.bench.ddp_benchmarking                            # 2 GPUs, xl, every variant
+    python -m cs336_systems.bench.ddp_benchmarking --variants naive bucketed_100mb --dtypes bf16 --trace
+    torchrun --nproc_per_node=2 -m cs336_systems.bench.ddp_benchmarking --dtypes fp32
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import sys
+import tempfile
+import timeit
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from cs336_basics.nn_utils import cross_entropy
+from cs336_systems.bench import distributed_launch as dl
+from cs336_systems.bench import harness, timeline
+from cs336_systems.bench.lm import DTYPES, SIZES, LMConfig, autocast, build_model, make_optimizer, random_batch
+from cs336_systems.parallel.ddp import wrap_ddp
+
+PROBLEM = "ddp_benchmarking"
+LOCAL = "local"
+VARIANTS = ["naive", "flat", "overlap", "bucketed_1mb", "bucketed_10mb", "bucketed_100mb", "bucketed_1000mb",
+            "torch_ddp"]
+TRACE_VARIANTS = ["naive", "bucketed_100mb"]
+BUCKETED = re.compile(r"bucketed_(\d+(?:\.\d+)?)mb")
+DEFAULT_TRACE_DIR = Path(os.environ.get("OUT") or tempfile.gettempdir()) / "ddp_traces"
+
+
+def variant_name(name: str) -> str:
+    """Validate a variant name (argparse type): a fixed name or ``bucketed_<N>mb``."""
+    if name in (*VARIANTS, LOCAL) or BUCKETED.fullmatch(name):
+        return name
+    raise argparse.ArgumentTypeError(f"unknown variant {name!r}: one of {', '.join(VARIANTS)}, or bucketed_<N>mb")
+
+
+def parser():
+    p = harness.base_parser(__doc__)
+    p.add_argument("--variants", nargs="+", type=variant_name, default=VARIANTS, help="default: all")
+    p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
+    p.add_argument("--size", default=None, choices=list(SIZES), help="model size (default xl; tiny on CPU)")
+    p.add_argument("--context-length", type=int, default=None, help="default 512 (32 on CPU)")
+    p.add_argument("--batch-size", type=int, default=None, help="sequences per rank (default 4; 2 on CPU)")
+    p.add_argument("--attention", default="naive")
+    p.add_argument("--world-size", type=int, default=2, help="ranks when not under torchrun (default 2)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps per variant and dtype (default 3)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per variant and dtype (default 10)")
+    p.add_argument("--trace", action="store_true", help="profile one step of each --trace-variants and draw it")
+    p.add_argument("--trace-variants", nargs="+", type=variant_name, default=TRACE_VARIANTS,
+                   help=f"default {' '.join(TRACE_VARIANTS)}")
+    p.add_argument("--trace-dir", type=Path, default=DEFAULT_TRACE_DIR, help=f"raw traces (default {DEFAULT_TRACE_DIR})")
+    p.add_argument("--figures-dir", type=Path, default=None, help=f"where PNGs go (default {harness.FIGURES_DIR})")
+    p.add_argument("--timeout-s", type=float, default=3600.0, help="give up if the run hangs this long")
+    return p
+
+
+# ---------------------------------------------------------------------------------------------
+# One variant on one rank
+# ---------------------------------------------------------------------------------------------
+
+
+def wrap(variant: str, model: nn.Module, device: torch.device) -> nn.Module:
+    """``model`` inside the data-parallel wrapper that ``variant`` names (itself for ``local``)."""
+    if variant == LOCAL:
+        return model
+    if variant == "torch_ddp":
+        return nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    bucketed = BUCKETED.fullmatch(variant)
+    if bucketed:
+        return wrap_ddp("bucketed", model, float(bucketed.group(1)))
+    return wrap_ddp({"naive": "naive", "flat": "flattened", "overlap": "overlapped"}[variant], model)
+
+
+def communication_calls(variant: str, wrapped: nn.Module) -> int | None:
+    """All-reduce calls per step (``n_b`` of the overhead model); None where PyTorch decides."""
+    if variant == LOCAL:
+        return 0
+    if hasattr(wrapped, "buckets"):
+        return len(wrapped.buckets)
+    if variant == "flat":
+        return len({(p.dtype, p.device) for p in wrapped.trainable_parameters()})
+    if variant in ("naive", "overlap"):
+        return len(wrapped.trainable_parameters())
+    return None
+
+
+class Marker:
+    """Points in a rank's step on the device timeline (CUDA events), or wall-clock times on a CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def mark(self):
+        if not self.cuda:
+            return timeit.default_timer()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def elapsed_ms(self, start, end) -> float:
+        """Milliseconds between two marks (after the device has passed both)."""
+        return start.elapsed_time(end) if self.cuda else (end - start) * 1e3
+
+
+def make_train_step(wrapped: nn.Module, optimizer, batch, dtype: torch.dtype | None, marker: Marker):
+    """A training step ``step(update=True) -> (mark after backward, mark after gradient synchronisation)``.
+
+    ``update=False`` stops before ``optimizer.step()``. The phases are ``record_function`` ranges, so a
+    profiler trace shows them on the timeline.
+    """
+    x, y = batch
+    finish = getattr(wrapped, "finish_gradient_synchronization", None)
+    start = getattr(wrapped, "on_train_batch_start", None)
+
+    def step(update: bool = True):
+        if start is not None:
+            start()
+        optimizer.zero_grad(set_to_none=True)
+        with torch.profiler.record_function("forward"), autocast(x.device, dtype):
+            loss = cross_entropy(wrapped(x), y)
+        with torch.profiler.record_function("backward"):
+            loss.backward()
+        after_backward = marker.mark()
+        with torch.profiler.record_function("finish_gradient_synchronization"):
+            if finish is not None:
+                finish()
+        after_sync = marker.mark()
+        if update:
+            with torch.profiler.record_function("optimizer"):
+                optimizer.step()
+        return after_backward, after_sync
+
+    return step
+
+
+def time_steps(step, device: torch.device, marker: Marker, warmup: int, steps: int) -> tuple[list[float], list[float]]:
+    """This rank's step times and gradient-synchronisation times (ms) of ``steps`` steps after ``warmup``."""
+    step_ms, sync_ms = [], []
+    for i in range(warmup + steps):
+        harness.synchronize(device)
+        start = timeit.default_timer()
+        marks = step()
+        harness.synchronize(device)
+        if i >= warmup:
+            step_ms.append((timeit.default_timer() - start) * 1e3)
+            sync_ms.append(marker.elapsed_ms(*marks))
+    return step_ms, sync_ms
+
+
+def trace_step(step, device: torch.device, path: Path) -> timeline.Timeline:
+    """Profile one step into the Chrome trace ``path``; its compute and communication timeline."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        step()
+        harness.synchronize(device)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(path))
+    return timeline.timeline_from_trace(timeline.load_trace(path))
+
+
+def measure(variant: str, wrapped: nn.Module, optimizer, batch, dtype: str, device: torch.device, args) -> dict:
+    """Median step and synchronisation times over steps, each step's time averaged over ranks."""
+    marker = Marker(device)
+    step = make_train_step(wrapped, optimizer, batch, DTYPES[dtype], marker)
+    step_ms, sync_ms = time_steps(step, device, marker, args.warmup, args.steps)
+    per_rank = dl.gather((step_ms, sync_ms))
+    steps = dl.mean_over_ranks([s for s, _ in per_rank])
+    syncs = dl.mean_over_ranks([c for _, c in per_rank])
+    result = {
+        "step_ms": statistics.median(steps),
+        "step_mean_ms": statistics.fmean(steps),
+        "step_min_ms": min(steps),
+        "comm_ms": None if variant == "torch_ddp" else statistics.median(syncs),
+        "steps_ms": steps,
+        "rank_step_ms": [statistics.median(s) for s, _ in per_rank],
+    }
+    if args.trace and variant in args.trace_variants:
+        result.update(trace_and_draw(step, variant, dtype, device, args, result["step_ms"]))
+    return result
+
+
+def trace_and_draw(step, variant: str, dtype: str, device: torch.device, args, step_ms: float) -> dict[str, Any]:
+    """Profile one step on every rank, draw all ranks' timelines (rank 0) and summarise the overlap."""
+    rank = dist.get_rank()
+    path = args.trace_dir / f"ddp_{variant}_{dtype}_rank{rank}.json"
+    timelines = dl.gather(trace_step(step, device, path))  # gathered, not re-read: ranks may be on other hosts
+    summaries = [timeline.overlap_summary(t) for t in timelines]
+    figure = (args.figures_dir or harness.FIGURES_DIR) / f"ddp_overlap_{variant}_{dtype}.png"
+    if rank == 0:
+        title = (f"{variant} DDP, {args.size} model, {dtype}, context {args.context_length}, "
+                 f"{args.batch_size} sequences per rank, {harness.environment()['device']}: one traced step "
+                 f"(untraced median {step_ms:.0f} ms)")
+        timeline.render(timelines, figure, title)
+        print(f"# trace: {path.parent} (rank traces), figure {figure}", file=sys.stderr)
+
+    def mean(key):
+        values = [s[key] for s in summaries if s[key] is not None]
+        return statistics.fmean(values) if values else None
+
+    return {"trace_comm_busy_ms": mean("comm_busy_ms"), "trace_comm_exposed_ms": mean("comm_exposed_ms"),
+            "trace_overlap_share": mean("overlap_share"), "trace_figure": str(figure)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Every variant, every rank
+# ---------------------------------------------------------------------------------------------
+
+
+def case(args, world_size: int, variant: str, dtype: str) -> dict[str, Any]:
+    """The configuration keys of one row."""
+    return dict(size=args.size, context_length=args.context_length, batch_size=args.batch_size,
+                world_size=world_size, attention=args.attention, variant=variant, dtype=dtype)
+
+
+def wanted_cases(args, world_size: int) -> list[dict[str, Any]]:
+    return [case(args, world_size, v, d) for v in [LOCAL, *args.variants] for d in args.dtypes]
+
+
+def _worker(rank: int, world_size: int, args) -> None:
+    device = dl.rank_device()
+    store = harness.ResultStore(PROBLEM, args.results_dir, args.force) if rank == 0 else None
+    pending = dl.from_rank0(store.pending(wanted_cases(args, world_size)) if rank == 0 else None)
+    todo = [c for c in pending if c["variant"] != LOCAL]
+    if not pending:
+        return
+    dtypes = [d for d in args.dtypes if any(c["dtype"] == d for c in pending)]
+    variants = [LOCAL, *dict.fromkeys(c["variant"] for c in todo)]
+    lm_config = LMConfig(args.size, args.context_length, args.batch_size)
+    batch = random_batch(lm_config, device, generator_seed=rank)  # each rank its own sequences, same in every variant
+    compute_ms: dict[str, float] = {}
+    rows = []
+    bar = harness.progress(variants, PROBLEM) if rank == 0 else None
+    for variant in variants:
+        torch.manual_seed(0)  # the same weights for every variant (the wrappers also broadcast rank 0's)
+        model = build_model(lm_config, device, args.attention)
+        wrapped = wrap(variant, model, device)
+        optimizer = make_optimizer(model)
+        grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        for dtype in dtypes if variant == LOCAL else [c["dtype"] for c in todo if c["variant"] == variant]:
+            result = measure(variant, wrapped, optimizer, batch, dtype, device, args)
+            if variant == LOCAL:
+                compute_ms[dtype] = result["step_ms"]
+            exposed = result["step_ms"] - compute_ms[dtype]
+            result.update(compute_ms=compute_ms[dtype], exposed_ms=exposed, exposed_share=exposed / result["step_ms"],
+                          n_buckets=communication_calls(variant, wrapped), grad_bytes=grad_bytes,
+                          bucket_mb=float(m.group(1)) if (m := BUCKETED.fullmatch(variant)) else None,
+                          warmup=args.warmup, steps=args.steps, backend=dist.get_backend())
+            config = case(args, world_size, variant, dtype)
+            if rank == 0:
+                rows.append(store.add(config, result) if config in pending else {**config, **result})
+        del model, wrapped, optimizer
+        harness.free_memory()
+        if bar is not None:
+            bar.update()
+    if rank == 0:
+        bar.close()
+        harness.print_table(rows, ["variant", "dtype", "step_ms", "comm_ms", "compute_ms", "exposed_ms",
+                                   "exposed_share", "n_buckets"])
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    world_size = int(os.environ["WORLD_SIZE"]) if dl.under_torchrun() else args.world_size
+    backend, reason = dl.choose_backend(world_size)
+    tiny = args.quick or backend != "nccl"
+    if dl.is_rank0_process():
+        print(f"# {world_size} ranks, {backend}: {reason}" + ("; tiny model" if tiny else ""), file=sys.stderr)
+        if args.quick:
+            print("# --quick: smoke-test configuration", file=sys.stderr)
+    args.size = args.size or ("tiny" if tiny else "xl")
+    args.context_length = args.context_length or (32 if tiny else 512)
+    args.batch_size = args.batch_size or (2 if tiny else 4)
+    if args.quick:
+        args.warmup, args.steps = 1, 2
+    if not harness.ResultStore(PROBLEM, args.results_dir, args.force).pending(wanted_cases(args, world_size)):
+        if dl.is_rank0_process():
+            print("# everything already measured", file=sys.stderr)
+        return
+    dl.launch(_worker, world_size, args, backend=backend, timeout_s=args.timeout_s)
+
+
+if __name__ == "__main__":
+    main()
