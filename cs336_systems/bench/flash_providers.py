@@ -375,9 +375,13 @@ def graph_break_count() -> dict[str, Any]:
 
 def first_call_graph_breaks(compiled_fn: AttentionFn, q: Tensor, k: Tensor, v: Tensor) -> dict[str, Any]:
     """:func:`graph_break_count` of the first call of ``compiled_fn(q, k, v, True).sum().backward()``, on the
-    very tensors that are timed afterwards (their gradients are then reset)."""
+    very tensors that are timed afterwards (their gradients are then reset).
+
+    Dynamo counts graph breaks while it compiles, and it keeps what it compiled for a function's code across
+    ``torch.compile`` wrappers, so its caches are reset first: everything compiled so far compiles again."""
     from torch._dynamo.utils import counters
 
+    torch._dynamo.reset()
     counters.clear()
     compiled_fn(q, k, v, True).sum().backward()
     reset_grads(q, k, v)

@@ -90,8 +90,12 @@ def verify_ours(fn: fp.AttentionFn, q: torch.Tensor, k: torch.Tensor, v: torch.T
     return checks
 
 
-def measure(name: str, q, k, v, args, device: torch.device, verify: bool) -> dict[str, Any]:
-    """The row fields of one provider: checks (ours), fwd+bwd and fwd timings, or an error."""
+def measure(
+    name: str, q, k, v, device: torch.device, rep_ms: float, warmup_ms: float, phases=("fwd_bwd", "fwd"),
+    verify: bool = True,
+) -> dict[str, Any]:
+    """The row fields of leaderboard provider ``name``: checks (ours), timings of ``phases`` (fwd+bwd is the
+    protocol's ``o.sum().backward()``), or an error."""
     provider = fp.get_provider(LEADERBOARD_PROVIDERS[name])
     reason = provider.unavailable_reason(device)
     if reason:
@@ -102,8 +106,7 @@ def measure(name: str, q, k, v, args, device: torch.device, verify: bool) -> dic
         result["autotune"] = fp.autotuning()
         if verify:
             result.update(verify_ours(fn, q, k, v))
-    phases = ["fwd_bwd"] if args.no_fwd else ["fwd_bwd", "fwd"]
-    result.update(fp.time_phases(provider, q, k, v, device, phases, args.warmup, args.rep, sum_backward=True, fn=fn))
+    result.update(fp.time_phases(provider, q, k, v, device, phases, warmup_ms, rep_ms, sum_backward=True, fn=fn))
     if provider.triton and verify:
         result["graph_breaks_while_timing"] = fp.graph_break_count()["graph_breaks"]
     return result
@@ -137,18 +140,28 @@ def print_summary(rows: list[dict[str, Any]]) -> None:
             print(f"#   graph break: {reason}")
 
 
-def run(args, device: torch.device) -> list[dict[str, Any]]:
-    """Measure every requested provider on one set of inputs and append their rows (always: no resume)."""
-    store = harness.ResultStore(PROBLEM, args.results_dir, force=True)
-    dtype = fp.DTYPES[args.dtype]
-    q, k, v = fp.make_inputs(args.heads, args.seq_len, args.d_head, dtype, device)
-    config = dict(heads=args.heads, seq_len=args.seq_len, d_head=args.d_head, dtype=args.dtype, causal=True,
-                  rep_ms=args.rep, warmup_ms=args.warmup)
+def measure_all(
+    providers: list[str], heads: int, seq_len: int, d_head: int, dtype: str, device: torch.device, rep_ms: float,
+    warmup_ms: float, phases=("fwd_bwd", "fwd"), verify: bool = True,
+) -> dict[str, dict[str, Any]]:
+    """:func:`measure` of each provider on one set of inputs ``(heads, seq_len, d_head)``, with the ratios."""
+    q, k, v = fp.make_inputs(heads, seq_len, d_head, fp.DTYPES[dtype], device)
     results = {}
-    for name in harness.progress(args.providers, PROBLEM):
-        results[name] = measure(name, q, k, v, args, device, verify=not args.no_verify)
+    for name in harness.progress(providers, PROBLEM):
+        results[name] = measure(name, q, k, v, device, rep_ms, warmup_ms, phases, verify)
         harness.free_memory()
     add_ratios(results)
+    return results
+
+
+def run(args, device: torch.device) -> list[dict[str, Any]]:
+    """Measure every requested provider and append their rows (always: no resume)."""
+    store = harness.ResultStore(PROBLEM, args.results_dir, force=True)
+    phases = ["fwd_bwd"] if args.no_fwd else ["fwd_bwd", "fwd"]
+    results = measure_all(args.providers, args.heads, args.seq_len, args.d_head, args.dtype, device, args.rep,
+                          args.warmup, phases, verify=not args.no_verify)
+    config = dict(heads=args.heads, seq_len=args.seq_len, d_head=args.d_head, dtype=args.dtype, causal=True,
+                  rep_ms=args.rep, warmup_ms=args.warmup)
     return [store.add({"provider": name, **config}, result) for name, result in results.items()]
 
 
