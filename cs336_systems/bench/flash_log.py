@@ -86,8 +86,8 @@ def leaderboard_summary(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "sdpa_cudnn_fwd_ms": cudnn.get("fwd_ms"),
         "ratio_vs_cudnn": fp.ratio(ours.get("fwd_bwd_ms"), cudnn.get("fwd_bwd_ms")),
     }
-    for key in ("verified", "graph_breaks", "graph_break_reasons", "our_kernels", "foreign_attention_kernels",
-                "matches_sdpa", "max_rel_err", "sdpa_max_rel_err", "error"):
+    for key in ("verified", "graph_breaks", "graph_breaks_after_first_call", "graph_break_reasons", "our_kernels",
+                "foreign_attention_kernels", "matches_sdpa", "max_rel_err", "sdpa_max_rel_err", "error"):
         if key in ours:
             summary[f"ours_{key}" if key == "error" else key] = ours[key]
     return summary

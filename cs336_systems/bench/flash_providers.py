@@ -432,4 +432,6 @@ def runs_our_kernels(fn: AttentionFn, q: Tensor, k: Tensor, v: Tensor) -> dict[s
     kernels = launched_kernels(lambda: _forward_backward(fn, q, k, v))
     found = classify_kernels(kernels, our_kernel_names())
     found["kernels_ok"] = len(found["our_kernels"]) >= 2 and not found["foreign_attention_kernels"]
+    if not found["kernels_ok"]:
+        found["launched_kernels"] = kernels[:40]  # to see what ran instead
     return found
