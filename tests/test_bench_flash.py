@@ -233,7 +233,12 @@ def test_sweep_table_shows_out_of_memory_and_refusals():
 
 
 @cpu_only
-def test_sweep_quick_on_cpu_writes_rows_resumes_and_plots(tmp_path, capsys):
+def test_sweep_quick_on_cpu_writes_rows_resumes_and_plots(tmp_path, capsys, monkeypatch):
+    from cs336_systems.attention import flash_pytorch
+
+    # The tiled PyTorch backward uncompiled: inductor's CPU compile takes most of a minute on a busy machine, and
+    # test_flash_attention_pytorch tests the compiled one.
+    monkeypatch.setattr(flash_pytorch, "_compiled_backward", flash_pytorch.flash_attention_backward)
     argv = ["--quick", "--results-dir", str(tmp_path), "--figures-dir", str(tmp_path), "--dtypes", "fp32",
             "--providers", "ours", "naive", "flash_pytorch", "sdpa_cudnn", "--flash-pytorch-max-seq", "64"]
     flash_benchmarking.main(argv + ["--time-limit-s", "0"])
