@@ -29,7 +29,6 @@ import contextlib
 import functools
 import os
 import statistics
-import timeit
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -186,7 +185,7 @@ def _do_bench_all(fn: Callable[[], Any], warmup_ms: float, rep_ms: float) -> lis
 
 
 def _timer_loop(fn: Callable[[], Any], warmup_ms: float, rep_ms: float) -> list[float]:
-    """``do_bench``'s budget on a CPU: one call, a 5-call estimate, then warm-up and timed calls."""
+    """``do_bench``'s budget on a CPU: one call, an estimate from three, then warm-up and timed calls."""
     fn()
     estimate_ms = 1e3 * min(harness.time_calls(fn, warmup=0, steps=3))
     n_warmup = max(1, int(warmup_ms / max(estimate_ms, 1e-3)))
@@ -223,6 +222,8 @@ def phase_callable(
     phase: str, fn: AttentionFn, q: Tensor, k: Tensor, v: Tensor, causal: bool = True, sum_backward: bool = False
 ) -> Callable[[], Any]:
     """The zero-argument function timed for ``phase`` (see the module docstring)."""
+    if phase not in PHASES:
+        raise ValueError(f"unknown phase {phase!r}; choose from {PHASES}")
     if phase == "fwd":
         return lambda: fn(q, k, v, causal)
     if phase == "fwd_bwd" and sum_backward:
@@ -231,10 +232,8 @@ def phase_callable(
     grad_out = torch.randn_like(o)
     if phase == "bwd":
         return lambda: torch.autograd.grad(o, (q, k, v), grad_out, retain_graph=True)
-    if phase == "fwd_bwd":
-        del o
-        return lambda: torch.autograd.grad(fn(q, k, v, causal), (q, k, v), grad_out)
-    raise ValueError(f"unknown phase {phase!r}; choose from {PHASES}")
+    del o
+    return lambda: torch.autograd.grad(fn(q, k, v, causal), (q, k, v), grad_out)
 
 
 class Unsupported(Exception):
@@ -373,16 +372,20 @@ def graph_break_count() -> dict[str, Any]:
     }
 
 
+def clear_graph_break_count() -> None:
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+
+
 def first_call_graph_breaks(compiled_fn: AttentionFn, q: Tensor, k: Tensor, v: Tensor) -> dict[str, Any]:
     """:func:`graph_break_count` of the first call of ``compiled_fn(q, k, v, True).sum().backward()``, on the
     very tensors that are timed afterwards (their gradients are then reset).
 
     Dynamo counts graph breaks while it compiles, and it keeps what it compiled for a function's code across
     ``torch.compile`` wrappers, so its caches are reset first: everything compiled so far compiles again."""
-    from torch._dynamo.utils import counters
-
     torch._dynamo.reset()
-    counters.clear()
+    clear_graph_break_count()
     compiled_fn(q, k, v, True).sum().backward()
     reset_grads(q, k, v)
     return graph_break_count()
