@@ -4,8 +4,10 @@ GPU tests (marker ``gpu``) run ours and the SDPA backends at small sizes."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import os
 
 import pytest
 import torch
@@ -325,14 +327,23 @@ def test_flash_log_measures_a_step_with_cpu_stand_ins(tmp_path, monkeypatch):
 # ---------------------------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def fixed_tiles_restored():
+    """Let ``--fixed-tiles`` switch autotuning off, and switch it back afterwards."""
+    from cs336_systems.attention import flash_triton
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(flash_triton, "AUTOTUNE", flash_triton.AUTOTUNE)
+        patch.setenv("CS336_FLASH_AUTOTUNE", os.environ.get("CS336_FLASH_AUTOTUNE", "1"))
+        yield
+
+
 @pytest.fixture(scope="module")
 def gpu_leaderboard_rows(tmp_path_factory):
     results = tmp_path_factory.mktemp("leaderboard")
-    try:
+    with fixed_tiles_restored(), contextlib.suppress(SystemExit):  # a failed check exits 1 after writing the rows
         leaderboard.main(["--results-dir", str(results), "--heads", "2", "--seq-len", "1024", "--rep", "20",
-                          "--warmup", "5"])
-    except SystemExit:  # a failed check: the rows are written, the tests below say which check
-        pass
+                          "--warmup", "5", "--fixed-tiles"])
     return {r["provider"]: r for r in read_rows(results / "leaderboard.jsonl")}
 
 
@@ -357,13 +368,15 @@ def test_compiled_wrapper_has_no_graph_breaks(gpu_leaderboard_rows):
 
 @pytest.mark.gpu
 def test_sweep_quick_on_gpu(tmp_path):
-    flash_benchmarking.main(["--results-dir", str(tmp_path), "--figures-dir", str(tmp_path), "--providers", "ours",
-                             "sdpa_cudnn", "sdpa_flash", "--seq-lens", "128", "1000", "--head-dims", "64",
-                             "--dtypes", "bf16", "fp32", "--rep", "10", "--warmup", "2"])
+    with fixed_tiles_restored():
+        flash_benchmarking.main(["--results-dir", str(tmp_path), "--figures-dir", str(tmp_path), "--providers",
+                                 "ours", "sdpa_cudnn", "sdpa_flash", "--seq-lens", "128", "1000", "--head-dims", "64",
+                                 "--dtypes", "bf16", "fp32", "--rep", "10", "--warmup", "2", "--fixed-tiles"])
     rows = {(r["provider"], r["seq_len"], r["dtype"]): r for r in read_rows(tmp_path / "flash_benchmarking.jsonl")}
     assert len(rows) == 12
     for seq_len in (128, 1000):
         assert rows[("ours", seq_len, "fp32")]["fwd_bwd_ms"] > 0 and rows[("ours", seq_len, "bf16")]["bwd_ms"] > 0
+        assert rows[("ours", seq_len, "bf16")]["autotune"] is False
         assert rows[("sdpa_flash", seq_len, "fp32")]["unsupported"]
         assert rows[("sdpa_flash", seq_len, "bf16")]["fwd_bwd_ms"] > 0
     assert (tmp_path / "flash_benchmarking_bf16.png").exists()

@@ -67,6 +67,7 @@ def parser():
     p.add_argument("--dtype", choices=list(fp.DTYPES), default=DTYPE)
     p.add_argument("--no-fwd", action="store_true", help="skip the forward-only timings")
     p.add_argument("--no-verify", action="store_true", help="skip the checks of the compiled wrapper")
+    p.add_argument("--fixed-tiles", action="store_true", help="our kernels with fixed tiles instead of autotuning")
     return p
 
 
@@ -173,6 +174,8 @@ def main(argv: list[str] | None = None) -> None:
     device = harness.default_device()
     harness.announce(device, args.quick)
     resolve_defaults(args, device)
+    if args.fixed_tiles:
+        fp.use_fixed_tiles()
     if device.type != "cuda":
         print("# ours needs a GPU: on the CPU only the SDPA backends run (an error row for ours)", file=sys.stderr)
     print(f"# q, k, v ({args.heads}, {args.seq_len}, {args.d_head}) {args.dtype}, causal; "
