@@ -11,10 +11,8 @@ import torch
 from cs336_systems.bench import (
     benchmarking_mixed_precision,
     benchmarking_script,
-    flash_benchmarking,
     gradient_checkpointing,
     harness,
-    leaderboard,
     memory_profiling,
     mixed_precision_accumulation,
     nsys_profile,
@@ -32,8 +30,6 @@ CLIS = [
     pytorch_attention,
     torch_compile,
     gradient_checkpointing,
-    flash_benchmarking,
-    leaderboard,
 ]
 
 
@@ -227,34 +223,3 @@ def test_gradient_checkpointing_quick_on_cpu(tmp_path):
     assert [r["group_size"] for r in rows] == [1, 2, 0]
     assert all(r["saved_per_block_gb"] > 0 and r["predicted_optimum"] >= 1 and r["mean_ms"] > 0 for r in rows)
 
-
-def test_flash_benchmarking_quick_on_cpu(tmp_path):
-    from cs336_systems.bench import flash_benchmarking
-
-    flash_benchmarking.main(["--quick", "--results-dir", str(tmp_path), "--figures-dir", str(tmp_path), "--rep", "4"])
-    rows = read_rows(tmp_path / "flash_benchmarking.jsonl")
-    assert {r["provider"] for r in rows} == {"pytorch_naive", "pytorch_compiled", "pytorch_tiled"}
-    assert all(r["fwd_ms"] > 0 and r["fwd_bwd_ms"] >= r["fwd_ms"] * 0.5 for r in rows)
-    assert (tmp_path / "flash_benchmarking_fp32.png").exists()
-    flash_benchmarking.main(["--quick", "--results-dir", str(tmp_path), "--figures-dir", str(tmp_path)])
-    assert len(read_rows(tmp_path / "flash_benchmarking.jsonl")) == len(rows)  # resumed: nothing new
-
-
-def test_flash_providers_time_the_pytorch_attention_and_reject_unknown_names():
-    from cs336_systems.bench import flash_providers
-
-    q, k, v = (torch.randn(1, 32, 16, requires_grad=True) for _ in range(3))
-    times = flash_providers.time_provider("pytorch_naive", q, k, v)
-    assert times["fwd_bwd_ms"] == pytest.approx(times["fwd_ms"] + times["bwd_ms"])
-    with pytest.raises(ValueError, match="unknown provider"):
-        flash_providers.get_provider("nope")
-    assert flash_providers.unavailable(RuntimeError("No available kernel. Aborting execution."))
-
-
-def test_leaderboard_needs_a_gpu(tmp_path):
-    from cs336_systems.bench import leaderboard
-
-    if torch.cuda.is_available():
-        pytest.skip("runs on a GPU machine")
-    with pytest.raises(SystemExit, match="CUDA GPU"):
-        leaderboard.main(["--results-dir", str(tmp_path)])

@@ -1,16 +1,31 @@
-"""The FlashAttention sweep (problem ``flash_benchmarking``, SPEC 3.6).
+"""FlashAttention-2 against PyTorch's attentions across lengths and head dims (problem ``flash_benchmarking``).
 
-Batch 1, causal, sequence length 128 ... 65536 (powers of two) x head dim 16, 32, 64, 128 x {bf16, fp32}:
-forward, backward and forward+backward latency (``triton.testing.do_bench``, median) of our Triton
-kernels (autotuned tiles), the plain PyTorch attention, the compiled one and our tiled PyTorch version
-(these three only up to ``--max-pytorch-len``: beyond it they are slow or out of memory), and PyTorch's
-fused attention (cuDNN and FlashAttention-2 CUDA backends; they take no fp32: such a row carries the error).
-Out-of-memory cases are rows. Resumable: a re-run measures only what is missing.
+SPEC 3.6: batch 1 (one head), causal, sequence length 128..65536 (powers of two) x head dim 16, 32, 64, 128 x
+{bf16, fp32}; forward, backward and forward+backward latency with ``triton.testing.do_bench`` (mean over the
+samples; see ``flash_providers`` for what each phase times) of
+
+* ``ours``: ``FlashAttention2Triton.apply`` (eager),
+* ``naive`` and ``naive_compiled``: the plain PyTorch attention, eager and ``torch.compile``-d,
+* ``flash_pytorch``: the tiled PyTorch FlashAttention-2 (up to ``--flash-pytorch-max-seq``: a Python loop over
+  tiles, hopelessly slow beyond),
+* ``sdpa_cudnn`` and ``sdpa_flash``: PyTorch SDPA pinned to cuDNN and to FlashAttention-2 CUDA (they refuse
+  fp32: those cases are rows with ``"error"``).
+
+An out-of-memory case is a row (``"oom": true``, with the phases that did fit). Rows ``{"run", "provider",
+"seq_len", "d_head", "dtype", "fwd_ms", "bwd_ms", "fwd_bwd_ms", ...}`` go to
+``writeup/results/flash_benchmarking.jsonl``; re-running skips what was measured on the same device, so the
+sweep can be split (``--time-limit-s`` stops cleanly before a deadline; run again to go on). At the end it
+prints the forward+backward table of everything measured on this device, and draws
+``writeup/figures/flash_benchmarking_<dtype>.png`` (fwd+bwd ms against length, one panel per head dim, one
+line per provider).
+
+On a CPU (no GPU): tiny lengths, and without ``ours`` (the Triton interpreter is far too slow to time).
 
 Examples::
 
-    python -m cs336_systems.bench.flash_benchmarking --dtypes bf16
-    python -m cs336_systems.bench.flash_benchmarking --quick          # on a CPU: tiny sizes, PyTorch providers
+    python -m cs336_systems.bench.flash_benchmarking                      # the whole sweep
+    python -m cs336_systems.bench.flash_benchmarking --dtypes bf16 --time-limit-s 540
+    python -m cs336_systems.bench.flash_benchmarking --providers ours sdpa_cudnn --seq-lens 16384 --head-dims 64
 """
 
 from __future__ import annotations
@@ -18,58 +33,198 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
-import pandas as pd
 import torch
 
+from cs336_systems.bench import flash_providers as fp
 from cs336_systems.bench import harness
-from cs336_systems.bench.flash_providers import time_provider, unavailable
 
 PROBLEM = "flash_benchmarking"
-SEQ_LENS = [2**i for i in range(7, 17)]
+SEQ_LENS = [2**i for i in range(7, 17)]  # 128 .. 65536
 HEAD_DIMS = [16, 32, 64, 128]
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-PROVIDERS = ["ours", "pytorch_naive", "pytorch_compiled", "pytorch_tiled", "sdpa_cudnn", "sdpa_flash"]
-PYTORCH_PROVIDERS = {"pytorch_naive", "pytorch_compiled", "pytorch_tiled"}
+DTYPES = ["bf16", "fp32"]
+GPU_PROVIDERS = ["ours", "naive", "naive_compiled", "flash_pytorch", "sdpa_cudnn", "sdpa_flash"]
+CPU_PROVIDERS = ["naive", "flash_pytorch"]
+TINY = dict(seq_lens=[64, 128], head_dims=[16], rep=20, warmup=5)
+GPU_QUICK = dict(seq_lens=[128, 1024, 4096], head_dims=[64], dtypes=["bf16"], rep=20, warmup=5)
+SHAPE_KEYS = ("dtype", "d_head", "seq_len")
 
 
 def parser():
     p = harness.base_parser(__doc__)
-    p.add_argument("--seq-lens", nargs="+", type=int, default=SEQ_LENS)
-    p.add_argument("--head-dims", nargs="+", type=int, default=HEAD_DIMS)
-    p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
-    p.add_argument("--providers", nargs="+", default=PROVIDERS, choices=PROVIDERS)
-    p.add_argument("--max-pytorch-len", type=int, default=16384, help="longest sequence for the PyTorch providers")
-    p.add_argument("--max-tiled-len", type=int, default=4096, help="longest sequence for our tiled PyTorch version")
-    p.add_argument("--rep", type=int, default=100, help="do_bench repetition time (ms)")
+    p.add_argument("--providers", nargs="+", choices=list(fp.PROVIDERS), default=None,
+                   help=f"default: {' '.join(GPU_PROVIDERS)} on a GPU, {' '.join(CPU_PROVIDERS)} on a CPU")
+    p.add_argument("--seq-lens", nargs="+", type=int, default=None)
+    p.add_argument("--head-dims", nargs="+", type=int, default=None)
+    p.add_argument("--dtypes", nargs="+", choices=list(fp.DTYPES), default=None)
+    p.add_argument("--rep", type=float, default=100, help="do_bench repetition time per phase, ms")
+    p.add_argument("--warmup", type=float, default=25, help="do_bench warm-up time per phase, ms")
+    p.add_argument("--flash-pytorch-max-seq", type=int, default=1024,
+                   help="longest length for flash_pytorch (its Python tile loop makes ~seq^2/2048 calls)")
+    p.add_argument("--naive-max-seq", type=int, default=None,
+                   help="longest length for naive and naive_compiled (default: all; out-of-memory becomes a row)")
+    p.add_argument("--fixed-tiles", action="store_true", help="our kernels with fixed tiles instead of autotuning")
+    p.add_argument("--time-limit-s", type=float, default=None,
+                   help="start no new case after this many seconds (run again to resume)")
     p.add_argument("--figures-dir", type=Path, default=None, help=f"where PNGs go (default {harness.FIGURES_DIR})")
-    p.add_argument("--deadline-s", type=float, default=None, help="stop starting new cases after this many seconds")
+    p.add_argument("--no-plot", action="store_true")
     return p
 
 
-def plot(rows: list[dict], path) -> None:
-    """fwd+bwd ms vs sequence length, one panel per dtype, one line per provider x head dim."""
+def resolve_defaults(args, device: torch.device) -> None:
+    """Fill the grid: the SPEC sweep on a GPU (``--quick``: three lengths at d=64, bf16), tiny on a CPU."""
+    if device.type != "cuda":
+        providers = args.providers or CPU_PROVIDERS
+        skipped = [p for p in providers if fp.get_provider(p).unavailable_reason(device)]
+        for name in skipped:
+            print(f"# skipping {name} on the CPU: {fp.get_provider(name).unavailable_reason(device)}", file=sys.stderr)
+        args.providers = [p for p in providers if p not in skipped]
+        args.seq_lens = args.seq_lens or TINY["seq_lens"]
+        args.head_dims = args.head_dims or TINY["head_dims"] + ([] if args.quick else [32])
+        args.rep, args.warmup = min(args.rep, TINY["rep"]), min(args.warmup, TINY["warmup"])
+    elif args.quick:
+        args.seq_lens = args.seq_lens or GPU_QUICK["seq_lens"]
+        args.head_dims = args.head_dims or GPU_QUICK["head_dims"]
+        args.dtypes = args.dtypes or GPU_QUICK["dtypes"]
+        args.rep, args.warmup = min(args.rep, GPU_QUICK["rep"]), min(args.warmup, GPU_QUICK["warmup"])
+    args.providers = args.providers or GPU_PROVIDERS
+    args.seq_lens = args.seq_lens or SEQ_LENS
+    args.head_dims = args.head_dims or HEAD_DIMS
+    args.dtypes = args.dtypes or DTYPES
+
+
+def max_seq(provider: str, args) -> int | None:
+    """The longest length ``provider`` runs at (None: no cap)."""
+    if provider == "flash_pytorch":
+        return args.flash_pytorch_max_seq
+    if provider in ("naive", "naive_compiled"):
+        return args.naive_max_seq
+    return None
+
+
+def make_cases(args) -> list[dict[str, Any]]:
+    """Every (dtype, head dim, length, provider) configuration within the providers' length caps, grouped by
+    shape so that each shape's inputs are made once."""
+    cases = []
+    for dtype in args.dtypes:
+        for d_head in args.head_dims:
+            for seq_len in args.seq_lens:
+                for provider in args.providers:
+                    cap = max_seq(provider, args)
+                    if cap is None or seq_len <= cap:
+                        cases.append(dict(provider=provider, seq_len=seq_len, d_head=d_head, dtype=dtype, batch=1,
+                                          causal=True, rep_ms=args.rep, warmup_ms=args.warmup))
+    return cases
+
+
+def measure_case(
+    provider_name: str, q, k, v, device: torch.device, rep_ms: float, warmup_ms: float, phases=fp.PHASES
+) -> dict[str, Any]:
+    """One provider's phases on ``q, k, v`` (row fields: times, or ``oom``, or an ``error``)."""
+    provider = fp.get_provider(provider_name)
+    reason = provider.unavailable_reason(device)
+    if reason:
+        return {"error": reason, "unsupported": True}
+    result = fp.time_phases(provider, q, k, v, device, phases, warmup_ms, rep_ms)
+    if provider.triton:
+        result["autotune"] = fp.autotuning()
+    return result
+
+
+def measure_shape(
+    providers: list[str], seq_len: int, d_head: int, dtype: str, device: torch.device, rep_ms: float,
+    warmup_ms: float, phases: dict[str, tuple[str, ...]] | None = None,
+) -> dict[str, dict[str, Any]]:
+    """:func:`measure_case` of each provider on one batch-1 causal input (``phases[provider]`` narrows what
+    is timed; default: every phase). Used by ``flash_log`` for its sweep points."""
+    q, k, v = fp.make_inputs(1, seq_len, d_head, fp.DTYPES[dtype], device)
+    results = {}
+    for name in providers:
+        results[name] = measure_case(name, q, k, v, device, rep_ms, warmup_ms, (phases or {}).get(name, fp.PHASES))
+        harness.free_memory()
+    return results
+
+
+def run_sweep(args, device: torch.device) -> harness.ResultStore:
+    store = harness.ResultStore(PROBLEM, args.results_dir, args.force)
+    pending = store.pending(make_cases(args))
+    start, inputs, shape = time.monotonic(), None, None
+    bar = harness.progress(pending, PROBLEM)
+    for case in bar:
+        if args.time_limit_s is not None and time.monotonic() - start > args.time_limit_s:
+            print(f"\n# time limit reached: {len(pending) - bar.n} cases left; run again to resume", file=sys.stderr)
+            break
+        bar.set_postfix_str(f"{case['provider']} {case['dtype']} d={case['d_head']} n={case['seq_len']}")
+        if shape != tuple(case[key] for key in SHAPE_KEYS):
+            inputs = None
+            harness.free_memory()
+            shape = tuple(case[key] for key in SHAPE_KEYS)
+            inputs = fp.make_inputs(1, case["seq_len"], case["d_head"], fp.DTYPES[case["dtype"]], device)
+        store.add(case, measure_case(case["provider"], *inputs, device, args.rep, args.warmup))
+    bar.close()
+    return store
+
+
+def latest_rows(store: harness.ResultStore) -> list[dict[str, Any]]:
+    """This device's rows, the latest one of each (provider, length, head dim, dtype)."""
+    latest = {}
+    for row in store.rows():
+        if row.get("device") == store.env["device"]:
+            latest[(row["provider"], row["seq_len"], row["d_head"], row["dtype"])] = row
+    return list(latest.values())
+
+
+def cell(row: dict[str, Any], column: str) -> Any:
+    """A table cell: the time, or why there is none."""
+    if row.get(column) is not None:
+        return row[column]
+    if row.get("oom"):
+        return "OOM"
+    return "n/a" if row.get("error") else None
+
+
+def table(rows: list[dict[str, Any]], column: str = "fwd_bwd_ms"):
+    """A pandas table of ``column``: one line per (dtype, d_head, seq_len), one column per provider."""
+    import pandas as pd
+
+    frame = pd.DataFrame([{**{k: row[k] for k in ("provider", *SHAPE_KEYS)}, column: cell(row, column)}
+                          for row in rows])
+    if frame.empty:
+        return frame
+    return frame.pivot(index=list(SHAPE_KEYS), columns="provider", values=column)
+
+
+def plot(rows: list[dict[str, Any]], dtype: str, path: Path) -> None:
+    """fwd+bwd ms against length (log-log), one panel per head dim, one line per provider."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    frame = pd.DataFrame([r for r in rows if r.get("fwd_bwd_ms")])
-    if frame.empty:
-        return
-    dtypes = sorted(frame["dtype"].unique())
-    fig, axes = plt.subplots(1, len(dtypes), figsize=(7 * len(dtypes), 5), squeeze=False)
-    for ax, dtype in zip(axes[0], dtypes):
-        for (provider, d), group in frame[frame["dtype"] == dtype].groupby(["provider", "d_head"]):
-            group = group.sort_values("seq_len")
-            ax.plot(group["seq_len"], group["fwd_bwd_ms"], marker="o", ms=3, label=f"{provider} d={d}")
-        ax.set(xscale="log", yscale="log", xlabel="sequence length", ylabel="forward + backward (ms)",
-               title=f"causal attention, batch 1, {dtype}")
+    rows = [r for r in rows if r["dtype"] == dtype and r.get("fwd_bwd_ms") is not None]
+    head_dims = sorted({r["d_head"] for r in rows})
+    providers = sorted({r["provider"] for r in rows})
+    columns = min(2, len(head_dims))
+    panels = (len(head_dims) + columns - 1) // columns
+    fig, axes = plt.subplots(panels, columns, figsize=(6 * columns, 4.2 * panels), squeeze=False, sharey=True)
+    for ax, d_head in zip(axes.flat, head_dims):
+        for provider in providers:
+            points = sorted((r["seq_len"], r["fwd_bwd_ms"]) for r in rows if r["provider"] == provider
+                            and r["d_head"] == d_head)
+            if points:
+                ax.plot(*zip(*points), marker="o", markersize=3, label=provider)
+        ax.set(xscale="log", yscale="log", title=f"d = {d_head}", xlabel="sequence length", ylabel="fwd+bwd (ms)")
+        ax.set_xscale("log", base=2)
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=6, ncol=2)
+        ax.legend(fontsize=8)
+    for ax in list(axes.flat)[len(head_dims):]:
+        ax.set_visible(False)
+    device = rows[0]["device"] if rows else ""
+    fig.suptitle(f"Causal attention, batch 1, {dtype}: forward + backward ({device})")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=130)
+    fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
@@ -77,42 +232,23 @@ def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     device = harness.default_device()
     harness.announce(device, args.quick)
-    if args.quick or device.type == "cpu":
-        args.seq_lens, args.head_dims = [s for s in args.seq_lens if s <= 256][:2] or [128], args.head_dims[:1]
-        args.dtypes = args.dtypes[-1:]
-    if device.type == "cpu":
-        dropped = [p for p in args.providers if p not in PYTORCH_PROVIDERS]
-        args.providers = [p for p in args.providers if p in PYTORCH_PROVIDERS]
-        print(f"# no GPU: skipping {dropped} (Triton and SDPA's fused kernels need CUDA)", file=sys.stderr)
-    store = harness.ResultStore(PROBLEM, args.results_dir, args.force)
-    cases = [dict(provider=p, seq_len=n, d_head=d, dtype=dt, batch=1, causal=True)
-             for dt in args.dtypes for d in args.head_dims for n in args.seq_lens for p in args.providers
-             if p not in PYTORCH_PROVIDERS or n <= (args.max_tiled_len if p == "pytorch_tiled" else args.max_pytorch_len)]
-    start = time.monotonic()
-    rows = []
-    for case in harness.progress(store.pending(cases), PROBLEM):
-        if args.deadline_s and time.monotonic() - start > args.deadline_s:
-            print("# deadline reached: re-run to measure the rest", file=sys.stderr)
-            break
-        q, k, v = (torch.randn(1, case["seq_len"], case["d_head"], device=device, dtype=DTYPES[case["dtype"]],
-                               requires_grad=True) for _ in range(3))
-        try:
-            result = harness.measure_or_oom(lambda: time_provider(case["provider"], q, k, v, args.rep, args.rep // 4))
-        except Exception as error:  # noqa: BLE001 - an unsupported input is a row, not a crash
-            if not unavailable(error) and "no available kernel" not in str(error).lower():
-                raise
-            result = {"error": str(error).splitlines()[0][:300]}
-        del q, k, v
-        harness.free_memory()
-        rows.append(store.add(case, result))
-    everything = [r for r in store.rows() if r.get("device") == store.env["device"]]
-    if everything:
-        frame = pd.DataFrame(everything)
-        if "fwd_bwd_ms" in frame:
-            table = frame.pivot_table(index=["dtype", "d_head", "seq_len"], columns="provider", values="fwd_bwd_ms")
-            print(table.round(3).to_string())
-        for dtype in sorted({r["dtype"] for r in everything}):
-            plot([r for r in everything if r["dtype"] == dtype], (args.figures_dir or harness.FIGURES_DIR) / f"flash_benchmarking_{dtype}.png")
+    resolve_defaults(args, device)
+    if args.fixed_tiles:
+        fp.use_fixed_tiles()
+    store = run_sweep(args, device)
+    rows = latest_rows(store)
+    import pandas as pd
+
+    with pd.option_context("display.max_rows", None, "display.max_columns", None, "display.width", 200,
+                           "display.float_format", "{:.3f}".format):
+        print("# forward+backward ms, everything measured on this device:")
+        print(table(rows))
+    if not args.no_plot:
+        figures_dir = args.figures_dir or harness.FIGURES_DIR
+        for dtype in sorted({r["dtype"] for r in rows}):
+            path = figures_dir / f"{PROBLEM}_{dtype}.png"
+            plot(rows, dtype, path)
+            print(f"# figure: {path}", file=sys.stderr)
 
 
 if __name__ == "__main__":

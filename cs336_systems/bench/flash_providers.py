@@ -1,98 +1,440 @@
-"""The attention implementations the FlashAttention benchmarks time, and how they time them.
+"""Attention implementations raced against each other, and how they are timed and checked: the code shared by
+``leaderboard``, ``flash_benchmarking`` and ``flash_log``.
 
-Each provider is a function ``(q, k, v, is_causal) -> o`` on ``(batch, heads, seq, d)`` inputs (or
-``(batch, seq, d)`` for ours and the PyTorch ones). PyTorch's fused attention is timed per backend
-(``torch.nn.attention.sdpa_kernel``): cuDNN, the FlashAttention-2 CUDA kernels ("flash") and the
-memory-efficient kernels. Backward time is ``fwd+bwd - fwd``, both measured with
-``triton.testing.do_bench`` on a GPU (median of its repetitions) and with a host timer on a CPU.
+A provider is a function ``fn(q, k, v, is_causal) -> o`` on tensors of shape ``(batch_heads, seq, d)`` (heads
+folded into the batch, as the leaderboard's ``(16, 16384, 64)``), found by name in :data:`PROVIDERS`:
+
+| name | what |
+|---|---|
+| ``ours`` | ``FlashAttention2Triton.apply``, eager |
+| ``ours_compiled`` | ``torch.compile(FlashAttention2Triton.apply)``: the leaderboard's protocol |
+| ``flash_pytorch`` | the tiled PyTorch FlashAttention-2 (a Python loop over tiles: slow) |
+| ``naive`` | the model's plain attention (the full score matrix, masked softmax) |
+| ``naive_compiled`` | ``torch.compile`` of ``naive`` |
+| ``sdpa_cudnn``, ``sdpa_flash``, ``sdpa_efficient`` | PyTorch's ``scaled_dot_product_attention`` restricted to one backend with ``torch.nn.attention.sdpa_kernel`` (cuDNN, FlashAttention-2 CUDA, memory-efficient), on the inputs viewed as ``(1, batch_heads, seq, d)`` |
+
+Timing is ``triton.testing.do_bench`` on a GPU (CUDA events, L2 flushed before each call; we read every
+sample and report the mean, do_bench's default, and the median and 20th/80th percentiles); on a CPU a
+timer loop with the same warm-up/repetition budget stands in.
+
+Phases: ``fwd`` is one forward on inputs that require gradients (so it saves what backward needs); ``bwd`` is
+``torch.autograd.grad(o, (q, k, v), dO)`` of one retained forward with a random ``dO``; ``fwd_bwd`` is the two
+together. With ``sum_backward`` (the leaderboard's protocol) ``fwd_bwd`` is ``f(q, k, v, True).sum().backward()``
+instead, gradients accumulating into ``.grad`` as the official timing does.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import os
 import statistics
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
+from jaxtyping import Float
 from torch import Tensor
 
 from cs336_systems.bench import harness
 
-Provider = Callable[[Tensor, Tensor, Tensor, bool], Tensor]
+AttentionFn = Callable[[Tensor, Tensor, Tensor, bool], Tensor]
+PHASES = ("fwd", "bwd", "fwd_bwd")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+# ---------------------------------------------------------------------------------------------------
+# Providers
+# ---------------------------------------------------------------------------------------------------
 
 
-def _sdpa(backend_name: str) -> Provider:
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+@dataclass(frozen=True)
+class Provider:
+    """One attention implementation: how to build it, and which ``sdpa_kernel`` backend (if any) it pins."""
 
-    backend = getattr(SDPBackend, backend_name)
+    name: str
+    description: str
+    build: Callable[[], AttentionFn]
+    sdpa_backend: str | None = None  # a member of torch.nn.attention.SDPBackend
+    triton: bool = False  # runs our Triton kernels: needs a GPU (the CPU interpreter is far too slow to time)
 
-    def sdpa(q: Tensor, k: Tensor, v: Tensor, is_causal: bool) -> Tensor:
-        with sdpa_kernel(backend):
-            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+    def context(self) -> contextlib.AbstractContextManager:
+        """Entered around every call: pins the SDPA backend (a no-op for our own implementations)."""
+        if self.sdpa_backend is None:
+            return contextlib.nullcontext()
+        from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    return sdpa
+        return sdpa_kernel(getattr(SDPBackend, self.sdpa_backend))
+
+    def unavailable_reason(self, device: torch.device) -> str | None:
+        """Why this provider cannot run on ``device`` at all (None when it can)."""
+        if self.triton and device.type != "cuda":
+            return "our Triton kernels need a CUDA GPU to be timed (the Triton CPU interpreter is far too slow)"
+        return None
 
 
-def _ours() -> Provider:
+def _ours() -> AttentionFn:
     from cs336_systems.attention.flash_triton import FlashAttention2Triton
 
     return FlashAttention2Triton.apply
 
 
-def _named(name: str) -> Callable[[], Provider]:
-    def factory() -> Provider:
-        from cs336_systems.attention import get_attention
+@functools.cache
+def _ours_compiled() -> AttentionFn:
+    # Exactly the leaderboard's wrapper; one per process so that every caller shares its compiled graphs.
+    from cs336_systems.attention.flash_triton import FlashAttention2Triton
 
-        return get_attention(name)
-
-    return factory
+    return torch.compile(FlashAttention2Triton.apply)
 
 
-PROVIDERS: dict[str, Callable[[], Provider]] = {
-    "ours": _ours,
-    "pytorch_tiled": _named("flash_pytorch"),
-    "pytorch_naive": _named("naive"),
-    "pytorch_compiled": _named("compiled"),
-    "sdpa_cudnn": lambda: _sdpa("CUDNN_ATTENTION"),
-    "sdpa_flash": lambda: _sdpa("FLASH_ATTENTION"),
-    "sdpa_efficient": lambda: _sdpa("EFFICIENT_ATTENTION"),
+def _flash_pytorch() -> AttentionFn:
+    from cs336_systems.attention import get_attention
+
+    return get_attention("flash_pytorch")
+
+
+def _naive() -> AttentionFn:
+    from cs336_systems.attention import get_attention
+
+    return get_attention("naive")
+
+
+def _naive_compiled() -> AttentionFn:
+    from cs336_systems.attention import get_attention
+
+    return get_attention("compiled")
+
+
+def _sdpa(q: Tensor, k: Tensor, v: Tensor, is_causal: bool = True) -> Tensor:
+    """SDPA on ``(batch_heads, seq, d)`` inputs viewed as one batch of ``batch_heads`` heads."""
+    if q.dim() == 3:
+        q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)  # (1, batch_heads, seq, d)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+
+
+PROVIDERS: dict[str, Provider] = {
+    p.name: p
+    for p in [
+        Provider("ours", "FlashAttention2Triton.apply (eager)", _ours, triton=True),
+        Provider("ours_compiled", "torch.compile(FlashAttention2Triton.apply)", _ours_compiled, triton=True),
+        Provider("flash_pytorch", "tiled PyTorch FlashAttention-2", _flash_pytorch),
+        Provider("naive", "plain PyTorch attention (eager)", _naive),
+        Provider("naive_compiled", "plain PyTorch attention (torch.compile)", _naive_compiled),
+        Provider("sdpa_cudnn", "SDPA, cuDNN backend", lambda: _sdpa, sdpa_backend="CUDNN_ATTENTION"),
+        Provider("sdpa_flash", "SDPA, flash backend (FlashAttention-2 CUDA)", lambda: _sdpa,
+                 sdpa_backend="FLASH_ATTENTION"),
+        Provider("sdpa_efficient", "SDPA, memory-efficient backend", lambda: _sdpa,
+                 sdpa_backend="EFFICIENT_ATTENTION"),
+    ]
 }
-FOUR_D = {"sdpa_cudnn", "sdpa_flash", "sdpa_efficient"}  # these take (batch, heads, seq, d)
 
 
 def get_provider(name: str) -> Provider:
     if name not in PROVIDERS:
-        raise ValueError(f"unknown provider {name!r}; choose from {', '.join(PROVIDERS)}")
-    return PROVIDERS[name]()
+        raise ValueError(f"unknown provider {name!r}; choose one of {', '.join(PROVIDERS)}")
+    return PROVIDERS[name]
 
 
-def bench_ms(fn: Callable[[], object], device: torch.device, rep_ms: int, warmup_ms: int,
-             grad_to_none: list[Tensor] | None = None) -> float:
-    """Median milliseconds per call of ``fn``."""
-    if device.type == "cuda":
-        import triton
+def use_fixed_tiles() -> None:
+    """Run our kernels with fixed launch configurations instead of autotuning them (far less compiling)."""
+    os.environ["CS336_FLASH_AUTOTUNE"] = "0"  # read when flash_triton is first imported
+    from cs336_systems.attention import flash_triton
 
-        return triton.testing.do_bench(fn, rep=rep_ms, warmup=warmup_ms, grad_to_none=grad_to_none)
-    return statistics.median(harness.time_calls(fn, warmup=1, steps=3, device=device)) * 1e3
-
-
-def time_provider(name: str, q: Tensor, k: Tensor, v: Tensor, rep_ms: int = 100, warmup_ms: int = 25,
-                  is_causal: bool = True) -> dict[str, float]:
-    """``fwd_ms``, ``bwd_ms`` and ``fwd_bwd_ms`` of provider ``name`` on leaf tensors q, k, v (3-D)."""
-    fn = get_provider(name)
-    if name in FOUR_D:
-        q, k, v = (x.detach().unsqueeze(0).requires_grad_() if x.dim() == 3 else x for x in (q, k, v))
-    grad_out = torch.randn_like(q)
-
-    def forward_backward():
-        fn(q, k, v, is_causal).backward(grad_out)
-
-    forward_backward()  # compile / autotune before timing
-    fwd = bench_ms(lambda: fn(q, k, v, is_causal), q.device, rep_ms, warmup_ms)
-    fwd_bwd = bench_ms(forward_backward, q.device, rep_ms, warmup_ms, grad_to_none=[q, k, v])
-    return {"fwd_ms": fwd, "bwd_ms": fwd_bwd - fwd, "fwd_bwd_ms": fwd_bwd}
+    if hasattr(flash_triton, "AUTOTUNE"):
+        flash_triton.AUTOTUNE = False
+    else:
+        warnings.warn("flash_triton has no AUTOTUNE switch: --fixed-tiles has no effect", stacklevel=2)
 
 
-def unavailable(error: BaseException) -> bool:
-    """Whether ``error`` says a provider does not support the input (no kernel for this dtype or shape)."""
-    text = str(error).lower()
-    return isinstance(error, (NotImplementedError, TypeError, ValueError)) or "no available kernel" in text
+def autotuning() -> bool | None:
+    """Whether our kernels autotune (None when flash_triton says nothing about it)."""
+    from cs336_systems.attention import flash_triton
+
+    return getattr(flash_triton, "AUTOTUNE", None)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Inputs and timing
+# ---------------------------------------------------------------------------------------------------
+
+
+def make_inputs(
+    batch_heads: int, seq_len: int, d_head: int, dtype: torch.dtype, device: torch.device, seed: int = 0
+) -> tuple[Float[Tensor, "bh seq d"], Float[Tensor, "bh seq d"], Float[Tensor, "bh seq d"]]:
+    """Random ``q, k, v`` requiring gradients. As the official leaderboard timing does, they are the three
+    slices of one ``(3, batch_heads, seq_len, d_head)`` leaf, so their gradients land in one tensor."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    qkv = torch.randn(3, batch_heads, seq_len, d_head, device=device, dtype=dtype, generator=generator)
+    q, k, v = qkv.requires_grad_(True)
+    return q, k, v
+
+
+def reset_grads(*tensors: Tensor) -> None:
+    """Drop the gradients accumulated into these tensors, or into the leaves they are views of."""
+    for x in tensors:
+        leaf = x if x._base is None else x._base
+        if leaf.is_leaf:
+            leaf.grad = None
+
+
+def _do_bench_all(fn: Callable[[], Any], warmup_ms: float, rep_ms: float) -> list[float]:
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="all")
+
+
+def _timer_loop(fn: Callable[[], Any], warmup_ms: float, rep_ms: float) -> list[float]:
+    """``do_bench``'s budget on a CPU: one call, an estimate from three, then warm-up and timed calls."""
+    fn()
+    estimate_ms = 1e3 * min(harness.time_calls(fn, warmup=0, steps=3))
+    n_warmup = max(1, int(warmup_ms / max(estimate_ms, 1e-3)))
+    n_repeat = max(1, min(1000, int(rep_ms / max(estimate_ms, 1e-3))))
+    return [1e3 * s for s in harness.time_calls(fn, warmup=n_warmup, steps=n_repeat)]
+
+
+def bench_ms(
+    fn: Callable[[], Any], device: torch.device, warmup_ms: float, rep_ms: float, prefix: str = ""
+) -> dict[str, float]:
+    """``{prefix}ms`` (the mean, do_bench's default), ``{prefix}median_ms``, ``{prefix}p20_ms``,
+    ``{prefix}p80_ms``, ``{prefix}min_ms`` and the sample count ``{prefix}samples`` of ``fn``'s latency."""
+    times = _do_bench_all(fn, warmup_ms, rep_ms) if device.type == "cuda" else _timer_loop(fn, warmup_ms, rep_ms)
+    return summarize(times, prefix)
+
+
+def summarize(times_ms: list[float], prefix: str = "") -> dict[str, float]:
+    ordered = sorted(times_ms)
+
+    def quantile(q: float) -> float:
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    return {
+        f"{prefix}ms": statistics.fmean(ordered),
+        f"{prefix}median_ms": statistics.median(ordered),
+        f"{prefix}p20_ms": quantile(0.2),
+        f"{prefix}p80_ms": quantile(0.8),
+        f"{prefix}min_ms": ordered[0],
+        f"{prefix}samples": len(ordered),
+    }
+
+
+def phase_callable(
+    phase: str, fn: AttentionFn, q: Tensor, k: Tensor, v: Tensor, causal: bool = True, sum_backward: bool = False
+) -> Callable[[], Any]:
+    """The zero-argument function timed for ``phase`` (see the module docstring)."""
+    if phase not in PHASES:
+        raise ValueError(f"unknown phase {phase!r}; choose from {PHASES}")
+    if phase == "fwd":
+        return lambda: fn(q, k, v, causal)
+    if phase == "fwd_bwd" and sum_backward:
+        return lambda: fn(q, k, v, causal).sum().backward()
+    o = fn(q, k, v, causal)
+    grad_out = torch.randn_like(o)
+    if phase == "bwd":
+        return lambda: torch.autograd.grad(o, (q, k, v), grad_out, retain_graph=True)
+    del o
+    return lambda: torch.autograd.grad(fn(q, k, v, causal), (q, k, v), grad_out)
+
+
+class Unsupported(Exception):
+    """An SDPA backend refused the input (dtype, head dim, device): a row with an error, not a crash."""
+
+
+@contextlib.contextmanager
+def _sdpa_refusals_as_unsupported(provider: Provider) -> Any:
+    """Turn an SDPA backend's refusal into :class:`Unsupported`, with the reasons PyTorch warned about."""
+    if provider.sdpa_backend is None:
+        yield
+        return
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            yield
+        except RuntimeError as error:
+            if harness.is_oom(error):
+                raise
+            reasons = [str(w.message).splitlines()[0] for w in caught]
+            message = "; ".join([str(error).splitlines()[0], *dict.fromkeys(reasons)])
+            raise Unsupported(message[:500]) from error
+
+
+def time_phases(
+    provider: Provider,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    device: torch.device,
+    phases: Iterable[str] = PHASES,
+    warmup_ms: float = 25,
+    rep_ms: float = 100,
+    causal: bool = True,
+    sum_backward: bool = False,
+    fn: AttentionFn | None = None,
+) -> dict[str, Any]:
+    """``{phase}_ms`` (and median, quantiles, samples) for each phase of ``provider`` on ``q, k, v``.
+
+    Out of memory in a phase ends the measurement with what was measured so far and ``"oom": true,
+    "oom_phase": phase``; an SDPA backend that refuses the input gives ``{"error": ..., "unsupported": true}``.
+    Other errors propagate. ``fn`` overrides the provider's function (already built by the caller).
+    """
+    fn = fn or provider.build()
+    result: dict[str, Any] = {"oom": False}
+    for phase in phases:
+        def measure(phase=phase) -> dict[str, Any]:
+            with provider.context():
+                return bench_ms(phase_callable(phase, fn, q, k, v, causal, sum_backward), device, warmup_ms, rep_ms,
+                                prefix=f"{phase}_")
+
+        try:
+            with _sdpa_refusals_as_unsupported(provider):
+                measured = harness.measure_or_oom(measure)
+        except Unsupported as error:
+            return {"error": str(error), "unsupported": True}
+        reset_grads(q, k, v)
+        if measured.pop("oom"):
+            result.update(oom=True, oom_phase=phase, error=measured["error"])
+            break
+        result.update(measured)
+    return result
+
+
+def ratio(numerator: float | None, denominator: float | None) -> float | None:
+    """``numerator / denominator``, or None when either is missing (an error or out-of-memory row)."""
+    if numerator is None or denominator is None or denominator == 0:
+        return None
+    return numerator / denominator
+
+
+# ---------------------------------------------------------------------------------------------------
+# Checks: right answers, our kernels, no graph breaks
+# ---------------------------------------------------------------------------------------------------
+
+
+def _forward_backward(fn: AttentionFn, q: Tensor, k: Tensor, v: Tensor, dtype: torch.dtype | None = None):
+    """``o`` and ``dq, dk, dv`` of ``fn(q, k, v, True).sum()`` on fresh leaf copies (cast to ``dtype``), each
+    of shape ``(batch_heads, seq, d)``."""
+    leaves = [x.detach().to(dtype or x.dtype).clone().requires_grad_(True) for x in (q, k, v)]
+    o = fn(*leaves, True)
+    o.sum().backward()
+    return [o.detach().reshape(q.shape)] + [x.grad for x in leaves]
+
+
+def _sdpa_math(q: Tensor, k: Tensor, v: Tensor, is_causal: bool = True) -> Tensor:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.MATH):
+        return _sdpa(q, k, v, is_causal)
+
+
+def relative_errors(outputs: list[Tensor], reference: list[Tensor]) -> dict[str, float]:
+    """``max |x - ref| / max |ref|`` for ``o, dq, dk, dv``, computed in float32."""
+    errors = {}
+    for name, x, ref in zip(("o", "dq", "dk", "dv"), outputs, reference):
+        ref = ref.float()
+        errors[name] = ((x.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item()
+    return errors
+
+
+def errors_acceptable(ours: dict[str, float], sdpa: dict[str, float], factor: float = 3.0, floor: float = 1e-2) -> bool:
+    """Ours is right when each of its errors is within ``factor`` times SDPA's own error at the same
+    precision (against the same float32 reference), or below ``floor``: bf16 rounding alone is ~4e-3."""
+    return all(ours[name] <= max(factor * sdpa[name], floor) for name in ours)
+
+
+def check_against_sdpa(
+    fn: AttentionFn, q: Tensor, k: Tensor, v: Tensor, reference_bytes: float = 2e9
+) -> dict[str, Any]:
+    """Outputs and gradients of ``fn(q, k, v, True).sum()`` and of SDPA (its default backend choice), both at
+    the inputs' precision, against SDPA's math backend in float32 (unfused, no TF32): ``{"max_rel_err",
+    "sdpa_max_rel_err", "matches_sdpa", "checked_heads"}``.
+
+    Heads are independent, so the float32 reference covers only as many leading heads as fit one
+    ``reference_bytes`` score matrix (one head at the leaderboard's length); ``fn`` and SDPA run on all of them.
+    """
+    seq_len = q.shape[-2]
+    heads = max(1, min(q.shape[0], int(reference_bytes // (4 * seq_len * k.shape[-2]))))
+    reference = _forward_backward(_sdpa_math, q[:heads], k[:heads], v[:heads], torch.float32)
+    ours = relative_errors([x[:heads] for x in _forward_backward(fn, q, k, v)], reference)
+    sdpa = relative_errors([x[:heads] for x in _forward_backward(_sdpa, q, k, v)], reference)
+    return {"max_rel_err": ours, "sdpa_max_rel_err": sdpa, "matches_sdpa": errors_acceptable(ours, sdpa),
+            "checked_heads": heads}
+
+
+def graph_break_count() -> dict[str, Any]:
+    """Graph breaks (and their reasons, first lines) and graphs that dynamo counted since its counters were
+    last cleared."""
+    from torch._dynamo.utils import counters
+
+    return {
+        "graph_breaks": sum(counters["graph_break"].values()),
+        "graph_break_reasons": [reason.splitlines()[0][:200] for reason in counters["graph_break"]],
+        "graphs": counters["stats"].get("unique_graphs", 0),
+    }
+
+
+def clear_graph_break_count() -> None:
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+
+
+def first_call_graph_breaks(compiled_fn: AttentionFn, q: Tensor, k: Tensor, v: Tensor) -> dict[str, Any]:
+    """:func:`graph_break_count` of the first call of ``compiled_fn(q, k, v, True).sum().backward()``, on the
+    very tensors that are timed afterwards (their gradients are then reset).
+
+    Dynamo counts graph breaks while it compiles, and it keeps what it compiled for a function's code across
+    ``torch.compile`` wrappers, so its caches are reset first: everything compiled so far compiles again."""
+    torch._dynamo.reset()
+    clear_graph_break_count()
+    compiled_fn(q, k, v, True).sum().backward()
+    reset_grads(q, k, v)
+    return graph_break_count()
+
+
+def our_kernel_names() -> set[str]:
+    """Names of the Triton kernels in our attention modules (autotuner wrappers unwrapped)."""
+    import triton
+
+    from cs336_systems.attention import flash_triton, flash_triton_kernels
+
+    names = set()
+    for module in (flash_triton_kernels, flash_triton):
+        for obj in vars(module).values():
+            while isinstance(obj, triton.runtime.KernelInterface) and not isinstance(obj, triton.runtime.JITFunction):
+                obj = obj.fn
+            if isinstance(obj, triton.runtime.JITFunction):
+                names.add(obj.__name__)
+    return names
+
+
+def launched_kernels(call: Callable[[], Any]) -> list[str]:
+    """Names of the GPU kernels that one ``call()`` launches, in order of first launch (empty on a CPU)."""
+    if not torch.cuda.is_available():
+        return []
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return list(dict.fromkeys(kernels))
+
+
+FOREIGN_ATTENTION_KERNELS = ("fmha", "flash_fwd", "flash_bwd", "cudnn", "sdpa", "attention")
+
+
+def classify_kernels(kernels: list[str], ours: set[str]) -> dict[str, list[str]]:
+    """Split launched kernel names into ours (a name containing one of our kernels' names) and other attention
+    kernels (names that look like a library's fused attention: a fallback where ours should run)."""
+    mine = [name for name in kernels if any(own in name for own in ours)]
+    foreign = [name for name in kernels if name not in mine and any(t in name.lower() for t in FOREIGN_ATTENTION_KERNELS)]
+    return {"our_kernels": mine, "foreign_attention_kernels": foreign}
+
+
+def runs_our_kernels(fn: AttentionFn, q: Tensor, k: Tensor, v: Tensor) -> dict[str, Any]:
+    """Which kernels one ``fn(q, k, v, True).sum().backward()`` launches: ``our_kernels`` must hold at least a
+    forward and a backward kernel of ours, and ``foreign_attention_kernels`` must be empty."""
+    kernels = launched_kernels(lambda: _forward_backward(fn, q, k, v))
+    found = classify_kernels(kernels, our_kernel_names())
+    found["kernels_ok"] = len(found["our_kernels"]) >= 2 and not found["foreign_attention_kernels"]
+    if not found["kernels_ok"]:
+        found["launched_kernels"] = kernels[:40]  # to see what ran instead
+    return found

@@ -1,109 +1,194 @@
-"""The leaderboard timing (SPEC 3.7), beside PyTorch's fused attention in the same run.
+"""The leaderboard timing of our FlashAttention-2 beside PyTorch's fused attention (problem ``leaderboard``).
 
-Exactly the official protocol: ``f = torch.compile(FlashAttention2Triton.apply)`` on q, k, v of shape
-``(16, 16384, 64)``, bfloat16, ``requires_grad=True``; the timed function is ``o = f(q, k, v, True)``,
-``o.sum().backward()``, timed by ``triton.testing.do_bench(fn, rep=10000, warmup=1000)``. Then PyTorch's
-``scaled_dot_product_attention`` with each backend (cuDNN, flash, efficient) on the same tensors viewed as
-``(1, 16, 16384, 64)``, the same way. Before timing, ours is checked against cuDNN's outputs and
-gradients, and torch.compile must report no graph break other than the one our launch wrappers ask for.
+The official protocol (SPEC 3.7): 16 heads of length 16384 and head dim 64, bf16, causal, inputs ``q, k, v``
+of shape ``(16, 16384, 64)`` requiring gradients; the timed function is::
 
-Every invocation is a fresh measurement (rows are appended, never skipped). ``--log-step NAME`` also
-appends the run to ``flash_optimisation_log.jsonl`` with ``--hypothesis``: the optimisation log.
+    f = torch.compile(FlashAttention2Triton.apply)
+    def fn():
+        o = f(q, k, v, True)
+        o.sum().backward()
+    triton.testing.do_bench(fn, rep=10000, warmup=1000)      # ms, the mean over the samples
+
+In the same run, on the same tensors viewed as ``(1, 16, 16384, 64)`` (batch 1, 16 heads), PyTorch's
+``scaled_dot_product_attention`` with each of its fused backends (cuDNN, flash = FlashAttention-2 CUDA,
+memory-efficient) pinned by ``torch.nn.attention.sdpa_kernel``, eager, through the same ``o.sum().backward()``.
+A forward-only time (``f(q, k, v, True)``, same inputs) is taken for every provider too.
+
+Before timing, once per run, the compiled wrapper is checked: dynamo's graph-break count on its first call
+(``graph_breaks``: the only ones allowed are those our ``torch.compiler.disable`` launch wrappers ask for, which
+leave the Triton kernels running exactly as they would eagerly; any other break fails), the kernels one call
+launches (``our_kernels``: ours must run, no library attention kernel may stand in), and outputs and gradients
+against SDPA's float32 math backend, within 3x SDPA's own bf16 error (``matches_sdpa``). A failed check is
+printed, recorded (``verified: false``) and makes the command exit with status 1 after writing its rows.
+
+Every invocation is a fresh measurement (no resume): it appends one row per provider to
+``writeup/results/leaderboard.jsonl``: ``{"run", "provider": "ours" | "sdpa_cudnn" | "sdpa_flash" |
+"sdpa_efficient", "fwd_bwd_ms", "fwd_ms", "device", ...}``; a backend that refuses the input gives a row with
+``"error"``. It prints the ratios ours / each SDPA backend.
 
 Examples::
 
-    python -m cs336_systems.bench.leaderboard                       # the official rep=10000, warmup=1000
-    python -m cs336_systems.bench.leaderboard --rep 1000 --warmup 100 --log-step tiles --hypothesis "..."
+    python -m cs336_systems.bench.leaderboard                          # the official rep=10000, warmup=1000
+    python -m cs336_systems.bench.leaderboard --rep 2000 --warmup 200  # shorter, for development
+    python -m cs336_systems.bench.leaderboard --quick --providers ours sdpa_cudnn
 """
 
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import torch
 
+from cs336_systems.bench import flash_providers as fp
 from cs336_systems.bench import harness
-from cs336_systems.bench.flash_providers import FOUR_D, get_provider, unavailable
 
 PROBLEM = "leaderboard"
-PROVIDERS = ["ours", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient"]
+# Row name -> provider in flash_providers: ours is timed through the compiled wrapper, as the protocol says.
+LEADERBOARD_PROVIDERS = {
+    "ours": "ours_compiled",
+    "sdpa_cudnn": "sdpa_cudnn",
+    "sdpa_flash": "sdpa_flash",
+    "sdpa_efficient": "sdpa_efficient",
+}
+HEADS, SEQ_LEN, D_HEAD, DTYPE = 16, 16384, 64, "bf16"
+REP_MS, WARMUP_MS = 10_000, 1_000
+QUICK = dict(rep=500, warmup=100)
+CPU = dict(heads=2, seq_len=256, d_head=64, rep=50, warmup=10)
 
 
 def parser():
     p = harness.base_parser(__doc__)
-    p.add_argument("--rep", type=int, default=10000, help="do_bench repetition time (ms)")
-    p.add_argument("--warmup", type=int, default=1000, help="do_bench warm-up time (ms)")
-    p.add_argument("--providers", nargs="+", default=PROVIDERS, choices=PROVIDERS)
-    p.add_argument("--log-step", default=None, help="also append this run to the optimisation log under this name")
-    p.add_argument("--hypothesis", default="", help="what the step should move, and by how much")
+    p.add_argument("--providers", nargs="+", choices=list(LEADERBOARD_PROVIDERS), default=list(LEADERBOARD_PROVIDERS))
+    p.add_argument("--rep", type=float, default=None, help=f"do_bench repetition time, ms (default {REP_MS})")
+    p.add_argument("--warmup", type=float, default=None, help=f"do_bench warm-up time, ms (default {WARMUP_MS})")
+    p.add_argument("--heads", type=int, default=HEADS, help="the leading dimension of q, k, v (heads)")
+    p.add_argument("--seq-len", type=int, default=SEQ_LEN)
+    p.add_argument("--d-head", type=int, default=D_HEAD)
+    p.add_argument("--dtype", choices=list(fp.DTYPES), default=DTYPE)
+    p.add_argument("--no-fwd", action="store_true", help="skip the forward-only timings")
+    p.add_argument("--no-verify", action="store_true", help="skip the checks of the compiled wrapper")
+    p.add_argument("--fixed-tiles", action="store_true", help="our kernels with fixed tiles instead of autotuning")
     return p
 
 
-def graph_breaks(fn, *args) -> int:
-    """Graph breaks torch.compile reports for ``fn(*args)``."""
-    import torch._dynamo
+def resolve_defaults(args, device: torch.device) -> None:
+    """``--quick`` shortens do_bench; on a CPU, a small shape and short timings (ours is skipped there)."""
+    if device.type != "cuda":
+        args.heads, args.seq_len = min(args.heads, CPU["heads"]), min(args.seq_len, CPU["seq_len"])
+        args.rep, args.warmup = args.rep or CPU["rep"], args.warmup or CPU["warmup"]
+    elif args.quick:
+        args.rep, args.warmup = args.rep or QUICK["rep"], args.warmup or QUICK["warmup"]
+    args.rep, args.warmup = args.rep or REP_MS, args.warmup or WARMUP_MS
 
-    torch._dynamo.reset()
-    return torch._dynamo.explain(fn)(*args).graph_break_count
+
+def verify_ours(fn: fp.AttentionFn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, Any]:
+    """The checks of the compiled wrapper (module docstring), as row fields; ``verified`` sums them up.
+    Must run before ``fn`` is first called, so that the graph-break count sees its compilation."""
+    checks = fp.first_call_graph_breaks(fn, q, k, v)
+    fp.clear_graph_break_count()  # from here on, any recompilation counts in graph_breaks_after_first_call
+    checks.update(fp.runs_our_kernels(fn, q, k, v))
+    checks.update(fp.check_against_sdpa(fn, q, k, v))
+    # Our launch wrappers are torch.compiler.disable'd on purpose (the kernels run eagerly either way), so
+    # those breaks do not change what is timed; any other break would.
+    checks["only_deliberate_breaks"] = all("disable" in reason for reason in checks.get("graph_break_reasons", []))
+    checks["verified"] = checks["only_deliberate_breaks"] and checks["kernels_ok"] and checks["matches_sdpa"]
+    return checks
+
+
+def measure(
+    name: str, q, k, v, device: torch.device, rep_ms: float, warmup_ms: float, phases=("fwd_bwd", "fwd"),
+    verify: bool = True,
+) -> dict[str, Any]:
+    """The row fields of leaderboard provider ``name``: checks (ours), timings of ``phases`` (fwd+bwd is the
+    protocol's ``o.sum().backward()``), or an error."""
+    provider = fp.get_provider(LEADERBOARD_PROVIDERS[name])
+    reason = provider.unavailable_reason(device)
+    if reason:
+        return {"error": reason, "unsupported": True}
+    fn = provider.build()
+    result: dict[str, Any] = {"implementation": provider.description}
+    if provider.triton:
+        result["autotune"] = fp.autotuning()
+        if verify:
+            result.update(verify_ours(fn, q, k, v))
+    result.update(fp.time_phases(provider, q, k, v, device, phases, warmup_ms, rep_ms, sum_backward=True, fn=fn))
+    if provider.triton and verify:
+        # Recompilations after the first call (in the checks or the timing) must not break the graph either.
+        result["graph_breaks_after_first_call"] = fp.graph_break_count()["graph_breaks"]
+        result["verified"] = result["verified"] and result["graph_breaks_after_first_call"] == 0
+    return result
+
+
+def add_ratios(results: dict[str, dict[str, Any]]) -> None:
+    """``ours_over_this_fwd_bwd`` (and ``_fwd``) in each SDPA row, and ``ratios`` (``{provider: ours / it}``,
+    fwd+bwd) in ours."""
+    ours = results.get("ours", {})
+    for name, result in results.items():
+        if name == "ours":
+            continue
+        for phase in ("fwd_bwd", "fwd"):
+            result[f"ours_over_this_{phase}"] = fp.ratio(ours.get(f"{phase}_ms"), result.get(f"{phase}_ms"))
+    if ours:
+        ours["ratios"] = {name: r["ours_over_this_fwd_bwd"] for name, r in results.items() if name != "ours"}
+
+
+def print_summary(rows: list[dict[str, Any]]) -> None:
+    harness.print_table(rows, ["provider", "fwd_bwd_ms", "fwd_ms", "fwd_bwd_median_ms", "ours_over_this_fwd_bwd",
+                               "ours_over_this_fwd"], digits=3)
+    for row in rows:
+        if row.get("error"):
+            print(f"# {row['provider']}: {row['error']}")
+    ours = next((r for r in rows if r["provider"] == "ours"), None)
+    if ours and "verified" in ours:
+        print(f"# ours: graph breaks {ours['graph_breaks']}, our kernels {ours['our_kernels']}, "
+              f"other attention kernels {ours['foreign_attention_kernels']}, max relative error "
+              f"{ours['max_rel_err']} (SDPA's {ours['sdpa_max_rel_err']}): verified={ours['verified']}")
+        for reason in ours["graph_break_reasons"]:
+            print(f"#   graph break: {reason}")
+
+
+def measure_all(
+    providers: list[str], heads: int, seq_len: int, d_head: int, dtype: str, device: torch.device, rep_ms: float,
+    warmup_ms: float, phases=("fwd_bwd", "fwd"), verify: bool = True,
+) -> dict[str, dict[str, Any]]:
+    """:func:`measure` of each provider on one set of inputs ``(heads, seq_len, d_head)``, with the ratios."""
+    q, k, v = fp.make_inputs(heads, seq_len, d_head, fp.DTYPES[dtype], device)
+    results = {}
+    for name in harness.progress(providers, PROBLEM):
+        results[name] = measure(name, q, k, v, device, rep_ms, warmup_ms, phases, verify)
+        harness.free_memory()
+    add_ratios(results)
+    return results
+
+
+def run(args, device: torch.device) -> list[dict[str, Any]]:
+    """Measure every requested provider and append their rows (always: no resume)."""
+    store = harness.ResultStore(PROBLEM, args.results_dir, force=True)
+    phases = ["fwd_bwd"] if args.no_fwd else ["fwd_bwd", "fwd"]
+    results = measure_all(args.providers, args.heads, args.seq_len, args.d_head, args.dtype, device, args.rep,
+                          args.warmup, phases, verify=not args.no_verify)
+    config = dict(heads=args.heads, seq_len=args.seq_len, d_head=args.d_head, dtype=args.dtype, causal=True,
+                  rep_ms=args.rep, warmup_ms=args.warmup)
+    return [store.add({"provider": name, **config}, result) for name, result in results.items()]
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     device = harness.default_device()
     harness.announce(device, args.quick)
+    resolve_defaults(args, device)
+    if args.fixed_tiles:
+        fp.use_fixed_tiles()
     if device.type != "cuda":
-        sys.exit("the leaderboard is timed on a CUDA GPU (do_bench, Triton kernels); none found")
-    shape = (16, 16384, 64) if not args.quick else (2, 1024, 64)
-    if args.quick:
-        args.rep, args.warmup = min(args.rep, 100), min(args.warmup, 20)
-    import triton
-
-    q, k, v = (torch.randn(shape, device=device, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    store = harness.ResultStore(PROBLEM, args.results_dir, force=True)
-    rows, outputs = [], {}
-    for name in harness.progress(args.providers, PROBLEM):
-        raw = get_provider(name)
-        inputs = [x.detach().view(1, *shape).requires_grad_() if name in FOUR_D else x for x in (q, k, v)]
-        compiled = torch.compile(raw)
-        result: dict = {}
-        try:
-            o = compiled(*inputs, True)
-            o.sum().backward()
-            outputs[name] = [o.detach().reshape(shape)] + [x.grad.reshape(shape) for x in inputs]
-            for x in inputs:
-                x.grad = None
-
-            def step():
-                compiled(*inputs, True).sum().backward()
-
-            def forward():
-                compiled(*inputs, True)
-
-            result["fwd_bwd_ms"] = triton.testing.do_bench(step, rep=args.rep, warmup=args.warmup, grad_to_none=inputs)
-            result["fwd_ms"] = triton.testing.do_bench(forward, rep=max(args.rep // 10, 50), warmup=args.warmup // 10)
-            if name == "ours":
-                result["graph_breaks"] = graph_breaks(raw, *inputs, True)
-        except Exception as error:  # noqa: BLE001 - an unsupported backend is a row, not a crash
-            if not unavailable(error) and "cudnn" not in str(error).lower():
-                raise
-            result = {"error": str(error).splitlines()[0][:300]}
-        rows.append(store.add({"provider": name, "shape": list(shape), "dtype": "bf16", "causal": True,
-                               "rep_ms": args.rep, "warmup_ms": args.warmup}, result))
-    if "ours" in outputs and "sdpa_cudnn" in outputs:
-        errors = {name: ((a.float() - b.float()).norm() / b.float().norm()).item()
-                  for name, a, b in zip(["O", "dQ", "dK", "dV"], outputs["ours"], outputs["sdpa_cudnn"])}
-        print("# relative difference to cuDNN:", {k: f"{v:.1e}" for k, v in errors.items()}, file=sys.stderr)
-        if max(errors.values()) > 2e-2:
-            sys.exit(f"ours disagrees with cuDNN: {errors}")
-    timed = {row["provider"]: row["fwd_bwd_ms"] for row in rows if "fwd_bwd_ms" in row}
-    for row in rows:
-        if "ours" in timed and "fwd_bwd_ms" in row:
-            row["ours_over_this"] = timed["ours"] / row["fwd_bwd_ms"]
-    harness.print_table(rows, ["provider", "fwd_bwd_ms", "fwd_ms", "ours_over_this", "error"], digits=3)
-    if args.log_step:
-        log = harness.ResultStore("flash_optimisation_log", args.results_dir, force=True)
-        log.add({"step": args.log_step}, {"hypothesis": args.hypothesis, "leaderboard_run": store.run,
-                                          **{f"{p}_fwd_bwd_ms": t for p, t in timed.items()}})
+        print("# ours needs a GPU: on the CPU only the SDPA backends run (an error row for ours)", file=sys.stderr)
+    print(f"# q, k, v ({args.heads}, {args.seq_len}, {args.d_head}) {args.dtype}, causal; "
+          f"do_bench(rep={args.rep:g}, warmup={args.warmup:g})", file=sys.stderr)
+    rows = run(args, device)
+    print_summary(rows)
+    if any(row.get("verified") is False for row in rows):
+        print("# VERIFICATION FAILED: see the checks above", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":
