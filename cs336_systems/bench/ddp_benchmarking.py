@@ -236,8 +236,10 @@ def trace_and_draw(step, variant: str, dtype: str, device: torch.device, args, s
         values = [s[key] for s in summaries if s[key] is not None]
         return statistics.fmean(values) if values else None
 
+    shown = figure.resolve()
+    shown = shown.relative_to(harness.REPO_ROOT) if shown.is_relative_to(harness.REPO_ROOT) else shown
     return {"trace_comm_busy_ms": mean("comm_busy_ms"), "trace_comm_exposed_ms": mean("comm_exposed_ms"),
-            "trace_overlap_share": mean("overlap_share"), "trace_figure": str(figure)}
+            "trace_overlap_share": mean("overlap_share"), "trace_figure": str(shown)}
 
 
 # ---------------------------------------------------------------------------------------------
