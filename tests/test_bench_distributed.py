@@ -127,7 +127,7 @@ def test_ddp_benchmarking_quick_on_gloo_with_a_trace(tmp_path):
     assert traced["trace_comm_busy_ms"] > 0 and 0 <= traced["trace_overlap_share"] <= 1
     assert (tmp_path / "ddp_overlap_bucketed_1mb_fp32.png").stat().st_size > 10_000
     assert sorted(p.name for p in (tmp_path / "traces").iterdir()) == [
-        "ddp_bucketed_1mb_fp32_rank0.json", "ddp_bucketed_1mb_fp32_rank1.json"]
+        "ddp_bucketed_1mb_fp32_rank0.json.gz", "ddp_bucketed_1mb_fp32_rank1.json.gz"]
     assert "trace_figure" not in rows["torch_ddp"]
     ddp_benchmarking.main(argv)  # everything measured: returns before spawning anything
     assert len(read_rows(tmp_path / "ddp_benchmarking.jsonl")) == 3

@@ -221,8 +221,9 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     ax_time.set_ylabel("time per all-reduce (ms, mean over ranks)")
     ax_bw.set_ylabel("bus bandwidth (GB/s)")
     ax_bw.legend(fontsize=8)
-    device = rows[-1].get("device", "") if rows else ""
-    fig.suptitle(f"All-reduce on one node ({device}; gloo on CPU processes, NCCL one GPU per rank)", fontsize=10)
+    gpu = rows[-1].get("env", {}).get("gpu_name") if rows else None
+    fig.suptitle(f"All-reduce on one node ({gpu or 'no GPU'}; gloo on CPU processes, NCCL one GPU per rank)",
+                 fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=130)
@@ -269,9 +270,13 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def report(args) -> None:
-    """The table, the latency-bandwidth fits and the plot, from every row measured on this device."""
+    """The table, the latency-bandwidth fits and the plot, from every row measured on this kind of GPU.
+
+    Rows of machines with more GPUs of the same kind join in (NCCL with 4 ranks, say); of each case the
+    latest row counts.
+    """
     store = harness.ResultStore(PROBLEM, args.results_dir)
-    rows = [row for row in store.rows() if row.get("device") == store.env["device"]]
+    rows = [row for row in store.rows() if row.get("env", {}).get("gpu_name") == store.env["gpu_name"]]
     shown = sorted(latest_rows(rows), key=lambda r: (r["backend"], r["world_size"], r["bytes"]))
     harness.print_table(shown, ["backend", "world_size", "size_mb", "iters", "mean_ms", "median_ms", "algbw_gbps",
                                 "busbw_gbps"], digits=3)

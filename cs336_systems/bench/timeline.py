@@ -9,6 +9,9 @@ A trace (``prof.export_chrome_trace(path)``) is reduced to three lanes of spans 
 * ``phases``: the ``record_function`` ranges named in ``phases`` (e.g. forward, backward), on the GPU
   timeline when the trace has one.
 
+An NCCL kernel starts when it is launched and ends when the all-reduce is done, so its span includes
+the time it waits for the other ranks to join.
+
 :func:`overlap_summary` says how much of the communication ran while compute was running, and
 :func:`render` draws one block of lanes per rank, the overlapped part of each communication span
 highlighted, so overlap, or its absence, is plain to see. Reusable by any benchmark that records a trace::
