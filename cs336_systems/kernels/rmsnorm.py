@@ -234,13 +234,15 @@ BWD_CONFIGS = [_config(m, w, s) for m, w, s in [(1, 4, 1), (1, 8, 1), (1, 16, 1)
                                                 (4, 8, 1), (4, 16, 1), (8, 8, 1), (8, 16, 1), (2, 8, 2), (4, 8, 2)]]
 INTERPRETER_BLOCK_M = 4
 
-# Bytes of one input tile per thread: at least 16 (one 128-bit load per thread), at most what fits in
-# registers next to the float32 copies (the backward holds x, dy, and a float32 dg accumulator).
-_BYTES_PER_THREAD = {"fwd": (16, 128), "bwd": (16, 64)}
+# Elements of one tile per thread. At least 16 bytes' worth (one 128-bit load per thread); at most what
+# fits in registers beside the float32 copies without spilling even at 16 warps (128 registers a
+# thread): the backward holds x, dy and a float32 dg accumulator (checked with ptxas for sm_90).
+MIN_BYTES_PER_THREAD = 16
+MAX_ELEMENTS_PER_THREAD = {"fwd": 32, "bwd": 16}
 
 
-def _tile_bytes_per_thread(config: triton.Config, block_n: int, element_size: int) -> float:
-    return config.kwargs["BLOCK_M"] * block_n * element_size / (32 * config.num_warps)
+def _elements_per_thread(config: triton.Config, block_n: int) -> float:
+    return config.kwargs["BLOCK_M"] * block_n / (32 * config.num_warps)
 
 
 def _pruner(kernel: str):
@@ -248,20 +250,14 @@ def _pruner(kernel: str):
 
     def prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
         block_n, element_size = kwargs["BLOCK_N"], named_args["X"].element_size()
-        low, high = _BYTES_PER_THREAD[kernel]
-        # Rows a program may take: the forward wants at least two programs per SM, the backward's
-        # programs own rows_per_program rows each.
-        rows_available = named_args["rows_key"]
-        fitting = [c for c in configs
-                   if low <= _tile_bytes_per_thread(c, block_n, element_size) <= high
-                   and c.kwargs["BLOCK_M"] <= rows_available
-                   and (kwargs["SINGLE_TILE"] or c.kwargs["BLOCK_M"] == 1)]
-        if fitting:
-            return fitting
-        # Nothing suits (a very short row, or few rows): the allowed configuration closest to 32 bytes a thread.
-        allowed = [c for c in configs if c.kwargs["BLOCK_M"] <= max(rows_available, 1)
-                   and (kwargs["SINGLE_TILE"] or c.kwargs["BLOCK_M"] == 1)]
-        return [min(allowed, key=lambda c: abs(_tile_bytes_per_thread(c, block_n, element_size) - 32))]
+        low, high = MIN_BYTES_PER_THREAD / element_size, MAX_ELEMENTS_PER_THREAD[kernel]
+        # The most rows a program may take: the forward keeps at least two programs per SM, the
+        # backward's programs own rows_per_program rows each. Long (tiled) rows take one at a time.
+        max_block_m = max(named_args["rows_key"], 1) if kwargs["SINGLE_TILE"] else 1
+        allowed = [c for c in configs if c.kwargs["BLOCK_M"] <= max_block_m]
+        fitting = [c for c in allowed if low <= _elements_per_thread(c, block_n) <= high]
+        # Nothing fits (a very short row): the allowed configuration with the fewest idle threads.
+        return fitting or [max(allowed, key=lambda c: min(_elements_per_thread(c, block_n), high))]
 
     return prune
 
