@@ -228,8 +228,9 @@ def test_zero_rows_on_gpu(fixed_launch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("autocast_output", [False, True])
 @pytest.mark.parametrize("compile_model", [False, True])
-def test_transformer_lm_with_fused_rmsnorm_matches_plain_on_gpu(compile_model):
+def test_transformer_lm_with_fused_rmsnorm_matches_plain_on_gpu(compile_model, autocast_output):
     """Logits and gradients of a small LM under bfloat16 autocast, plain vs fused norms (and compiled)."""
     from cs336_basics.model import BasicsTransformerLM
 
@@ -247,7 +248,7 @@ def test_transformer_lm_with_fused_rmsnorm_matches_plain_on_gpu(compile_model):
         return logits.detach().float(), {name: p.grad.clone() for name, p in model.named_parameters()}
 
     plain_logits, plain_grads = logits_and_grads(model)
-    use_fused_rmsnorm(model)
+    use_fused_rmsnorm(model, autocast_output=autocast_output)
     runner = torch.compile(model, fullgraph=True) if compile_model else model
     logits, grads = logits_and_grads(runner)
     # bf16 matmuls dominate the error, in both runs alike.

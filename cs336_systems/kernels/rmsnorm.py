@@ -18,7 +18,7 @@ exist or the last dimension is strided). Every statistic and accumulation is flo
 * Forward: each program normalises ``BLOCK_M`` rows. A row that fits in one tile
   (``next_power_of_2(N) <= MAX_BLOCK_N``) is loaded once; a longer row is walked twice in tiles of
   ``MAX_BLOCK_N`` columns (sum of squares, then normalise and store).
-* Backward: a fixed number of programs (a few per SM), each owning a contiguous range of rows. A
+* Backward: a fixed number of programs (``BWD_PROGRAMS_PER_SM`` per SM), each owning a contiguous range of rows. A
   program computes ``dx`` for its rows ``BLOCK_M`` at a time and accumulates its partial ``dg`` in
   float32 registers; the partial sums, shape ``(n_programs, N)``, are added by one small
   ``sum(dim=0)``. No atomics, so the result does not depend on scheduling, and re-running a launch (as
@@ -63,9 +63,11 @@ MAX_BLOCK_N = 8192
 """The widest column tile (elements). Rows up to this many features are held whole in registers; longer
 rows are tiled. Tests lower it to exercise the tiled path at small sizes."""
 
-BWD_PROGRAMS_PER_SM = 4
-"""Backward programs per streaming multiprocessor: enough warps in flight to hide memory latency, few
-enough that the partial weight gradients (``n_programs x N`` float32) stay a small share of the traffic."""
+BWD_PROGRAMS_PER_SM = 2
+"""Backward programs per streaming multiprocessor. Registers bound how many backward programs an SM holds
+at once (two to three at the larger tiles); more programs would only add partial weight gradients
+(``n_programs x N`` float32, written and read once more), which at 8192 rows of 768 already cost a few
+percent of the traffic."""
 
 ROWS_PER_PROGRAM_MULTIPLE = 8
 """A backward program's row range is rounded up to this, so that ``BLOCK_M``-row steps rarely go ragged."""
@@ -304,7 +306,7 @@ def _launch(kernel: str, grid, args: tuple, meta: dict, n_cols: int, element_siz
 @functools.cache
 def _multiprocessor_count(device_index: int | None) -> int:
     if RUNNING_IN_INTERPRETER:
-        return 1  # the interpreter runs programs one by one; few programs keep every path exercised
+        return 2  # the interpreter runs programs one by one; few programs keep every path exercised
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
@@ -332,12 +334,12 @@ def _check_device(x: Tensor) -> None:
 
 
 def rmsnorm_forward(
-    x: Float[Tensor, "n_rows N"], weight: Float[Tensor, "N"], eps: float
+    x: Float[Tensor, "n_rows N"], weight: Float[Tensor, "N"], eps: float, out_dtype: torch.dtype | None = None
 ) -> tuple[Float[Tensor, "n_rows N"], Float[Tensor, "n_rows"]]:
-    """``y`` (x's dtype, contiguous) and ``1 / rms`` per row (float32)."""
+    """``y`` (``out_dtype``, by default x's; contiguous) and ``1 / rms`` per row (float32)."""
     _check_device(x)
     n_rows, n_cols = x.shape
-    y = _new_output((n_rows, n_cols), x.dtype, x.device)
+    y = _new_output((n_rows, n_cols), out_dtype or x.dtype, x.device)
     rstd = _new_output((n_rows,), torch.float32, x.device)
     if n_rows == 0:
         return y, rstd
@@ -383,13 +385,13 @@ def rmsnorm_backward(
 
 
 @torch.library.custom_op("cs336_systems::rmsnorm_forward", mutates_args=())
-def _rmsnorm_forward_op(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    return rmsnorm_forward(x, weight, eps)
+def _rmsnorm_forward_op(x: Tensor, weight: Tensor, eps: float, out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    return rmsnorm_forward(x, weight, eps, out_dtype)
 
 
 @_rmsnorm_forward_op.register_fake
-def _(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    return x.new_empty(x.shape), x.new_empty(x.shape[:1], dtype=torch.float32)
+def _(x: Tensor, weight: Tensor, eps: float, out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    return x.new_empty(x.shape, dtype=out_dtype), x.new_empty(x.shape[:1], dtype=torch.float32)
 
 
 @torch.library.custom_op("cs336_systems::rmsnorm_backward", mutates_args=())
@@ -436,20 +438,25 @@ def _unit_column_stride(rows: Tensor) -> Tensor:
 
 
 class FusedRMSNormFunction(torch.autograd.Function):
-    """``FusedRMSNormFunction.apply(x, weight, eps) == RMSNorm(x)`` with gain ``weight``, by Triton kernels.
+    """``FusedRMSNormFunction.apply(x, weight, eps, out_dtype=None) == RMSNorm(x)`` with gain ``weight``, by
+    Triton kernels.
 
-    Output in x's dtype; gradients in x's and weight's dtypes. Saved for backward: x (as rows), the
+    Output in x's dtype (or ``out_dtype``: rounded once, from float32); gradients in x's and weight's dtypes. Saved for backward: x (as rows), the
     weight, and ``1 / rms`` per row in float32.
     """
 
     @staticmethod
-    def forward(ctx, x: Float[Tensor, "... N"], weight: Float[Tensor, "N"], eps: float) -> Float[Tensor, "... N"]:
+    def forward(
+        ctx, x: Float[Tensor, "... N"], weight: Float[Tensor, "N"], eps: float, out_dtype: torch.dtype | None = None
+    ) -> Float[Tensor, "... N"]:
         check_inputs(x, weight)
+        if out_dtype is not None and out_dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"unsupported output dtype {out_dtype}: the fused RMSNorm writes float16, bfloat16 or float32")
         x_rows = _unit_column_stride(x.reshape(-1, x.shape[-1]))  # a view when x's layout allows
         if torch.compiler.is_compiling():
-            y, rstd = torch.ops.cs336_systems.rmsnorm_forward(x_rows, weight, eps)
+            y, rstd = torch.ops.cs336_systems.rmsnorm_forward(x_rows, weight, eps, out_dtype or x.dtype)
         else:
-            y, rstd = rmsnorm_forward(x_rows, weight, eps)
+            y, rstd = rmsnorm_forward(x_rows, weight, eps, out_dtype)
         ctx.save_for_backward(x_rows, weight, rstd)
         ctx.x_shape = x.shape
         return y.view(x.shape)
@@ -464,12 +471,15 @@ class FusedRMSNormFunction(torch.autograd.Function):
             dx, dw = torch.ops.cs336_systems.rmsnorm_backward(dy_rows, x_rows, weight, rstd, compute_dx, compute_dw)
         else:
             dx, dw = rmsnorm_backward(dy_rows, x_rows, weight, rstd, compute_dx, compute_dw)
-        return (dx.view(ctx.x_shape) if compute_dx else None), (dw if compute_dw else None), None
+        return (dx.view(ctx.x_shape) if compute_dx else None), (dw if compute_dw else None), None, None
 
 
-def fused_rms_norm(x: Float[Tensor, "... N"], weight: Float[Tensor, "N"], eps: float = 1e-5) -> Float[Tensor, "... N"]:
-    """``x / sqrt(mean(x^2, -1) + eps) * weight`` in x's dtype, through :class:`FusedRMSNormFunction`."""
-    return FusedRMSNormFunction.apply(x, weight, eps)
+def fused_rms_norm(
+    x: Float[Tensor, "... N"], weight: Float[Tensor, "N"], eps: float = 1e-5, out_dtype: torch.dtype | None = None
+) -> Float[Tensor, "... N"]:
+    """``x / sqrt(mean(x^2, -1) + eps) * weight`` in x's dtype (or ``out_dtype``), through
+    :class:`FusedRMSNormFunction`."""
+    return FusedRMSNormFunction.apply(x, weight, eps, out_dtype)
 
 
 class FusedRMSNorm(RMSNorm):
@@ -477,26 +487,41 @@ class FusedRMSNorm(RMSNorm):
 
     Same constructor, ``eps``, parameter (``weight``) and state-dict keys, so it loads the plain module's
     weights; the output dtype is the input's, as there.
+
+    ``autocast_output = True`` (off by default) writes the output in the autocast dtype while autocast is
+    on, instead of float32 that the next autocast matmul would cast anyway: the same bf16 values reach
+    it (one rounding of the float32 result either way), but the norm writes half the bytes, no cast
+    kernel runs, and backward reads a bf16 output gradient. Only for norms whose every consumer is an
+    autocast matmul, as in ``BasicsTransformerLM``.
     """
 
+    autocast_output: bool = False
+
     def forward(self, x: Float[Tensor, "... d_model"]) -> Float[Tensor, "... d_model"]:
-        return FusedRMSNormFunction.apply(x, self.weight, self.eps)
+        out_dtype = None
+        if self.autocast_output and torch.is_autocast_enabled(x.device.type):
+            out_dtype = torch.get_autocast_dtype(x.device.type)
+        return FusedRMSNormFunction.apply(x, self.weight, self.eps, out_dtype)
 
 
-def use_fused_rmsnorm(model: nn.Module, enabled: bool = True) -> nn.Module:
+def use_fused_rmsnorm(model: nn.Module, enabled: bool = True, autocast_output: bool = False) -> nn.Module:
     """Swap every ``RMSNorm`` in ``model`` for a :class:`FusedRMSNorm` (``enabled=False``: back), in place.
 
     The new modules share the old ones' ``weight`` parameters (same tensors), so optimizers and state
-    dicts keep working. Returns ``model``.
+    dicts keep working. ``autocast_output``: see :class:`FusedRMSNorm`. Returns ``model``.
     """
     source, target = (RMSNorm, FusedRMSNorm) if enabled else (FusedRMSNorm, RMSNorm)
     if type(model) is source:
         raise TypeError(f"use_fused_rmsnorm swaps the norms inside a model; for a lone norm build a {target.__name__}")
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is source:
+            if enabled and type(child) is FusedRMSNorm:
+                child.autocast_output = autocast_output
+            elif type(child) is source:
                 replacement = target(child.weight.shape[0], eps=child.eps, device="meta")
                 replacement.weight = child.weight
                 replacement.train(child.training)
+                if enabled:
+                    replacement.autocast_output = autocast_output
                 setattr(parent, name, replacement)
     return model
