@@ -271,8 +271,9 @@ def test_benchmark_byte_count_and_cases():
     args = bench.parser().parse_args(["--sizes", "small", "xl"])
     cases = bench.model_cases(args)
     keys = [(c["size"], c["norm"], c["attention"], c["compile"]) for c in cases]
-    assert len(keys) == len(set(keys)) == 2 * 4 + 2
-    assert ("xl", "fused", "triton", True) in keys and ("xl", "plain", "sdpa", True) in keys
+    assert len(keys) == len(set(keys)) == 2 * 2 * 3 + 3
+    assert {("xl", "fused", "triton", True), ("xl", "fused_autocast", "triton", True), ("xl", "plain", "sdpa", True)} \
+        <= set(keys)
     assert all(c["dtype"] == "bf16" and c["mode"] == "train_step" and c["batch_size"] == 4 for c in cases)
     args = bench.parser().parse_args(["--rows", "8", "--cols", "16", "32", "--dtypes", "bf16"])
     kernel = bench.kernel_cases(args)

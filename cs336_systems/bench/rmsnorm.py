@@ -16,8 +16,10 @@ Two parts, measured in one run:
   g and writing dx and dg, ``5·rows·cols·e + 3·cols·e_g`` in all. Per-row statistics (4 bytes a row)
   and the partial weight gradients are not counted. ``copy`` moves ``2·rows·cols·e``.
 * ``model``: a full bf16-autocast training step (forward, loss, backward, AdamW) of every model size,
-  batch 4, context 512 (5 warm-up and 10 timed steps; the median is reported), with the plain and the fused RMSNorm (``norm``), each eager and
-  ``torch.compile``-d, naive attention; and for xl: fused RMSNorm + our Triton attention + compile
+  batch 4, context 512 (5 warm-up and 10 timed steps; the median is reported), with the plain RMSNorm,
+  the fused one, and the fused one writing its output in bf16 under autocast (``norm``: ``plain``,
+  ``fused``, ``fused_autocast``; see ``FusedRMSNorm.autocast_output``), each eager and
+  ``torch.compile``-d, naive attention; and for xl: each fused RMSNorm + our Triton attention + compile
   against plain RMSNorm + PyTorch SDPA + compile.
 
 On a CPU (no GPU) the tool runs a tiny configuration with ``harness.time_calls`` and skips ``ours`` and
@@ -52,6 +54,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 PROVIDERS = ("ours", "eager", "compile", "liger")
 PASSES = ("fwd", "fwd_bwd")
 MODEL_SIZES = ["small", "medium", "large", "xl", "2.7B"]
+NORMS = ("plain", "fused", "fused_autocast")
 EPS = 1e-5
 
 
@@ -64,6 +67,7 @@ def parser():
     p.add_argument("--providers", nargs="+", choices=PROVIDERS, default=list(PROVIDERS))
     p.add_argument("--passes", nargs="+", choices=PASSES, default=list(PASSES))
     p.add_argument("--sizes", nargs="+", choices=list(SIZES), default=None, help="model part (default: all five)")
+    p.add_argument("--norms", nargs="+", choices=NORMS, default=list(NORMS), help="model part: which RMSNorm")
     p.add_argument("--compile", nargs="+", choices=["off", "on"], default=["off", "on"], dest="compile_modes",
                    help="model part: eager, compiled or both")
     p.add_argument("--context-length", type=int, default=512)
@@ -239,12 +243,11 @@ def print_kernel_summary(store: harness.ResultStore) -> None:
 def model_cases(args) -> list[dict[str, Any]]:
     base = dict(part="model", context_length=args.context_length, batch_size=args.batch_size, mode="train_step",
                 dtype="bf16")
-    norms = ["plain", "fused"]
     cases = [{**base, "size": size, "norm": norm, "attention": "naive", "compile": compiled == "on"}
-             for size in args.sizes for compiled in args.compile_modes for norm in norms]
+             for size in args.sizes for compiled in args.compile_modes for norm in args.norms]
     if "xl" in args.sizes and "on" in args.compile_modes:
-        cases += [{**base, "size": "xl", "norm": norm, "attention": attention, "compile": True}
-                  for norm, attention in (("plain", "sdpa"), ("fused", "triton"))]
+        cases += [{**base, "size": "xl", "norm": norm, "attention": "sdpa" if norm == "plain" else "triton",
+                   "compile": True} for norm in args.norms]
     return cases
 
 
@@ -254,8 +257,8 @@ def measure_model_case(case: dict[str, Any], device: torch.device, warmup: int, 
 
     config = LMConfig(case["size"], case["context_length"], case["batch_size"])
     model = build_model(config, device, case["attention"])
-    if case["norm"] == "fused":
-        use_fused_rmsnorm(model)
+    if case["norm"] != "plain":
+        use_fused_rmsnorm(model, autocast_output=case["norm"] == "fused_autocast")
     try:
         return measure_case(config, case["mode"], case["dtype"], warmup, steps, device, attention=case["attention"],
                             compile_model=case["compile"], model=model)
@@ -285,12 +288,17 @@ def print_model_summary(rows: list[dict[str, Any]]) -> None:
     by_key = {(r["size"], r["norm"], r["attention"], r["compile"]): r.get("median_ms") for r in rows}
     for size in dict.fromkeys(r["size"] for r in rows):
         for compiled in (False, True):
-            plain, fused = by_key.get((size, "plain", "naive", compiled)), by_key.get((size, "fused", "naive", compiled))
-            if plain and fused:
-                print(f"# {size} {'compiled' if compiled else 'eager'}: fused / plain step time = {fused / plain:.3f}")
-    plain, ours = by_key.get(("xl", "plain", "sdpa", True)), by_key.get(("xl", "fused", "triton", True))
-    if plain and ours:
-        print(f"# xl, compiled: (fused RMSNorm + Triton attention) / (plain RMSNorm + SDPA) step time = {ours / plain:.3f}")
+            plain = by_key.get((size, "plain", "naive", compiled))
+            for norm in NORMS[1:]:
+                fused = by_key.get((size, norm, "naive", compiled))
+                if plain and fused:
+                    print(f"# {size} {'compiled' if compiled else 'eager'}: {norm} / plain step time = {fused / plain:.3f}")
+    plain = by_key.get(("xl", "plain", "sdpa", True))
+    for norm in NORMS[1:]:
+        ours = by_key.get(("xl", norm, "triton", True))
+        if plain and ours:
+            print(f"# xl, compiled: ({norm} RMSNorm + Triton attention) / (plain RMSNorm + SDPA) step time = "
+                  f"{ours / plain:.3f}")
 
 
 def main(argv: list[str] | None = None) -> None:
