@@ -80,6 +80,21 @@ def test_non_contiguous_inputs(layout, monkeypatch):
     check_against_float64(3 * x, weight, None)
 
 
+def test_strided_gain():
+    from tests.test_rmsnorm import rms_norm_float64
+
+    x, _, dy = make_inputs((6, 30), torch.float32, "cpu")
+    every_other = (1 + 0.5 * torch.randn(60)).requires_grad_()
+    y = rmsnorm.fused_rms_norm(x, every_other[::2])
+    y.backward(dy)
+    reference_w = every_other.detach()[::2].double().requires_grad_()
+    expected = rms_norm_float64(x, reference_w)
+    expected.backward(dy.double())
+    torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(every_other.grad[::2].double(), reference_w.grad, rtol=1e-5, atol=1e-5)
+    assert (every_other.grad[1::2] == 0).all()
+
+
 def test_expanded_output_gradient_from_sum():
     """``y.sum().backward()`` sends an all-stride-0 output gradient."""
     check_against_float64(*make_inputs((6, 50), torch.float32, "cpu")[:2], None)

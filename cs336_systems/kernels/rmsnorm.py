@@ -82,15 +82,12 @@ FILL_OUTPUTS_WITH_NAN: bool = False
 
 
 # Row counts vary from call to call: don't compile a variant per value (Triton otherwise specialises integers on
-# divisibility by 16 and on equality to 1). Column counts and strides keep it: it proves aligned rows.
-_ROW_COUNT_ARGS = ["n_rows", "rows_per_program", "rows_key"]
-
-
-@triton.jit(do_not_specialize=_ROW_COUNT_ARGS[::2])
+# divisibility by 16 and on equality to 1). Column counts and strides keep it: it proves rows aligned.
+@triton.jit(do_not_specialize=["n_rows", "rows_key"])
 def rmsnorm_fwd_kernel(
     X,  # input (n_rows, n_cols), unit column stride
     W,  # gain (n_cols,), contiguous
-    Y,  # output (n_rows, n_cols), contiguous, X's dtype
+    Y,  # output (n_rows, n_cols), contiguous, X's dtype or the requested one
     Rstd,  # output: 1 / rms per row, float32 (n_rows,)
     stride_x_row, stride_y_row,
     n_rows, n_cols, rows_key,  # rows_key: coarsened n_rows, read only by the autotuner
@@ -132,7 +129,7 @@ def rmsnorm_fwd_kernel(
     tl.store(Rstd + rows, rstd, mask=row_mask)
 
 
-@triton.jit(do_not_specialize=_ROW_COUNT_ARGS)
+@triton.jit(do_not_specialize=["n_rows", "rows_per_program", "rows_key"])
 def rmsnorm_bwd_kernel(
     DY,  # output gradient (n_rows, n_cols), unit column stride
     X,  # the forward's input (n_rows, n_cols), unit column stride
@@ -453,6 +450,7 @@ class FusedRMSNormFunction(torch.autograd.Function):
         if out_dtype is not None and out_dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"unsupported output dtype {out_dtype}: the fused RMSNorm writes float16, bfloat16 or float32")
         x_rows = _unit_column_stride(x.reshape(-1, x.shape[-1]))  # a view when x's layout allows
+        weight = _unit_column_stride(weight)
         if torch.compiler.is_compiling():
             y, rstd = torch.ops.cs336_systems.rmsnorm_forward(x_rows, weight, eps, out_dtype or x.dtype)
         else:
