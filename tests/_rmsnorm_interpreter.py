@@ -143,7 +143,6 @@ def test_saves_input_gain_and_float32_inverse_rms():
 def test_transformer_lm_with_fused_rmsnorm_matches_plain(autocast_output):
     """float32; and with ``autocast_output`` under bfloat16 autocast, where the norms hand bf16 to the matmuls."""
     from cs336_basics.model import BasicsTransformerLM
-
     from tests._flash_checks import relative_error
 
     model = BasicsTransformerLM(vocab_size=50, context_length=16, d_model=48, num_layers=2, num_heads=2, d_ff=96)

@@ -103,7 +103,6 @@ def test_rejects_unsupported_inputs():
 
 def test_fused_module_is_a_drop_in_for_the_plain_one():
     from cs336_basics.model import RMSNorm
-
     from cs336_systems.kernels.rmsnorm import FusedRMSNorm
 
     plain = RMSNorm(12)
@@ -119,7 +118,6 @@ def test_fused_module_is_a_drop_in_for_the_plain_one():
 
 def test_use_fused_rmsnorm_swaps_every_norm_keeping_its_parameter():
     from cs336_basics.model import BasicsTransformerLM, RMSNorm
-
     from cs336_systems.kernels.rmsnorm import FusedRMSNorm, use_fused_rmsnorm
 
     model = BasicsTransformerLM(vocab_size=50, context_length=16, d_model=32, num_layers=3, num_heads=2, d_ff=64)
@@ -233,7 +231,6 @@ def test_zero_rows_on_gpu(fixed_launch):
 def test_transformer_lm_with_fused_rmsnorm_matches_plain_on_gpu(compile_model, autocast_output):
     """Logits and gradients of a small LM under bfloat16 autocast, plain vs fused norms (and compiled)."""
     from cs336_basics.model import BasicsTransformerLM
-
     from cs336_systems.kernels.rmsnorm import use_fused_rmsnorm
 
     model = BasicsTransformerLM(vocab_size=500, context_length=64, d_model=256, num_layers=2, num_heads=4,

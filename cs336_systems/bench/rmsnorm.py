@@ -41,7 +41,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from cs336_basics.model import RMSNorm
 from cs336_systems.bench import harness
