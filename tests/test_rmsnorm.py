@@ -300,3 +300,12 @@ def test_benchmark_quick_on_cpu(tmp_path, capsys):
     assert "skipped here: ours" in err and "only the plain RMSNorm" in err
     bench.main(argv)  # everything measured: nothing added
     assert len((tmp_path / "rmsnorm.jsonl").read_text().splitlines()) == len(rows)
+
+
+def test_benchmark_answers_help(capsys):
+    from cs336_systems.bench import rmsnorm as bench
+
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--help"])
+    assert exit_info.value.code == 0
+    assert "GB/s" in capsys.readouterr().out
