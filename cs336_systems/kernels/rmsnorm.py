@@ -1,0 +1,530 @@
+"""Fused RMSNorm in Triton (SPEC section 6): forward and backward kernels, launch wrappers, an autograd
+Function, and :class:`FusedRMSNorm`, a drop-in replacement for ``cs336_basics.model.RMSNorm``.
+
+For a row ``x`` of ``N`` features and the gain ``g``::
+
+    r   = 1 / sqrt(mean(x^2) + eps)                    (float32, saved per row for backward)
+    x^  = x * r
+    y   = x^ * g                                       (cast to x's dtype, like the plain RMSNorm)
+
+Backward, with ``dy`` the output gradient and ``h = dy * g`` (derivation: ``dr/dx_j = -r^3 x_j / N``)::
+
+    dx  = r * (h - x^ * mean(h * x^))                  (per row)
+    dg  = sum over rows of dy * x^                     (a reduction over all rows)
+
+Layout: ``x`` of shape ``(..., N)`` is viewed as ``(n_rows, N)`` (a copy only when that view does not
+exist or the last dimension is strided). Every statistic and accumulation is float32.
+
+* Forward: each program normalises ``BLOCK_M`` rows. A row that fits in one tile
+  (``next_power_of_2(N) <= MAX_BLOCK_N``) is loaded once; a longer row is walked twice in tiles of
+  ``MAX_BLOCK_N`` columns (sum of squares, then normalise and store).
+* Backward: a fixed number of programs (``BWD_PROGRAMS_PER_SM`` per SM), each owning a contiguous
+  range of rows. A program computes ``dx`` for its rows ``BLOCK_M`` at a time and accumulates its partial ``dg`` in
+  float32 registers; the partial sums, shape ``(n_programs, N)``, are added by one small
+  ``sum(dim=0)``. No atomics, so the result does not depend on scheduling, and re-running a launch (as
+  the autotuner does) rewrites the same values. Long rows use a first sweep for ``mean(h * x^)`` per
+  row (kept in a float32 scratch vector), then sweep column tiles, each over the program's rows.
+
+Launch parameters: on a GPU ``triton.autotune`` picks ``BLOCK_M`` and ``num_warps`` per row length, a
+coarse row count and dtype (``CS336_RMSNORM_AUTOTUNE=0`` or ``AUTOTUNE = False``: a fixed heuristic
+instead); under ``TRITON_INTERPRET=1`` (CPU) one small configuration. Set the variable before this
+module is imported: ``@triton.jit`` reads it when the kernels are defined.
+
+``torch.compile``: eager calls launch the kernels directly (the least host overhead); while Dynamo traces,
+the Function calls the same launch code through two ``torch.library`` custom ops instead, which the
+compiled graph calls as opaque kernels (no graph break, so the graph around every norm stays whole).
+
+Under autocast, ``FusedRMSNorm.autocast_output`` (off by default) writes the output directly in the
+autocast dtype, which the matmuls that consume it would cast to anyway: half the bytes written, no cast
+kernel, and a 16-bit output gradient to read in backward.
+
+Not done: a variant fused with the preceding residual add. It needs the model's block to pass the
+residual to the norm, and under ``torch.compile`` the plain model already fuses that add with its norm.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+from jaxtyping import Float
+from torch import Tensor, nn
+
+from cs336_basics.model import RMSNorm
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+RUNNING_IN_INTERPRETER: bool = triton.knobs.runtime.interpret
+"""Whether ``@triton.jit`` below built interpreter functions (``TRITON_INTERPRET=1`` at import)."""
+
+AUTOTUNE: bool = os.environ.get("CS336_RMSNORM_AUTOTUNE", "1") != "0"
+"""Autotune ``BLOCK_M`` and ``num_warps`` on a GPU (default), or use :func:`fixed_config`."""
+
+MAX_BLOCK_N = 8192
+"""The widest column tile (elements). Rows up to this many features are held whole in registers; longer
+rows are tiled. Tests lower it to exercise the tiled path at small sizes."""
+
+BWD_PROGRAMS_PER_SM = 4
+"""Backward programs per streaming multiprocessor. Registers decide how many an SM runs at once: two of the
+heaviest configurations, four or more of the light ones, which need them all to keep enough loads in
+flight; programs beyond that run in a second wave of equal length, which costs nothing. The price of
+more programs is the partial weight gradients (``n_programs x N`` float32, written and read once more):
+at 8192 rows of 768 in bf16 about 5 % of the forward+backward traffic, at 65536 rows under 1 %."""
+
+ROWS_PER_PROGRAM_MULTIPLE = 8
+"""A backward program's row range is rounded up to this, so that ``BLOCK_M``-row steps rarely go ragged."""
+
+FILL_OUTPUTS_WITH_NAN: bool = False
+"""Tests set this so that outputs start as NaN: an element a kernel fails to write then shows."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# Kernels
+# ---------------------------------------------------------------------------------------------------
+
+
+# Row counts vary from call to call: don't compile a variant per value (Triton otherwise specialises integers on
+# divisibility by 16 and on equality to 1). Column counts and strides keep it: it proves rows aligned.
+@triton.jit(do_not_specialize=["n_rows", "rows_key"])
+def rmsnorm_fwd_kernel(
+    X,  # input (n_rows, n_cols), unit column stride
+    W,  # gain (n_cols,), contiguous
+    Y,  # output (n_rows, n_cols), contiguous, X's dtype or the requested one
+    Rstd,  # output: 1 / rms per row, float32 (n_rows,)
+    stride_x_row, stride_y_row,
+    n_rows, n_cols, rows_key,  # rows_key: coarsened n_rows, read only by the autotuner
+    eps,
+    BLOCK_M: tl.constexpr,  # rows per program
+    BLOCK_N: tl.constexpr,  # columns per tile: next_power_of_2(n_cols), or MAX_BLOCK_N when tiled
+    SINGLE_TILE: tl.constexpr,  # n_cols <= BLOCK_N: a row is loaded once
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < n_rows
+    rows = rows.to(tl.int64)  # n_rows * stride may exceed 2^31
+    cols = tl.arange(0, BLOCK_N)
+    X_rows = X + rows[:, None] * stride_x_row  # (BLOCK_M, 1)
+    Y_rows = Y + rows[:, None] * stride_y_row
+    if SINGLE_TILE:
+        col_mask = cols < n_cols
+        mask = row_mask[:, None] & col_mask[None, :]
+        x = tl.load(X_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)  # (BLOCK_M, BLOCK_N)
+        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)  # (BLOCK_M,)
+        w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+        y = x * rstd[:, None] * w[None, :]
+        tl.store(Y_rows + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    else:
+        sum_sq = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for start in range(0, n_cols, BLOCK_N):
+            offs = start + cols
+            mask = row_mask[:, None] & (offs < n_cols)[None, :]
+            x = tl.load(X_rows + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+            sum_sq += x * x
+        rstd = tl.rsqrt(tl.sum(sum_sq, axis=1) / n_cols + eps)
+        for start in range(0, n_cols, BLOCK_N):
+            offs = start + cols
+            col_mask = offs < n_cols
+            mask = row_mask[:, None] & col_mask[None, :]
+            x = tl.load(X_rows + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+            w = tl.load(W + offs, mask=col_mask, other=0.0).to(tl.float32)
+            y = x * rstd[:, None] * w[None, :]
+            tl.store(Y_rows + offs[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(Rstd + rows, rstd, mask=row_mask)
+
+
+@triton.jit(do_not_specialize=["n_rows", "rows_per_program", "rows_key"])
+def rmsnorm_bwd_kernel(
+    DY,  # output gradient (n_rows, n_cols), unit column stride
+    X,  # the forward's input (n_rows, n_cols), unit column stride
+    W,  # gain (n_cols,), contiguous
+    Rstd,  # 1 / rms per row from the forward, float32 (n_rows,)
+    DX,  # output: input gradient (n_rows, n_cols), contiguous, X's dtype
+    DW_partial,  # output: per program, its rows' sum of dy * x^, float32 (n_programs, n_cols), contiguous
+    Coef,  # scratch for long rows: mean(h * x^) / rstd per row, float32 (n_rows,)
+    stride_dy_row, stride_x_row, stride_dx_row,
+    n_rows, n_cols, rows_per_program, rows_key,  # rows_key: coarsened rows_per_program, for the autotuner
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SINGLE_TILE: tl.constexpr,
+    COMPUTE_DX: tl.constexpr,
+    COMPUTE_DW: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    row_begin = pid * rows_per_program
+    row_end = tl.minimum(row_begin + rows_per_program, n_rows)
+    cols = tl.arange(0, BLOCK_N)
+    DW_row = DW_partial + pid.to(tl.int64) * n_cols
+    if SINGLE_TILE:
+        col_mask = cols < n_cols
+        w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)  # (BLOCK_N,)
+        # Summed over rows only once, after the loop: one cross-thread reduction instead of one per step.
+        dw = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for start in range(row_begin, row_end, BLOCK_M):
+            rows = start + tl.arange(0, BLOCK_M)
+            row_mask = rows < row_end
+            mask = row_mask[:, None] & col_mask[None, :]
+            rstd = tl.load(Rstd + rows, mask=row_mask, other=0.0)  # (BLOCK_M,)
+            rows = rows.to(tl.int64)
+            x = tl.load(X + rows[:, None] * stride_x_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(DY + rows[:, None] * stride_dy_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            x_hat = x * rstd[:, None]
+            if COMPUTE_DX:
+                h = dy * w[None, :]
+                c = tl.sum(h * x_hat, axis=1) / n_cols  # mean(h * x^) per row
+                dx = (h - x_hat * c[:, None]) * rstd[:, None]
+                tl.store(DX + rows[:, None] * stride_dx_row + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+            if COMPUTE_DW:
+                dw += dy * x_hat  # masked rows and columns are zeros
+        if COMPUTE_DW:
+            tl.store(DW_row + cols, tl.sum(dw, axis=0), mask=col_mask)
+    else:
+        # Sweep 1: c = mean(h * x^) / r = r * mean(h * x) per row, so that dx = r * h - r^2 * c * x.
+        if COMPUTE_DX:
+            for start in range(row_begin, row_end, BLOCK_M):
+                rows = start + tl.arange(0, BLOCK_M)
+                row_mask = rows < row_end
+                rstd = tl.load(Rstd + rows, mask=row_mask, other=0.0)
+                rows64 = rows.to(tl.int64)
+                dot = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                for col_start in range(0, n_cols, BLOCK_N):
+                    offs = col_start + cols
+                    col_mask = offs < n_cols
+                    mask = row_mask[:, None] & col_mask[None, :]
+                    x = tl.load(X + rows64[:, None] * stride_x_row + offs[None, :], mask=mask, other=0.0)
+                    dy = tl.load(DY + rows64[:, None] * stride_dy_row + offs[None, :], mask=mask, other=0.0)
+                    w = tl.load(W + offs, mask=col_mask, other=0.0).to(tl.float32)
+                    dot += dy.to(tl.float32) * w[None, :] * x.to(tl.float32)
+                tl.store(Coef + rows, tl.sum(dot, axis=1) * rstd / n_cols, mask=row_mask)
+            # The scratch values are read back below by other threads of this program.
+            tl.debug_barrier()
+        # Sweep 2: column tile by column tile, over the program's rows, so dg stays in registers.
+        for col_start in range(0, n_cols, BLOCK_N):
+            offs = col_start + cols
+            col_mask = offs < n_cols
+            w = tl.load(W + offs, mask=col_mask, other=0.0).to(tl.float32)
+            dw = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for start in range(row_begin, row_end, BLOCK_M):
+                rows = start + tl.arange(0, BLOCK_M)
+                row_mask = rows < row_end
+                mask = row_mask[:, None] & col_mask[None, :]
+                rstd = tl.load(Rstd + rows, mask=row_mask, other=0.0)
+                rows64 = rows.to(tl.int64)
+                x = tl.load(X + rows64[:, None] * stride_x_row + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+                dy = tl.load(DY + rows64[:, None] * stride_dy_row + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+                if COMPUTE_DX:
+                    c = tl.load(Coef + rows, mask=row_mask, other=0.0)
+                    dx = (dy * w[None, :] - x * (rstd * c)[:, None]) * rstd[:, None]
+                    tl.store(DX + rows64[:, None] * stride_dx_row + offs[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+                if COMPUTE_DW:
+                    dw += dy * x * rstd[:, None]
+            if COMPUTE_DW:
+                tl.store(DW_row + offs, tl.sum(dw, axis=0), mask=col_mask)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Launch parameters
+# ---------------------------------------------------------------------------------------------------
+
+
+def _config(block_m: int, num_warps: int, num_stages: int = 1) -> triton.Config:
+    return triton.Config({"BLOCK_M": block_m}, num_warps=num_warps, num_stages=num_stages)
+
+
+FWD_CONFIGS = [_config(m, w) for m, w in [(1, 2), (1, 4), (1, 8), (1, 16), (2, 4), (2, 8), (4, 4), (4, 8), (4, 16),
+                                          (8, 8), (8, 16), (16, 16)]]
+BWD_CONFIGS = [_config(m, w, s) for m, w, s in [(1, 4, 1), (1, 8, 1), (1, 16, 1), (2, 4, 1), (2, 8, 1), (4, 4, 1),
+                                                (4, 8, 1), (4, 16, 1), (8, 8, 1), (8, 16, 1), (2, 8, 2), (4, 8, 2)]]
+INTERPRETER_BLOCK_M = 4
+
+# Elements of one tile per thread. At least 16 bytes' worth (one 128-bit load per thread); at most what
+# fits in registers beside the float32 copies without spilling even at 16 warps (128 registers a
+# thread): the backward holds x, dy and a float32 dg accumulator (checked with ptxas for sm_90).
+MIN_BYTES_PER_THREAD = 16
+MAX_ELEMENTS_PER_THREAD = {"fwd": 32, "bwd": 16}
+
+
+def _elements_per_thread(config: triton.Config, block_n: int) -> float:
+    return config.kwargs["BLOCK_M"] * block_n / (32 * config.num_warps)
+
+
+def _pruner(kernel: str):
+    """Keep the configurations whose tile suits the row length and dtype and that leave enough programs."""
+
+    def prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
+        block_n, element_size = kwargs["BLOCK_N"], named_args["X"].element_size()
+        low, high = MIN_BYTES_PER_THREAD / element_size, MAX_ELEMENTS_PER_THREAD[kernel]
+        # The most rows a program may take: the forward keeps at least two programs per SM, the
+        # backward's programs own rows_per_program rows each. Long (tiled) rows take one at a time.
+        max_block_m = max(named_args["rows_key"], 1) if kwargs["SINGLE_TILE"] else 1
+        allowed = [c for c in configs if c.kwargs["BLOCK_M"] <= max_block_m]
+        fitting = [c for c in allowed if low <= _elements_per_thread(c, block_n) <= high]
+        # Nothing fits (a very short row): the allowed configuration with the fewest idle threads.
+        return fitting or [max(allowed, key=lambda c: min(_elements_per_thread(c, block_n), high))]
+
+    return prune
+
+
+# The row length and the coarsened row count are the keys; the dtypes of the tensor arguments are part
+# of every key automatically.
+_plain = {"fwd": rmsnorm_fwd_kernel, "bwd": rmsnorm_bwd_kernel}
+_autotuned = {
+    "fwd": triton.autotune(FWD_CONFIGS, key=["n_cols", "rows_key"],
+                           prune_configs_by={"early_config_prune": _pruner("fwd")})(rmsnorm_fwd_kernel),
+    "bwd": triton.autotune(BWD_CONFIGS, key=["n_cols", "rows_key", "COMPUTE_DX", "COMPUTE_DW"],
+                           prune_configs_by={"early_config_prune": _pruner("bwd")})(rmsnorm_bwd_kernel),
+}
+
+
+def _block_n(n_cols: int) -> tuple[int, bool]:
+    """(columns per tile, whether one tile holds the whole row)."""
+    block_n = triton.next_power_of_2(n_cols)
+    return (block_n, True) if block_n <= MAX_BLOCK_N else (MAX_BLOCK_N, False)
+
+
+def fixed_config(kernel: str, n_cols: int, element_size: int) -> triton.Config:
+    """The launch configuration when not autotuning: about 4096 elements a tile and 32 bytes of it a thread."""
+    if RUNNING_IN_INTERPRETER:
+        return _config(INTERPRETER_BLOCK_M, 4)
+    block_n, single_tile = _block_n(n_cols)
+    block_m = max(1, min(16, 4096 // block_n)) if single_tile else 1
+    num_warps = min(16, triton.next_power_of_2(max(1, block_m * block_n * element_size // (32 * 32))))
+    return _config(block_m, num_warps)
+
+
+def _launch(kernel: str, grid, args: tuple, meta: dict, n_cols: int, element_size: int) -> None:
+    """Run ``kernel`` ("fwd" or "bwd"), autotuned or with :func:`fixed_config`. ``grid(block_m)``."""
+    if AUTOTUNE and not RUNNING_IN_INTERPRETER:
+        _autotuned[kernel][lambda META: grid(META["BLOCK_M"])](*args, **meta)
+    else:
+        config = fixed_config(kernel, n_cols, element_size)
+        # Only the tiles, warps and stages: torch.compile refuses num_ctas passed as a launch argument.
+        _plain[kernel][grid(config.kwargs["BLOCK_M"])](
+            *args, **meta, **config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages
+        )
+
+
+@functools.cache
+def _multiprocessor_count(device_index: int | None) -> int:
+    if RUNNING_IN_INTERPRETER:
+        return 2  # the interpreter runs programs one by one; few programs keep every path exercised
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _rows_key(n: int) -> int:
+    return min(triton.next_power_of_2(max(n, 1)), 1 << 16)
+
+
+def _new_output(shape, dtype: torch.dtype, device: torch.device) -> Tensor:
+    if FILL_OUTPUTS_WITH_NAN:
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Launch wrappers: (n_rows, N) tensors with a unit column stride, checked by the caller
+# ---------------------------------------------------------------------------------------------------
+
+
+def _check_device(x: Tensor) -> None:
+    if x.device.type != "cuda" and not RUNNING_IN_INTERPRETER:
+        raise ValueError(
+            f"the fused RMSNorm kernels need CUDA tensors, got a tensor on {x.device}; to run them on the CPU through "
+            "the Triton interpreter, set TRITON_INTERPRET=1 before cs336_systems.kernels.rmsnorm is imported"
+        )
+
+
+def rmsnorm_forward(
+    x: Float[Tensor, "n_rows N"], weight: Float[Tensor, "N"], eps: float, out_dtype: torch.dtype | None = None
+) -> tuple[Float[Tensor, "n_rows N"], Float[Tensor, "n_rows"]]:
+    """``y`` (``out_dtype``, by default x's; contiguous) and ``1 / rms`` per row (float32)."""
+    _check_device(x)
+    n_rows, n_cols = x.shape
+    y = _new_output((n_rows, n_cols), out_dtype or x.dtype, x.device)
+    rstd = _new_output((n_rows,), torch.float32, x.device)
+    if n_rows == 0:
+        return y, rstd
+    block_n, single_tile = _block_n(n_cols)
+    sms = _multiprocessor_count(x.device.index)
+    # The forward's autotuner may only choose BLOCK_M leaving at least two programs per SM.
+    rows_key = _rows_key(triton.cdiv(n_rows, 2 * sms))
+    args = (x, weight, y, rstd, x.stride(0), y.stride(0), n_rows, n_cols, rows_key, eps)
+    _launch("fwd", lambda block_m: (triton.cdiv(n_rows, block_m),), args,
+            dict(BLOCK_N=block_n, SINGLE_TILE=single_tile), n_cols, x.element_size())
+    return y, rstd
+
+
+def rmsnorm_backward(
+    dy: Float[Tensor, "n_rows N"], x: Float[Tensor, "n_rows N"], weight: Float[Tensor, "N"], rstd: Float[Tensor, "n_rows"],
+    compute_dx: bool = True, compute_dw: bool = True,
+) -> tuple[Float[Tensor, "n_rows N"] | None, Float[Tensor, "N"] | None]:
+    """``dx`` (x's dtype, contiguous) and ``dg`` (weight's dtype); None for a gradient not asked for."""
+    _check_device(x)
+    n_rows, n_cols = x.shape
+    dx = _new_output((n_rows, n_cols), x.dtype, x.device) if compute_dx else None
+    if n_rows == 0 or not (compute_dx or compute_dw):
+        return dx, torch.zeros_like(weight) if compute_dw else None
+    block_n, single_tile = _block_n(n_cols)
+    n_programs = min(_multiprocessor_count(x.device.index) * BWD_PROGRAMS_PER_SM, n_rows)
+    rows_per_program = triton.cdiv(n_rows, n_programs)
+    rows_per_program = triton.cdiv(rows_per_program, ROWS_PER_PROGRAM_MULTIPLE) * ROWS_PER_PROGRAM_MULTIPLE
+    n_programs = triton.cdiv(n_rows, rows_per_program)
+    dw_partial = torch.empty((n_programs, n_cols), dtype=torch.float32, device=x.device) if compute_dw else rstd
+    coef = torch.empty((n_rows,), dtype=torch.float32, device=x.device) if compute_dx and not single_tile else rstd
+    dx_arg = dx if compute_dx else x  # never written when COMPUTE_DX is off
+    args = (dy, x, weight, rstd, dx_arg, dw_partial, coef, dy.stride(0), x.stride(0), dx_arg.stride(0),
+            n_rows, n_cols, rows_per_program, _rows_key(rows_per_program))
+    meta = dict(BLOCK_N=block_n, SINGLE_TILE=single_tile, COMPUTE_DX=compute_dx, COMPUTE_DW=compute_dw)
+    _launch("bwd", lambda block_m: (n_programs,), args, meta, n_cols, x.element_size())
+    dw = dw_partial.sum(dim=0).to(weight.dtype) if compute_dw else None
+    return dx, dw
+
+
+# ---------------------------------------------------------------------------------------------------
+# Custom ops: the launch wrappers as opaque operators for torch.compile
+# ---------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("cs336_systems::rmsnorm_forward", mutates_args=())
+def _rmsnorm_forward_op(x: Tensor, weight: Tensor, eps: float, out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    return rmsnorm_forward(x, weight, eps, out_dtype)
+
+
+@_rmsnorm_forward_op.register_fake
+def _(x: Tensor, weight: Tensor, eps: float, out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    return x.new_empty(x.shape, dtype=out_dtype), x.new_empty(x.shape[:1], dtype=torch.float32)
+
+
+@torch.library.custom_op("cs336_systems::rmsnorm_backward", mutates_args=())
+def _rmsnorm_backward_op(
+    dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor, compute_dx: bool, compute_dw: bool
+) -> tuple[Tensor, Tensor]:
+    dx, dw = rmsnorm_backward(dy, x, weight, rstd, compute_dx, compute_dw)
+    # An operator returns tensors, never None: empty ones stand for gradients not asked for.
+    return (dx if dx is not None else x.new_empty(0)), (dw if dw is not None else weight.new_empty(0))
+
+
+@_rmsnorm_backward_op.register_fake
+def _(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor, compute_dx: bool, compute_dw: bool) -> tuple[Tensor, Tensor]:
+    return x.new_empty(x.shape if compute_dx else (0,)), weight.new_empty(weight.shape if compute_dw else (0,))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Autograd function, functional entry point, module, model switch
+# ---------------------------------------------------------------------------------------------------
+
+
+def check_inputs(x: Tensor, weight: Tensor) -> None:
+    """Raise a clear error for inputs the kernels do not take."""
+    if weight.dim() != 1:
+        raise ValueError(f"the RMSNorm weight must be one-dimensional, got shape {tuple(weight.shape)}")
+    if x.dim() < 1 or x.shape[-1] != weight.shape[0]:
+        raise ValueError(
+            f"the last dimension of x must match the weight's length: x has shape {tuple(x.shape)}, "
+            f"the weight {tuple(weight.shape)}"
+        )
+    if weight.shape[0] == 0:
+        raise ValueError("cannot normalise rows of zero features")
+    for name, tensor in (("x", x), ("weight", weight)):
+        if tensor.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"unsupported dtype {tensor.dtype} for {name}: the fused RMSNorm takes float16, bfloat16 "
+                            "or float32")
+    if x.device != weight.device:
+        raise ValueError(f"x and weight must be on one device, got {x.device} and {weight.device}")
+
+
+def _unit_column_stride(rows: Tensor) -> Tensor:
+    """The kernels address columns with stride 1; copy only when that is not so."""
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+class FusedRMSNormFunction(torch.autograd.Function):
+    """``FusedRMSNormFunction.apply(x, weight, eps, out_dtype=None) == RMSNorm(x)`` with gain ``weight``, by
+    Triton kernels.
+
+    Output in x's dtype (or ``out_dtype``: rounded once, from float32); gradients in x's and weight's dtypes. Saved for backward: x (as rows), the
+    weight, and ``1 / rms`` per row in float32.
+    """
+
+    @staticmethod
+    def forward(
+        ctx, x: Float[Tensor, "... N"], weight: Float[Tensor, "N"], eps: float, out_dtype: torch.dtype | None = None
+    ) -> Float[Tensor, "... N"]:
+        check_inputs(x, weight)
+        if out_dtype is not None and out_dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"unsupported output dtype {out_dtype}: the fused RMSNorm writes float16, bfloat16 or float32")
+        x_rows = _unit_column_stride(x.reshape(-1, x.shape[-1]))  # a view when x's layout allows
+        weight = _unit_column_stride(weight)
+        if torch.compiler.is_compiling():
+            y, rstd = torch.ops.cs336_systems.rmsnorm_forward(x_rows, weight, eps, out_dtype or x.dtype)
+        else:
+            y, rstd = rmsnorm_forward(x_rows, weight, eps, out_dtype)
+        ctx.save_for_backward(x_rows, weight, rstd)
+        ctx.x_shape = x.shape
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy: Float[Tensor, "... N"]):
+        x_rows, weight, rstd = ctx.saved_tensors
+        compute_dx, compute_dw = ctx.needs_input_grad[:2]
+        # Any layout, including the all-stride-0 one that y.sum().backward() sends.
+        dy_rows = _unit_column_stride(dy.reshape(-1, x_rows.shape[-1]))
+        if torch.compiler.is_compiling():
+            dx, dw = torch.ops.cs336_systems.rmsnorm_backward(dy_rows, x_rows, weight, rstd, compute_dx, compute_dw)
+        else:
+            dx, dw = rmsnorm_backward(dy_rows, x_rows, weight, rstd, compute_dx, compute_dw)
+        return (dx.view(ctx.x_shape) if compute_dx else None), (dw if compute_dw else None), None, None
+
+
+def fused_rms_norm(
+    x: Float[Tensor, "... N"], weight: Float[Tensor, "N"], eps: float = 1e-5, out_dtype: torch.dtype | None = None
+) -> Float[Tensor, "... N"]:
+    """``x / sqrt(mean(x^2, -1) + eps) * weight`` in x's dtype (or ``out_dtype``), through
+    :class:`FusedRMSNormFunction`."""
+    return FusedRMSNormFunction.apply(x, weight, eps, out_dtype)
+
+
+class FusedRMSNorm(RMSNorm):
+    """``cs336_basics.model.RMSNorm`` computed by the fused Triton kernels.
+
+    Same constructor, ``eps``, parameter (``weight``) and state-dict keys, so it loads the plain module's
+    weights; the output dtype is the input's, as there.
+
+    ``autocast_output = True`` (off by default) writes the output in the autocast dtype while autocast is
+    on, instead of float32 that the next autocast matmul would cast anyway: the same bf16 values reach
+    it (one rounding of the float32 result either way), but the norm writes half the bytes, no cast
+    kernel runs, and backward reads a bf16 output gradient. Only for norms whose every consumer is an
+    autocast matmul, as in ``BasicsTransformerLM``.
+    """
+
+    autocast_output: bool = False
+
+    def forward(self, x: Float[Tensor, "... d_model"]) -> Float[Tensor, "... d_model"]:
+        out_dtype = None
+        if self.autocast_output and torch.is_autocast_enabled(x.device.type):
+            out_dtype = torch.get_autocast_dtype(x.device.type)
+        return FusedRMSNormFunction.apply(x, self.weight, self.eps, out_dtype)
+
+
+def use_fused_rmsnorm(model: nn.Module, enabled: bool = True, autocast_output: bool = False) -> nn.Module:
+    """Swap every ``RMSNorm`` in ``model`` for a :class:`FusedRMSNorm` (``enabled=False``: back), in place.
+
+    The new modules share the old ones' ``weight`` parameters (same tensors), so optimizers and state
+    dicts keep working. ``autocast_output``: see :class:`FusedRMSNorm`. Returns ``model``.
+    """
+    source, target = (RMSNorm, FusedRMSNorm) if enabled else (FusedRMSNorm, RMSNorm)
+    if type(model) is source:
+        raise TypeError(f"use_fused_rmsnorm swaps the norms inside a model; for a lone norm build a {target.__name__}")
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if enabled and type(child) is FusedRMSNorm:
+                child.autocast_output = autocast_output
+            elif type(child) is source:
+                replacement = target(child.weight.shape[0], eps=child.eps, device="meta")
+                replacement.weight = child.weight
+                replacement.train(child.training)
+                if enabled:
+                    replacement.autocast_output = autocast_output
+                setattr(parent, name, replacement)
+    return model
