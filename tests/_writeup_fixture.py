@@ -14,7 +14,7 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 GPU = "NVIDIA H100 80GB HBM3"
 

@@ -25,9 +25,9 @@ def _load_build():
 
 
 build = _load_build()
-from pipeline import accounting  # noqa: E402
-from pipeline.results import environment_line, latest_per_config  # noqa: E402
-from pipeline.sections import SECTIONS  # noqa: E402
+from pipeline import accounting
+from pipeline.results import environment_line, latest_per_config
+from pipeline.sections import SECTIONS
 
 
 def run_build(tmp_path: Path, results: Path, *extra: str) -> int:

@@ -39,6 +39,12 @@ def sci(x: Any, digits: int = 2) -> str:
     return f"{x:.{digits}e}" if is_number(x) else DASH
 
 
+def sci_parts(x: float, digits: int = 2) -> tuple[str, str]:
+    """``x`` as mantissa and exponent strings, for ``m × 10^e`` in math: ``2.2e11 -> ('2.20', '11')``."""
+    mantissa, exponent = f"{x:.{digits}e}".split("e")
+    return mantissa, str(int(exponent))
+
+
 def pm(mean: Any, std: Any, digits: int = 1) -> str:
     """``mean ± std``."""
     if not is_number(mean):

@@ -8,7 +8,7 @@ from typing import Any
 
 from cs336_basics.model import MODEL_SIZES
 from pipeline import accounting, figures
-from pipeline.markup import DASH, num, pct, sig, table, times
+from pipeline.markup import DASH, num, pct, sci_parts, sig, table, times
 from pipeline.results import Missing
 from pipeline.sections.registry import Output, problem
 
@@ -145,7 +145,7 @@ def ddp_table(rows: list[dict[str, Any]], caption: str) -> dict[str, Any]:
     for r in rows:
         label = VARIANT_LABEL.get(r["variant"], r["variant"])
         if r.get("bucket_size_mb") is not None:
-            label += f", {r['bucket_size_mb']:g} MB"
+            label += f", {r['bucket_size_mb']:g} MiB"
         if r.get("oom"):
             body.append([label, r.get("dtype", DASH), "OOM", DASH, DASH, DASH])
             continue
@@ -246,7 +246,10 @@ def ddp_bucketed_benchmarking(res, out: Output) -> dict[str, Any]:
                         fontsize=7, color="gray", va="bottom")
     ax.axvline(optimum["bucket_bytes"] / 2**20, color="k", ls="--", lw=0.8, label="model optimum b*")
     ax.set_xscale("log")
-    ax.set_xlabel("bucket size (MB)")
+    ax.set_xticks([r["bucket_size_mb"] for r in series])
+    ax.set_xticklabels([f"{r['bucket_size_mb']:g}" for r in series])
+    ax.minorticks_off()
+    ax.set_xlabel("bucket size (MiB)")
     ax.set_ylabel("step (ms)")
     ax.legend(fontsize=7)
     figure = out.save(fig, "ddp_bucketed", f"Step time against bucket size ({dtype}), with the overhead model's "
@@ -261,7 +264,7 @@ def ddp_bucketed_benchmarking(res, out: Output) -> dict[str, Any]:
         "w_gbs": num(bandwidth / 1e9, 1), "o_us": num(per_call * 1e6, 0),
         "n_star": num(optimum["n_buckets"], 1), "b_star_mb": num(optimum["bucket_bytes"] / 2**20, 0),
         "overhead_ms": num(optimum["overhead"] * 1e3, 1),
-        "model_rows": ", ".join(f"{mb:g} MB: {num(t * 1e3, 1)} ms" for mb, t in model_overheads.items()),
+        "model_rows": ", ".join(f"{mb:g} MiB: {num(t * 1e3, 1)} ms" for mb, t in model_overheads.items()),
         "one_bucket_ms": num(accounting.ddp_overhead(grad_bytes, bandwidth, per_call, 1) * 1e3, 1),
     }
     return {"tables": {"main": tab}, "figures": {"main": figure}, "n": n}
@@ -278,14 +281,15 @@ def communication_accounting(res, out: Output) -> dict[str, Any]:
     xxl, tpu = accounting.XXL, accounting.V5P
     n = {
         "d": f"{xxl['d_model']:,}", "dff": f"{xxl['d_ff']:,}", "blocks": str(xxl["num_blocks"]),
-        "per_block": f"{a['per_block']:,}", "params": f"{a['params']:,}", "params_e": f"{a['params']:.4e}",
-        "state_tb": num(a["state_bytes"] / 1e12, 2), "state_bytes": f"{a['state_bytes']:.4e}",
+        "per_block": f"{a['per_block']:,}", "params": f"{a['params']:,}", "params_m": sci_parts(a["params"], 3)[0], "params_x": sci_parts(a["params"], 3)[1],
+        "state_tb": num(a["state_bytes"] / 1e12, 2), 
         "state_h100": num(a["state_h100"], 1), "state_h100_int": str(math.ceil(a["state_h100"])),
         "bf16_gb": num(a["bf16_weights"] / 1e9, 1), "bf16_h100": num(a["bf16_weights_h100"], 1),
         "act_token": f"{a['act_per_token']:,}", "act_token_mb": num(a["act_per_token"] / 1e6, 1),
         "tokens_h100": f"{a['tokens_per_h100']:,.0f}",
         "n_exact": num(a["n_exact"], 2), "n_min": str(a["n_min"]), "at_n_min": num(a["per_device_state_at_n_min"] / 1e9, 1),
-        "w": f"{tpu['w_ici']:.1e}", "c": f"{tpu['flops']:.1e}", "mx": str(tpu["m_x"]), "my": str(tpu["m_y"]),
+        "w_m": sci_parts(tpu["w_ici"], 1)[0], "w_x": sci_parts(tpu["w_ici"], 1)[1],
+        "c_m": sci_parts(tpu["flops"], 1)[0], "c_x": sci_parts(tpu["flops"], 1)[1], "mx": str(tpu["m_x"]), "my": str(tpu["m_y"]),
         "x": str(tpu["x"]), "y": str(tpu["y"]), "alpha": num(a["alpha"], 1),
         "shard_tokens": num(a["tokens_per_fsdp_shard"], 1), "devices": str(a["devices"]),
         "per_device": num(a["per_device_batch"], 1), "per_device_int": str(a["per_device_batch_int"]),

@@ -17,6 +17,8 @@ from typing import Any
 from pipeline import figures
 from pipeline.results import REPO_ROOT, Missing
 
+MAX_HEIGHT_OVER_TEXT_WIDTH = 0.6  # a figure as wide as the text is at most 0.6 text widths tall
+
 SectionFn = Callable[["Any", "Output"], dict[str, Any]]
 SECTIONS: dict[str, SectionFn] = {}
 
@@ -40,6 +42,15 @@ class Output:
         self.figures_dir = Path(figures_dir)
         self.build_dir = Path(build_dir)
 
+    @staticmethod
+    def _width(source: Path) -> str:
+        """The figure's width as a share of the text width, so that tall pictures stay under ~40 % of the page."""
+        from PIL import Image
+
+        with Image.open(source) as image:
+            width, height = image.size
+        return f"{min(100, round(100 * MAX_HEIGHT_OVER_TEXT_WIDTH * width / height))}%"
+
     def _stage(self, source: Path) -> str:
         target = self.build_dir / "figures" / source.name
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -50,7 +61,7 @@ class Output:
     def save(self, fig, name: str, caption: str) -> dict[str, str]:
         """Save a matplotlib figure as ``<figures_dir>/<name>.png``; returns its entry for ``figures``."""
         path = figures.save(fig, self.figures_dir / f"{name}.png")
-        return {"path": self._stage(path), "caption": caption}
+        return {"path": self._stage(path), "caption": caption, "width": self._width(path)}
 
     def existing(self, path: str | Path, caption: str, why: str = "") -> dict[str, str]:
         """A figure a benchmark rendered itself (a path relative to the repository, or absolute)."""
@@ -59,4 +70,4 @@ class Output:
             source = REPO_ROOT / source
         if not source.exists():
             raise Missing(path, why or "a figure named by a results row")
-        return {"path": self._stage(source), "caption": caption}
+        return {"path": self._stage(source), "caption": caption, "width": self._width(source)}
