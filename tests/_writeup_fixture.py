@@ -56,8 +56,8 @@ def benchmarking_script() -> list[dict]:
                 if mode == "train_step":
                     phases.update(timing(5.0, "optimizer_"))
                     total += 5.0
-                config = dict(size=size, context_length=512, batch_size=4, mode=mode, dtype=dtype, attention="naive",
-                              compile=False, warmup=5, steps=10, tag="sweep")
+                config = {"size": size, "context_length": 512, "batch_size": 4, "mode": mode, "dtype": dtype, "attention": "naive",
+                              "compile": False, "warmup": 5, "steps": 10, "tag": "sweep"}
                 rows.append(row("benchmarking_script", config, {"oom": False, **timing(total), **phases,
                                                                 "step_ms": [total] * 10, "mfu": 0.05}))
     for warmup in (0, 1, 2, 5):
@@ -65,8 +65,8 @@ def benchmarking_script() -> list[dict]:
             steps = [60.0 * (i + 1)] * 10
             if warmup == 0 and i == 0:
                 steps[0] = 400.0
-            config = dict(size=size, context_length=512, batch_size=4, mode="forward_backward", dtype="fp32",
-                          attention="naive", compile=False, warmup=warmup, steps=10, tag="warmup_study")
+            config = {"size": size, "context_length": 512, "batch_size": 4, "mode": "forward_backward", "dtype": "fp32",
+                          "attention": "naive", "compile": False, "warmup": warmup, "steps": 10, "tag": "warmup_study"}
             rows.append(row("benchmarking_script", config, {"oom": False, **timing(sum(steps) / 10),
                                                             **timing(20.0, "forward_"), **timing(40.0, "backward_"),
                                                             "step_ms": steps}))
@@ -90,14 +90,14 @@ def phase(gpu_ms: float, matmul_share: float) -> dict[str, Any]:
 def nsys_profile() -> list[dict]:
     rows = []
     for ctx in (128, 256):
-        config = dict(size="small", context_length=ctx, batch_size=4, dtype="fp32", steps=2)
+        config = {"size": "small", "context_length": ctx, "batch_size": 4, "dtype": "fp32", "steps": 2}
         attention = {name: {"gpu_ms": 0.2, "flops": flops} for name, flops in
                      (("computing attention scores", 1e9), ("computing softmax", 4e7), ("final matmul", 1e9))}
         rows.append(row("nsys_profile", config, {"oom": False, "forward_python_ms": 10.0 + ctx / 64,
                                                  "forward": phase(8.0, 0.7), "backward": phase(16.0, 0.8),
                                                  "optimizer": phase(5.0, 0.0), "train_step": phase(29.0, 0.6),
                                                  "attention_forward": attention}))
-    rows.append(row("nsys_profile", dict(size="medium", context_length=1024, batch_size=4, dtype="fp32", steps=2),
+    rows.append(row("nsys_profile", {"size": "medium", "context_length": 1024, "batch_size": 4, "dtype": "fp32", "steps": 2},
                     {"oom": True, "error": "CUDA out of memory. Tried to allocate 100.00 MiB."}))
     return rows
 
@@ -114,7 +114,7 @@ def pytorch_attention(problem: str = "pytorch_attention", extra: dict | None = N
                                                   **timing(0.3 * seq / 256, "backward_"),
                                                   "memory_before_backward_gb": saved + 0.001, "saved_for_backward_gb": saved}))
     if not extra:
-        rows.append(row(problem, dict(attention="naive", batch_size=8, d=32, seq_len=4096, passes=100, dtype="fp32"),
+        rows.append(row(problem, {"attention": "naive", "batch_size": 8, "d": 32, "seq_len": 4096, "passes": 100, "dtype": "fp32"},
                         {"oom": True, "error": "CUDA out of memory. GPU 0 has a total capacity of 79.18 GiB of which"}))
     return rows
 
@@ -123,8 +123,8 @@ def torch_compile() -> list[dict]:
     rows = pytorch_attention("torch_compile", {"part": "attention"})
     for compiled in (False, "inductor"):
         for mode in ("forward", "train_step"):
-            config = dict(part="model", size="small", context_length=512, batch_size=4, mode=mode, dtype="fp32",
-                          compile=compiled, warmup=5, steps=10)
+            config = {"part": "model", "size": "small", "context_length": 512, "batch_size": 4, "mode": mode, "dtype": "fp32",
+                          "compile": compiled, "warmup": 5, "steps": 10}
             rows.append(row("torch_compile", config, {"oom": False, **timing(20.0 if compiled else 25.0)}))
     return rows
 
@@ -134,11 +134,11 @@ def memory_profiling(figures: Path) -> list[dict]:
     for ctx in (128, 256):
         for dtype in ("fp32", "bf16"):
             for mode in ("forward", "train_step"):
-                config = dict(size="2.7B", context_length=ctx, batch_size=4, mode=mode, dtype=dtype, kind="peak")
+                config = {"size": "2.7B", "context_length": ctx, "batch_size": 4, "mode": mode, "dtype": dtype, "kind": "peak"}
                 rows.append(row("memory_profiling", config, {"oom": False, "peak_gb": 20.0 + ctx / 64,
                                                              "params_gb": 13.6}))
     for mode in ("forward", "train_step"):
-        config = dict(size="2.7B", context_length=256, batch_size=4, mode=mode, dtype="fp32", kind="timeline")
+        config = {"size": "2.7B", "context_length": 256, "batch_size": 4, "mode": mode, "dtype": "fp32", "kind": "timeline"}
         allocations = [{"mb": 32.0, "count": 64, "source": "model.py:122 (scaled_dot_product_attention)"},
                        {"mb": 100.0, "count": 96, "source": "unknown"}]
         rows.append(row("memory_profiling", config, {"oom": False, "figure": png(figures / f"memory_{mode}.png"),
@@ -149,7 +149,7 @@ def memory_profiling(figures: Path) -> list[dict]:
 def gradient_checkpointing() -> list[dict]:
     rows = []
     for k in (1, 2, 4, 0):
-        config = dict(size="xl", context_length=2048, batch_size=4, dtype="fp32", attention="naive", group_size=k)
+        config = {"size": "xl", "context_length": 2048, "batch_size": 4, "dtype": "fp32", "attention": "naive", "group_size": k}
         n_blocks, a, b = 48, 0.05, 1.0
         act = n_blocks * b if k == 0 else -(-n_blocks // k) * a + k * b
         rows.append(row("gradient_checkpointing", config, {
@@ -165,7 +165,7 @@ def flash_benchmarking() -> list[dict]:
         for dtype in ("bf16", "fp32"):
             for seq in (128, 256, 512):
                 for d in (16, 32):
-                    config = dict(provider=provider, seq_len=seq, d_head=d, dtype=dtype)
+                    config = {"provider": provider, "seq_len": seq, "d_head": d, "dtype": dtype}
                     if provider == "pytorch" and seq == 512:
                         rows.append(row("flash_benchmarking", config, {"oom": True}))
                         continue
@@ -194,7 +194,7 @@ def all_reduce() -> list[dict]:
                 seconds = latency + size_mb * 1e6 / bandwidth
                 algbw = size_mb * 1e6 / seconds / 1e9
                 rows.append(row("distributed_communication_single_node",
-                                dict(backend=backend, world_size=ws, size_mb=size_mb),
+                                {"backend": backend, "world_size": ws, "size_mb": size_mb},
                                 {"time_ms": seconds * 1e3, "algbw": algbw, "busbw": algbw * 2 * (ws - 1) / ws},
                                 gpus=ws, gpu="NVIDIA H200"))
     return rows
@@ -206,7 +206,7 @@ def ddp_benchmarking(figures: Path) -> list[dict]:
              ("overlapped", None, 700.0, 300.0, 60.0), ("torch_ddp", None, 680.0, 250.0, 40.0)]
     cases += [("bucketed", mb, 650.0 + abs(mb - 100) / 10, 250.0, 30.0) for mb in (1, 10, 100, 1000)]
     for variant, mb, step, comm, exposed in cases:
-        config = dict(variant=variant, dtype="fp32", size="xl", world_size=2)
+        config = {"variant": variant, "dtype": "fp32", "size": "xl", "world_size": 2}
         if mb is not None:
             config["bucket_size_mb"] = mb
         measured = {"step_ms": step, "comm_ms": comm, "exposed_ms": exposed}
