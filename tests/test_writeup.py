@@ -85,6 +85,17 @@ def test_a_figure_named_by_a_row_must_exist(tmp_path, capsys):
     assert "memory_forward.png" in capsys.readouterr().err
 
 
+def test_a_results_file_with_other_keys_names_the_section(tmp_path):
+    results = tmp_path / "results"
+    write_fixture(results, tmp_path / "row-figures")
+    rows = [json.loads(line) for line in (results / "leaderboard.jsonl").read_text().splitlines()]
+    for r in rows:
+        r["total_ms"] = r.pop("fwd_bwd_ms")  # a renamed measurement
+    (results / "leaderboard.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(RuntimeError, match="section 'leaderboard'"):
+        run_build(tmp_path, results)
+
+
 def test_every_section_has_a_typst_body_and_the_reverse():
     typst = "".join(path.read_text() for path in (WRITEUP / "typ").glob("*.typ") if path.name != "lib.typ")
     in_typst = re.findall(r'#problem\("([^"]+)"', typst)

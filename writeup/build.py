@@ -63,6 +63,10 @@ def collect(results: Results, out: Output) -> tuple[dict[str, dict], dict[str, M
             results.take_used()
             missing[name] = error
             data[name] = {"missing": str(error)}
+        except (KeyError, TypeError, ValueError, ZeroDivisionError) as error:
+            # Most likely a results file whose keys changed: say which section, keep the traceback.
+            raise RuntimeError(f"section {name!r} failed on its results in {results.results_dir}: {error!r} "
+                               f"(its loader is in pipeline/sections/)") from error
     return data, missing
 
 
