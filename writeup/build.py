@@ -98,8 +98,11 @@ def build(args: argparse.Namespace) -> int:
     (build_dir / "generated" / "data.json").write_text(json.dumps(document, indent=1, sort_keys=True))
     stage_sources(build_dir)
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    typst.compile(str(build_dir / "writeup.typ"), output=str(args.output), root=str(build_dir),
-                  ignore_system_fonts=True)
+    # Only Typst's embedded fonts: the PDF looks the same on every machine.
+    _, warnings = typst.compile_with_warnings(str(build_dir / "writeup.typ"), output=str(args.output),
+                                              root=str(build_dir), ignore_system_fonts=True)
+    for warning in warnings:
+        print(f"typst warning: {warning}", file=sys.stderr)
     if args.pages_png:
         args.pages_png.mkdir(parents=True, exist_ok=True)
         for old in args.pages_png.glob("page-*.png"):
