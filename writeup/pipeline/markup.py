@@ -62,6 +62,12 @@ def times(x: Any, digits: int = 2) -> str:
     return f"{num(x, digits)}×" if is_number(x) else DASH
 
 
+def spread(lo: Any, hi: Any, fmt=times) -> str:
+    """``'1.2× to 3.4×'``, or one value when both ends print the same."""
+    a, b = fmt(lo), fmt(hi)
+    return a if a == b else f"{a} to {b}"
+
+
 def gb(x: Any, digits: int = 1) -> str:
     return f"{num(x, digits)} GB" if is_number(x) else DASH
 

@@ -7,7 +7,7 @@ import math
 from typing import Any
 
 from pipeline import figures
-from pipeline.markup import DASH, num, span, table, times
+from pipeline.markup import DASH, num, span, spread, table, times
 from pipeline.sections.registry import Output, problem
 
 OURS = ("triton", "ours", "fused")
@@ -57,7 +57,7 @@ def rmsnorm(res, out: Output) -> dict[str, Any]:
         mine = index.get((ours, p, r, c, d))
         if provider != ours and mine and mine.get("gbps") and row.get("gbps"):
             ratios.setdefault(provider, []).append(mine["gbps"] / row["gbps"])
-    n = {"ours": ours, "versus": "; ".join(f"{times(min(v))} to {times(max(v))} the bandwidth of {p}"
+    n = {"ours": ours, "versus": "; ".join(f"{spread(min(v), max(v))} the bandwidth of {p}"
                                           for p, v in ratios.items()) or DASH,
          "best": num(max((r["gbps"] for r in rows if r["provider"] == ours), default=math.nan), 0)}
     return {"tables": {"main": tab}, "figures": {"main": figure}, "n": n}
