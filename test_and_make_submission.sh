@@ -2,6 +2,8 @@
 # Run the whole test suite (junit XML report in test-results.xml), then pack the code for upload
 # into cs336-spring2025-assignment-2-submission.zip. The zip is built even when tests fail, so
 # that partial work can still be handed in; the script's exit status is the test run's.
+# writeup/writeup.pdf is uploaded separately, so it stays out of the zip (as does writeup/build/, the
+# writeup's staging directory).
 set -uo pipefail
 cd "$(dirname "$0")"
 
@@ -15,6 +17,7 @@ zip -q -r "$output" . \
        'build/*' 'dist/*' '*.pyc' '*.so' '*.pkl' '*.pickle' '*.pt' '*.pth' '*.ckpt' '*.safetensors' \
        '*.nsys-rep' '*.qdrep' '*.sqlite' '*.trace.json' '*.json.gz' 'traces/*' 'snapshots/*' \
        '*.zip' '*.tar' '*.tar.gz' '*.npy' '*.bin' '.gl/*' '.whl/*' \
+       'writeup/writeup.pdf' 'writeup/build/*' \
     -x@<(find . -type f -size +5M -not -path './.git/*' -not -path './.venv/*' | sed 's|^\./||')
 echo "Tests exited with status $test_status; wrote $output ($(du -h "$output" | cut -f1))"
 exit "$test_status"

@@ -1,0 +1,297 @@
+"""A small, synthetic results directory with a row set for every section of the writeup.
+
+The rows have the keys the benchmark tools write (``harness.ResultStore`` rows: configuration, measurements,
+``config_keys``, ``device``, ``env``), with made-up but plausible numbers, so that ``tests/test_writeup.py``
+can build the whole writeup on a CPU in seconds.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+GPU = "NVIDIA H100 80GB HBM3"
+
+
+def env(gpus: int = 1, gpu: str = GPU) -> dict[str, Any]:
+    return {"device": f"{gpus}x {gpu}", "gpu_name": gpu, "gpu_count": gpus, "torch": "2.11.0+cu130",
+            "triton": "3.6.0", "cuda": "13.0", "python": "3.12.3", "date": "2026-11-22T16:00:00Z",
+            "commit": "0123456789ab"}
+
+
+def row(problem: str, config: dict[str, Any], measured: dict[str, Any], gpus: int = 1, gpu: str = GPU) -> dict:
+    e = env(gpus, gpu)
+    return {"run": "20261122T160000Z-abcdef", "problem": problem, **config, **measured,
+            "config_keys": sorted(config), "device": e["device"], "env": e}
+
+
+def timing(mean: float, prefix: str = "") -> dict[str, float]:
+    return {f"{prefix}mean_ms": mean, f"{prefix}std_ms": mean * 0.02, f"{prefix}median_ms": mean,
+            f"{prefix}min_ms": mean * 0.98, f"{prefix}max_ms": mean * 1.05}
+
+
+def png(path: Path) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    plt.imsave(path, [[0.0, 1.0], [1.0, 0.0]])
+    return str(path)
+
+
+def benchmarking_script() -> list[dict]:
+    rows = []
+    for i, size in enumerate(["small", "medium"]):
+        for dtype, speed in (("fp32", 1.0), ("bf16", 0.6)):
+            fwd = 20.0 * (i + 1) * speed
+            for mode in ("forward", "forward_backward", "train_step"):
+                phases = {**timing(fwd, "forward_")}
+                total = fwd
+                if mode != "forward":
+                    phases.update(timing(2 * fwd, "backward_"))
+                    total += 2 * fwd
+                if mode == "train_step":
+                    phases.update(timing(5.0, "optimizer_"))
+                    total += 5.0
+                config = {"size": size, "context_length": 512, "batch_size": 4, "mode": mode, "dtype": dtype, "attention": "naive",
+                              "compile": False, "warmup": 5, "steps": 10, "tag": "sweep"}
+                rows.append(row("benchmarking_script", config, {"oom": False, **timing(total), **phases,
+                                                                "step_ms": [total] * 10, "mfu": 0.05}))
+    for warmup in (0, 1, 2, 5):
+        for i, size in enumerate(["small", "medium"]):
+            steps = [60.0 * (i + 1)] * 10
+            if warmup == 0 and i == 0:
+                steps[0] = 400.0
+            config = {"size": size, "context_length": 512, "batch_size": 4, "mode": "forward_backward", "dtype": "fp32",
+                          "attention": "naive", "compile": False, "warmup": warmup, "steps": 10, "tag": "warmup_study"}
+            rows.append(row("benchmarking_script", config, {"oom": False, **timing(sum(steps) / 10),
+                                                            **timing(20.0, "forward_"), **timing(40.0, "backward_"),
+                                                            "step_ms": steps}))
+    return rows
+
+
+def kernel(name: str, ms: float, calls: int, share: float, matmul: bool) -> dict[str, Any]:
+    return {"name": name, "ms": ms, "calls": calls, "share": share, "matmul": matmul}
+
+
+GEMM = "sm80_xmma_gemm_f32f32_f32f32_f32_tn_n_tilesize64x64x8_stage3_warpsize1x4x1_ffma_aligna4_execute_kernel"
+MUL = "void at::native::elementwise_kernel<128, 2, at::native::BinaryFunctor<float, float, float, MulFunctor"
+
+
+def phase(gpu_ms: float, matmul_share: float) -> dict[str, Any]:
+    return {"gpu_ms": gpu_ms, "kernel_launches": 100.0, "matmul_share": matmul_share,
+            "top_kernels": [kernel(GEMM, gpu_ms * 0.6, 48, 0.6, True), kernel(MUL, gpu_ms * 0.1, 24, 0.1, False)],
+            "top_non_matmul": [kernel(MUL, gpu_ms * 0.1, 24, 0.1, False)]}
+
+
+def nsys_profile() -> list[dict]:
+    rows = []
+    for ctx in (128, 256):
+        config = {"size": "small", "context_length": ctx, "batch_size": 4, "dtype": "fp32", "steps": 2}
+        attention = {name: {"gpu_ms": 0.2, "flops": flops} for name, flops in
+                     (("computing attention scores", 1e9), ("computing softmax", 4e7), ("final matmul", 1e9))}
+        rows.append(row("nsys_profile", config, {"oom": False, "forward_python_ms": 10.0 + ctx / 64,
+                                                 "forward": phase(8.0, 0.7), "backward": phase(16.0, 0.8),
+                                                 "optimizer": phase(5.0, 0.0), "train_step": phase(29.0, 0.6),
+                                                 "attention_forward": attention}))
+    rows.append(row("nsys_profile", {"size": "medium", "context_length": 1024, "batch_size": 4, "dtype": "fp32", "steps": 2},
+                    {"oom": True, "error": "CUDA out of memory. Tried to allocate 100.00 MiB."}))
+    return rows
+
+
+def pytorch_attention(problem: str = "pytorch_attention", extra: dict | None = None) -> list[dict]:
+    rows = []
+    attentions = ["naive", "compiled"] if extra else ["naive"]
+    for attention in attentions:
+        for d in (16, 32):
+            for seq in (256, 1024):
+                config = dict(attention=attention, batch_size=8, d=d, seq_len=seq, passes=100, dtype="fp32", **(extra or {}))
+                saved = 3 * 4 * 8 * seq * seq / 1e9 + seq * seq / 1e9
+                rows.append(row(problem, config, {"oom": False, **timing(0.1 * seq / 256, "forward_"),
+                                                  **timing(0.3 * seq / 256, "backward_"),
+                                                  "memory_before_backward_gb": saved + 0.001, "saved_for_backward_gb": saved}))
+    if not extra:
+        rows.append(row(problem, {"attention": "naive", "batch_size": 8, "d": 32, "seq_len": 4096, "passes": 100, "dtype": "fp32"},
+                        {"oom": True, "error": "CUDA out of memory. GPU 0 has a total capacity of 79.18 GiB of which"}))
+    return rows
+
+
+def torch_compile() -> list[dict]:
+    rows = pytorch_attention("torch_compile", {"part": "attention"})
+    for compiled in (False, "inductor"):
+        for mode in ("forward", "train_step"):
+            config = {"part": "model", "size": "small", "context_length": 512, "batch_size": 4, "mode": mode, "dtype": "fp32",
+                          "compile": compiled, "warmup": 5, "steps": 10}
+            rows.append(row("torch_compile", config, {"oom": False, **timing(20.0 if compiled else 25.0)}))
+    return rows
+
+
+def memory_profiling(figures: Path) -> list[dict]:
+    rows = []
+    for ctx in (128, 256):
+        for dtype in ("fp32", "bf16"):
+            for mode in ("forward", "train_step"):
+                config = {"size": "2.7B", "context_length": ctx, "batch_size": 4, "mode": mode, "dtype": dtype, "kind": "peak"}
+                rows.append(row("memory_profiling", config, {"oom": False, "peak_gb": 20.0 + ctx / 64,
+                                                             "params_gb": 13.6}))
+    for mode in ("forward", "train_step"):
+        config = {"size": "2.7B", "context_length": 256, "batch_size": 4, "mode": mode, "dtype": "fp32", "kind": "timeline"}
+        allocations = [{"mb": 32.0, "count": 64, "source": "model.py:122 (scaled_dot_product_attention)"},
+                       {"mb": 100.0, "count": 96, "source": "unknown"}]
+        rows.append(row("memory_profiling", config, {"oom": False, "figure": png(figures / f"memory_{mode}.png"),
+                                                     "timeline_peak_gb": 40.0, "largest_allocations": allocations}))
+    return rows
+
+
+def gradient_checkpointing() -> list[dict]:
+    rows = []
+    for k in (1, 2, 4, 0):
+        config = {"size": "xl", "context_length": 2048, "batch_size": 4, "dtype": "fp32", "attention": "naive", "group_size": k}
+        n_blocks, a, b = 48, 0.05, 1.0
+        act = n_blocks * b if k == 0 else -(-n_blocks // k) * a + k * b
+        rows.append(row("gradient_checkpointing", config, {
+            "oom": k == 0, **({} if k == 0 else {**timing(900.0 + 100 * k), "peak_gb": 32.0 + act}),
+            "n_blocks": n_blocks, "saved_per_block_gb": b, "group_input_gb": a, "model_state_gb": 32.0,
+            "predicted_optimum": 2, "predicted_activation_gb": act, "predicted_peak_gb": 32.0 + act}))
+    return rows
+
+
+def flash_benchmarking() -> list[dict]:
+    rows = []
+    for provider, factor in (("triton", 1.0), ("pytorch", 3.0)):
+        for dtype in ("bf16", "fp32"):
+            for seq in (128, 256, 512):
+                for d in (16, 32):
+                    config = {"provider": provider, "seq_len": seq, "d_head": d, "dtype": dtype}
+                    if provider == "pytorch" and seq == 512:
+                        rows.append(row("flash_benchmarking", config, {"oom": True}))
+                        continue
+                    ms = factor * 0.01 * seq / 128
+                    rows.append(row("flash_benchmarking", config, {"oom": False, "fwd_ms": ms, "bwd_ms": 2 * ms,
+                                                                   "fwd_bwd_ms": 3 * ms}))
+    return rows
+
+
+def leaderboard() -> list[dict]:
+    return [row("leaderboard", {"provider": p}, {"fwd_bwd_ms": ms, "fwd_ms": ms / 3})
+            for p, ms in (("ours", 10.0), ("sdpa_cudnn", 8.0), ("sdpa_flash", 9.0), ("sdpa_efficient", 14.0))]
+
+
+def flash_optimisation_log() -> list[dict]:
+    return [row("flash_optimisation_log", {"step": i}, {"change": change, "fwd_ms": ms / 3, "bwd_ms": 2 * ms / 3,
+                                                        "fwd_bwd_ms": ms})
+            for i, (change, ms) in enumerate((("baseline", 30.0), ("causal early exit", 18.0), ("exp2", 15.0)))]
+
+
+def all_reduce() -> list[dict]:
+    rows = []
+    for backend, bandwidth, latency in (("gloo", 2e9, 1e-3), ("nccl", 200e9, 2e-5)):
+        for ws in (2, 4):
+            for size_mb in (1, 10, 100, 1000):
+                seconds = latency + size_mb * 1e6 / bandwidth
+                algbw = size_mb * 1e6 / seconds / 1e9
+                rows.append(row("distributed_communication_single_node",
+                                {"backend": backend, "world_size": ws, "size_mb": size_mb},
+                                {"time_ms": seconds * 1e3, "algbw": algbw, "busbw": algbw * 2 * (ws - 1) / ws},
+                                gpus=ws, gpu="NVIDIA H200"))
+    return rows
+
+
+def ddp_benchmarking(figures: Path) -> list[dict]:
+    rows = []
+    cases = [("naive", None, 900.0, 300.0, 300.0), ("flattened", None, 800.0, 200.0, 200.0),
+             ("overlapped", None, 700.0, 300.0, 60.0), ("torch_ddp", None, 680.0, 250.0, 40.0)]
+    cases += [("bucketed", mb, 650.0 + abs(mb - 100) / 10, 250.0, 30.0) for mb in (1, 10, 100, 1000)]
+    for variant, mb, step, comm, exposed in cases:
+        config = {"variant": variant, "dtype": "fp32", "size": "xl", "world_size": 2}
+        if mb is not None:
+            config["bucket_size_mb"] = mb
+        measured = {"step_ms": step, "comm_ms": comm, "exposed_ms": exposed}
+        if variant in ("naive", "overlapped"):
+            measured["figure"] = png(figures / f"ddp_trace_{variant}.png")
+        rows.append(row("ddp_benchmarking", config, measured, gpus=2, gpu="NVIDIA H200"))
+    return rows
+
+
+def optimizer_state_sharding_accounting() -> list[dict]:
+    rows = []
+    for optimizer, state in (("adamw", 16.0), ("sharded", 8.0), ("zero_redundancy", 8.0)):
+        breakdown = {stage: {"parameters": 8.0, "gradients": 8.0 if stage != "after_init" else 0.0,
+                             "optimizer_state": state if stage == "after_step" else 0.0, "activations": 1.0}
+                     for stage in ("after_init", "before_step", "after_step")}
+        rows.append(row("optimizer_state_sharding_accounting", {"optimizer": optimizer, "size": "xl", "world_size": 2},
+                        {"step_ms": 700.0 + state, "peak_gb": 17.0 + state, "breakdown": breakdown},
+                        gpus=2, gpu="NVIDIA H200"))
+    return rows
+
+
+def fsdp_accounting(figures: Path) -> list[dict]:
+    return [row("fsdp_accounting", {"impl": "ddp", "size": "xl", "world_size": 2}, {"step_ms": 700.0, "peak_gb": 40.0},
+                gpus=2, gpu="NVIDIA H200"),
+            row("fsdp_accounting", {"impl": "fsdp", "size": "xl", "world_size": 2},
+                {"step_ms": 760.0, "peak_gb": 24.0, "figure": png(figures / "fsdp_trace.png")}, gpus=2, gpu="NVIDIA H200")]
+
+
+def rmsnorm() -> list[dict]:
+    rows = []
+    for provider, speed in (("triton", 2000.0), ("torch", 600.0), ("compiled", 1500.0)):
+        for pass_ in ("forward", "backward"):
+            for cols in (768, 1024):
+                for dtype in ("bf16", "fp32"):
+                    config = {"provider": provider, "pass": pass_, "rows": 2048, "cols": cols, "dtype": dtype}
+                    rows.append(row("rmsnorm", config, {"ms": 0.01, "gbps": speed}))
+    return rows
+
+
+def flash_errors() -> dict[str, Any]:
+    worst = {t: {"relative_error": 1e-6, "case": "1x2x17x4096 d=32 causal=False", "max_ratio_to_torch": 1.2,
+                 "max_abs_error": 2e-7} for t in ("O", "L", "dQ", "dK", "dV")}
+    return {"device": GPU, "torch": "2.11.0+cu130", "triton": "3.6.0", "date": "2026-11-22T05:48:03+00:00",
+            "error_floor": {"fp32": 1e-4, "bf16": 0.02}, "torch_error_factor": 3.0,
+            "summary": {"fp32": {"cases": 18, "worst": worst}, "bf16": {"cases": 18, "worst": worst}}, "records": []}
+
+
+def write_fixture(results: Path, figures: Path) -> None:
+    """Write a results file for every section into ``results`` (figures the rows name go to ``figures``)."""
+    files = {
+        "benchmarking_script": benchmarking_script(),
+        "benchmarking_mixed_precision": [row("benchmarking_mixed_precision", {"autocast": cast, "device_type": "cuda"},
+                                             {"dtypes": {"parameters": "torch.float32", "fc1 output": f"torch.{cast}",
+                                                         "LayerNorm output": "torch.float32"}})
+                                         for cast in ("float16", "bfloat16")],
+        "mixed_precision_accumulation": [row("mixed_precision_accumulation",
+                                             {"variant": v, "accumulator": acc, "value": val, "upcast": up},
+                                             {"result": 10 + err, "error": err, "summand": 0.01})
+                                         for v, acc, val, up, err in (("float32 += float32", "float32", "float32", False, 1e-4),
+                                                                      ("float16 += float16", "float16", "float16", False, -0.05),
+                                                                      ("float32 += float16", "float32", "float16", False, 2e-3))],
+        "nsys_profile": nsys_profile(),
+        "memory_profiling": memory_profiling(figures),
+        "pytorch_attention": pytorch_attention(),
+        "torch_compile": torch_compile(),
+        "gradient_checkpointing": gradient_checkpointing(),
+        "flash_benchmarking": flash_benchmarking(),
+        "leaderboard": leaderboard(),
+        "flash_optimisation_log": flash_optimisation_log(),
+        "distributed_communication_single_node": all_reduce(),
+        "ddp_benchmarking": ddp_benchmarking(figures),
+        "optimizer_state_sharding_accounting": optimizer_state_sharding_accounting(),
+        "fsdp_accounting": fsdp_accounting(figures),
+        "rmsnorm": rmsnorm(),
+    }
+    results.mkdir(parents=True, exist_ok=True)
+    for problem, rows in files.items():
+        with (results / f"{problem}.jsonl").open("w") as file:
+            file.writelines(json.dumps(r) + "\n" for r in rows)
+    (results / "h100-tests").mkdir(exist_ok=True)
+    (results / "h100-tests" / "flash_attention_triton_errors.json").write_text(json.dumps(flash_errors()))
+    (results / "h200x2-tests").mkdir(exist_ok=True)
+    (results / "h200x2-tests" / "toy_training.log").write_text(
+        "backend: nccl (2 GPUs, one per rank); world size 2; batch 32\n"
+        "     naive: max |w - w_single| = 5.96e-08 after 10 steps: matches\n")
+    (results / "h200x2-tests" / "environment.txt").write_text(
+        "2026-11-22T06:27:15Z\nNVIDIA H200, 143771 MiB, 580\nNVIDIA H200, 143771 MiB, 580\n"
+        "python 3.12.3 torch 2.11.0+cu130 triton 3.6.0 cuda 13.0 gpus 2\n")

@@ -1,0 +1,195 @@
+"""The writeup pipeline: it builds the PDF from a small fixture of results (CPU, seconds), fails naming a
+missing results file, and its derivations give the numbers worked out by hand."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests._writeup_fixture import write_fixture
+
+WRITEUP = Path(__file__).resolve().parents[1] / "writeup"
+
+
+def _load_build():
+    spec = importlib.util.spec_from_file_location("writeup_build", WRITEUP / "build.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # puts writeup/ on sys.path, so `pipeline` imports too
+    return module
+
+
+build = _load_build()
+from pipeline import accounting
+from pipeline.results import environment_line, latest_per_config
+from pipeline.sections import SECTIONS
+
+
+def run_build(tmp_path: Path, results: Path, *extra: str) -> int:
+    return build.main(["--results-dir", str(results), "--figures-dir", str(tmp_path / "figures"),
+                       "--build-dir", str(tmp_path / "build"), "--output", str(tmp_path / "writeup.pdf"), *extra])
+
+
+@pytest.fixture(scope="module")
+def fixture_results(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("fixture")
+    write_fixture(root / "results", root / "row-figures")
+    return root / "results"
+
+
+def test_builds_every_section_from_the_fixture(tmp_path, fixture_results):
+    assert run_build(tmp_path, fixture_results) == 0
+    pdf = tmp_path / "writeup.pdf"
+    assert pdf.read_bytes()[:5] == b"%PDF-" and pdf.stat().st_size > 50_000
+    data = json.loads((tmp_path / "build" / "generated" / "data.json").read_text())["sections"]
+    assert set(data) == set(SECTIONS)
+    assert not [name for name, section in data.items() if "missing" in section]
+    # Numbers come from the rows: the leaderboard's fastest SDPA backend is cuDNN at 8 ms against our 10 ms.
+    assert data["leaderboard"]["n"]["best_ms"] == "8.00" and data["leaderboard"]["n"]["ours"] == "10.00"
+    # Every measured section states where and when its rows were measured.
+    assert "NVIDIA H100 80GB HBM3" in data["benchmarking_script"]["env"]
+    assert "2026-11-22" in data["benchmarking_script"]["env"]
+    for figure in ("warmup_study.png", "pytorch_attention.png", "all_reduce.png", "ddp_bucketed.png"):
+        assert (tmp_path / "figures" / figure).exists()
+
+
+def test_a_missing_results_file_fails_naming_it(tmp_path, fixture_results, capsys):
+    results = tmp_path / "results"
+    write_fixture(results, tmp_path / "row-figures")
+    (results / "leaderboard.jsonl").unlink()
+    (results / "ddp_benchmarking.jsonl").unlink()
+    assert run_build(tmp_path, results) == 1
+    err = capsys.readouterr().err
+    assert "leaderboard.jsonl" in err and "(needed by: leaderboard)" in err
+    assert "ddp_benchmarking.jsonl" in err and "ddp_bucketed_benchmarking" in err
+    assert not (tmp_path / "writeup.pdf").exists()
+
+    # --allow-missing (drafts only) renders a MISSING box instead, and says so.
+    assert run_build(tmp_path, results, "--allow-missing") == 0
+    data = json.loads((tmp_path / "build" / "generated" / "data.json").read_text())
+    assert data["allow_missing"] is True
+    assert "leaderboard.jsonl" in data["sections"]["leaderboard"]["missing"]
+    assert "missing" not in data["sections"]["benchmarking_script"]
+
+
+def test_a_figure_named_by_a_row_must_exist(tmp_path, capsys):
+    results = tmp_path / "results"
+    write_fixture(results, tmp_path / "row-figures")
+    (tmp_path / "row-figures" / "memory_forward.png").unlink()
+    assert run_build(tmp_path, results) == 1
+    assert "memory_forward.png" in capsys.readouterr().err
+
+
+def test_a_results_file_with_other_keys_names_the_section(tmp_path):
+    results = tmp_path / "results"
+    write_fixture(results, tmp_path / "row-figures")
+    rows = [json.loads(line) for line in (results / "leaderboard.jsonl").read_text().splitlines()]
+    for r in rows:
+        r["total_ms"] = r.pop("fwd_bwd_ms")  # a renamed measurement
+    (results / "leaderboard.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(RuntimeError, match="section 'leaderboard'"):
+        run_build(tmp_path, results)
+
+
+def test_every_section_has_a_typst_body_and_the_reverse():
+    typst = "".join(path.read_text() for path in (WRITEUP / "typ").glob("*.typ") if path.name != "lib.typ")
+    in_typst = re.findall(r'#problem\("([^"]+)"', typst)
+    assert sorted(in_typst) == sorted(SECTIONS)
+    assert len(in_typst) == len(set(in_typst))
+
+
+def test_the_committed_results_build(tmp_path):
+    """The sections whose results are committed build from them (others may still be missing)."""
+    assert run_build(tmp_path, WRITEUP / "results", "--allow-missing") == 0
+    data = json.loads((tmp_path / "build" / "generated" / "data.json").read_text())["sections"]
+    for name, section in data.items():
+        if "missing" not in section:
+            continue
+        file = re.match(r"\S+", section["missing"]).group(0)
+        assert not (WRITEUP.parent / file).exists(), f"{name}: {file} exists but the section failed: {section}"
+
+
+# -----------------------------------------------------------------------------------------------
+# Reading results
+# -----------------------------------------------------------------------------------------------
+
+
+def test_latest_row_per_configuration_wins():
+    def r(value, date):
+        return {"run": date, "x": 1, "v": value, "config_keys": ["x"], "device": "d", "env": {"date": date}}
+
+    rows = latest_per_config([r(1, "2026-01-02"), r(2, "2026-01-03"), r(3, "2026-01-01")])
+    assert [row["v"] for row in rows] == [2]
+
+
+def test_environment_line_names_device_versions_date_and_commit():
+    rows = [{"env": {"device": "1x H100", "torch": "2.11", "triton": "3.6", "cuda": "13.0",
+                     "date": "2026-11-22T10:00:00Z", "commit": "abcdef123456"}},
+            {"env": {"device": "1x H100", "torch": "2.11", "triton": "3.6", "cuda": "13.0",
+                     "date": "2026-11-23T10:00:00Z", "commit": "abcdef123456"}}]
+    line = environment_line(rows)
+    assert line == "1x H100 · torch 2.11 · Triton 3.6 · CUDA 13.0 · 2026-11-22 to 2026-11-23 · commit abcdef1"
+
+
+# -----------------------------------------------------------------------------------------------
+# Derivations
+# -----------------------------------------------------------------------------------------------
+
+
+def test_communication_accounting_numbers():
+    a = accounting.communication_accounting()
+    assert a["params"] == 126 * 2 * 16384 * 53248 == 219_848_638_464
+    assert a["state_bytes"] == 16 * a["params"]
+    assert math.ceil(a["state_h100"]) == 44  # 3.52 TB / 80 GB
+    assert a["n_min"] == 38  # 3.52 TB / 95 GB = 37.03
+    assert a["alpha"] == pytest.approx(4.6e14 / 1.8e11)
+    assert a["per_device_batch"] == pytest.approx(4.6e14 / 1.8e11 / 2 / 4)  # alpha / (M_X Y) = 319.4
+    assert a["global_batch"] == pytest.approx(a["per_device_batch"] * 64)
+    assert a["act_per_token"] == 126 * (16384 + 53248) * 2
+
+
+def test_optimal_bucket_minimises_the_overhead_model():
+    s, w, o = 8e9, 100e9, 50e-6
+    best = accounting.optimal_bucket(s, w, o)
+    brute = min((accounting.ddp_overhead(s, w, o, n), n) for n in [x / 10 for x in range(10, 20000)])
+    assert best["n_buckets"] == pytest.approx(brute[1], rel=1e-2)
+    assert best["overhead"] == pytest.approx(brute[0], rel=1e-4)
+    assert best["bucket_bytes"] == pytest.approx(math.sqrt(s * w * o))
+
+
+def test_latency_and_bandwidth_fit_recovers_a_known_line():
+    sizes = [1e6, 1e7, 1e8, 1e9]
+    o, w = 30e-6, 150e9
+    assert accounting.fit_latency_bandwidth(sizes, [o + s / w for s in sizes]) == pytest.approx((o, w), rel=1e-6)
+
+
+def test_parameter_counts_match_the_readme():
+    from cs336_basics.model import MODEL_SIZES
+
+    assert accounting.parameter_count(vocab_size=10_000, **MODEL_SIZES["xl"]) == pytest.approx(1_998.2e6, rel=1e-4)
+    assert accounting.parameter_count(vocab_size=10_000, **MODEL_SIZES["2.7B"]) == pytest.approx(3_406.8e6, rel=1e-4)
+
+
+def test_naive_attention_accounting_and_first_failure():
+    need = accounting.naive_attention_memory(8, 16384, 64, 3.0)
+    assert need["score_matrix_bytes"] == 8 * 16384**2 * 4
+    assert need["saved_bytes"] > 3 * need["score_matrix_bytes"]
+    # 3 saved + 2 backward score-sized matrices of 8.6 GB fit in 80 GB at 16K, not at 32K.
+    assert accounting.first_oom_length(16384, 8, 3.0, 80.0) == 32768
+    assert accounting.device_memory_gb([{"error": "GPU 0 has a total capacity of 79.18 GiB of which"}]) == \
+        pytest.approx(79.18 * 2**30 / 1e9)
+
+
+def test_checkpointing_peak_model():
+    assert accounting.checkpoint_activation_bytes(48, 0, 0.1, 1.0) == 48
+    assert accounting.checkpoint_activation_bytes(48, 4, 0.1, 1.0) == pytest.approx(12 * 0.1 + 4)
+    assert accounting.checkpoint_activation_bytes(48, 5, 0.1, 1.0) == pytest.approx(10 * 0.1 + 5)
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))

@@ -1,0 +1,136 @@
+"""Reading the benchmark results: rows of ``<results_dir>/<problem>.jsonl`` written by ``harness.ResultStore``.
+
+A row is flat: ``run``, ``problem``, its configuration keys (listed in ``config_keys``), its measurements
+(or ``"oom": true``), ``device`` and ``env`` (GPU name, torch/triton/CUDA versions, date, commit).
+A file may hold several runs of the same configuration (``--force``) and several devices; a section
+reads the latest row of each configuration, on one device unless it spans machines itself.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+class Missing(Exception):
+    """A results file (or a figure a results row names) that a section needs does not exist."""
+
+    def __init__(self, path: Path | str, why: str = ""):
+        self.path = str(path)
+        self.why = why
+        super().__init__(f"{self.path}{f' ({why})' if why else ''}")
+
+
+def display_path(path: Path) -> str:
+    """``path`` relative to the repository when it lies inside it (error messages stay short)."""
+    try:
+        return str(path.resolve().relative_to(REPO_ROOT))
+    except ValueError:
+        return str(path)
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        raise Missing(display_path(path))
+    with path.open() as file:
+        rows = [json.loads(line) for line in file if line.strip()]
+    if not rows:
+        raise Missing(display_path(path), "the file holds no rows")
+    return rows
+
+
+def config_of(row: dict[str, Any]) -> str:
+    """A hashable identity of the row's configuration (its ``config_keys`` and their values)."""
+    keys = row.get("config_keys") or sorted(k for k in row if k not in ("env", "run", "device"))
+    return json.dumps({k: row.get(k) for k in sorted(keys)}, sort_keys=True, default=str)
+
+
+def _when(row: dict[str, Any]) -> tuple[str, str]:
+    return (row.get("env", {}).get("date", ""), row.get("run", ""))
+
+
+def latest_per_config(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The most recent row of each (device, configuration), in the order the configurations first appear."""
+    latest: dict[tuple[str, str], dict[str, Any]] = {}
+    for row in rows:
+        key = (row.get("device", ""), config_of(row))
+        if key not in latest or _when(row) >= _when(latest[key]):
+            latest[key] = row
+    return list(latest.values())
+
+
+def main_device(rows: list[dict[str, Any]]) -> str:
+    """The device with the most rows (ties: the latest measured)."""
+    counts = Counter(row.get("device", "") for row in rows)
+    last_date = {row.get("device", ""): _when(row) for row in sorted(rows, key=_when)}
+    return max(counts, key=lambda device: (counts[device], last_date[device]))
+
+
+class Results:
+    """The results directory, read lazily; every row a section reads is remembered for its environment line."""
+
+    def __init__(self, results_dir: Path):
+        self.results_dir = Path(results_dir)
+        self.used: list[dict[str, Any]] = []
+
+    def path(self, name: str) -> Path:
+        return self.results_dir / name
+
+    def rows(self, problem: str, one_device: bool = True) -> list[dict[str, Any]]:
+        """Latest row per configuration of ``<problem>.jsonl``; only the main device's rows if ``one_device``.
+
+        Raises :class:`Missing` naming the file when it does not exist.
+        """
+        rows = latest_per_config(read_jsonl(self.path(f"{problem}.jsonl")))
+        if one_device:
+            device = main_device(rows)
+            rows = [row for row in rows if row.get("device", "") == device]
+        self.used.extend(rows)
+        return rows
+
+    def json(self, name: str) -> Any:
+        """A JSON results file other than rows (e.g. the GPU test run's error summary)."""
+        path = self.path(name)
+        if not path.exists():
+            raise Missing(display_path(path))
+        data = json.loads(path.read_text())
+        self.used.append({"env": {k: data.get(k) for k in ("device", "torch", "triton", "date")}})
+        return data
+
+    def text(self, name: str) -> str:
+        path = self.path(name)
+        if not path.exists():
+            raise Missing(display_path(path))
+        return path.read_text()
+
+    def take_used(self) -> list[dict[str, Any]]:
+        used, self.used = self.used, []
+        return used
+
+
+def _unique(values) -> list[str]:
+    return list(dict.fromkeys(str(v) for v in values if v not in (None, "")))
+
+
+def environment_line(rows: list[dict[str, Any]]) -> str | None:
+    """Where and when ``rows`` were measured: devices, software versions, dates and commits, in one line."""
+    envs = [row.get("env") or {} for row in rows]
+    if not envs:
+        return None
+    devices = _unique(env.get("device") or row.get("device") for env, row in zip(envs, rows))
+    parts = [", ".join(devices) or "unknown device"]
+    for label, key in (("torch", "torch"), ("Triton", "triton"), ("CUDA", "cuda")):
+        versions = _unique(env.get(key) for env in envs)
+        if versions:
+            parts.append(f"{label} {', '.join(versions)}")
+    dates = sorted(_unique(str(env.get("date", ""))[:10] for env in envs))
+    if dates:
+        parts.append(dates[0] if len(dates) == 1 else f"{dates[0]} to {dates[-1]}")
+    commits = _unique(str(env.get("commit", ""))[:7] for env in envs if env.get("commit") not in (None, "unknown"))
+    if commits:
+        parts.append(f"commit{'s' if len(commits) > 1 else ''} {', '.join(commits)}")
+    return " · ".join(parts)

@@ -1,0 +1,9 @@
+"""One function per problem (see :mod:`.registry`); ``typ/*.typ`` decides the order in the document.
+
+Importing this package imports every section module, which fills :data:`SECTIONS`.
+"""
+
+from pipeline.sections import beyond, ddp, flash, sharding, single_gpu  # noqa: F401  (they register sections)
+from pipeline.sections.registry import SECTIONS, Output, problem
+
+__all__ = ["SECTIONS", "Output", "problem"]

@@ -1,0 +1,596 @@
+"""Sections of SPEC part 2: benchmarking and profiling on one GPU (and activation checkpointing, 2.4b)."""
+
+from __future__ import annotations
+
+import math
+import re
+import statistics
+from typing import Any
+
+from cs336_basics.model import MODEL_SIZES
+from pipeline import accounting, figures
+from pipeline.markup import DASH, gb, num, pct, pm, short_kernel, span, table, times
+from pipeline.results import Missing
+from pipeline.sections.registry import Output, problem
+
+SIZES = list(MODEL_SIZES)  # small ... 2.7B, the order every table uses
+MODE_LABEL = {"forward": "forward", "forward_backward": "forward + backward", "train_step": "training step"}
+
+
+def by(rows: list[dict[str, Any]], **match: Any) -> list[dict[str, Any]]:
+    """The rows whose keys equal ``match``."""
+    return [row for row in rows if all(row.get(k) == v for k, v in match.items())]
+
+
+def one(rows: list[dict[str, Any]], **match: Any) -> dict[str, Any] | None:
+    found = by(rows, **match)
+    return found[-1] if found else None
+
+
+def size_order(size: str) -> int:
+    return SIZES.index(size) if size in SIZES else len(SIZES)
+
+
+def oom_or(row: dict[str, Any] | None, text: str) -> str:
+    if row is None:
+        return DASH
+    return "OOM" if row.get("oom") else text
+
+
+def cv(row: dict[str, Any]) -> float:
+    return row["std_ms"] / row["mean_ms"]
+
+
+def join_words(words: list[str]) -> str:
+    if len(words) <= 1:
+        return "".join(words)
+    return ", ".join(words[:-1]) + " and " + words[-1]
+
+
+# -----------------------------------------------------------------------------------------------
+# benchmarking_script
+# -----------------------------------------------------------------------------------------------
+
+
+def load_benchmarking_script(res) -> tuple[list[dict], list[dict]]:
+    rows = [row for row in res.rows("benchmarking_script") if not row.get("compile") and row.get("attention", "naive") == "naive"]
+    sweep = [row for row in rows if row.get("tag", "sweep") == "sweep" and row.get("warmup") == 5]
+    study = [row for row in rows if row.get("tag") == "warmup_study"]
+    return sweep, study
+
+
+@problem("benchmarking_script")
+def benchmarking_script(res, out: Output) -> dict[str, Any]:
+    sweep, study = load_benchmarking_script(res)
+    fp32 = [row for row in sweep if row.get("dtype") == "fp32" and not row.get("oom")]
+    sizes = sorted({row["size"] for row in fp32}, key=size_order)
+    body = []
+    for size in sizes:
+        fwd, fb, step = (one(fp32, size=size, mode=m) for m in ("forward", "forward_backward", "train_step"))
+        body.append([
+            size,
+            oom_or(fwd, pm(fwd and fwd.get("mean_ms"), fwd and fwd.get("std_ms"))),
+            oom_or(fb, pm(fb and fb.get("backward_mean_ms"), fb and fb.get("backward_std_ms"))),
+            oom_or(fb, pm(fb and fb.get("mean_ms"), fb and fb.get("std_ms"))),
+            oom_or(step, pm(step and step.get("mean_ms"), step and step.get("std_ms"))),
+            oom_or(step, pct(step and step.get("mfu"), 1)),
+        ])
+    first = fp32[0] if fp32 else {}
+    caption = (f"End-to-end timings, fp32, batch {first.get('batch_size')}, context {first.get('context_length')}, "
+               f"{first.get('warmup')} warm-up and {first.get('steps')} timed steps: mean ± standard deviation (ms). "
+               "Backward is timed inside the forward + backward step; MFU of the training step is against the "
+               "bf16 matmul rate measured in the same run.")
+    main = table(["size", "forward", "backward", "forward + backward", "training step", "MFU"], body, caption)
+
+    # Variability: which (size, mode) cases have a standard deviation above 5 % of the mean.
+    cases = [(row["size"], row["mode"], cv(row)) for row in fp32 if row.get("mode") in ("forward", "forward_backward")]
+    noisy = sorted((c for c in cases if c[2] > 0.05), key=lambda c: -c[2])
+    ratios = [one(fp32, size=s, mode="forward_backward") for s in sizes]
+    bwd_over_fwd = [r["backward_mean_ms"] / r["forward_mean_ms"] for r in ratios if r and r.get("backward_mean_ms")]
+    small, big = (one(fp32, size=sizes[0], mode="forward"), one(fp32, size=sizes[-1], mode="forward")) if sizes else (None, None)
+    n = {
+        "fwd_small": num(small and small["mean_ms"]), "fwd_big": num(big and big["mean_ms"]),
+        "size_small": sizes[0] if sizes else DASH, "size_big": sizes[-1] if sizes else DASH,
+        "bwd_ratio_lo": num(min(bwd_over_fwd), 1) if bwd_over_fwd else DASH,
+        "bwd_ratio_hi": num(max(bwd_over_fwd), 1) if bwd_over_fwd else DASH,
+        "quiet": f"{len(cases) - len(noisy)} of {len(cases)}",
+        "noisy": join_words([f"{s} {MODE_LABEL[m]} ({pct(c)})" for s, m, c in noisy]) or "none",
+        "has_noisy": bool(noisy),
+    }
+    study_table, study_figure, study_n = warmup_study(study, out)
+    return {"tables": {"main": main, "study": study_table}, "figures": {"warmup": study_figure}, "n": n | study_n}
+
+
+def warmup_study(study: list[dict], out: Output) -> tuple[dict, dict, dict]:
+    """The warm-up study's table, its figure of every step, and its numbers."""
+    if not study:
+        raise Missing("writeup/results/benchmarking_script.jsonl", "no warm-up study rows (--warmup-study)")
+    warmups = sorted({row["warmup"] for row in study})
+    sizes = sorted({row["size"] for row in study}, key=size_order)
+    body = []
+    for size in sizes:
+        cells = [size]
+        for w in warmups:
+            row = one(study, size=size, warmup=w)
+            cells.append(oom_or(row, pm(row and row.get("mean_ms"), row and row.get("std_ms"))))
+        first = one(study, size=size, warmup=0)
+        rest = first and first.get("step_ms", [])[1:]
+        cells.append(oom_or(first, f"{num(first['step_ms'][0])} / {num(statistics.median(rest))}" if rest else DASH))
+        body.append(cells)
+    header = ["size", *[f"{w} warm-up" for w in warmups], "first / median of rest (0 warm-up)"]
+    tab = table(header, body, "Forward + backward step (fp32), mean ± std over 10 timed steps (ms), for 0, 1, 2 "
+                "and 5 warm-up steps, each count in a fresh process that measures the sizes in this order.")
+    fig, axes = figures.new(7.0, 2.3, ncols=len(sizes))
+    for ax, size in zip(axes, sizes):
+        for w in warmups:
+            row = one(study, size=size, warmup=w)
+            if row and row.get("step_ms"):
+                ax.plot(range(1, len(row["step_ms"]) + 1), row["step_ms"], marker=".", label=f"{w} warm-up")
+        ax.set_title(size)
+        ax.set_xlabel("timed step")
+        ax.set_ylim(bottom=0)
+    axes[0].set_ylabel("ms")
+    figures.legend_below(fig, axes[0])
+    figure = out.save(fig, "warmup_study", "Every timed step of the warm-up study (forward + backward, fp32).")
+    zero = [one(study, size=s, warmup=0) for s in sizes]
+    slowdowns = {r["size"]: r["step_ms"][0] / statistics.median(r["step_ms"][1:]) for r in zero
+                 if r and not r.get("oom") and len(r.get("step_ms", [])) > 1}
+    first_size = study[0]["size"]  # rows are written in measurement order
+    worst = max(slowdowns, key=slowdowns.get) if slowdowns else None
+    others = [s for s in slowdowns if s != first_size]
+    return tab, figure, {
+        "first_size": first_size,
+        "first_slowdown": times(slowdowns.get(first_size), 1),
+        "first_ms": num(zero[sizes.index(first_size)]["step_ms"][0]) if first_size in sizes else DASH,
+        "worst_size": worst or DASH,
+        "others_max_slowdown": times(max((slowdowns[s] for s in others), default=float("nan")), 2),
+    }
+
+
+# -----------------------------------------------------------------------------------------------
+# nsys_profile
+# -----------------------------------------------------------------------------------------------
+
+
+_GEMM_TILE = re.compile(r"tilesize(\d+x\d+)|_(\d+x\d+)_\d+x\d+")
+_KERNEL_OPS = [  # (a fragment of the kernel name, what the kernel does)
+    ("masked_fill", "masked_fill"), ("DivFu", "div"), ("MulFu", "mul"), ("CUDAFunctorOnSelf_add", "add (in place)"),
+    ("CUDAFunctor_add", "add"), ("direct_copy", "copy / cast"), ("MeanOps", "mean"), ("MaxOps", "max"),
+    ("SumOps", "sum"), ("lerp", "lerp"), ("addcdiv", "addcdiv"), ("addcmul", "addcmul"), ("exp_kernel", "exp"),
+    ("sigmoid", "sigmoid"), ("rsqrt", "rsqrt"), ("sqrt", "sqrt"), ("pow", "pow"), ("gather", "gather (embedding)"),
+    ("FillFunctor", "fill"), ("where", "where"), ("neg", "neg"), ("softmax", "softmax"), ("cat", "cat"),
+]
+
+
+def describe_kernel(name: str) -> str:
+    """A readable label for a CUDA kernel: GEMMs by library, layout and tile; ATen kernels by their operation."""
+    if "gemm" in name.lower():
+        tile = _GEMM_TILE.search(name)
+        library = "CUTLASS" if "cutlass" in name else "cuBLAS"
+        kind = "SGEMM" if ("f32f32" in name or "sgemm" in name) else "GEMM"
+        layout = next((f" {lay}" for lay in ("_tn_", "_nn_", "_nt_", "_tt_") if lay in name), "").replace("_", "")
+        split = ", split-K" if "split_k" in name else ""
+        return f"{library} {kind}{layout} {tile.group(1) or tile.group(2) if tile else ''}{split}".strip()
+    if name.startswith("Memcpy"):
+        return name
+    kind = "reduce" if "reduce_kernel" in name else "elementwise"
+    for fragment, label in _KERNEL_OPS:
+        if fragment in name:
+            return f"{kind}: {label}"
+    return short_kernel(name, 50)
+
+
+def is_annotation(name: str) -> bool:
+    """Profiler range names (``Optimizer.step#AdamW.step``) that appear among GPU events but are not kernels."""
+    return "#" in name or name.startswith(("Optimizer.", "ProfilerStep"))
+
+
+def top_kernel(phase: dict[str, Any]) -> dict[str, Any] | None:
+    kernels = [k for k in phase.get("top_kernels", []) if not is_annotation(k["name"])]
+    return kernels[0] if kernels else None
+
+
+@problem("nsys_profile")
+def nsys_profile(res, out: Output) -> dict[str, Any]:
+    rows = sorted(res.rows("nsys_profile"), key=lambda r: (size_order(r["size"]), r["context_length"]))
+    ok = [row for row in rows if not row.get("oom")]
+    contexts = sorted({row["context_length"] for row in rows})
+    sizes = sorted({row["size"] for row in rows}, key=size_order)
+
+    timing = []
+    for size in sizes:
+        cells = [size]
+        for ctx in contexts:
+            row = one(rows, size=size, context_length=ctx)
+            cells.append(oom_or(row, row and not row.get("oom") and
+                                f"{num(row['forward']['gpu_ms'])} / {num(row['forward_python_ms'])}" or DASH))
+        timing.append(cells)
+    timing_table = table(["size", *[f"context {c}" for c in contexts]], timing,
+                         "Forward pass: GPU time of its kernels (profiler) / Python timer (median of 5), ms, "
+                         "fp32, batch 4; OOM: out of memory during the training step.")
+
+    kernels = []
+    for row in ok:
+        fwd, step = top_kernel(row["forward"]), top_kernel(row["train_step"])
+        kernels.append([
+            f"{row['size']} / {row['context_length']}",
+            describe_kernel(fwd["name"]) if fwd else DASH, num(fwd and fwd["calls"], 0), pct(fwd and fwd["share"]),
+            "same" if fwd and step and step["name"] == fwd["name"] else (describe_kernel(step["name"]) if step else DASH),
+            pct(row["forward"].get("matmul_share")), pct(row["train_step"].get("matmul_share")),
+        ])
+    kernel_table = table(
+        ["size / context", "top forward kernel", "calls", "share", "top in training step", "matmul (fwd)",
+         "matmul (step)"], kernels,
+        "The kernel with the most GPU time in the forward pass (calls per forward, share of forward GPU time), "
+        "whether it is also the top kernel of the whole training step, and the matmul share of GPU time.",
+        align=["left", "left", "right", "right", "left", "right", "right"], size=7)
+
+    # Non-matmul kernels of the largest configuration that fits.
+    largest = max(ok, key=lambda r: (size_order(r["size"]), r["context_length"])) if ok else None
+    non_matmul = []
+    if largest:
+        for k in largest["forward"].get("top_non_matmul", [])[:6]:
+            non_matmul.append([describe_kernel(k["name"]), num(k["ms"], 2), num(k["calls"], 0), pct(k["share"], 1)])
+    non_matmul_table = table(["non-matmul kernel (forward)", "ms", "calls", "share"], non_matmul,
+                             f"The heaviest non-matmul kernels of the forward pass, {largest['size']} model, context "
+                             f"{largest['context_length']}." if largest else "", size=8)
+
+    attention = []
+    for row in ok:
+        stages = row["attention_forward"]
+        scores, softmax, final = (stages.get(k, {}) for k in ("computing attention scores", "computing softmax",
+                                                               "final matmul"))
+        matmul_ms = scores.get("gpu_ms", 0) + final.get("gpu_ms", 0)
+        matmul_flops = scores.get("flops", 0) + final.get("flops", 0)
+        attention.append([
+            f"{row['size']} / {row['context_length']}", num(scores.get("gpu_ms"), 2), num(softmax.get("gpu_ms"), 2),
+            num(final.get("gpu_ms"), 2), times(softmax.get("gpu_ms", 0) / matmul_ms if matmul_ms else None),
+            times(softmax.get("flops", 0) / matmul_flops if matmul_flops else None, 3),
+        ])
+    attention_table = table(["size / context", "scores (ms)", "softmax (ms)", "final matmul (ms)",
+                             "softmax / matmuls: time", "FLOPs"], attention,
+                            "Inside the forward's attention (all layers, per step): GPU time of the three stages, and "
+                            "softmax relative to the two matmuls in time and in FLOPs.", size=8)
+
+    gaps = [abs(r["forward"]["gpu_ms"] - r["forward_python_ms"]) / r["forward_python_ms"] for r in ok]
+    big_ctx = [r for r in ok if r["context_length"] >= 512]
+    close = [r for r in big_ctx if abs(r["forward"]["gpu_ms"] - r["forward_python_ms"]) / r["forward_python_ms"] < 0.1]
+    small_ctx = [r for r in ok if r["context_length"] <= 256]
+    time_ratio = [a[4] for a in attention]
+    fwd_share = [r["forward"]["matmul_share"] for r in ok]
+    step_share = [r["train_step"]["matmul_share"] for r in ok]
+    backward_kernels = [r["backward"].get("kernel_launches", 0) for r in ok]
+    ratios = [float(t.rstrip("×").replace(",", "")) for t in time_ratio if t != DASH]
+    flop_ratios = [float(a[5].rstrip("×").replace(",", "")) for a in attention if a[5] != DASH]
+    n = {
+        "close": f"{len(close)} of {len(big_ctx)}",
+        "python_over_gpu_small_ctx": times(statistics.median(r["forward_python_ms"] / r["forward"]["gpu_ms"]
+                                                             for r in small_ctx), 1) if small_ctx else DASH,
+        "max_gap": pct(max(gaps)) if gaps else DASH,
+        "ooms": join_words([f"{r['size']} at context {r['context_length']}" for r in rows if r.get("oom")]) or "none",
+        "fwd_share_lo": pct(min(fwd_share)), "fwd_share_hi": pct(max(fwd_share)),
+        "step_share_lo": pct(min(step_share)), "step_share_hi": pct(max(step_share)),
+        "softmax_time_lo": times(min(ratios), 2) if ratios else DASH,
+        "softmax_time_hi": times(max(ratios), 2) if ratios else DASH,
+        "softmax_flops": times(statistics.median(flop_ratios), 3) if flop_ratios else DASH,
+        "backward_broken": bool(backward_kernels) and max(backward_kernels) <= 1,
+        "same_top": f"{sum(k[4] == 'same' for k in kernels)} of {len(kernels)}",
+        "other_tops": join_words(sorted({k[4] for k in kernels if k[4] not in ('same', DASH)})) or "none",
+    }
+    return {"tables": {"timing": timing_table, "kernels": kernel_table, "non_matmul": non_matmul_table,
+                       "attention": attention_table}, "n": n}
+
+
+# -----------------------------------------------------------------------------------------------
+# mixed_precision_accumulation, benchmarking_mixed_precision
+# -----------------------------------------------------------------------------------------------
+
+
+@problem("mixed_precision_accumulation")
+def mixed_precision_accumulation(res, out: Output) -> dict[str, Any]:
+    rows = res.rows("mixed_precision_accumulation")
+    body = [[row["variant"], f"{row['result']:.6f}", f"{row['error']:+.2e}", f"{row['summand']:.10f}"] for row in rows]
+    tab = table(["accumulation", "sum of 1000 × 0.01", "error", "summand as stored"], body,
+                "Summing 0.01 a thousand times (exact answer 10).", align=["left", "right", "right", "right"])
+    fp16 = one(rows, accumulator="float16") or {}
+    fp32 = one(rows, accumulator="float32", value="float32") or {}
+    mixed = one(rows, accumulator="float32", value="float16", upcast=False) or {}
+    return {"tables": {"main": tab}, "n": {
+        "fp16_result": f"{fp16.get('result', float('nan')):.4f}", "fp32_error": f"{fp32.get('error', float('nan')):.1e}",
+        "mixed_error": f"{mixed.get('error', float('nan')):.1e}", "fp16_summand": f"{mixed.get('summand', float('nan')):.8f}",
+    }}
+
+
+@problem("benchmarking_mixed_precision")
+def benchmarking_mixed_precision(res, out: Output) -> dict[str, Any]:
+    dtype_rows = res.rows("benchmarking_mixed_precision")
+    casts = [row["autocast"] for row in dtype_rows]
+    names = list(dict.fromkeys(k for row in dtype_rows for k in row["dtypes"]))
+    body = [[name, *[row["dtypes"].get(name, DASH).removeprefix("torch.") for row in dtype_rows]] for name in names]
+    dtypes = table(["tensor", *[f"autocast {c}" for c in casts]], body,
+                   "Dtypes inside the toy model under autocast, printed by the benchmarking_mixed_precision script.",
+                   align=["left"] + ["center"] * len(casts))
+
+    sweep, _ = load_benchmarking_script(res)
+    sizes = sorted({row["size"] for row in sweep}, key=size_order)
+    timing = []
+    speedups: dict[str, dict[str, float]] = {}
+    for size in sizes:
+        cells = [size]
+        for mode in ("forward", "forward_backward", "train_step"):
+            f32, b16 = one(sweep, size=size, mode=mode, dtype="fp32"), one(sweep, size=size, mode=mode, dtype="bf16")
+            ok = f32 and b16 and not f32.get("oom") and not b16.get("oom")
+            cells += [oom_or(f32, num(f32 and f32.get("mean_ms"))), oom_or(b16, num(b16 and b16.get("mean_ms"))),
+                      times(f32["mean_ms"] / b16["mean_ms"]) if ok else DASH]
+            if ok:
+                speedups.setdefault(mode, {})[size] = f32["mean_ms"] / b16["mean_ms"]
+        timing.append(cells)
+    header = [["", span("forward", 3), span("forward + backward", 3), span("training step", 3)],
+              ["size", *["fp32", "bf16", "speed-up"] * 3]]
+    timing_table = table(header, timing, "fp32 vs bf16 autocast, mean over 10 steps after 5 warm-up (ms); "
+                         "speed-up = fp32 time / bf16 time.", size=8)
+    step = speedups.get("train_step", {})
+    slower = [s for s, x in speedups.get("forward", {}).items() if x < 1]
+    n = {
+        "step_speedup_small": times(step.get(sizes[0])) if sizes else DASH,
+        "step_speedup_best": times(max(step.values(), default=float("nan"))),
+        "step_speedup_big": times(step.get(sizes[-1])) if sizes else DASH,
+        "best_fwd": times(max(speedups.get("forward", {}).values(), default=float("nan"))),
+        "best_fwd_size": max(speedups.get("forward", {}), key=speedups["forward"].get) if speedups.get("forward") else DASH,
+        "slower": join_words(slower) or "no size",
+        "size_small": sizes[0] if sizes else DASH, "size_big": sizes[-1] if sizes else DASH,
+    }
+    return {"tables": {"dtypes": dtypes, "timing": timing_table}, "n": n}
+
+
+# -----------------------------------------------------------------------------------------------
+# memory_profiling
+# -----------------------------------------------------------------------------------------------
+
+
+@problem("memory_profiling")
+def memory_profiling(res, out: Output) -> dict[str, Any]:
+    rows = res.rows("memory_profiling")
+    peaks = [row for row in rows if row.get("kind") == "peak"]
+    timelines = [row for row in rows if row.get("kind") == "timeline"]
+    if not timelines:
+        raise Missing("writeup/results/memory_profiling.jsonl", "no timeline rows")
+    size = peaks[0]["size"] if peaks else timelines[0]["size"]
+    contexts = sorted({row["context_length"] for row in peaks})
+    dtypes = [d for d in ("fp32", "bf16") if any(row["dtype"] == d for row in peaks)]
+    body = []
+    for ctx in contexts:
+        cells = [str(ctx)]
+        for dtype in dtypes:
+            for mode in ("forward", "train_step"):
+                row = one(peaks, context_length=ctx, dtype=dtype, mode=mode)
+                cells.append(oom_or(row, num(row and row.get("peak_gb"))))
+        body.append(cells)
+    header = [["", *[span(d, 2) for d in dtypes]], ["context", *["forward", "training step"] * len(dtypes)]]
+    peak_table = table(header, body, f"Peak allocated memory (GB) of the {size} model, batch "
+                       f"{peaks[0]['batch_size'] if peaks else '?'}; bf16 means autocast with fp32 parameters.")
+    figs = {}
+    for row in timelines:
+        figs[row["mode"]] = out.existing(
+            row["figure"], f"Active memory over time, {row['size']} model, context {row['context_length']}, "
+            f"{row['dtype']}, {MODE_LABEL.get(row['mode'], row['mode'])} (peak {gb(row.get('timeline_peak_gb'))}).")
+    params_gb = next((row["params_gb"] for row in peaks if row.get("params_gb")), float("nan"))
+    hp = MODEL_SIZES[size]
+    batch = peaks[0]["batch_size"] if peaks else timelines[0]["batch_size"]
+    ctx_max = max(contexts) if contexts else timelines[0]["context_length"]
+    residual = accounting.residual_stream_bytes(batch, ctx_max, hp["d_model"], 4)
+    scores = accounting.attention_scores_bytes(batch, hp["num_heads"], ctx_max, 4)
+    ffn = accounting.residual_stream_bytes(batch, ctx_max, hp["d_ff"], 4)
+    weight = hp["d_model"] * hp["d_ff"] * 4
+    train = next((r for r in timelines if r["mode"] == "train_step"), timelines[0])
+    allocations = [[num(a["mb"], 1), str(a["count"]), a["source"]] for a in train.get("largest_allocations", [])[:8]]
+    alloc_table = table(["size (MiB)", "count", "allocated at"], allocations,
+                        f"Largest allocations during the {MODE_LABEL.get(train['mode'])} timeline (size, how many "
+                        "times, and the source line that made them).", align=["right", "right", "left"], size=8)
+    fwd_fp32 = {r["context_length"]: r.get("peak_gb") for r in by(peaks, dtype="fp32", mode="forward")}
+    fwd_bf16 = {r["context_length"]: r.get("peak_gb") for r in by(peaks, dtype="bf16", mode="forward")}
+    step_fp32 = {r["context_length"]: r.get("peak_gb") for r in by(peaks, dtype="fp32", mode="train_step")}
+    c0 = contexts[0] if contexts else None
+    n = {
+        "size": size, "batch": str(batch), "ctx": str(ctx_max), "d_model": f"{hp['d_model']:,}",
+        "d_ff": f"{hp['d_ff']:,}", "heads": str(hp["num_heads"]),
+        "residual_bytes": f"{residual:,}", "residual_mib": num(residual / 2**20, 1), "residual_mb": num(residual / 1e6, 1),
+        "scores_mib": num(scores / 2**20, 0), "ffn_mib": num(ffn / 2**20, 0), "weight_mib": num(weight / 2**20, 0),
+        "params_gb": num(params_gb, 1), "state_gb": num(4 * params_gb, 1), "half_params_gb": num(params_gb / 2, 1),
+        "fwd_fp32_c0": gb(fwd_fp32.get(c0)), "fwd_bf16_c0": gb(fwd_bf16.get(c0)), "c0": str(c0),
+        "step_fp32_c0": gb(step_fp32.get(c0)), "step_fp32_cmax": gb(step_fp32.get(ctx_max)),
+        "fwd_fp32_cmax": gb(fwd_fp32.get(ctx_max)), "fwd_bf16_cmax": gb(fwd_bf16.get(ctx_max)),
+    }
+    return {"tables": {"peaks": peak_table, "allocations": alloc_table}, "figures": figs, "n": n}
+
+
+# -----------------------------------------------------------------------------------------------
+# pytorch_attention, torch_compile
+# -----------------------------------------------------------------------------------------------
+
+
+def attention_grid(rows: list[dict], caption: str, with_memory: bool) -> dict[str, Any]:
+    body = []
+    for row in sorted(rows, key=lambda r: (r["d"], r["seq_len"])):
+        cells = [str(row["d"]), f"{row['seq_len']:,}"]
+        if row.get("oom"):
+            cells += ["OOM"] * (4 if with_memory else 2)
+        else:
+            cells += [num(row["forward_mean_ms"], 2), num(row["backward_mean_ms"], 2)]
+            if with_memory:
+                cells += [num(row["memory_before_backward_gb"], 2), num(row.get("saved_for_backward_gb"), 2)]
+        body.append(cells)
+    header = ["d", "length", "forward (ms)", "backward (ms)"]
+    if with_memory:
+        header += ["memory before backward (GB)", "saved for backward (GB)"]
+    return table(header, body, caption, size=8)
+
+
+@problem("pytorch_attention")
+def pytorch_attention(res, out: Output) -> dict[str, Any]:
+    rows = res.rows("pytorch_attention")
+    first = rows[0]
+    caption = (f"Naive attention, batch {first['batch_size']}, {first['dtype']}, causal: mean time of one pass over "
+               f"{first['passes']} forwards and {first['passes']} backwards, and memory in use before the backward.")
+    grid = attention_grid(rows, caption, with_memory=True)
+    ok = [row for row in rows if not row.get("oom")]
+    batch = first["batch_size"]
+    fit = accounting.fit_square_matrices(ok, batch)
+    oom_rows = sorted((r for r in rows if r.get("oom")), key=lambda r: (r["seq_len"], r["d"]))
+    capacity_gb = accounting.device_memory_gb(rows)
+    if oom_rows:
+        case = oom_rows[0]
+        length, d, measured = case["seq_len"], case["d"], True
+    else:
+        length, d = accounting.first_oom_length(max(r["seq_len"] for r in rows), batch, fit, capacity_gb), max(r["d"] for r in rows)
+        measured = False
+    need = accounting.naive_attention_memory(batch, length, d, fit)
+    fig, axes = figures.new(6.0, 2.6, ncols=2)
+    for d_ in sorted({r["d"] for r in ok}):
+        pts = sorted((r["seq_len"], r["saved_for_backward_gb"], r["forward_mean_ms"]) for r in ok if r["d"] == d_)
+        axes[0].plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=f"d = {d_}")
+        axes[1].plot([p[0] for p in pts], [p[2] for p in pts], marker="o", ms=3, label=f"d = {d_}")
+    lengths = sorted({r["seq_len"] for r in ok})
+    axes[0].plot(lengths, [fit * batch * t * t * 4 / 1e9 for t in lengths], "k--", lw=0.8,
+                 label=f"{num(fit, 2)} · B·T²·4 bytes")
+    for ax, label in zip(axes, ("saved for backward (GB)", "forward (ms)")):
+        figures.log2_axis(ax, lengths)
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length T")
+        ax.set_ylabel(label)
+    axes[0].legend(fontsize=7)
+    figure = out.save(fig, "pytorch_attention", "Saved-for-backward memory and forward time of the naive attention "
+                      "against sequence length (log-log): memory grows as T², like the score matrices.")
+    n = {
+        "any_oom": bool(oom_rows), "ooms": join_words([f"d = {r['d']}, T = {r['seq_len']:,}" for r in oom_rows]),
+        "fit": num(fit, 2), "capacity": gb(capacity_gb, 0), "batch": str(batch),
+        "len": f"{length:,}", "d": str(d), "measured": measured,
+        "score_gb": num(need["score_matrix_bytes"] / 1e9, 2), "saved_gb": num(need["saved_bytes"] / 1e9, 1),
+        "mask_gb": num(need["mask_bytes"] / 1e9, 2), "peak_gb": num(need["backward_peak_bytes"] / 1e9, 1),
+        "inputs_mb": num(need["inputs_bytes"] / 1e6, 1),
+        "largest_len": f"{max(r['seq_len'] for r in ok):,}" if ok else DASH,
+        "largest_saved": gb(max((r["saved_for_backward_gb"] for r in ok), default=None)),
+    }
+    return {"tables": {"grid": grid}, "figures": {"memory": figure}, "n": n}
+
+
+@problem("torch_compile")
+def torch_compile(res, out: Output) -> dict[str, Any]:
+    rows = res.rows("torch_compile")
+    attention = [row for row in rows if row.get("part") == "attention"]
+    model = [row for row in rows if row.get("part") == "model"]
+    body, speedups = [], []
+    for d in sorted({r["d"] for r in attention}):
+        for length in sorted({r["seq_len"] for r in attention}):
+            eager, compiled = one(attention, d=d, seq_len=length, attention="naive"), one(attention, d=d, seq_len=length,
+                                                                                       attention="compiled")
+            cells = [str(d), f"{length:,}"]
+            for row in (eager, compiled):
+                cells += [oom_or(row, num(row and row.get("forward_mean_ms"), 2)),
+                          oom_or(row, num(row and row.get("backward_mean_ms"), 2))]
+            ok = eager and compiled and not eager.get("oom") and not compiled.get("oom")
+            if ok:
+                speedups.append((d, length, eager["forward_mean_ms"] / compiled["forward_mean_ms"],
+                                 eager["backward_mean_ms"] / compiled["backward_mean_ms"]))
+            cells += [times(speedups[-1][2]) if ok else DASH, times(speedups[-1][3]) if ok else DASH]
+            body.append(cells)
+    header = [["", "", span("eager", 2), span("compiled", 2), span("speed-up", 2)],
+              ["d", "length", "fwd", "bwd", "fwd", "bwd", "fwd", "bwd"]]
+    first = attention[0] if attention else {}
+    attention_table = table(header, body, f"Attention eager vs torch.compile, batch {first.get('batch_size')}, "
+                            f"{first.get('dtype')}: ms per pass (mean of {first.get('passes')}).", size=8)
+    model_body, model_speedups = [], {}
+    for size in sorted({r["size"] for r in model}, key=size_order):
+        cells = [size]
+        for mode in ("forward", "train_step"):
+            eager, compiled = one(model, size=size, mode=mode, compile=False), next(
+                (r for r in by(model, size=size, mode=mode) if r.get("compile")), None)
+            ok = eager and compiled and not eager.get("oom") and not compiled.get("oom")
+            cells += [oom_or(eager, pm(eager and eager.get("mean_ms"), eager and eager.get("std_ms"))),
+                      oom_or(compiled, pm(compiled and compiled.get("mean_ms"), compiled and compiled.get("std_ms"))),
+                      times(eager["mean_ms"] / compiled["mean_ms"]) if ok else DASH]
+            if ok:
+                model_speedups.setdefault(mode, []).append(eager["mean_ms"] / compiled["mean_ms"])
+        model_body.append(cells)
+    model_header = [["", span("forward", 3), span("training step (AdamW)", 3)],
+                    ["size", "eager", "compiled", "speed-up", "eager", "compiled", "speed-up"]]
+    mfirst = model[0] if model else {}
+    model_table = table(model_header, model_body, f"Whole model eager vs torch.compile, fp32, batch "
+                        f"{mfirst.get('batch_size')}, context {mfirst.get('context_length')}: mean ± std (ms); "
+                        "– : not measured.", size=8)
+    long = [s for s in speedups if s[1] >= 4096]
+    n = {
+        "fwd_lo": times(min((s[2] for s in long), default=None)), "fwd_hi": times(max((s[2] for s in long), default=None)),
+        "bwd_lo": times(min((s[3] for s in long), default=None)), "bwd_hi": times(max((s[3] for s in long), default=None)),
+        "short_fwd": times(statistics.median([s[2] for s in speedups if s[1] < 4096])) if any(
+            s[1] < 4096 for s in speedups) else DASH,
+        "model_fwd_lo": times(min(model_speedups.get("forward", [math.nan]))),
+        "model_fwd_hi": times(max(model_speedups.get("forward", [math.nan]))),
+        "model_step_lo": times(min(model_speedups.get("train_step", [math.nan]))),
+        "model_step_hi": times(max(model_speedups.get("train_step", [math.nan]))),
+    }
+    return {"tables": {"attention": attention_table, "model": model_table}, "n": n}
+
+
+# -----------------------------------------------------------------------------------------------
+# gradient_checkpointing (beyond: SPEC 2.4b)
+# -----------------------------------------------------------------------------------------------
+
+
+def load_gradient_checkpointing(res) -> list[dict[str, Any]]:
+    return res.rows("gradient_checkpointing")
+
+
+@problem("gradient_checkpointing")
+def gradient_checkpointing(res, out: Output) -> dict[str, Any]:
+    rows = sorted(load_gradient_checkpointing(res), key=lambda r: (r["group_size"] == 0, r["group_size"]))
+    first = rows[0]
+    n_blocks = first["n_blocks"]
+    per_block, boundary = first["saved_per_block_gb"], first["group_input_gb"]
+    body = []
+    for row in rows:
+        k = row["group_size"]
+        body.append([
+            "none" if k == 0 else str(k), str(math.ceil(n_blocks / k)) if k else "–",
+            num(row.get("predicted_activation_gb"), 2), num(row.get("predicted_peak_gb"), 1),
+            "OOM" if row.get("oom") else num(row.get("peak_gb"), 1),
+            "OOM" if row.get("oom") else pm(row.get("mean_ms"), row.get("std_ms"), 0),
+        ])
+    caption = (f"{first['size']} model, batch {first['batch_size']}, context {first['context_length']}, "
+               f"{first['dtype']}, training step (AdamW): group size k (blocks per checkpointed group), predicted "
+               "activation and total peak, measured peak and step time.")
+    tab = table(["k", "groups", "predicted activations (GB)", "predicted peak (GB)", "measured peak (GB)",
+                 "step (ms)"], body, caption)
+    measured = [r for r in rows if not r.get("oom") and r.get("peak_gb") and r["group_size"] > 0]
+    best = min(measured, key=lambda r: r["peak_gb"]) if measured else None
+    none = next((r for r in rows if r["group_size"] == 0), None)
+    k_star = math.sqrt(n_blocks * boundary / per_block)
+    fig, axes = figures.new(6.0, 2.6, ncols=2)
+    ks = [r["group_size"] for r in rows if r["group_size"] > 0]
+    axes[0].plot(ks, [r["predicted_peak_gb"] for r in rows if r["group_size"] > 0], "k--", marker="x", label="predicted")
+    axes[0].plot([r["group_size"] for r in measured], [r["peak_gb"] for r in measured], marker="o", label="measured")
+    axes[0].set_ylabel("peak memory (GB)")
+    axes[1].plot([r["group_size"] for r in measured], [r["mean_ms"] for r in measured], marker="o")
+    if none and not none.get("oom"):
+        axes[1].axhline(none["mean_ms"], color="gray", ls=":", label="no checkpointing")
+        axes[1].legend(fontsize=7)
+    axes[1].set_ylabel("step time (ms)")
+    for ax in axes:
+        ax.set_xlabel("blocks per group k")
+    axes[0].legend(fontsize=7)
+    figure = out.save(fig, "gradient_checkpointing", "Peak memory (predicted and measured) and step time against "
+                      "the group size.")
+    n = {
+        "size": first["size"], "n_blocks": str(n_blocks), "b": num(per_block, 3), "a": num(boundary, 3),
+        "k_star": num(k_star, 2), "k_opt": str(first["predicted_optimum"]),
+        "best_k": str(best["group_size"]) if best else DASH, "best_peak": gb(best and best["peak_gb"]),
+        "best_ms": num(best and best["mean_ms"], 0),
+        "none_oom": bool(none and none.get("oom")), "none_peak": gb(none and none.get("peak_gb")),
+        "none_ms": num(none and none.get("mean_ms"), 0),
+        "slowdown": times(best["mean_ms"] / none["mean_ms"]) if best and none and not none.get("oom") else DASH,
+        "state_gb": num(first.get("model_state_gb"), 1),
+        "no_ckpt_act": num(n_blocks * per_block, 1),
+        "predicted_min_act": num(accounting.checkpoint_activation_bytes(n_blocks, first["predicted_optimum"],
+                                                                       boundary, per_block), 2),
+    }
+    return {"tables": {"main": tab}, "figures": {"main": figure}, "n": n}
