@@ -26,6 +26,7 @@ from torch.nn.utils import parametrize
 from cs336_basics.model import Embedding, Linear, RMSNorm
 from cs336_basics.nn_utils import cross_entropy
 from cs336_basics.optimizer import AdamW
+from cs336_systems.bench import comm_timeline, fsdp_accounting
 from cs336_systems.bench.lm import LMConfig, build_model
 from cs336_systems.parallel.distributed import spawn
 from cs336_systems.parallel.fsdp import FSDP
@@ -431,6 +432,9 @@ def run_checks(rank: int, world_size: int, exact: bool) -> None:
     check_ddp_2026_names(rank, world_size, device)
     if world_size == 2:
         check_tiny_lm(rank, world_size, device, exact)
+        for dtype in (None, torch.bfloat16):  # the CLI's --check, without a CLI (no extra processes)
+            result = fsdp_accounting.check_against_one_process(rank, world_size, device, dtype, steps=2)
+            assert result["bit_exact"] or not exact, result
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -443,3 +447,82 @@ def test_fsdp_matches_single_process(world_size):
 def test_fsdp_with_nccl():
     # GPU kernels are deterministic for equal shapes, but not promised to be: compare to float tolerance.
     spawn(run_checks, 2, False, backend="nccl", timeout_s=300)
+
+
+# ---------------------------------------------------------------------------------------------------
+# fsdp_accounting: the CLI on the CPU, and the timeline analysis on a made-up trace
+# ---------------------------------------------------------------------------------------------------
+
+
+def read_rows(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_fsdp_accounting_quick_on_cpu(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        fsdp_accounting.main(["--help"])
+    assert exit_info.value.code == 0 and "--quick" in capsys.readouterr().out
+    argv = ["--quick", "--results-dir", str(tmp_path)]
+    fsdp_accounting.main(argv)
+    rows = {row["impl"]: row for row in read_rows(tmp_path / "fsdp_accounting.jsonl")}
+    assert list(rows) == ["ddp", "fsdp2", "ours"]
+    for row in rows.values():
+        assert row["measure"] == "step" and row["size"] == "tiny" and row["world_size"] == 2 and row["step_ms"] > 0
+        assert len(row["step_ms_per_rank"]) == 2
+    params = rows["ddp"]["params"]
+    assert rows["ddp"]["local_params"] == params and rows["ddp"]["expected_saving_gb"] == 0
+    # Sharded over 2 ranks: half the parameters each (ours pads odd row counts by a row).
+    assert rows["fsdp2"]["local_params"] * 2 >= params and rows["ours"]["local_params"] * 2 >= params
+    assert rows["ours"]["local_params"] * 2 - params < 1000
+    assert rows["ours"]["expected_saving_gb"] == pytest.approx(16 * (params - rows["ours"]["local_params"]) / 1e9)
+    assert rows["ours"]["step_ratio_vs_fsdp2"] == pytest.approx(rows["ours"]["step_ms"] / rows["fsdp2"]["step_ms"])
+    fsdp_accounting.main(argv)  # measured already: resumes without starting any rank
+    assert len(read_rows(tmp_path / "fsdp_accounting.jsonl")) == 3
+    assert "already measured" in capsys.readouterr().err
+
+
+def _event(cat: str, name: str, ts: float, dur: float, **args) -> dict:
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 0, "tid": 1, "args": args}
+
+
+def synthetic_trace() -> dict:
+    """Weight a: gathered in time. Weight b: its layer waits for the gather. Then one reduction."""
+    compute = "sm90_xmma_gemm_bf16"
+    return {"traceEvents": [
+        _event("user_annotation", "step.forward", 0, 1000),
+        _event("user_annotation", "step.backward", 1000, 1000),
+        _event("cuda_runtime", "cudaLaunchKernel", 5, 1, correlation=3),
+        _event("kernel", compute, 0, 40, stream=7, correlation=3),
+        _event("user_annotation", "fsdp.all_gather a.weight", 10, 2),
+        _event("cuda_driver", "cuLaunchKernelEx", 11, 1, correlation=1),
+        _event("kernel", "ncclDevKernel_AllGather_RING_LL", 20, 30, stream=20, correlation=1),
+        _event("user_annotation", "fsdp.use a.weight", 60, 1),
+        _event("cuda_runtime", "cudaLaunchKernel", 62, 1, correlation=2),
+        _event("kernel", compute, 70, 30, stream=7, correlation=2),
+        _event("user_annotation", "fsdp.all_gather b.weight", 100, 2),
+        _event("cuda_driver", "cuLaunchKernelEx", 101, 1, correlation=4),
+        _event("kernel", "ncclDevKernel_AllGather_RING_LL", 110, 190, stream=20, correlation=4),
+        _event("user_annotation", "fsdp.use b.weight", 120, 1),
+        _event("cuda_runtime", "cudaLaunchKernel", 121, 1, correlation=5),
+        _event("kernel", compute, 300, 20, stream=7, correlation=5),
+        _event("user_annotation", "fsdp.reduce_scatter a.weight", 1100, 2),
+        _event("cuda_driver", "cuLaunchKernelEx", 1101, 1, correlation=6),
+        _event("kernel", "ncclDevKernel_SendRecv", 1110, 40, stream=20, correlation=6),
+    ]}
+
+
+def test_timeline_pairs_gathers_with_uses_and_draws(tmp_path):
+    analysis = comm_timeline.analyze(synthetic_trace())
+    uses = {use.weight: use for use in analysis["uses"]}
+    assert not uses["a.weight"].exposed and uses["a.weight"].stall_us == 0
+    assert uses["b.weight"].exposed and uses["b.weight"].stall_us == pytest.approx(300 - 121)
+    summary = analysis["summary"]
+    assert summary["forward_gathers"] == 2 and summary["forward_gathers_exposed"] == 1
+    assert summary["forward_stall_ms"] == pytest.approx(0.179) and summary["backward_gathers"] == 0
+    assert summary["reduce_scatters"] == 1
+    assert summary["comm_ms"] == pytest.approx(0.26) and summary["comm_hidden_ms"] == pytest.approx(0.02)
+    assert summary["comm_exposed_ms"] == pytest.approx(0.24) and summary["span_ms"] == pytest.approx(1.15)
+    comm_timeline.render(analysis, tmp_path / "timeline.png", "synthetic", zoom_ms=0.5)
+    assert (tmp_path / "timeline.png").stat().st_size > 10_000
+    with pytest.raises(ValueError, match="no GPU kernels"):
+        comm_timeline.render(comm_timeline.analyze({"traceEvents": []}), tmp_path / "empty.png", "empty")

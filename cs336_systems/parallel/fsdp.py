@@ -41,6 +41,7 @@ every backward. Activation checkpointing inside the wrapped module is not suppor
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -50,6 +51,7 @@ import torch
 import torch.distributed as dist
 from jaxtyping import Float
 from torch import Tensor, nn
+from torch.autograd.profiler import record_function
 
 from cs336_basics.model import Embedding, Linear
 from cs336_systems.parallel.ddp.base import broadcast_module_state
@@ -58,6 +60,8 @@ SHARDED_TYPES = (Linear, Embedding)
 WEIGHT = "weight"  # the attribute of a unit that is sharded
 PREFETCH_DISTANCE = 2  # forward: gather unit call i once call i - 2 has finished
 REDUCTIONS_IN_FLIGHT = 2  # reductions left running before the oldest is completed (bounds receive buffers)
+# Profiler range names (FSDP.annotate): a gather's launch, the moment its weight is in use, a reduction's launch.
+GATHER_RANGE, USE_RANGE, REDUCE_RANGE = "fsdp.all_gather ", "fsdp.use ", "fsdp.reduce_scatter "
 
 
 @dataclass(eq=False)
@@ -172,6 +176,10 @@ class FSDP(nn.Module):
     the shards' gradients stay fp32. Replicated parameters are not cast.
 
     At construction every rank takes rank 0's parameters and buffers, then keeps its shards only.
+
+    ``annotate = True`` records profiler ranges named after each weight: ``fsdp.all_gather <name>`` around a
+    gather's launch, ``fsdp.use <name>`` when its weight becomes available to compute (forward and backward),
+    ``fsdp.reduce_scatter <name>`` around a reduction's launch (``cs336_systems.bench.comm_timeline`` reads them).
     """
 
     def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None):
@@ -208,6 +216,10 @@ class FSDP(nn.Module):
         self._last_saved: _UnitCall | None = None
         self._reductions: list[_Reduction] = []
         self._replicated_reductions: list[_ReplicatedReduction] = []
+        self.annotate = False
+
+    def _range(self, prefix: str, weight: ShardedWeight) -> contextlib.AbstractContextManager:
+        return record_function(prefix + weight.name) if self.annotate else contextlib.nullcontext()
 
     # ------------------------------------------------------------------------------------------------
     # Sharding
@@ -243,7 +255,8 @@ class FSDP(nn.Module):
         if self.compute_dtype is not None:
             source = source.to(self.compute_dtype)
         buffer = torch.empty(weight.padded_shape, dtype=source.dtype, device=source.device)
-        work = dist.all_gather_into_tensor(buffer, source, async_op=True)
+        with self._range(GATHER_RANGE, weight):
+            work = dist.all_gather_into_tensor(buffer, source, async_op=True)
         return _Gather(buffer=buffer, source=source, work=work)
 
     # ------------------------------------------------------------------------------------------------
@@ -290,7 +303,9 @@ class FSDP(nn.Module):
         call = _UnitCall(unit=unit, weight=weight)
         self._calls.append(call)
         gather = self._prefetched.pop(unit, None) or self._start_gather(weight)
-        full = _GatheredWeight.apply(weight.param, gather, call, self)
+        gather.wait()
+        with self._range(USE_RANGE, weight):
+            full = _GatheredWeight.apply(weight.param, gather, call, self)
         if full.requires_grad:
             weight.uses_in_flight += 1
         self._live[full.untyped_storage().data_ptr()] = call
@@ -331,6 +346,8 @@ class FSDP(nn.Module):
             self._prefetch_for_backward(call.previous)  # the next unit backward will need
             gather, call.backward_gather = call.backward_gather, None
             call.backward_buffer = gather.wait()
+            with self._range(USE_RANGE, call.weight):
+                pass
         buffer = call.backward_buffer
         call.unpacked += 1
         if call.unpacked % call.saved == 0:  # autograd now holds the views it needs
@@ -355,7 +372,8 @@ class FSDP(nn.Module):
     def _launch_reduction(self, weight: ShardedWeight) -> None:
         sent, weight.grad_sum = weight.grad_sum, None
         received = torch.empty_like(sent)
-        work = dist.all_to_all_single(received, sent, async_op=True)
+        with self._range(REDUCE_RANGE, weight):
+            work = dist.all_to_all_single(received, sent, async_op=True)
         self._reductions.append(_Reduction(weight=weight, sent=sent, received=received, work=work))
         self._complete_reductions(keep=REDUCTIONS_IN_FLIGHT)
 
