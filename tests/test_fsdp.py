@@ -307,22 +307,21 @@ def check_prefetch_and_free(rank: int, world_size: int, device: torch.device) ->
     alive_peak = [0]
     start_gather = fsdp._start_gather
 
-    def alive() -> int:
-        # gloo's worker thread lets go of a finished collective's tensors a moment after completing it:
-        # count once the number stops changing.
-        count = -1
-        for _ in range(100):
-            previous, count = count, sum(ref() is not None for ref in buffers)
-            if count == previous:
-                break
+    def alive(limit: int = 0) -> int:
+        """Gathered weights still alive, once at most ``limit`` or after 2 s. The backend's threads let go of
+        a finished collective's tensors a moment after completing it (gloo's worker, NCCL's watchdog)."""
+        deadline = time.monotonic() + 2.0
+        while True:
+            count = sum(ref() is not None for ref in buffers)
+            if count <= limit or time.monotonic() > deadline:
+                return count
             time.sleep(0.002)
-        return count
 
     def recording_gather(weight):
         gather = start_gather(weight)
         events.append(("gather", weight.name.removesuffix(".weight")))
         buffers.append(weakref.ref(gather.buffer))
-        alive_peak[0] = max(alive_peak[0], alive())
+        alive_peak[0] = max(alive_peak[0], alive(limit=3))
         return gather
 
     fsdp._start_gather = recording_gather

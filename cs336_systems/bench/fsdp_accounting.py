@@ -1,11 +1,12 @@
 """FSDP memory and speed against PyTorch's FSDP2 and our DDP (problem ``fsdp_accounting``).
 
 Each implementation trains the same model (the xl size by default: context 512, 4 sequences per rank, AdamW)
-on every GPU of the machine, one rank per GPU, in bf16:
+on every GPU of the machine, one rank per GPU, in bf16, with the same AdamW (``cs336_basics``):
 
 * ``ours``: :class:`cs336_systems.parallel.fsdp.FSDP` with ``compute_dtype=torch.bfloat16``;
 * ``fsdp2``: ``torch.distributed.fsdp.fully_shard`` on every Transformer block, then on the root, with
-  ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``;
+  ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``; AdamW steps the local shards
+  (:class:`LocalShardAdamW`);
 * ``ddp``: our overlapped per-parameter DDP (:class:`DDPIndividualParameters`) under bf16 autocast.
 
 Per implementation: the median step time (forward, loss, backward, gradient synchronisation, AdamW step;
@@ -101,6 +102,30 @@ def wrap(impl: str, model: nn.Module, dtype: torch.dtype | None, device: torch.d
     raise ValueError(f"unknown implementation {impl!r}; choose from {IMPLS}")
 
 
+class LocalShardAdamW:
+    """``cs336_basics`` AdamW stepping the local shards of FSDP2's DTensor parameters in place.
+
+    The same optimizer code as the other implementations run, without DTensor's dispatch on each of its
+    seven operations per parameter (a cost of the optimizer's Python loop, not of sharding). ``to_local()``
+    aliases the shard's storage, so the update lands in the parameter (checked equal to stepping the DTensors).
+    """
+
+    def __init__(self, params, **kwargs):
+        self.params = list(params)
+        with torch.no_grad():
+            self.shards = [p.to_local() for p in self.params]
+        self.inner = AdamW(self.shards, **kwargs)
+
+    def step(self) -> None:
+        for param, shard in zip(self.params, self.shards):
+            shard.grad = None if param.grad is None else param.grad.to_local()
+        self.inner.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for tensor in (*self.params, *self.shards):
+            tensor.grad = None
+
+
 def local_numel(impl: str, model: nn.Module) -> int:
     """Parameters this rank stores (its shards, padding included; everything for DDP)."""
     total = 0
@@ -136,7 +161,8 @@ def setup(impl: str, config: LMConfig, dtype: torch.dtype | None, device: torch.
     model = build_model(config, device)
     n_params = sum(p.numel() for p in model.parameters())
     model = wrap(impl, model, dtype, device)
-    optimizer = AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+    optimizer_cls = LocalShardAdamW if impl == "fsdp2" else AdamW
+    optimizer = optimizer_cls(model.parameters(), lr=1e-4, weight_decay=0.01)
     batch = random_batch(config, device, generator_seed=dist.get_rank())
     return model, optimizer, make_train_step(impl, model, optimizer, batch, dtype), n_params
 
