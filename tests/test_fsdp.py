@@ -160,6 +160,12 @@ def check_gradients(fsdp: FSDP, reference: nn.Module, rank: int, where: str, exa
 
 
 def check_full_params(fsdp: FSDP, reference: nn.Module, where: str, exact: bool, tol: float = 1e-6) -> None:
+    grads = fsdp.gather_full_grads()
+    for name, param in reference.named_parameters():
+        if param.grad is None:
+            assert grads[name] is None, f"{where}, {name}"
+        else:
+            compare(grads[name], param.grad, f"{where}, full gradient of {name}", exact, tol)
     full = adapters.fsdp_gather_full_params(fsdp)
     expected = dict(reference.named_parameters())
     assert list(full) == list(expected), where
@@ -434,6 +440,7 @@ def run_checks(rank: int, world_size: int, exact: bool) -> None:
         for dtype in (None, torch.bfloat16):  # the CLI's --check, without a CLI (no extra processes)
             result = fsdp_accounting.check_against_one_process(rank, world_size, device, dtype, steps=2)
             assert result["bit_exact"] or not exact, result
+            assert result["max_abs_diff"] <= 1e-4 and result["grad_max_abs_diff"] <= 1e-4, result
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

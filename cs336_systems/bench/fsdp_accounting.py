@@ -200,7 +200,7 @@ def _latest(store: harness.ResultStore, config: dict[str, Any], impl: str) -> di
 def step_cases(args, world_size: int) -> list[dict[str, Any]]:
     base = dict(measure="step", size=args.size, context_length=args.context_length,
                 batch_per_rank=args.batch_per_rank, world_size=world_size, dtype=args.dtype)
-    return [{**base, "impl": impl} for impl in args.impls]
+    return [{**base, "impl": impl} for impl in IMPLS if impl in args.impls]  # DDP, FSDP2, ours: in this order
 
 
 def run_measurements(rank: int, world_size: int, device: torch.device, args) -> None:
@@ -316,31 +316,37 @@ def check_against_one_process(rank: int, world_size: int, device: torch.device, 
                 parametrize.register_parametrization(unit, "weight", CastTo(dtype), unsafe=True)
     optimizer = AdamW(fsdp.parameters(), lr=1e-3, weight_decay=0.01)
     reference_optimizer = AdamW(reference.parameters(), lr=1e-3, weight_decay=0.01)
+    expected_params = {name.replace(".parametrizations.weight.original", ".weight"): p
+                       for name, p in reference.named_parameters()}
     generator = torch.Generator().manual_seed(1)
     local = config.batch_size // world_size
-    for _ in range(steps):
+    grad_difference, grads_exact = 0.0, True
+    for step in range(steps):
         tokens = torch.randint(VOCAB_SIZE, (config.batch_size, config.context_length + 1), generator=generator)
         x, y = tokens[:, :-1].to(device), tokens[:, 1:].to(device)
         cross_entropy(fsdp(x[rank * local : (rank + 1) * local]), y[rank * local : (rank + 1) * local]).backward()
         fsdp.finish_gradient_synchronization()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
         for r in range(world_size):  # the full batch's gradient, accumulated in rank order
             cross_entropy(reference(x[r * local : (r + 1) * local]), y[r * local : (r + 1) * local]).backward()
         for param in reference.parameters():
             param.grad.div_(world_size)
+        if step == 0:  # before AdamW, which turns the tiniest gradient difference into an lr-sized one
+            grads = fsdp.gather_full_grads()
+            for name, param in expected_params.items():
+                grad_difference = max(grad_difference, (grads[name] - param.grad).abs().max().item())
+                grads_exact &= torch.equal(grads[name], param.grad)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
         reference_optimizer.step()
         reference_optimizer.zero_grad(set_to_none=True)
     full = fsdp.gather_full_params()
-    expected_params = {name.replace(".parametrizations.weight.original", ".weight"): p
-                       for name, p in reference.named_parameters()}
     assert list(full) == list(expected_params)
     difference = max((full[n] - p.detach()).abs().max().item() for n, p in expected_params.items())
-    exact = all(torch.equal(full[n], p.detach()) for n, p in expected_params.items())
-    return {"max_abs_diff": difference, "bit_exact": exact, "steps": steps}
+    exact = grads_exact and all(torch.equal(full[n], p.detach()) for n, p in expected_params.items())
+    return {"max_abs_diff": difference, "grad_max_abs_diff": grad_difference, "bit_exact": exact, "steps": steps}
 
 
-CHECK_TOLERANCE = {"fp32": 1e-6, "bf16": 1e-4}
+CHECK_TOLERANCE = {"fp32": 1e-6, "bf16": 1e-4}  # on weights after the steps, and on the first step's gradients
 
 
 def run_check(rank: int, world_size: int, device: torch.device, args) -> None:
@@ -353,13 +359,16 @@ def run_check(rank: int, world_size: int, device: torch.device, args) -> None:
         if rank != 0:
             continue
         worst = max(r["max_abs_diff"] for r in everyone)
-        passed = worst <= CHECK_TOLERANCE[name]
+        worst_grad = max(r["grad_max_abs_diff"] for r in everyone)
+        passed = worst <= CHECK_TOLERANCE[name] and worst_grad <= CHECK_TOLERANCE[name]
         store.add(dict(measure="check", impl="ours", size="tiny", context_length=64, world_size=world_size,
                        dtype=name, backend=dist.get_backend()),
-                  {"max_abs_diff": worst, "bit_exact": all(r["bit_exact"] for r in everyone),
+                  {"max_abs_diff": worst, "grad_max_abs_diff": worst_grad,
+                   "bit_exact": all(r["bit_exact"] for r in everyone),
                    "tolerance": CHECK_TOLERANCE[name], "passed": passed, "steps": result["steps"]})
         print(f"{name}: FSDP vs one process after {result['steps']} AdamW steps on {world_size} ranks "
-              f"({dist.get_backend()}): max |diff| {worst:.3e}, bit-exact: "
+              f"({dist.get_backend()}): max |weight diff| {worst:.3e}, first step max |grad diff| "
+              f"{worst_grad:.3e}, bit-exact: "
               f"{all(r['bit_exact'] for r in everyone)} -> {'ok' if passed else 'MISMATCH'}", flush=True)
         if not passed:
             failures.append(name)

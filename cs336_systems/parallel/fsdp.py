@@ -419,15 +419,24 @@ class FSDP(nn.Module):
     def gather_full_params(self) -> dict[str, Tensor]:
         """Every parameter of the wrapped module by its name there, unsharded and unpadded, in fp32 for the
         sharded ones (a collective: every rank must call it)."""
+        return self._gather_full(lambda param: param)
+
+    @torch.no_grad()
+    def gather_full_grads(self) -> dict[str, Tensor | None]:
+        """Every parameter's gradient, unsharded like :meth:`gather_full_params` (None where there is none;
+        a collective: every rank must call it after :meth:`finish_gradient_synchronization`)."""
+        return self._gather_full(lambda param: param.grad)
+
+    def _gather_full(self, tensor_of) -> dict[str, Tensor | None]:
         sharded = {id(weight.param): weight for weight in self.sharded_weights}
         full = {}
         for name, param in self.module.named_parameters():
-            weight = sharded.get(id(param))
-            if weight is None:
-                full[name] = param.detach().clone()
+            tensor, weight = tensor_of(param), sharded.get(id(param))
+            if tensor is None or weight is None:
+                full[name] = None if tensor is None else tensor.detach().clone()
                 continue
-            buffer = torch.empty(weight.padded_shape, dtype=param.dtype, device=param.device)
-            dist.all_gather_into_tensor(buffer, param.detach().contiguous())
+            buffer = torch.empty(weight.padded_shape, dtype=tensor.dtype, device=tensor.device)
+            dist.all_gather_into_tensor(buffer, tensor.detach().contiguous())
             full[name] = buffer if weight.rows == buffer.shape[0] else buffer[: weight.rows].clone()
         return full
 
