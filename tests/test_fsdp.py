@@ -468,7 +468,7 @@ def test_fsdp_accounting_quick_on_cpu(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         fsdp_accounting.main(["--help"])
     assert exit_info.value.code == 0 and "--quick" in capsys.readouterr().out
-    argv = ["--quick", "--results-dir", str(tmp_path)]
+    argv = ["--quick", "--results-dir", str(tmp_path), "--backend", "gloo", "--world-size", "2"]
     fsdp_accounting.main(argv)
     rows = {row["impl"]: row for row in read_rows(tmp_path / "fsdp_accounting.jsonl")}
     assert list(rows) == ["ddp", "fsdp2", "ours"]

@@ -73,6 +73,8 @@ def parser():
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--world-size", type=int, default=None, help="ranks when not under torchrun (default: GPUs, or 2)")
+    p.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto",
+                   help="auto: NCCL with one GPU per rank when there are GPUs, else gloo ranks on the CPU")
     p.add_argument("--trace", default=None, metavar="DIR", help="also trace one step of ours into DIR and draw it")
     p.add_argument("--figure", default=str(harness.FIGURES_DIR / "fsdp_timeline.png"), help="where the timeline goes")
     p.add_argument("--check", action="store_true", help="only the correctness check against one process")
@@ -409,7 +411,7 @@ def resolve(args, on_gpu: bool) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun: this process is one rank
-        device = init_from_env()
+        device = init_from_env(None if args.backend == "auto" else args.backend)
         try:
             resolve(args, device.type == "cuda")
             if int(os.environ["RANK"]) == 0:
@@ -419,7 +421,7 @@ def main(argv: list[str] | None = None) -> None:
             cleanup()
         return
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    on_gpu = gpus > 0 and dist.is_nccl_available()
+    on_gpu = args.backend == "nccl" or (args.backend == "auto" and gpus > 0 and dist.is_nccl_available())
     resolve(args, on_gpu)
     world_size = args.world_size or (gpus if on_gpu else 2)
     harness.announce(torch.device("cuda" if on_gpu else "cpu"), args.quick)
