@@ -1,0 +1,297 @@
+"""Compute vs communication on the GPU, read from a ``torch.profiler`` chrome trace, and drawn.
+
+The trace holds GPU kernels (``cat: kernel``, with the stream and a ``correlation`` id), the CPU calls that
+launched them (``cuda_runtime`` / ``cuda_driver``, same ``correlation``) and ``record_function`` ranges
+(``user_annotation``). NCCL kernels are communication, every other kernel is compute.
+
+FSDP (``FSDP.annotate = True``) names three kinds of range after a weight (see ``cs336_systems.parallel.fsdp``):
+``fsdp.all_gather <w>`` around a gather's launch, ``fsdp.use <w>`` where the gathered weight becomes
+available to compute, ``fsdp.reduce_scatter <w>`` around a reduction's launch. The i-th gather of a weight
+serves its i-th use; the use *needs* the weight when the first compute kernel launched after it could have
+started: once the compute stream finished its previous kernel and the CPU had launched this one. A gather is
+*late* when its NCCL kernel ended after that moment, and the compute stream then waited
+``min(gather end, kernel start) - ready``; otherwise the gather was hidden behind compute.
+The step's phases come from ranges named ``step.forward``, ``step.backward``, ``step.optimizer``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+GATHER, USE, REDUCE = "fsdp.all_gather ", "fsdp.use ", "fsdp.reduce_scatter "
+PHASES = ("step.forward", "step.backward", "step.optimizer")
+LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
+TOLERANCE_US = 2.0  # clock jitter between the GPU kernels of two streams
+
+
+@dataclass(frozen=True)
+class Kernel:
+    name: str
+    stream: int
+    start: float  # us, GPU time
+    end: float
+    launch: float  # us, CPU time of the launching call (nan when the trace does not link it)
+
+    @property
+    def is_comm(self) -> bool:
+        return "nccl" in self.name.lower()
+
+
+@dataclass(frozen=True)
+class Range:
+    name: str
+    start: float  # us, CPU time
+    end: float
+
+
+@dataclass
+class GatherUse:
+    weight: str
+    phase: str
+    gather_start: float
+    gather_end: float
+    need: float  # start of the first compute kernel launched after the use
+    ready: float  # when that kernel could have started: its stream's previous kernel done, the kernel launched
+
+    @property
+    def exposed(self) -> bool:
+        return self.gather_end > self.ready + TOLERANCE_US
+
+    @property
+    def stall_us(self) -> float:
+        return max(0.0, min(self.gather_end, self.need) - self.ready) if self.exposed else 0.0
+
+
+def load_trace(path: Path | str) -> dict[str, Any]:
+    with open(path) as file:
+        return json.load(file)
+
+
+def kernels_and_ranges(trace: dict[str, Any]) -> tuple[list[Kernel], list[Range]]:
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+    launches = {
+        e["args"]["correlation"]: float(e["ts"])
+        for e in events
+        if e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {})
+    }
+    kernels = []
+    for e in events:
+        if e.get("cat") != "kernel":
+            continue
+        args = e.get("args", {})
+        start = float(e["ts"])
+        kernels.append(
+            Kernel(
+                name=e["name"],
+                stream=int(args.get("stream", e.get("tid", 0))),
+                start=start,
+                end=start + float(e.get("dur", 0.0)),
+                launch=launches.get(args.get("correlation"), float("nan")),
+            )
+        )
+    ranges = [
+        Range(e["name"], float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)))
+        for e in events
+        if e.get("cat") == "user_annotation"
+    ]
+    kernels.sort(key=lambda k: k.start)
+    ranges.sort(key=lambda r: r.start)
+    return kernels, ranges
+
+
+def _union_us(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(a, b) for a, b in merged]
+
+
+def _length(intervals: list[tuple[float, float]]) -> float:
+    return sum(b - a for a, b in intervals)
+
+
+def _intersection_us(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    total, j = 0.0, 0
+    for start, end in a:
+        while j < len(b) and b[j][1] <= start:
+            j += 1
+        k = j
+        while k < len(b) and b[k][0] < end:
+            total += max(0.0, min(end, b[k][1]) - max(start, b[k][0]))
+            k += 1
+    return total
+
+
+def analyze(trace: dict[str, Any]) -> dict[str, Any]:
+    """Pair every FSDP gather with its use; totals of compute, communication and their overlap."""
+    kernels, ranges = kernels_and_ranges(trace)
+    compute = [k for k in kernels if not k.is_comm]
+    comm = [k for k in kernels if k.is_comm]
+    by_launch = sorted((k for k in kernels if k.launch == k.launch), key=lambda k: k.launch)
+    launch_times = [k.launch for k in by_launch]
+    compute_by_launch = [k for k in by_launch if not k.is_comm]
+    compute_launch_times = [k.launch for k in compute_by_launch]
+    compute_ends_by_stream: dict[int, list[float]] = {}
+    for k in sorted(compute, key=lambda k: k.end):
+        compute_ends_by_stream.setdefault(k.stream, []).append(k.end)
+
+    phase_ranges = [r for r in ranges if r.name in PHASES]
+
+    def phase_of(t: float) -> str:
+        for r in phase_ranges:
+            if r.start <= t <= r.end:
+                return r.name.removeprefix("step.")
+        return "other"
+
+    def launched_in(r: Range) -> list[Kernel]:
+        lo, hi = bisect.bisect_left(launch_times, r.start), bisect.bisect_right(launch_times, r.end)
+        return by_launch[lo:hi]
+
+    gathers: dict[str, list[Kernel]] = {}
+    reduces: list[Kernel] = []
+    for r in ranges:
+        if r.name.startswith(GATHER) or r.name.startswith(REDUCE):
+            nccl = [k for k in launched_in(r) if k.is_comm]
+            if not nccl:
+                continue
+            kernel = max(nccl, key=lambda k: k.end)
+            if r.name.startswith(GATHER):
+                gathers.setdefault(r.name.removeprefix(GATHER), []).append(kernel)
+            else:
+                reduces.append(kernel)
+
+    uses: list[GatherUse] = []
+    seen: dict[str, int] = {}
+    for r in ranges:
+        if not r.name.startswith(USE):
+            continue
+        weight = r.name.removeprefix(USE)
+        index = seen.get(weight, 0)
+        seen[weight] = index + 1
+        if index >= len(gathers.get(weight, [])):
+            continue
+        gather = gathers[weight][index]
+        position = bisect.bisect_left(compute_launch_times, r.start)
+        if position == len(compute_by_launch):
+            continue
+        need = compute_by_launch[position]
+        ends = compute_ends_by_stream[need.stream]  # kernels of one stream run one after the other
+        previous = bisect.bisect_right(ends, need.start) - 1
+        ready = max(ends[previous] if previous >= 0 else need.start, need.launch)
+        uses.append(GatherUse(weight, phase_of(r.start), gather.start, gather.end, need.start, min(ready, need.start)))
+
+    compute_busy = _union_us([(k.start, k.end) for k in compute])
+    comm_busy = _union_us([(k.start, k.end) for k in comm])
+    overlap = _intersection_us(comm_busy, compute_busy)
+    summary: dict[str, Any] = {
+        "span_ms": (max(k.end for k in kernels) - min(k.start for k in kernels)) / 1e3 if kernels else 0.0,
+        "compute_ms": _length(compute_busy) / 1e3,
+        "comm_ms": _length(comm_busy) / 1e3,
+        "comm_hidden_ms": overlap / 1e3,
+        "comm_exposed_ms": (_length(comm_busy) - overlap) / 1e3,
+        "reduce_scatters": len(reduces),
+    }
+    for phase in ("forward", "backward"):
+        in_phase = [u for u in uses if u.phase == phase]
+        summary[f"{phase}_gathers"] = len(in_phase)
+        summary[f"{phase}_gathers_exposed"] = sum(u.exposed for u in in_phase)
+        summary[f"{phase}_stall_ms"] = sum(u.stall_us for u in in_phase) / 1e3
+    return {"summary": summary, "uses": uses, "kernels": kernels, "reduces": reduces,
+            "phases": [(r.name.removeprefix("step."), r) for r in phase_ranges]}
+
+
+def _phase_gpu_spans(analysis: dict[str, Any]) -> list[tuple[str, float, float]]:
+    """Each phase's GPU extent: from the first to the last kernel launched inside its CPU range."""
+    spans = []
+    for name, r in analysis["phases"]:
+        inside = [k for k in analysis["kernels"] if r.start <= k.launch <= r.end]
+        if inside:
+            spans.append((name, min(k.start for k in inside), max(k.end for k in inside)))
+    return spans
+
+
+def render(analysis: dict[str, Any], path: Path | str, title: str, zoom_ms: float = 4.0) -> None:
+    """Two panels: the whole step, and ``zoom_ms`` from the middle of the forward pass. Lanes: compute kernels,
+    all-gathers (green: done before the compute stream needed them; red: it waited), reductions and other
+    communication; a black tick marks where each gathered weight was needed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    kernels: list[Kernel] = analysis["kernels"]
+    if not kernels:
+        raise ValueError("the trace holds no GPU kernels: record it on a GPU with ProfilerActivity.CUDA")
+    t0 = min(k.start for k in kernels)
+
+    def ms(t: float) -> float:
+        return (t - t0) / 1e3
+
+    gather_ids = {(u.gather_start, u.gather_end): u for u in analysis["uses"]}
+    reduce_ids = {id(k) for k in analysis["reduces"]}
+    lanes = {"compute": 3, "all-gather": 2, "reduce-scatter": 1, "other comm": 0}
+    colors = {"hidden": "#2ca02c", "exposed": "#d62728", "compute": "#7f7f7f", "reduce": "#1f77b4", "other": "#9467bd"}
+
+    spans = _phase_gpu_spans(analysis)
+    forward = next(((a, b) for name, a, b in spans if name == "forward"), (t0, max(k.end for k in kernels)))
+    middle = ms((forward[0] + forward[1]) / 2)
+    zoom_start = max(0.0, middle - zoom_ms / 2)
+    windows = [(0.0, ms(max(k.end for k in kernels))), (zoom_start, zoom_start + zoom_ms)]
+
+    fig, axes = plt.subplots(2, 1, figsize=(14, 6.5))
+    for ax, (lo, hi) in zip(axes, windows):
+        bars: dict[tuple[int, str], list[tuple[float, float]]] = {}
+        for k in kernels:
+            if ms(k.end) < lo or ms(k.start) > hi:
+                continue
+            if not k.is_comm:
+                key = (lanes["compute"], colors["compute"])
+            elif (k.start, k.end) in gather_ids:
+                state = "exposed" if gather_ids[(k.start, k.end)].exposed else "hidden"
+                key = (lanes["all-gather"], colors[state])
+            elif id(k) in reduce_ids:
+                key = (lanes["reduce-scatter"], colors["reduce"])
+            else:
+                key = (lanes["other comm"], colors["other"])
+            # A bar at least a pixel wide: kernels of a few microseconds vanish at the scale of a step.
+            bars.setdefault(key, []).append((ms(k.start), max(ms(k.end) - ms(k.start), (hi - lo) / 3000)))
+        for (lane, color), xs in bars.items():
+            ax.broken_barh(xs, (lane - 0.4, 0.8), facecolors=color, edgecolors="none")
+        needs = [ms(u.need) for u in analysis["uses"] if lo <= ms(u.need) <= hi]
+        ax.vlines(needs, lanes["all-gather"] + 0.45, lanes["all-gather"] + 0.75, colors="black", linewidth=0.6)
+        for name, a, b in spans:
+            if ms(b) >= lo and ms(a) <= hi:
+                ax.axvspan(max(ms(a), lo), min(ms(b), hi), color="#f3f3f3", zorder=-1)
+                ax.text((max(ms(a), lo) + min(ms(b), hi)) / 2, 3.55, name, ha="center", fontsize=8)
+        ax.set_xlim(lo, hi)
+        ax.set_ylim(-0.6, 3.8)
+        ax.set_yticks(list(lanes.values()), list(lanes))
+        ax.set_xlabel("time in the step (ms)")
+    s = analysis["summary"]
+    axes[0].set_title(
+        f"{title}\nforward: {s['forward_gathers_exposed']}/{s['forward_gathers']} all-gathers late "
+        f"(compute waited {s['forward_stall_ms']:.2f} ms); backward: {s['backward_gathers_exposed']}/"
+        f"{s['backward_gathers']} late ({s['backward_stall_ms']:.2f} ms); communication {s['comm_ms']:.1f} ms, "
+        f"{s['comm_exposed_ms']:.1f} ms of it not overlapped with compute",
+        fontsize=9,
+    )
+    axes[1].set_title(f"zoom: {zoom_ms:g} ms in the middle of the forward pass (ticks: when the layer needed its weight)",
+                      fontsize=9)
+    legend = [Patch(color=colors["compute"], label="compute kernel"),
+              Patch(color=colors["hidden"], label="all-gather done in time"),
+              Patch(color=colors["exposed"], label="all-gather the layer waited for"),
+              Patch(color=colors["reduce"], label="reduce-scatter (all-to-all)"),
+              Patch(color=colors["other"], label="other communication")]
+    axes[0].legend(handles=legend, loc="upper right", fontsize=7, ncol=5, bbox_to_anchor=(1.0, -0.18))
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=150)
+    plt.close(fig)

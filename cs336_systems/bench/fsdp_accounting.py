@@ -1,0 +1,444 @@
+"""FSDP memory and speed against PyTorch's FSDP2 and our DDP (problem ``fsdp_accounting``).
+
+Each implementation trains the same model (the xl size by default: context 512, 4 sequences per rank, AdamW)
+on every GPU of the machine, one rank per GPU, in bf16, with the same AdamW (``cs336_basics``):
+
+* ``ours``: :class:`cs336_systems.parallel.fsdp.FSDP` with ``compute_dtype=torch.bfloat16``;
+* ``fsdp2``: ``torch.distributed.fsdp.fully_shard`` on every Transformer block, then on the root, with
+  ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``; AdamW steps the local shards
+  (:class:`LocalShardAdamW`);
+* ``ddp``: our overlapped per-parameter DDP (:class:`DDPIndividualParameters`) under bf16 autocast.
+
+Per implementation: the median step time (forward, loss, backward, gradient synchronisation, AdamW step;
+the slowest rank's median), the peak allocated memory per rank during the timed steps, and the memory held
+between steps (parameters and AdamW state).
+
+Expected saving. With ``P`` parameters, DDP holds on every rank fp32 weights (4P bytes), fp32 gradients (4P,
+all present at the end of backward, where the peak is) and AdamW's two fp32 moments (8P): 16P bytes. Fully
+sharded, a rank holds 16 bytes per parameter of its shard, ``16 P_local`` with ``P_local ~ P / W`` (ours pads
+each weight to a multiple of W rows). The expected peak saving against DDP is ``16 (P - P_local)`` bytes, plus
+a difference of activations (DDP's autocast keeps the residual stream in fp32; the FSDPs compute in bf16)
+minus the few gathered bf16 weights and fp32 gradient buffers in flight. For xl (P = 2.0e9) on 2 GPUs:
+16 GB. Measured saving: DDP's peak minus the implementation's, same run configuration.
+
+``--trace DIR`` records one step of ours with ``torch.profiler`` (chrome traces in DIR, one per rank, kept
+out of git) and draws ``writeup/figures/fsdp_timeline.png``: compute vs communication kernels on the GPU,
+and whether each all-gather finished before its layer needed it (``cs336_systems.bench.comm_timeline``).
+
+``--check`` trains a small LM with our FSDP in fp32 and with bf16 compute and compares the weights with one
+process trained on the full batch (by accumulation over the ranks' slices in rank order; the bf16 reference
+casts its weights the same way); it exits non-zero on a mismatch.
+
+Without GPUs the tool runs 2 gloo ranks on the CPU with the tiny model, saying so. Examples::
+
+    python -m cs336_systems.bench.fsdp_accounting                        # one rank per GPU (NCCL)
+    torchrun --nproc_per_node=2 -m cs336_systems.bench.fsdp_accounting  # the same, started by torchrun
+    python -m cs336_systems.bench.fsdp_accounting --impls ours --trace traces/fsdp
+    python -m cs336_systems.bench.fsdp_accounting --check
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd.profiler import record_function
+from torch.nn.utils import parametrize
+
+from cs336_basics.model import Embedding, Linear
+from cs336_basics.nn_utils import cross_entropy
+from cs336_basics.optimizer import AdamW
+from cs336_systems.bench import comm_timeline, harness
+from cs336_systems.bench.lm import DTYPES, SIZES, VOCAB_SIZE, LMConfig, autocast, build_model, random_batch
+from cs336_systems.parallel.ddp import DDPIndividualParameters
+from cs336_systems.parallel.distributed import cleanup, init_from_env, spawn
+from cs336_systems.parallel.fsdp import FSDP
+
+PROBLEM = "fsdp_accounting"
+IMPLS = ("ddp", "fsdp2", "ours")  # DDP first: the others' measured saving is against it
+BYTES_PER_PARAM = 16  # fp32 weight, gradient, and AdamW's two moments
+
+
+def parser():
+    p = harness.base_parser(__doc__)
+    p.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS))
+    p.add_argument("--size", default=None, choices=list(SIZES), help="model size (default xl; tiny on a CPU)")
+    p.add_argument("--context-length", type=int, default=None, help="default 512 (32 on a CPU)")
+    p.add_argument("--batch-per-rank", type=int, default=4, help="sequences per rank (default 4)")
+    p.add_argument("--dtype", default="bf16", choices=[d for d in DTYPES if d != "fp32"] + ["fp32"])
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--world-size", type=int, default=None, help="ranks when not under torchrun (default: GPUs, or 2)")
+    p.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto",
+                   help="auto: NCCL with one GPU per rank when there are GPUs, else gloo ranks on the CPU")
+    p.add_argument("--trace", default=None, metavar="DIR", help="also trace one step of ours into DIR and draw it")
+    p.add_argument("--figure", default=str(harness.FIGURES_DIR / "fsdp_timeline.png"), help="where the timeline goes")
+    p.add_argument("--check", action="store_true", help="only the correctness check against one process")
+    p.add_argument("--timeout-s", type=float, default=580.0, help="give up if the spawned ranks hang this long")
+    return p
+
+
+# ---------------------------------------------------------------------------------------------------
+# The three implementations
+# ---------------------------------------------------------------------------------------------------
+
+
+def wrap(impl: str, model: nn.Module, dtype: torch.dtype | None, device: torch.device) -> nn.Module:
+    if impl == "ours":
+        return FSDP(model, compute_dtype=dtype)
+    if impl == "ddp":
+        return DDPIndividualParameters(model)
+    if impl == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+        for block in model.layers:
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+        return fully_shard(model, mesh=mesh, mp_policy=policy)
+    raise ValueError(f"unknown implementation {impl!r}; choose from {IMPLS}")
+
+
+class LocalShardAdamW:
+    """``cs336_basics`` AdamW stepping the local shards of FSDP2's DTensor parameters in place.
+
+    The same optimizer code as the other implementations run, without DTensor's dispatch on each of its
+    seven operations per parameter (a cost of the optimizer's Python loop, not of sharding). ``to_local()``
+    aliases the shard's storage, so the update lands in the parameter (checked equal to stepping the DTensors).
+    """
+
+    def __init__(self, params, **kwargs):
+        self.params = list(params)
+        with torch.no_grad():
+            self.shards = [p.to_local() for p in self.params]
+        self.inner = AdamW(self.shards, **kwargs)
+
+    def step(self) -> None:
+        for param, shard in zip(self.params, self.shards):
+            shard.grad = None if param.grad is None else param.grad.to_local()
+        self.inner.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for tensor in (*self.params, *self.shards):
+            tensor.grad = None
+
+
+def local_numel(impl: str, model: nn.Module) -> int:
+    """Parameters this rank stores (its shards, padding included; everything for DDP)."""
+    total = 0
+    for param in model.parameters():
+        total += param.to_local().numel() if hasattr(param, "to_local") else param.numel()
+    return total
+
+
+def make_train_step(impl: str, model: nn.Module, optimizer, batch, dtype: torch.dtype | None):
+    """One training step; phases are profiler ranges (``step.forward`` ...) for the timeline."""
+    x, y = batch
+    device = x.device
+    synchronizes = impl in ("ours", "ddp")  # FSDP2 waits for its reduce-scatters itself
+
+    def step() -> None:
+        with record_function("step.forward"):
+            with autocast(device, dtype if impl == "ddp" else None):
+                logits = model(x)
+            loss = cross_entropy(logits.float(), y)
+        with record_function("step.backward"):
+            loss.backward()
+            if synchronizes:
+                model.finish_gradient_synchronization()
+        with record_function("step.optimizer"):
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def setup(impl: str, config: LMConfig, dtype: torch.dtype | None, device: torch.device):
+    torch.manual_seed(0)
+    model = build_model(config, device)
+    n_params = sum(p.numel() for p in model.parameters())
+    model = wrap(impl, model, dtype, device)
+    optimizer_cls = LocalShardAdamW if impl == "fsdp2" else AdamW
+    optimizer = optimizer_cls(model.parameters(), lr=1e-4, weight_decay=0.01)
+    batch = random_batch(config, device, generator_seed=dist.get_rank())
+    return model, optimizer, make_train_step(impl, model, optimizer, batch, dtype), n_params
+
+
+def measure(impl: str, config: LMConfig, dtype: torch.dtype | None, device: torch.device, args) -> dict[str, Any]:
+    """This rank's median step time and memory for ``impl``."""
+    harness.free_memory()
+    model, optimizer, step, n_params = setup(impl, config, dtype, device)
+    for _ in range(args.warmup):
+        step()
+    dist.barrier()
+    with harness.peak_memory(device) as peak:
+        seconds = harness.time_calls(step, warmup=0, steps=args.steps, device=device)
+    state = torch.cuda.memory_allocated(device) / 1e9 if device.type == "cuda" else None
+    result = {**harness.summarize_ms(seconds), "peak_gb": peak.get("peak_gb"), "state_gb": state,
+              "params": n_params, "local_params": local_numel(impl, model)}
+    del model, optimizer, step
+    harness.free_memory()
+    return result
+
+
+def expected(n_params: int, local_params: int) -> dict[str, float]:
+    return {
+        "expected_state_gb": BYTES_PER_PARAM * local_params / 1e9,  # weights, gradients, AdamW moments
+        "expected_saving_gb": BYTES_PER_PARAM * (n_params - local_params) / 1e9,
+    }
+
+
+def _latest(store: harness.ResultStore, config: dict[str, Any], impl: str) -> dict[str, Any] | None:
+    rows = [r for r in store.rows() if r.get("device") == store.env["device"] and r.get("measure") == "step"
+            and r.get("impl") == impl and all(r.get(k) == v for k, v in config.items() if k != "impl")]
+    return rows[-1] if rows else None
+
+
+def step_cases(args, world_size: int) -> list[dict[str, Any]]:
+    base = dict(measure="step", size=args.size, context_length=args.context_length,
+                batch_per_rank=args.batch_per_rank, world_size=world_size, dtype=args.dtype)
+    return [{**base, "impl": impl} for impl in IMPLS if impl in args.impls]  # DDP, FSDP2, ours: in this order
+
+
+def run_measurements(rank: int, world_size: int, device: torch.device, args) -> None:
+    config = LMConfig(args.size, args.context_length, args.batch_per_rank)
+    dtype = DTYPES[args.dtype]
+    store = harness.ResultStore(PROBLEM, args.results_dir, args.force) if rank == 0 else None
+    pending = [store.pending(step_cases(args, world_size)) if rank == 0 else None]
+    dist.broadcast_object_list(pending, src=0)
+    rows = []
+    for case in pending[0]:
+        impl = case["impl"]
+        mine = measure(impl, config, dtype, device, args)
+        everyone: list[dict[str, Any]] = [{} for _ in range(world_size)]
+        dist.all_gather_object(everyone, mine)
+        if rank != 0:
+            continue
+        peaks = [r["peak_gb"] for r in everyone]
+        result = {
+            "step_ms": max(r["median_ms"] for r in everyone),  # the step ends when the slowest rank's does
+            "step_ms_per_rank": [r["median_ms"] for r in everyone],
+            "mean_ms": max(r["mean_ms"] for r in everyone),
+            "std_ms": max(r["std_ms"] for r in everyone),
+            "peak_gb": max(peaks) if None not in peaks else None,
+            "peak_gb_per_rank": peaks,
+            "state_gb": mine["state_gb"],
+            "params": mine["params"],
+            "local_params": mine["local_params"],
+            "warmup": args.warmup,
+            "steps": args.steps,
+            **expected(mine["params"], mine["local_params"]),
+        }
+        ddp = _latest(store, case, "ddp")
+        if impl != "ddp" and ddp and ddp.get("peak_gb") is not None and result["peak_gb"] is not None:
+            result["measured_saving_gb"] = ddp["peak_gb"] - result["peak_gb"]
+        fsdp2 = _latest(store, case, "fsdp2")
+        if impl == "ours" and fsdp2:
+            result["step_ratio_vs_fsdp2"] = result["step_ms"] / fsdp2["step_ms"]
+            if fsdp2.get("peak_gb") and result["peak_gb"] is not None:
+                result["peak_ratio_vs_fsdp2"] = result["peak_gb"] / fsdp2["peak_gb"]
+        rows.append(store.add(case, result))
+    if rank == 0 and rows:
+        harness.print_table(rows, ["impl", "step_ms", "peak_gb", "state_gb", "expected_saving_gb",
+                                   "measured_saving_gb", "step_ratio_vs_fsdp2", "peak_ratio_vs_fsdp2"])
+
+
+# ---------------------------------------------------------------------------------------------------
+# The timeline of one step
+# ---------------------------------------------------------------------------------------------------
+
+
+def run_trace(rank: int, world_size: int, device: torch.device, args) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    config = LMConfig(args.size, args.context_length, args.batch_per_rank)
+    harness.free_memory()
+    model, optimizer, step, _ = setup("ours", config, DTYPES[args.dtype], device)
+    for _ in range(max(args.warmup, 1)):
+        step()
+    model.annotate = True
+    harness.synchronize(device)
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
+        step()
+        harness.synchronize(device)
+    os.makedirs(args.trace, exist_ok=True)
+    path = os.path.join(args.trace, f"fsdp_ours_rank{rank}.trace.json")
+    profiler.export_chrome_trace(path)
+    del model, optimizer, step
+    dist.barrier()
+    if rank != 0:
+        return
+    analysis = comm_timeline.analyze(comm_timeline.load_trace(path))
+    name = torch.cuda.get_device_name(device)
+    title = (f"our FSDP, {args.size}, context {args.context_length}, {args.batch_per_rank} seq/rank, {args.dtype} "
+             f"compute, {world_size}x {name}: one training step on rank 0")
+    comm_timeline.render(analysis, args.figure, title)
+    print(f"# trace: {path}; timeline: {args.figure}", file=sys.stderr)
+    store = harness.ResultStore(PROBLEM, args.results_dir, force=True)
+    case = dict(measure="timeline", impl="ours", size=args.size, context_length=args.context_length,
+                batch_per_rank=args.batch_per_rank, world_size=world_size, dtype=args.dtype)
+    row = store.add(case, {**analysis["summary"], "figure": os.path.relpath(args.figure, harness.REPO_ROOT)})
+    harness.print_table([row], ["forward_gathers", "forward_gathers_exposed", "forward_stall_ms", "backward_gathers",
+                                "backward_gathers_exposed", "backward_stall_ms", "comm_ms", "comm_exposed_ms"])
+
+
+# ---------------------------------------------------------------------------------------------------
+# Correctness against one process
+# ---------------------------------------------------------------------------------------------------
+
+
+class CastTo(nn.Module):
+    """Parametrization of the reference: the weight read in forward is the fp32 master cast to ``dtype``."""
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        self.dtype = dtype
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight.to(self.dtype)
+
+
+def check_against_one_process(rank: int, world_size: int, device: torch.device, dtype: torch.dtype | None,
+                              steps: int = 3) -> dict[str, Any]:
+    """Train the tiny LM with FSDP and one process side by side; the largest weight difference at the end."""
+    config = LMConfig("tiny", context_length=64, batch_size=2 * world_size)
+    torch.manual_seed(rank)
+    fsdp = FSDP(build_model(config, device), compute_dtype=dtype)
+    torch.manual_seed(0)
+    reference = build_model(config, device)
+    if dtype is not None:
+        for unit in reference.modules():
+            if isinstance(unit, (Linear, Embedding)):
+                parametrize.register_parametrization(unit, "weight", CastTo(dtype), unsafe=True)
+    optimizer = AdamW(fsdp.parameters(), lr=1e-3, weight_decay=0.01)
+    reference_optimizer = AdamW(reference.parameters(), lr=1e-3, weight_decay=0.01)
+    expected_params = {name.replace(".parametrizations.weight.original", ".weight"): p
+                       for name, p in reference.named_parameters()}
+    generator = torch.Generator().manual_seed(1)
+    local = config.batch_size // world_size
+    grad_difference, grads_exact = 0.0, True
+    for step in range(steps):
+        tokens = torch.randint(VOCAB_SIZE, (config.batch_size, config.context_length + 1), generator=generator)
+        x, y = tokens[:, :-1].to(device), tokens[:, 1:].to(device)
+        cross_entropy(fsdp(x[rank * local : (rank + 1) * local]), y[rank * local : (rank + 1) * local]).backward()
+        fsdp.finish_gradient_synchronization()
+        for r in range(world_size):  # the full batch's gradient, accumulated in rank order
+            cross_entropy(reference(x[r * local : (r + 1) * local]), y[r * local : (r + 1) * local]).backward()
+        for param in reference.parameters():
+            param.grad.div_(world_size)
+        if step == 0:  # before AdamW, which turns the tiniest gradient difference into an lr-sized one
+            grads = fsdp.gather_full_grads()
+            for name, param in expected_params.items():
+                grad_difference = max(grad_difference, (grads[name] - param.grad).abs().max().item())
+                grads_exact &= torch.equal(grads[name], param.grad)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        reference_optimizer.step()
+        reference_optimizer.zero_grad(set_to_none=True)
+    full = fsdp.gather_full_params()
+    assert list(full) == list(expected_params)
+    difference = max((full[n] - p.detach()).abs().max().item() for n, p in expected_params.items())
+    exact = grads_exact and all(torch.equal(full[n], p.detach()) for n, p in expected_params.items())
+    return {"max_abs_diff": difference, "grad_max_abs_diff": grad_difference, "bit_exact": exact, "steps": steps}
+
+
+CHECK_TOLERANCE = {"fp32": 1e-6, "bf16": 1e-4}  # on weights after the steps, and on the first step's gradients
+
+
+def run_check(rank: int, world_size: int, device: torch.device, args) -> None:
+    store = harness.ResultStore(PROBLEM, args.results_dir, force=True) if rank == 0 else None
+    failures = []
+    for name in ("fp32", "bf16"):
+        result = check_against_one_process(rank, world_size, device, DTYPES[name])
+        everyone: list[dict[str, Any]] = [{} for _ in range(world_size)]
+        dist.all_gather_object(everyone, result)
+        if rank != 0:
+            continue
+        worst = max(r["max_abs_diff"] for r in everyone)
+        worst_grad = max(r["grad_max_abs_diff"] for r in everyone)
+        passed = worst <= CHECK_TOLERANCE[name] and worst_grad <= CHECK_TOLERANCE[name]
+        store.add(dict(measure="check", impl="ours", size="tiny", context_length=64, world_size=world_size,
+                       dtype=name, backend=dist.get_backend()),
+                  {"max_abs_diff": worst, "grad_max_abs_diff": worst_grad,
+                   "bit_exact": all(r["bit_exact"] for r in everyone),
+                   "tolerance": CHECK_TOLERANCE[name], "passed": passed, "steps": result["steps"]})
+        print(f"{name}: FSDP vs one process after {result['steps']} AdamW steps on {world_size} ranks "
+              f"({dist.get_backend()}): max |weight diff| {worst:.3e}, first step max |grad diff| "
+              f"{worst_grad:.3e}, bit-exact: "
+              f"{all(r['bit_exact'] for r in everyone)} -> {'ok' if passed else 'MISMATCH'}", flush=True)
+        if not passed:
+            failures.append(name)
+    failed = [failures]
+    dist.broadcast_object_list(failed, src=0)
+    if failed[0]:
+        raise AssertionError(f"FSDP differs from one process for {failed[0]}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Entry points
+# ---------------------------------------------------------------------------------------------------
+
+
+def worker(rank: int, world_size: int, args) -> None:
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    if args.check:
+        run_check(rank, world_size, device, args)
+        return
+    run_measurements(rank, world_size, device, args)
+    if args.trace:
+        if device.type == "cuda":
+            run_trace(rank, world_size, device, args)
+        elif rank == 0:
+            print("# --trace needs GPUs (the timeline shows CUDA streams): skipped on the CPU", file=sys.stderr)
+
+
+def resolve(args, on_gpu: bool) -> None:
+    """Fill in the defaults that depend on the machine."""
+    tiny = args.quick or not on_gpu
+    args.size = args.size or ("tiny" if tiny else "xl")
+    args.context_length = args.context_length or (32 if tiny else 512)
+    if tiny:
+        args.batch_per_rank = min(args.batch_per_rank, 2)
+        args.warmup, args.steps = min(args.warmup, 1), min(args.steps, 2)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun: this process is one rank
+        device = init_from_env(None if args.backend == "auto" else args.backend)
+        try:
+            resolve(args, device.type == "cuda")
+            if int(os.environ["RANK"]) == 0:
+                harness.announce(device, args.quick)
+            worker(dist.get_rank(), dist.get_world_size(), args)
+        finally:
+            cleanup()
+        return
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    on_gpu = args.backend == "nccl" or (args.backend == "auto" and gpus > 0 and dist.is_nccl_available())
+    resolve(args, on_gpu)
+    world_size = args.world_size or (gpus if on_gpu else 2)
+    harness.announce(torch.device("cuda" if on_gpu else "cpu"), args.quick)
+    if on_gpu and world_size > gpus:
+        raise SystemExit(f"--world-size {world_size} needs as many GPUs, found {gpus}")
+    backend = "nccl" if on_gpu else "gloo"
+    if args.check:
+        print(f"# {world_size} ranks, {backend}: FSDP vs one process on the tiny LM", file=sys.stderr)
+    else:
+        print(f"# {world_size} ranks, {backend}; {args.size}, context {args.context_length}, {args.batch_per_rank} "
+              f"sequences per rank, {args.dtype}", file=sys.stderr)
+        store = harness.ResultStore(PROBLEM, args.results_dir, args.force)
+        if not store.pending(step_cases(args, world_size)) and not args.trace:
+            print("# everything already measured (--force measures again)", file=sys.stderr)
+            return
+    spawn(worker, world_size, args, backend=backend, timeout_s=args.timeout_s)
+
+
+if __name__ == "__main__":
+    main()
