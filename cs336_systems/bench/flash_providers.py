@@ -92,6 +92,7 @@ def _ours_compiled() -> AttentionFn:
 def _flash_pytorch() -> AttentionFn:
     from cs336_systems.attention import get_attention
 
+    _keep_compiled_backward_reusable()  # its backward is compiled too
     return get_attention("flash_pytorch")
 
 
