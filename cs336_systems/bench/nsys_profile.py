@@ -15,7 +15,9 @@ shows the same structure where Nsight Systems exists; nothing here depends on it
 
 Kernels are assigned to a phase (and to an attention stage) by time: the profiler mirrors every
 ``record_function`` range on the GPU timeline, and a kernel belongs to the range it starts in. The step
-synchronises at the end of every phase, inside its range, so phases never overlap on the GPU.
+synchronises at the end of every phase, inside its range, so phases never overlap on the GPU. The backward
+is the exception: autograd launches its kernels from its own thread, outside the main thread's range, so the
+backward is what runs between the end of a step's forward and the start of its optimizer step.
 
 Examples::
 
@@ -120,14 +122,22 @@ def profile_case(config: LMConfig, steps: int, device: torch.device) -> dict[str
     # (a "user annotation" spanning the range's kernels): those give the spans; they are not kernels.
     annotations = set(PHASES) | set(ATTENTION_RANGES)
     kernels = [(e.time_range.start, e.name, e.time_range.elapsed_us()) for e in events
-               if on_gpu(e) and e.name not in annotations]
+               if on_gpu(e) and e.name not in annotations and not getattr(e, "is_user_annotation", False)]
 
     def spans(name: str) -> list[tuple[float, float]]:
         gpu = [(e.time_range.start, e.time_range.end) for e in events if e.name == name and on_gpu(e)]
         return gpu or [(e.time_range.start, e.time_range.end) for e in events if e.name == name]
 
+    def backward_spans() -> list[tuple[float, float]]:
+        # Autograd launches the backward kernels from its own thread, outside the main thread's
+        # "backward" range; phases are synchronised, so the backward is what runs on the GPU between
+        # the end of a step's forward and the start of its optimizer step.
+        ends = sorted(end for _, end in spans("forward"))
+        starts = sorted(start for start, _ in spans("optimizer"))
+        return list(zip(ends, starts))
+
     def inside(name: str) -> list[tuple[str, float]]:
-        name_spans = spans(name)
+        name_spans = backward_spans() if name == "backward" else spans(name)
         return [(k, us) for start, k, us in kernels if any(a <= start <= b for a, b in name_spans)]
 
     result: dict[str, Any] = {"forward_python_ms": statistics.median(forward_s) * 1e3}
