@@ -47,14 +47,14 @@ def optimizer_state_sharding_accounting(res, out: Output) -> dict[str, Any]:
                 "OOM" if r.get("oom") else num(r.get("peak_gb"), 2)] for r in rows]
     summary_table = table(["optimizer", "step (ms)", "peak (GB)"], summary,
                           f"{size} model on {world} GPUs: time per training step and peak memory per GPU.")
-    stages = {r["optimizer"]: flatten_breakdown(r.get("breakdown")) for r in rows if not r.get("oom")}
+    stages = {r["optimizer"]: flatten_breakdown(r.get("breakdown") or r.get("memory")) for r in rows if not r.get("oom")}
     components = list(dict.fromkeys(c for per in stages.values() for parts in per.values() for c in parts))
     body = []
     for optimizer, per in stages.items():
         for stage, parts in per.items():
             body.append([optimizer, stage.replace("_", " "), *[num(parts.get(c), 2) for c in components]])
     if not body:
-        raise Missing("writeup/results/optimizer_state_sharding_accounting.jsonl", "no 'breakdown' in the rows")
+        raise Missing("writeup/results/optimizer_state_sharding_accounting.jsonl", "no 'memory' breakdown in the rows")
     breakdown_table = table(["optimizer", "when", *[c.replace("_", " ") for c in components]], body,
                             "Memory per GPU (GB) broken down by what holds it, at each point of the step.", size=8)
     expected = accounting.sharding_memory(params, world)
