@@ -4,7 +4,6 @@ communication accounting of the XXL model."""
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import Any
 
 from cs336_basics.model import MODEL_SIZES
@@ -132,8 +131,8 @@ def load_ddp(res) -> list[dict[str, Any]]:
     rows = []
     for row in res.rows("ddp_benchmarking"):
         row = dict(row, variant=variant_of(row["variant"]), bucket_size_mb=row.get("bucket_mb"))
-        if row.get("trace_figure"):  # an absolute path on the GPU machine: the same file under writeup/figures/
-            row["figure"] = f"writeup/figures/{Path(row['trace_figure']).name}"
+        if row.get("trace_figure"):  # a path on the GPU machine; Output.existing falls back to the figures dir
+            row["figure"] = row["trace_figure"]
         rows.append(row)
     return sorted(rows, key=lambda r: (VARIANT_ORDER.index(r["variant"]) if r["variant"] in VARIANT_ORDER else 99,
                                        r.get("dtype", ""), r.get("bucket_size_mb") or 0))

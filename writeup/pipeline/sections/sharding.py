@@ -3,7 +3,6 @@ the accounting."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from cs336_basics.model import MODEL_SIZES
@@ -114,9 +113,7 @@ def fsdp_accounting(res, out: Output) -> dict[str, Any]:
     figs = []
     for r in timelines:
         if r.get("figure"):
-            name = Path(r["figure"]).name
-            local = out.figures_dir / name
-            figs.append(out.existing(local if local.exists() else r["figure"],
+            figs.append(out.existing(r["figure"],
                                      f"Profiler timeline of our FSDP ({r.get('dtype')}): all-gathers and "
                                      "reduce-scatters (communication stream) against the layers that use them "
                                      "(compute stream)."))
