@@ -126,9 +126,14 @@ def variant_of(name: str) -> str:
 
 
 def load_ddp(res) -> list[dict[str, Any]]:
-    """Rows ``{variant, dtype, step_ms, comm_ms, exposed_ms}`` (+ ``bucket_size_mb``, ``figure``), ``variant``
-    normalised to :data:`VARIANT_ORDER`."""
-    rows = [dict(row, variant=variant_of(row["variant"])) for row in res.rows("ddp_benchmarking")]
+    """Rows ``{variant, dtype, step_ms, comm_ms, exposed_ms}`` (+ ``bucket_size_mb`` from ``bucket_mb``,
+    ``figure`` from ``trace_figure``), ``variant`` normalised to :data:`VARIANT_ORDER`."""
+    rows = []
+    for row in res.rows("ddp_benchmarking"):
+        row = dict(row, variant=variant_of(row["variant"]), bucket_size_mb=row.get("bucket_mb"))
+        if row.get("trace_figure"):  # a path on the GPU machine; Output.existing falls back to the figures dir
+            row["figure"] = row["trace_figure"]
+        rows.append(row)
     return sorted(rows, key=lambda r: (VARIANT_ORDER.index(r["variant"]) if r["variant"] in VARIANT_ORDER else 99,
                                        r.get("dtype", ""), r.get("bucket_size_mb") or 0))
 
@@ -267,7 +272,10 @@ def ddp_bucketed_benchmarking(res, out: Output) -> dict[str, Any]:
         "model_rows": ", ".join(f"{mb:g} MiB: {num(t * 1e3, 1)} ms" for mb, t in model_overheads.items()),
         "one_bucket_ms": num(accounting.ddp_overhead(grad_bytes, bandwidth, per_call, 1) * 1e3, 1),
     }
-    return {"tables": {"main": tab}, "figures": {"main": figure}, "n": n}
+    traces = [out.existing(r["figure"], f"Profiler timeline of one training step, bucketed "
+                           f"{r['bucket_size_mb']:g} MiB, {r.get('dtype')}: compute stream above, NCCL below.")
+              for r in bucketed if r.get("figure")]
+    return {"tables": {"main": tab}, "figures": {"main": figure}, "traces": traces, "n": n}
 
 
 # -----------------------------------------------------------------------------------------------

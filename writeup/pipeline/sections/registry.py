@@ -68,6 +68,10 @@ class Output:
         source = Path(path)
         if not source.is_absolute():
             source = REPO_ROOT / source
+        if not source.exists():  # a path on the GPU machine: the same file name under the figures directory
+            local = self.figures_dir / source.name
+            if local.exists():
+                source = local
         if not source.exists():
             raise Missing(path, why or "a figure named by a results row")
         return {"path": self._stage(source), "caption": caption, "width": self._width(source)}
