@@ -300,25 +300,7 @@ def _worker(rank: int, world_size: int, args) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parser().parse_args(argv)
-    world_size = int(os.environ["WORLD_SIZE"]) if dl.under_torchrun() else args.world_size
-    backend, reason = dl.choose_backend(world_size)
-    tiny = args.quick or backend != "nccl"
-    if dl.is_rank0_process():
-        print(f"# {world_size} ranks, {backend}: {reason}" + ("; tiny model" if tiny else ""), file=sys.stderr)
-        if args.quick:
-            print("# --quick: smoke-test configuration", file=sys.stderr)
-    args.size = args.size or ("tiny" if tiny else "xl")
-    args.context_length = args.context_length or (32 if tiny else 512)
-    args.batch_size = args.batch_size or (2 if tiny else 4)
-    if args.quick:
-        args.warmup, args.steps = 1, 2
-    if not harness.ResultStore(PROBLEM, args.results_dir, args.force).pending(wanted_cases(args, world_size)):
-        if dl.is_rank0_process():
-            print("# everything already measured", file=sys.stderr)
-        return
-    dl.launch(_worker, world_size, args, backend=backend, timeout_s=args.timeout_s)
-
+    dl.launch_lm_benchmark(PROBLEM, _worker, parser().parse_args(argv), wanted_cases)
 
 if __name__ == "__main__":
     main()

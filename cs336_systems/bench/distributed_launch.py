@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from cs336_systems.bench import harness
 from cs336_systems.parallel.distributed import cleanup, init_from_env, spawn
 
 
@@ -99,3 +100,31 @@ def gather(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
 def mean_over_ranks(per_rank: list[list[float]]) -> list[float]:
     """Element-wise mean of equally long per-rank lists: ``[mean over ranks of step i for each i]``."""
     return [statistics.fmean(values) for values in zip(*per_rank, strict=True)]
+
+
+def launch_lm_benchmark(problem: str, worker: Callable[..., None], args: Any,
+                        wanted_cases: Callable[[Any, int], list[dict[str, Any]]]) -> None:
+    """The entry of a distributed language-model benchmark: choose the world size and backend, fill in the
+    model defaults (xl, context 512, 4 sequences per rank under NCCL; the tiny model otherwise), and launch
+    ``worker(args)`` on every rank unless every case of ``wanted_cases(args, world_size)`` is measured.
+
+    ``args`` needs ``quick``, ``world_size``, ``size``, ``context_length``, ``batch_size``, ``warmup``,
+    ``steps``, ``results_dir``, ``force`` and ``timeout_s``.
+    """
+    world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.world_size
+    backend, reason = choose_backend(world_size)
+    tiny = args.quick or backend != "nccl"
+    if is_rank0_process():
+        print(f"# {world_size} ranks, {backend}: {reason}" + ("; tiny model" if tiny else ""), file=sys.stderr)
+        if args.quick:
+            print("# --quick: smoke-test configuration", file=sys.stderr)
+    args.size = args.size or ("tiny" if tiny else "xl")
+    args.context_length = args.context_length or (32 if tiny else 512)
+    args.batch_size = args.batch_size or (2 if tiny else 4)
+    if args.quick:
+        args.warmup, args.steps = 1, 2
+    if not harness.ResultStore(problem, args.results_dir, args.force).pending(wanted_cases(args, world_size)):
+        if is_rank0_process():
+            print("# everything already measured", file=sys.stderr)
+        return
+    launch(worker, world_size, args, backend=backend, timeout_s=args.timeout_s)
