@@ -79,6 +79,18 @@ def test_other_backward_layout_matches_float64_reference(monkeypatch, batch, hea
     test_matches_float64_reference(batch, heads, n_queries, n_keys, d, is_causal, dtype)
 
 
+# At these sizes "auto" runs the two-pass backward: run awkward cases through the one-pass backward
+# (dQ accumulated by atomics) too.
+ONE_PASS_CASES = [CASES[i] for i in (0, 2, 4, 5, 6, 8, 10, 11, 13)]
+
+
+@pytest.mark.parametrize("batch, heads, n_queries, n_keys, d, is_causal, dtype", ONE_PASS_CASES)
+def test_one_pass_backward_matches_float64_reference(monkeypatch, batch, heads, n_queries, n_keys, d, is_causal, dtype):
+    monkeypatch.setattr(flash_triton, "BACKWARD", "one_pass")
+    assert flash_triton._dq_mode(dtype, batch * (heads or 1), n_keys, d) == "atomics"
+    test_matches_float64_reference(batch, heads, n_queries, n_keys, d, is_causal, dtype)
+
+
 @pytest.mark.parametrize("batch, heads, n_queries, n_keys, d, is_causal, dtype", CASES)
 def test_matches_float64_reference(batch, heads, n_queries, n_keys, d, is_causal, dtype):
     Q, K, V = make_qkv(batch, heads, n_queries, n_keys, d, dtype, "cpu")

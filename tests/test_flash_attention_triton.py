@@ -129,7 +129,12 @@ def _captured_launches(monkeypatch, dtype, head_dim, is_causal):
     q, k, v = (torch.randn(2, 3, 200, head_dim).to(dtype) for _ in range(3))
     O, L = flash_triton.flash_attention_forward(q, k, v, is_causal)
     flash_triton.flash_attention_backward(q, k, v, O, L, torch.randn_like(O), is_causal)
-    parts = ["bwd_both"] if head_dim >= flash_triton.FUSED_BACKWARD_MIN_HEAD_DIM else ["bwd_dkdv", "bwd_dq"]
+    if flash_triton._dq_mode(dtype, 6, 200, head_dim) != "none":
+        parts = ["bwd_one_pass", "dq_convert"]
+    elif head_dim >= flash_triton.FUSED_BACKWARD_MIN_HEAD_DIM:
+        parts = ["bwd_both"]
+    else:
+        parts = ["bwd_dkdv", "bwd_dq"]
     assert [launch[0] for launch in launches] == ["fwd", "delta", *parts]
     return launches
 
@@ -137,12 +142,32 @@ def _captured_launches(monkeypatch, dtype, head_dim, is_causal):
 H100_SHARED_MEMORY = 227 * 1024
 
 
+def test_backward_choice(monkeypatch):
+    """"auto" takes the one-pass backward for 16-bit inputs with enough key tiles, by atomics up to d = 64
+    and by bulk reductions at d = 128; float32 and small problems take two passes."""
+    choose = flash_triton._dq_mode
+    tiles = flash_triton.ONE_PASS_MIN_KEY_TILES
+    assert choose(torch.bfloat16, 16, 16384, 64) == "atomics"  # the leaderboard shape
+    assert choose(torch.float16, 1, 128 * tiles, 128) == "tma"
+    assert choose(torch.bfloat16, 1, 128 * tiles - 128, 64) == "none"
+    assert choose(torch.float32, 16, 16384, 64) == "none"
+    monkeypatch.setattr(flash_triton, "BACKWARD", "one_pass")
+    assert choose(torch.float32, 1, 10, 32) == "atomics"
+    monkeypatch.setattr(flash_triton, "BACKWARD", "two_pass")
+    assert choose(torch.bfloat16, 16, 16384, 64) == "none"
+    monkeypatch.setattr(flash_triton, "BACKWARD", "fast")
+    with pytest.raises(ValueError, match="auto, one_pass or two_pass"):
+        choose(torch.bfloat16, 16, 16384, 64)
+
+
 @pytest.mark.skipif(flash_triton.kernels.RUNNING_IN_INTERPRETER, reason="compiles the GPU kernels")
+@pytest.mark.parametrize("backward", ["two_pass", "one_pass"])
 @pytest.mark.parametrize(
     "dtype, head_dim, is_causal",
     [(torch.bfloat16, 64, True), (torch.float16, 128, False), (torch.float32, 32, True)],
 )
-def test_fixed_configs_compile_for_h100_without_spills(monkeypatch, dtype, head_dim, is_causal):
+def test_fixed_configs_compile_for_h100_without_spills(monkeypatch, dtype, head_dim, is_causal, backward):
+    monkeypatch.setattr(flash_triton, "BACKWARD", backward)
     from tests._flash_aot import (
         compile_for_gpu,
         nvidia_toolchain_available,
@@ -153,6 +178,8 @@ def test_fixed_configs_compile_for_h100_without_spills(monkeypatch, dtype, head_
         pytest.skip("this Triton has no NVIDIA backend or ptxas")
     for kernel, args, meta in _captured_launches(monkeypatch, dtype, head_dim, is_causal):
         config = flash_triton.fixed_config(kernel, dtype, head_dim)
+        if config.pre_hook is not None:  # the dQ descriptor's block shape
+            config.pre_hook({**dict(zip(flash_triton._plain[kernel].arg_names, args)), **meta, **config.kwargs})
         compiled = compile_for_gpu(flash_triton._plain[kernel], args, {**meta, **config.all_kwargs()})
         usage = resource_usage(compiled)
         assert usage.spill_bytes == 0, f"{kernel} {config}: {usage}"
@@ -272,6 +299,23 @@ def _check_against_float64(precision, batch, heads, n_queries, n_keys, d, is_cau
             torch.testing.assert_close(result[name].double(), reference[name], rtol=1e-2, atol=1e-2, msg=lambda m: f"{name}: {m}")
 
 
+def _one_pass_grid() -> list[tuple]:
+    """Awkward cases of the grid for every precision and head dim (at d = 128 dQ goes through the bulk
+    reductions, below through atomics)."""
+    picks = {(precision, d): case for case in _grid() for precision, d in [(case[0], case[5])]
+             if case[3] != case[4] or case[3] % 128 or case[3] >= 2048}
+    return sorted(picks.values(), key=str)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision, batch, heads, n_queries, n_keys, d, is_causal", _one_pass_grid())
+def test_one_pass_backward_matches_float64_reference_gpu(fixed_tiles_poisoned_outputs, monkeypatch, precision, batch,
+                                                          heads, n_queries, n_keys, d, is_causal):
+    monkeypatch.setattr(flash_triton, "BACKWARD", "one_pass")
+    with _matmul_tf32(precision == "tf32"):
+        _check_against_float64(precision, batch, heads, n_queries, n_keys, d, is_causal)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_grader_contract_gpu(fixed_tiles_poisoned_outputs, is_causal):
@@ -316,7 +360,9 @@ def test_rejects_tensors_on_different_devices_gpu():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [64, 128])  # the backward in two launches, and in one
-def test_autotuned_kernels_match_reference_gpu(monkeypatch, head_dim):
+@pytest.mark.parametrize("backward", ["two_pass", "one_pass"])
+def test_autotuned_kernels_match_reference_gpu(monkeypatch, head_dim, backward):
+    monkeypatch.setattr(flash_triton, "BACKWARD", backward)
     monkeypatch.setattr(flash_triton, "AUTOTUNE", True)
     monkeypatch.setattr(flash_triton, "FILL_OUTPUTS_WITH_NAN", True)
     Q, K, V = make_qkv(2, 4, 1024, 1024, head_dim, torch.bfloat16, "cuda")

@@ -31,6 +31,7 @@ import torch
 import triton
 from jaxtyping import Float
 from torch import Tensor
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from cs336_systems.attention import flash_triton_kernels as kernels
 from cs336_systems.attention.reference import check_attention_inputs
@@ -92,11 +93,45 @@ AUTOTUNE_CONFIGS = {
         "32-bit": [_bwd_config(32, 16, 4, 1), _bwd_config(32, 16, 8, 1), _bwd_config(32, 32, 8, 1)],
     },
 }
+
+
+def _set_dq_descriptor_block(nargs: dict) -> None:
+    """The dQ accumulator's descriptor moves blocks of one step: (1, SLICE, HEAD_DIM)."""
+    if nargs["dq_acc_desc"] is not None:
+        nargs["dq_acc_desc"].block_shape = [1, nargs["SLICE"], nargs["HEAD_DIM"]]
+
+
+def _one_pass_config(tile: int, slice_: int, num_warps: int, num_stages: int) -> triton.Config:
+    """A one-pass backward configuration: TILE keys held, SLICE queries per step (and per dQ reduction)."""
+    return triton.Config({"TILE": tile, "SLICE": slice_}, num_warps=num_warps, num_stages=num_stages,
+                         pre_hook=_set_dq_descriptor_block)
+
+
+AUTOTUNE_CONFIGS["bwd_one_pass"] = {
+    "16-bit": [_one_pass_config(128, 64, 8, 2), _one_pass_config(128, 64, 8, 3), _one_pass_config(128, 64, 8, 4),
+               _one_pass_config(64, 64, 4, 3), _one_pass_config(128, 32, 8, 3), _one_pass_config(64, 32, 4, 3)],
+    "32-bit": [_one_pass_config(32, 16, 4, 1), _one_pass_config(32, 16, 8, 1), _one_pass_config(32, 32, 8, 1)],
+}
+BACKWARD: str = os.environ.get("CS336_FLASH_BACKWARD", "auto")
+"""How the backward computes dQ (the "auto" choice was measured on an H100, bf16, causal):
+
+* "one_pass": one sweep over the queries per key tile computes dK and dV and adds each step's dS K into a
+  float32 dQ accumulator, by element-wise atomics (head dims up to 64) or by the copy engine's bulk
+  reductions through a tensor descriptor (d = 128; the CPU interpreter has none and runs atomics). Five
+  matmuls per tile instead of seven; 4-8 % faster than "two_pass" once there are enough key tiles to fill
+  the GPU, slower below (one program per key tile, the first one sweeping every query).
+* "two_pass": a second sweep, over the keys per query tile, recomputes P and dP for dQ: no atomics, and
+  the results are deterministic;
+* "auto": "one_pass" for 16-bit inputs with at least ONE_PASS_MIN_KEY_TILES key tiles of 128 in all, else
+  "two_pass".
+"""
+ONE_PASS_MIN_KEY_TILES = 256
 FUSED_BACKWARD_MIN_HEAD_DIM = 128
-"""Head dims from which the backward runs its two parts in one launch ("bwd_both"): measured on an
+"""Head dims from which the two-pass backward runs its two parts in one launch ("bwd_both"): measured on an
 H100 (bf16, causal), one launch was 5-25 % faster at d = 128 and 3-4 % slower at d = 64."""
-_BWD_PARTS = {"bwd_dkdv": "dkdv", "bwd_dq": "dq", "bwd_both": "both"}
-INTERPRETER_CONFIGS = {"fwd": _config(32, 16, 4, 1), **dict.fromkeys(_BWD_PARTS, _bwd_config(32, 16, 4, 1))}
+_BWD_PARTS = {"bwd_dkdv": "dkdv", "bwd_dq": "dq", "bwd_both": "both", "bwd_one_pass": "dkdv"}
+INTERPRETER_CONFIGS = {"fwd": _config(32, 16, 4, 1), **dict.fromkeys(_BWD_PARTS, _bwd_config(32, 16, 4, 1)),
+                       "bwd_one_pass": _one_pass_config(32, 16, 4, 1)}
 DELTA_BLOCK_M = 64
 
 SHARED_MEMORY_BUDGET = 200 * 1024  # bytes; an H100 has 227 KiB per block, leave room for the compiler's own
@@ -132,29 +167,37 @@ def _pruner(kernel: str):
 # Coarsened lengths (next power of two) bound how often the autotuner runs; the dtype of the tensor
 # arguments is part of every key automatically.
 _AUTOTUNE_KEY = ["n_queries_key", "n_keys_key", "HEAD_DIM", "IS_CAUSAL", "DOT_PRECISION"]
-_plain = {"fwd": kernels.attn_fwd_kernel, "delta": kernels.attn_bwd_delta_kernel,
+_plain = {"fwd": kernels.attn_fwd_kernel, "delta": kernels.attn_bwd_delta_kernel, "dq_convert": kernels.attn_bwd_dq_convert_kernel,
           **dict.fromkeys(_BWD_PARTS, kernels.attn_bwd_kernel)}
 _autotuned = {
     name: triton.autotune(
         [config for group in AUTOTUNE_CONFIGS[name].values() for config in group],
         key=_AUTOTUNE_KEY,
         prune_configs_by={"early_config_prune": _pruner(name)},
+        # The one-pass backward adds into DQ_acc: every timed run must start from zeros.
+        reset_to_zero=["DQ_acc"] if name == "bwd_one_pass" else None,
     )(_plain[name])
     for name in AUTOTUNE_CONFIGS
 }
 
 
 def fixed_config(kernel: str, dtype: torch.dtype, head_dim: int) -> triton.Config:
-    """The configuration of ``kernel`` ("fwd", "bwd_dkdv", "bwd_dq", "bwd_both" or "delta") when not autotuning: sound on
-    an H100 for every supported input (no register spills at any head dim, checked with ptxas for sm_90)."""
-    if kernel == "delta":
+    """The configuration of ``kernel`` ("fwd", "bwd_dkdv", "bwd_dq", "bwd_both", "bwd_one_pass", "delta" or
+    "dq_convert") when not autotuning: the fastest in the autotuner's H100 timings at 16384 tokens (bf16,
+    causal) among those with no register spills at any head dim (checked with ptxas for sm_90)."""
+    if kernel in ("delta", "dq_convert"):
         return triton.Config({"BLOCK_M": DELTA_BLOCK_M}, num_warps=4, num_stages=1)
     if kernels.RUNNING_IN_INTERPRETER:
         return INTERPRETER_CONFIGS[kernel]
-    num_warps = 4 if head_dim <= 64 else 8
+    make = _one_pass_config if kernel == "bwd_one_pass" else _bwd_config
     if dtype == torch.float32:
-        return _config(32, 16, num_warps, 2) if kernel == "fwd" else _bwd_config(32, 16, num_warps, 1)
-    return _config(128, 64, num_warps, 3) if kernel == "fwd" else _bwd_config(64, 32, num_warps, 2)
+        num_warps = 4 if head_dim <= 64 else 8
+        return _config(32, 16, num_warps, 2) if kernel == "fwd" else make(32, 16, num_warps, 1)
+    if kernel == "fwd":
+        return _config(128, 64, 8, 3)
+    if kernel == "bwd_dq":
+        return make(64, 64, 4, 3)
+    return make(128, 64, 8, 3) if head_dim <= 64 else make(128, 32, 8, 3)
 
 
 _chosen: dict[tuple, triton.Config] = {}
@@ -177,6 +220,8 @@ def _launch(kernel: str, n_parallel: int, parallel_block: str, batch_heads: int,
             return
     else:
         config = fixed_config(kernel, args[0].dtype, meta["HEAD_DIM"])
+    if config.pre_hook is not None:
+        config.pre_hook({**dict(zip(_plain[kernel].arg_names, args)), **meta, **config.kwargs})
     grid = (triton.cdiv(n_parallel, config.kwargs[parallel_block]), batch_heads)
     # Only the tiles, warps and stages: torch.compile refuses num_ctas passed as a launch argument.
     _plain[kernel][grid](*args, **meta, **config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
@@ -195,7 +240,8 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 
 def _length_key(n: int) -> int:
-    return triton.next_power_of_2(n)
+    """The next power of two (plain Python: ``triton.next_power_of_2`` costs microseconds per call)."""
+    return 1 << (n - 1).bit_length()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -276,26 +322,50 @@ def flash_attention_backward(
     n_heads = Q.shape[1] if Q.dim() == 4 else 1
     batch_heads, (n_queries, head_dim), n_keys = Q.shape[0] * n_heads, Q.shape[-2:], K.shape[-2]
 
+    dq_mode = _dq_mode(Q.dtype, batch_heads, n_keys, head_dim)
     Delta = _new_output((batch_heads, n_queries), torch.float32, Q.device)
+    # dS K summed over key tiles; the delta kernel zeroes it (one pass only).
+    DQ_acc = torch.empty((batch_heads, n_queries, head_dim), dtype=torch.float32, device=Q.device) if dq_mode != "none" else None
     _launch("delta", n_queries, "BLOCK_M", batch_heads,
-            (O, dO, Delta, *_strides(O), *_strides(dO), n_heads, n_queries), dict(HEAD_DIM=head_dim))
+            (O, dO, Delta, *_strides(O), *_strides(dO), n_heads, n_queries, DQ_acc),
+            dict(HEAD_DIM=head_dim, ZERO_DQ_ACC=DQ_acc is not None))
 
     dQ = _new_output(Q.shape, Q.dtype, Q.device)
     dK = _new_output(K.shape, K.dtype, K.device)
     dV = _new_output(V.shape, V.dtype, V.device)
     sm_scale = 1.0 / math.sqrt(head_dim)
+    dq_acc_desc = None
+    if dq_mode == "tma":  # the block shape is the configuration's (set before each launch)
+        dq_acc_desc = TensorDescriptor(DQ_acc, list(DQ_acc.shape), list(DQ_acc.stride()), [1, 16, head_dim])
     args = (
-        Q, K, V, dO, L, Delta, dQ, dK, dV,
+        Q, K, V, dO, L, Delta, dQ, dK, dV, DQ_acc, dq_acc_desc,
         *_strides(Q), *_strides(K), *_strides(V), *_strides(dO), *_strides(dQ), *_strides(dK), *_strides(dV),
         n_heads, n_queries, n_keys, _length_key(n_queries), _length_key(n_keys), sm_scale, sm_scale * math.log2(math.e),
     )
     meta = dict(HEAD_DIM=head_dim, IS_CAUSAL=is_causal, DOT_PRECISION=_dot_precision(Q.dtype))
-    if head_dim >= FUSED_BACKWARD_MIN_HEAD_DIM:
-        _launch("bwd_both", max(n_queries, n_keys), "TILE", batch_heads, args, {**meta, "PART": "both"})
+    if dq_mode != "none":
+        _launch("bwd_one_pass", n_keys, "TILE", batch_heads, args, {**meta, "PART": "dkdv", "DQ_MODE": dq_mode})
+        _launch("dq_convert", n_queries, "BLOCK_M", batch_heads,
+                (DQ_acc, dQ, *_strides(dQ), n_heads, n_queries, sm_scale), dict(HEAD_DIM=head_dim))
+    elif head_dim >= FUSED_BACKWARD_MIN_HEAD_DIM:
+        _launch("bwd_both", max(n_queries, n_keys), "TILE", batch_heads, args, {**meta, "PART": "both", "DQ_MODE": "none"})
     else:
-        _launch("bwd_dkdv", n_keys, "TILE", batch_heads, args, {**meta, "PART": "dkdv"})
-        _launch("bwd_dq", n_queries, "TILE", batch_heads, args, {**meta, "PART": "dq"})
+        _launch("bwd_dkdv", n_keys, "TILE", batch_heads, args, {**meta, "PART": "dkdv", "DQ_MODE": "none"})
+        _launch("bwd_dq", n_queries, "TILE", batch_heads, args, {**meta, "PART": "dq", "DQ_MODE": "none"})
     return dQ, dK, dV
+
+
+def _dq_mode(dtype: torch.dtype, batch_heads: int, n_keys: int, head_dim: int) -> str:
+    """DQ_MODE of the backward kernel: "none" for the two-pass backward, else how the one pass adds into
+    the dQ accumulator (see :data:`BACKWARD`)."""
+    if BACKWARD not in ("auto", "one_pass", "two_pass"):
+        raise ValueError(f"CS336_FLASH_BACKWARD / BACKWARD must be auto, one_pass or two_pass, not {BACKWARD!r}")
+    one_pass = BACKWARD == "one_pass" or (
+        BACKWARD == "auto" and dtype != torch.float32 and batch_heads * triton.cdiv(n_keys, 128) >= ONE_PASS_MIN_KEY_TILES
+    )
+    if not one_pass:
+        return "none"
+    return "tma" if head_dim >= 128 and not kernels.RUNNING_IN_INTERPRETER else "atomics"
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ import triton.language as tl
 LOG2_E = tl.constexpr(1.4426950408889634)  # log2(e): exp(x) = exp2(x * LOG2_E)
 LN_2 = tl.constexpr(0.6931471805599453)  # ln(2): ln(x) = log2(x) * LN_2
 MASKED_SCORE = tl.constexpr(-1.0e30)
-"""Base-2 score given to invisible keys in the forward. Finite, so that a row whose first tile were
+"""Unscaled score given to invisible keys in the forward. Finite, so that a row whose first tile were
 fully invisible would still rescale to the right answer instead of producing ``-inf - -inf = nan``."""
 
 RUNNING_IN_INTERPRETER: bool = triton.knobs.runtime.interpret
@@ -76,15 +76,17 @@ def _attn_fwd_sweep(
         else:
             k = tl.load(K_block)
             v = tl.load(V_block)
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), base 2
+        # Unscaled scores: the row maximum is taken before scaling (qk_scale > 0), so the scale costs one
+        # multiply per row, and joins the subtraction below in one fused multiply-add per score.
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
         if MASKED:
             offs_n = start_n + tl.arange(0, BLOCK_N)
             visible = offs_n[None, :] < n_keys
             if IS_CAUSAL:
                 visible = visible & (offs_m[:, None] >= offs_n[None, :])
-            scores = tl.where(visible, scores, MASKED_SCORE)
-        new_row_max = tl.maximum(row_max, tl.max(scores, 1))
-        p = tl.math.exp2(scores - new_row_max[:, None])
+            qk = tl.where(visible, qk, MASKED_SCORE)
+        new_row_max = tl.maximum(row_max, tl.max(qk, 1) * qk_scale)  # base 2
+        p = tl.math.exp2(qk * qk_scale - new_row_max[:, None])
         rescale = tl.math.exp2(row_max - new_row_max)  # 0 on the first tile, where row_max = -inf
         row_sum = row_sum * rescale + tl.sum(p, 1)
         acc = acc * rescale[:, None]
@@ -173,7 +175,9 @@ def attn_bwd_delta_kernel(
     stride_ob, stride_oh, stride_om,
     stride_dob, stride_doh, stride_dom,
     n_heads, n_queries,
+    DQ_acc,  # float32 (batch * heads, n_queries, HEAD_DIM) to zero when ZERO_DQ_ACC
     HEAD_DIM: tl.constexpr,
+    ZERO_DQ_ACC: tl.constexpr,
     BLOCK_M: tl.constexpr,
 ):
     start_m = tl.program_id(0) * BLOCK_M
@@ -190,6 +194,57 @@ def attn_bwd_delta_kernel(
     do = tl.load(dO_block, boundary_check=(0,), padding_option="zero").to(tl.float32)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     tl.store(Delta + off_bh.to(tl.int64) * n_queries + offs_m, tl.sum(o * do, 1), mask=offs_m < n_queries)
+    if ZERO_DQ_ACC:
+        rows = DQ_acc + (off_bh.to(tl.int64) * n_queries + offs_m[:, None]) * HEAD_DIM
+        tl.store(rows + tl.arange(0, HEAD_DIM)[None, :], tl.zeros([BLOCK_M, HEAD_DIM], tl.float32),
+                 mask=offs_m[:, None] < n_queries)
+
+
+@triton.jit(do_not_specialize=["n_heads", "n_queries"])
+def attn_bwd_dq_convert_kernel(
+    DQ_acc,  # float32 (batch * heads, n_queries, HEAD_DIM): dS K summed over key tiles
+    dQ,  # output (batch, heads, n_queries, HEAD_DIM) through the strides below
+    stride_dqb, stride_dqh, stride_dqm,
+    n_heads, n_queries,
+    sm_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """dQ = DQ_acc / sqrt(d), in dQ's dtype."""
+    start_m = tl.program_id(0) * BLOCK_M
+    off_bh = tl.program_id(1)
+    off_b = (off_bh // n_heads).to(tl.int64)
+    off_h = (off_bh % n_heads).to(tl.int64)
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    in_bounds = offs_m[:, None] < n_queries
+    dq = tl.load(DQ_acc + (off_bh.to(tl.int64) * n_queries + offs_m[:, None]) * HEAD_DIM + offs_d[None, :],
+                 mask=in_bounds)
+    rows = dQ + off_b * stride_dqb + off_h * stride_dqh + offs_m[:, None] * stride_dqm
+    tl.store(rows + offs_d[None, :], (dq * sm_scale).to(dQ.dtype.element_ty), mask=in_bounds)
+
+
+@triton.jit
+def _accumulate_dq(
+    ds_t,  # dS^T of one step, (BLOCK_N, BLOCK_M) in the inputs' dtype
+    k,  # the key tile, (BLOCK_N, HEAD_DIM)
+    DQ_acc, dq_acc_desc, off_bh, start_m, n_queries,
+    DOT_PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    DQ_MODE: tl.constexpr,
+):
+    """Add this key tile's share of dQ, dS K (without the 1/sqrt(d)), to the float32 accumulator rows
+    ``start_m .. start_m + BLOCK_M``: by one bulk reduction of the tile through the copy engine ("tma",
+    out-of-range rows dropped by the descriptor), or by element-wise atomics ("atomics")."""
+    dq = tl.dot(tl.trans(ds_t), k, input_precision=DOT_PRECISION)  # (BLOCK_M, HEAD_DIM)
+    if DQ_MODE == "tma":
+        dq_acc_desc.atomic_add([off_bh, start_m, 0], tl.expand_dims(dq, 0))
+    else:
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        rows = DQ_acc + (off_bh.to(tl.int64) * n_queries + offs_m[:, None]) * HEAD_DIM
+        pointers = rows + tl.arange(0, HEAD_DIM)[None, :]
+        tl.atomic_add(pointers, dq, mask=offs_m[:, None] < n_queries, sem="relaxed")
 
 
 @triton.jit
@@ -202,11 +257,13 @@ def _attn_bwd_dkdv_sweep(
     query_start, query_stop,  # sweep query tiles from query_start (a multiple of BLOCK_M) up to query_stop
     n_queries,
     qk_scale,
+    DQ_acc, dq_acc_desc, off_bh,  # the float32 dQ accumulator, when DQ_MODE is not "none"
     MASK_CAUSAL: tl.constexpr,  # tiles crossing the diagonal
     MASK_ROWS: tl.constexpr,  # tiles that may extend past n_queries
     DOT_PRECISION: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    DQ_MODE: tl.constexpr,  # "none", or add dS K of each step into the accumulator by "tma" or "atomics"
 ):
     Q_block = tl.make_block_ptr(Q_ptr, shape=(n_queries, HEAD_DIM), strides=(stride_qm, 1),
                                 offsets=(query_start, 0), block_shape=(BLOCK_M, HEAD_DIM), order=(1, 0))
@@ -237,8 +294,11 @@ def _attn_bwd_dkdv_sweep(
             p_t = tl.where(offs_m[None, :] < n_queries, p_t, 0.0)
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M)
-        ds_t = p_t * (dp_t - delta[None, :])
-        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+        ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
+        dk = tl.dot(ds_t, q, dk, input_precision=DOT_PRECISION)
+        if DQ_MODE != "none":
+            _accumulate_dq(ds_t, k, DQ_acc, dq_acc_desc, off_bh, start_m, n_queries,
+                           DOT_PRECISION, HEAD_DIM, BLOCK_M, DQ_MODE)
         Q_block = tl.advance(Q_block, (BLOCK_M, 0))
         dO_block = tl.advance(dO_block, (BLOCK_M, 0))
     return dk, dv
@@ -292,11 +352,13 @@ def _attn_bwd_dkdv_tile(
     start_n,  # the key tile's first key
     n_queries, n_keys,
     sm_scale, qk_scale,
+    DQ_acc, dq_acc_desc, off_bh,
     HEAD_DIM: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,  # query slice swept
     BLOCK_N: tl.constexpr,  # key tile held
+    DQ_MODE: tl.constexpr,
 ):
     """dK and dV of the keys ``start_n .. start_n + BLOCK_N``, sweeping every query that sees them."""
     K_block = tl.make_block_ptr(K_ptr, shape=(n_keys, HEAD_DIM), strides=(stride_kn, 1), offsets=(start_n, 0),
@@ -316,18 +378,18 @@ def _attn_bwd_dkdv_tile(
         diagonal_start = start_n // BLOCK_M * BLOCK_M
         diagonal_stop = tl.minimum(tl.cdiv(start_n + BLOCK_N - 1, BLOCK_M) * BLOCK_M, n_queries)
         dk, dv = _attn_bwd_dkdv_sweep(dk, dv, k, v, offs_n, Q_ptr, dO_ptr, L_ptr, Delta_ptr, stride_qm, stride_dom,
-                                      diagonal_start, diagonal_stop, n_queries, qk_scale, True, True,
-                                      DOT_PRECISION, HEAD_DIM, BLOCK_M)
+                                      diagonal_start, diagonal_stop, n_queries, qk_scale, DQ_acc, dq_acc_desc, off_bh,
+                                      True, True, DOT_PRECISION, HEAD_DIM, BLOCK_M, DQ_MODE)
     else:
         diagonal_stop = 0
     # diagonal_stop is a multiple of BLOCK_M unless it was clipped to n_queries, which ends the sweep.
     full_slices_end = tl.maximum(n_queries // BLOCK_M * BLOCK_M, diagonal_stop)
     dk, dv = _attn_bwd_dkdv_sweep(dk, dv, k, v, offs_n, Q_ptr, dO_ptr, L_ptr, Delta_ptr, stride_qm, stride_dom,
-                                  diagonal_stop, full_slices_end, n_queries, qk_scale, False, False,
-                                  DOT_PRECISION, HEAD_DIM, BLOCK_M)
+                                  diagonal_stop, full_slices_end, n_queries, qk_scale, DQ_acc, dq_acc_desc, off_bh,
+                                  False, False, DOT_PRECISION, HEAD_DIM, BLOCK_M, DQ_MODE)
     dk, dv = _attn_bwd_dkdv_sweep(dk, dv, k, v, offs_n, Q_ptr, dO_ptr, L_ptr, Delta_ptr, stride_qm, stride_dom,
-                                  full_slices_end, n_queries, n_queries, qk_scale, False, True,
-                                  DOT_PRECISION, HEAD_DIM, BLOCK_M)
+                                  full_slices_end, n_queries, n_queries, qk_scale, DQ_acc, dq_acc_desc, off_bh,
+                                  False, True, DOT_PRECISION, HEAD_DIM, BLOCK_M, DQ_MODE)
 
     dK_block = tl.make_block_ptr(dK_ptr, shape=(n_keys, HEAD_DIM), strides=(stride_dkn, 1), offsets=(start_n, 0),
                                  block_shape=(BLOCK_N, HEAD_DIM), order=(1, 0))
@@ -390,6 +452,8 @@ def attn_bwd_kernel(
     Q, K, V, dO,  # inputs: (batch, heads, n_queries | n_keys, HEAD_DIM) through the strides below
     L, Delta,  # float32 (batch * heads, n_queries): logsumexp (natural log) and rowsum(O * dO)
     dQ, dK, dV,  # outputs, like Q, K and V
+    DQ_acc,  # float32 (batch * heads, n_queries, HEAD_DIM), zeroed: dS K summed over key tiles (DQ_MODE "atomics")
+    dq_acc_desc,  # a tensor descriptor of DQ_acc with blocks (1, SLICE, HEAD_DIM) (DQ_MODE "tma"), else None
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -407,6 +471,7 @@ def attn_bwd_kernel(
     TILE: tl.constexpr,  # keys (dK/dV part) and queries (dQ part) held by the program
     SLICE: tl.constexpr,  # queries (dK/dV part) and keys (dQ part) per step of the sweeps
     PART: tl.constexpr,  # "dkdv", "dq" or "both"
+    DQ_MODE: tl.constexpr,  # "none", or (PART "dkdv") also accumulate dQ into DQ_acc by "tma" or "atomics"
 ):
     """Program ``i`` computes dK and dV of key tile ``i`` (``PART`` "dkdv"), dQ of query tile ``i``
     ("dq"), or both, one after the other ("both").
@@ -433,7 +498,8 @@ def attn_bwd_kernel(
                             dK + off_b * stride_dkb + off_h * stride_dkh, dV + off_b * stride_dvb + off_h * stride_dvh,
                             stride_qm, stride_kn, stride_vn, stride_dom, stride_dkn, stride_dvn,
                             tile_start, n_queries, n_keys, sm_scale, qk_scale,
-                            HEAD_DIM, IS_CAUSAL, DOT_PRECISION, SLICE, TILE)
+                            DQ_acc, dq_acc_desc, off_bh,
+                            HEAD_DIM, IS_CAUSAL, DOT_PRECISION, SLICE, TILE, DQ_MODE)
     if PART != "dkdv" and tile_start < n_queries:
         _attn_bwd_dq_tile(Q_ptr, K_ptr, V_ptr, dO_ptr, L_ptr, Delta_ptr, dQ + off_b * stride_dqb + off_h * stride_dqh,
                           stride_qm, stride_kn, stride_vn, stride_dom, stride_dqm,
