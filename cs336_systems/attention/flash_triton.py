@@ -207,52 +207,6 @@ _chosen: dict[tuple, triton.Config] = {}
 """The autotuner's choice per (kernel, autotune key): later launches skip the autotuner's own per-call
 work (binding every argument to compute its key), which costs tens of microseconds of host time."""
 
-FAST_LAUNCH: bool = os.environ.get("CS336_FLASH_FAST_LAUNCH", "1") != "0"
-"""Relaunch a compiled kernel directly (see :func:`_run`) instead of through ``JITFunction.run``."""
-_compiled: dict[tuple, tuple] = {}
-"""(compiled kernel, constexpr values in signature order) per (kernel, configuration, constexprs,
-specialisation of every runtime argument)."""
-
-
-def _specialisation(arg) -> object:
-    """What of a runtime argument selects a compiled variant in Triton 3.6, or more: a tensor's dtype and
-    16-byte alignment; an integer's width and whether it is 1 or a multiple of 16; a descriptor's dtype and
-    block shape. (Finer than Triton's own key: a miss only costs one pass through ``JITFunction.run``.)"""
-    if arg.__class__ is int:
-        return arg == 1, arg % 16 == 0, -0x80000000 <= arg < 0x80000000
-    if isinstance(arg, torch.Tensor):
-        return arg.dtype, arg.data_ptr() % 16 == 0
-    if isinstance(arg, TensorDescriptor):
-        return arg.base.dtype, tuple(arg.block_shape), len(arg.shape), arg.padding
-    if arg is None or arg.__class__ is float:
-        return arg.__class__
-    return arg.__class__, arg
-
-
-def _run(kernel: str, grid: tuple[int, int], args: tuple, constexprs: dict, config: triton.Config) -> None:
-    """Launch ``_plain[kernel]`` with ``config``. The first launch of each variant goes through
-    ``JITFunction.run`` (compiling, or finding the compiled kernel), which costs tens of microseconds of
-    Python per call binding and specialising ~40 arguments; later ones call the kernel's launcher with
-    the same arguments, in the signature's order, as ``JITFunction.run`` would."""
-    jit = _plain[kernel]
-    key = (kernel, config, *constexprs.values(), *map(_specialisation, args)) if FAST_LAUNCH else None
-    cached = _compiled.get(key) if key is not None else None
-    if cached is None:
-        # Only the tiles, warps and stages: torch.compile refuses num_ctas passed as a launch argument.
-        compiled = jit[grid](*args, **constexprs, **config.kwargs, num_warps=config.num_warps,
-                             num_stages=config.num_stages)
-        if key is not None and not kernels.RUNNING_IN_INTERPRETER:
-            values = {**constexprs, **config.kwargs}
-            _compiled[key] = (compiled, tuple(values[name] for name in jit.arg_names[len(args):]))
-        return
-    compiled, tail = cached
-    stream = triton.runtime.driver.active.get_current_stream(args[0].device.index)
-    enter_hook = triton.knobs.runtime.launch_enter_hook
-    metadata = compiled.launch_metadata(grid, stream, *args, *tail) if enter_hook is not None else None
-    compiled.run(grid[0], grid[1], 1, stream, compiled.function, compiled.packed_metadata, metadata, enter_hook,
-                 triton.knobs.runtime.launch_exit_hook, *args, *tail)
-
-
 def _launch(kernel: str, n_parallel: int, parallel_block: str, batch_heads: int, args: tuple, meta: dict) -> None:
     """Run ``kernel`` on the grid ``(cdiv(n_parallel, parallel_block), batch * heads)``, autotuned or
     with :func:`fixed_config`. ``args[0]`` is Q (or O) and ``meta`` holds the constexprs but the tiles."""
@@ -269,7 +223,9 @@ def _launch(kernel: str, n_parallel: int, parallel_block: str, batch_heads: int,
         config = fixed_config(kernel, args[0].dtype, meta["HEAD_DIM"])
     if config.pre_hook is not None:
         config.pre_hook({**dict(zip(_plain[kernel].arg_names, args)), **meta, **config.kwargs})
-    _run(kernel, (triton.cdiv(n_parallel, config.kwargs[parallel_block]), batch_heads), args, meta, config)
+    grid = (triton.cdiv(n_parallel, config.kwargs[parallel_block]), batch_heads)
+    # Only the tiles, warps and stages: torch.compile refuses num_ctas passed as a launch argument.
+    _plain[kernel][grid](*args, **meta, **config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
