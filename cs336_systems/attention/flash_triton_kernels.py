@@ -16,11 +16,16 @@ Speed-ups, each visible in the code:
 * Each sweep is split into tiles that need no mask (full, below the diagonal) and the few that do
   (crossing the diagonal, or ragged at the end of the sequence), chosen by constexpr flags
   (``MASKED``, ``MASK_CAUSAL``, ``MASK_ROWS``) so that the common loop carries no mask arithmetic.
-* The backward needs no atomics: a program accumulates dK and dV of a key tile in registers, or dQ
-  of a query tile, or (one launch) both for tile ``i``, so that under a causal mask every program
-  does the same work. No kernel accumulates into a global buffer, so autotuning (which runs a
-  kernel several times) needs no zeroing pre-hook.
-* The forward runs its query tiles last-first: the heavy ones start early, the light ones fill the tail.
+* Two backwards (``flash_triton.BACKWARD`` chooses). One pass (``DQ_MODE`` "atomics" or "tma"): a
+  program holds a key tile, accumulates its dK and dV in registers over every query that sees it, and
+  adds each step's dS K into a zeroed float32 dQ buffer, by atomics or by the copy engine's bulk
+  reductions; 5 matmuls per tile; a small kernel scales and casts the buffer into dQ. Two passes
+  (``DQ_MODE`` "none"): the dK/dV sweep, and a dQ sweep over key tiles per query tile, which recomputes
+  P and dP (7 matmuls per tile) but needs no atomics; as two launches (``PART`` "dkdv" then "dq") or,
+  under a causal mask where key tile ``i`` and query tile ``i`` balance, one ("both").
+* The forward runs its query tiles last-first: the heavy ones start early, the light ones fill the tail;
+  it takes each row's maximum over unscaled scores, so that the scale joins the exponent's argument in
+  one fused multiply-add per score.
 
 All accumulators are float32; ``P`` and ``dS`` are cast to the input dtype before the matmuls that
 consume them, as in the paper. ``DOT_PRECISION`` is ``"ieee"`` or ``"tf32"`` for float32 inputs
