@@ -96,9 +96,10 @@ def flash_benchmarking(res, out: Output) -> dict[str, Any]:
                     row = index.get((provider, length, d, dtype))
                     cells += [cell(row, "fwd_ms"), cell(row, "bwd_ms"), cell(row, "fwd_bwd_ms")]
                 body.append(cells)
-        header = [["", "", *[span(p, 3) for p in providers]], ["length", "d", *["fwd", "bwd", "fwd+bwd"] * len(providers)]]
+        header = [["", "", *[span(p, 3) for p in providers]], ["length", "d", *["fwd", "bwd", "both"] * len(providers)]]
         tables[dtype] = table(header, body, f"FlashAttention-2 benchmark, {dtype}, batch 1, causal: latency (ms) from "
-                              "triton.testing.do_bench; OOM: out of memory.", size=7)
+                              "triton.testing.do_bench (fwd: forward, bwd: backward, both: forward + backward); OOM: out "
+                              "of memory.", size=7)
         fig, axes = figures.new(7.0, 2.5, ncols=len(heads), sharey=True)
         for ax, d in zip(axes, heads):
             for provider in providers:
