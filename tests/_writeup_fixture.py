@@ -1,6 +1,6 @@
 """A small, synthetic results directory with a row set for every section of the writeup.
 
-The rows have the keys the benchmark tools write (``harness.ResultStore`` rows: configuration, measurements,
+The rows have the keys the benchmark tools write (``cs336_systems.bench.common.result_store.ResultStore`` rows: configuration, measurements,
 ``config_keys``, ``device``, ``env``), with made-up but plausible numbers, so that ``tests/test_writeup.py``
 can build the whole writeup on a CPU in seconds.
 """

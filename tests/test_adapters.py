@@ -7,7 +7,6 @@ import torch
 
 from tests import adapters
 
-
 GRADER_ENTRY_POINTS = [
     # 2025
     "get_flashattention_autograd_function_pytorch",

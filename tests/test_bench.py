@@ -12,14 +12,14 @@ from cs336_systems.bench import (
     benchmarking_mixed_precision,
     benchmarking_script,
     gradient_checkpointing,
-    harness,
     memory_profiling,
     mixed_precision_accumulation,
     nsys_profile,
     pytorch_attention,
     torch_compile,
 )
-from cs336_systems.bench.lm import LMConfig, build_model
+from cs336_systems.bench.common import flops, memory, result_store, timing
+from cs336_systems.bench.common.lm import LMConfig, build_model
 
 CLIS = [
     benchmarking_script,
@@ -39,7 +39,7 @@ def read_rows(path) -> list[dict]:
 
 def test_environment_record_has_device_versions_date_and_commit(monkeypatch):
     monkeypatch.setenv("CS336_GIT_COMMIT", "abc123")
-    env = harness.environment()
+    env = result_store.environment()
     assert {"device", "gpu_name", "gpu_count", "torch", "triton", "cuda", "date", "commit"} <= set(env)
     assert env["commit"] == "abc123"
     assert env["torch"] == torch.__version__
@@ -49,23 +49,23 @@ def test_environment_record_has_device_versions_date_and_commit(monkeypatch):
 
 
 def test_result_store_resumes_per_device_and_configuration(tmp_path):
-    store = harness.ResultStore("demo", tmp_path)
+    store = result_store.ResultStore("demo", tmp_path)
     config = {"size": "small", "seq": 128}
     assert not store.done(config)
     row = store.add(config, {"mean_ms": 1.5})
     assert row["size"] == "small" and row["mean_ms"] == 1.5 and row["run"] == store.run
     assert row["config_keys"] == ["seq", "size"] and row["device"] == store.env["device"]
-    again = harness.ResultStore("demo", tmp_path)
+    again = result_store.ResultStore("demo", tmp_path)
     assert again.run != store.run
     assert again.done(config)
     assert not again.done({"size": "small", "seq": 256})
     assert not again.done({"size": "small"})  # a subset of a measured configuration is another case
     assert again.pending([config, {"size": "small", "seq": 256}]) == [{"size": "small", "seq": 256}]
-    assert not harness.ResultStore("demo", tmp_path, force=True).done(config)
+    assert not result_store.ResultStore("demo", tmp_path, force=True).done(config)
     # Rows measured on another device do not count.
     lines = (tmp_path / "demo.jsonl").read_text().replace(store.env["device"], "8x Some GPU")
     (tmp_path / "demo.jsonl").write_text(lines)
-    assert not harness.ResultStore("demo", tmp_path).done(config)
+    assert not result_store.ResultStore("demo", tmp_path).done(config)
     with pytest.raises(ValueError, match="clash"):
         store.add({"mean_ms": 1}, {"mean_ms": 2})
 
@@ -74,18 +74,18 @@ def test_out_of_memory_is_a_row_and_other_errors_propagate():
     def oom():
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
 
-    result = harness.measure_or_oom(oom)
+    result = result_store.measure_or_oom(oom)
     assert result["oom"] is True and "out of memory" in result["error"]
-    assert harness.measure_or_oom(lambda: {"x": 1}) == {"oom": False, "x": 1}
+    assert result_store.measure_or_oom(lambda: {"x": 1}) == {"oom": False, "x": 1}
     with pytest.raises(RuntimeError, match="shape mismatch"):
-        harness.measure_or_oom(lambda: (_ for _ in ()).throw(RuntimeError("shape mismatch")))
+        result_store.measure_or_oom(lambda: (_ for _ in ()).throw(RuntimeError("shape mismatch")))
 
 
 def test_timing_and_statistics():
     calls = []
-    seconds = harness.time_calls(lambda: calls.append(1), warmup=3, steps=5)
+    seconds = timing.time_calls(lambda: calls.append(1), warmup=3, steps=5)
     assert len(calls) == 8 and len(seconds) == 5 and all(s >= 0 for s in seconds)
-    stats = harness.summarize_ms([0.001, 0.002, 0.003])
+    stats = timing.summarize_ms([0.001, 0.002, 0.003])
     assert stats["mean_ms"] == pytest.approx(2.0) and stats["median_ms"] == pytest.approx(2.0)
     assert stats["std_ms"] == pytest.approx(1.0) and stats["min_ms"] == pytest.approx(1.0)
 
@@ -95,11 +95,11 @@ def test_lm_flops_count_every_weight_matmul_and_attention():
     model = build_model(config, torch.device("cpu"))
     matmul_params = sum(p.numel() for name, p in model.named_parameters() if p.dim() == 2 and "embedding" not in name)
     h = config.hparams
-    flops = harness.lm_forward_flops(10_000, h["d_model"], h["d_ff"], h["num_layers"], 2, 8)
+    total = flops.lm_forward_flops(10_000, h["d_model"], h["d_ff"], h["num_layers"], 2, 8)
     attention = h["num_layers"] * 2 * (2 * 2 * 8 * 8 * h["d_model"])  # Q K^T and P V, all heads
-    assert flops == 2 * 16 * matmul_params + attention
-    causal = harness.lm_forward_flops(10_000, h["d_model"], h["d_ff"], h["num_layers"], 2, 8, causal_attention=True)
-    assert flops - causal == attention / 2
+    assert total == 2 * 16 * matmul_params + attention
+    causal = flops.lm_forward_flops(10_000, h["d_model"], h["d_ff"], h["num_layers"], 2, 8, causal_attention=True)
+    assert total - causal == attention / 2
 
 
 def test_kernel_table_and_matmul_classification():
@@ -181,11 +181,11 @@ def test_memory_timeline_and_largest_allocations_from_a_snapshot(tmp_path):
         {"action": "free_requested", "size": 2_000_000_000, "time_us": 1500, "frames": frames},
         {"action": "free_completed", "size": 2_000_000_000, "time_us": 2000, "frames": frames},
     ]]}
-    times, gbs = memory_profiling.active_memory_timeline(snapshot)
+    times, gbs = memory.active_memory_timeline(snapshot)
     assert times == [0.0, 1.0, 2.0] and gbs == [2.0, 3.0, 1.0]
-    largest = memory_profiling.largest_allocations(snapshot)
+    largest = memory.largest_allocations(snapshot)
     assert largest[0]["source"] == "model.py:42 (forward)" and largest[0]["count"] == 1
-    memory_profiling.plot_timeline(times, gbs, "test", tmp_path / "t.png")
+    memory.plot_timeline(times, gbs, "test", tmp_path / "t.png")
     assert (tmp_path / "t.png").stat().st_size > 1000
 
 

@@ -19,11 +19,12 @@ from cs336_systems.bench import (
     ddp_overhead_model,
     distributed_communication_single_node,
     optimizer_state_sharding_accounting,
-    timeline,
 )
-from cs336_systems.bench.distributed_communication_single_node import bus_bandwidth, fit_latency_bandwidth
-from cs336_systems.bench.lm import LMConfig, build_model, make_optimizer, random_batch
-from cs336_systems.bench.timeline import Span, Timeline
+from cs336_systems.bench import timeline as timeline_cli
+from cs336_systems.bench.common import ddp_step, timeline
+from cs336_systems.bench.common.allreduce_fit import bus_bandwidth, fit_latency_bandwidth
+from cs336_systems.bench.common.lm import LMConfig, build_model, make_optimizer, random_batch
+from cs336_systems.bench.common.timeline import Span, Timeline
 
 CLIS = [distributed_communication_single_node, ddp_benchmarking, optimizer_state_sharding_accounting]
 
@@ -44,7 +45,7 @@ def test_unknown_ddp_variant_is_refused(capsys):
     with pytest.raises(SystemExit):
         ddp_benchmarking.main(["--variants", "bucketed_fast"])
     assert "unknown variant" in capsys.readouterr().err
-    assert ddp_benchmarking.variant_name("bucketed_25mb") == "bucketed_25mb"
+    assert ddp_step.variant_name("bucketed_25mb") == "bucketed_25mb"
 
 
 def test_every_variant_wraps_and_steps_in_a_one_rank_group(tmp_path):
@@ -55,14 +56,14 @@ def test_every_variant_wraps_and_steps_in_a_one_rank_group(tmp_path):
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:
         grads, calls = {}, {}
-        for variant in [ddp_benchmarking.LOCAL, *ddp_benchmarking.VARIANTS, "bucketed_0.5mb"]:
+        for variant in [ddp_step.LOCAL, *ddp_step.VARIANTS, "bucketed_0.5mb"]:
             torch.manual_seed(0)
             model = build_model(config, device)
-            wrapped = ddp_benchmarking.wrap(variant, model, device)
-            calls[variant] = ddp_benchmarking.communication_calls(variant, wrapped)
+            wrapped = ddp_step.wrap(variant, model, device)
+            calls[variant] = ddp_step.communication_calls(variant, wrapped)
             optimizer = make_optimizer(model)
-            marker = ddp_benchmarking.Marker(device)
-            step = ddp_benchmarking.make_train_step(wrapped, optimizer, batch, None, marker)
+            marker = ddp_step.Marker(device)
+            step = ddp_step.make_train_step(wrapped, optimizer, batch, None, marker)
             before = [p.detach().clone() for p in model.parameters()]
             after_backward, after_sync = step(update=False)
             assert marker.elapsed_ms(after_backward, after_sync) >= 0
@@ -200,9 +201,9 @@ def test_timeline_from_a_synthetic_gpu_trace(tmp_path):
     assert timeline.overlap_summary(no_overlap)["overlap_share"] == 0.0
     assert timeline.overlap_summary(Timeline(compute=[Span(0, 1)]))["overlap_share"] is None
     out = tmp_path / "figure.png"
-    timeline.render([result, no_overlap], out, "synthetic")
+    timeline.render_lanes([result, no_overlap], out, "synthetic")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
-    timeline.main([str(path), str(path), "-o", str(tmp_path / "cli.png")])
+    timeline_cli.main([str(path), str(path), "-o", str(tmp_path / "cli.png")])
     assert (tmp_path / "cli.png").exists()
 
 

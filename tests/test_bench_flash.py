@@ -14,7 +14,7 @@ import torch
 
 from cs336_systems.attention.reference import reference_attention
 from cs336_systems.bench import flash_benchmarking, flash_log, leaderboard
-from cs336_systems.bench import flash_providers as fp
+from cs336_systems.bench.common import attention_providers as fp
 
 CPU = torch.device("cpu")
 HAS_CUDA = torch.cuda.is_available()
@@ -37,7 +37,7 @@ def wrong_attention(q, k, v, is_causal=True):
 
 
 def test_registry_names_the_competitors_and_rejects_unknown_names():
-    assert set(leaderboard.LEADERBOARD_PROVIDERS.values()) <= set(fp.PROVIDERS)
+    assert set(fp.LEADERBOARD_PROVIDERS.values()) <= set(fp.PROVIDERS)
     assert set(flash_benchmarking.GPU_PROVIDERS) <= set(fp.PROVIDERS)
     assert {name: fp.PROVIDERS[name].sdpa_backend for name in ("sdpa_cudnn", "sdpa_flash", "sdpa_efficient")} == {
         "sdpa_cudnn": "CUDNN_ATTENTION", "sdpa_flash": "FLASH_ATTENTION", "sdpa_efficient": "EFFICIENT_ATTENTION"}
@@ -186,7 +186,7 @@ def test_leaderboard_defaults_follow_the_official_protocol():
 def test_leaderboard_ratios():
     results = {"ours": {"fwd_bwd_ms": 4.0, "fwd_ms": 1.0}, "sdpa_cudnn": {"fwd_bwd_ms": 5.0, "fwd_ms": 2.0},
                "sdpa_efficient": {"error": "No viable backend", "unsupported": True}}
-    leaderboard.add_ratios(results)
+    fp.add_ratios(results)
     assert results["sdpa_cudnn"]["ours_over_this_fwd_bwd"] == 0.8 and results["sdpa_cudnn"]["ours_over_this_fwd"] == 0.5
     assert results["sdpa_efficient"]["ours_over_this_fwd_bwd"] is None
     assert results["ours"]["ratios"] == {"sdpa_cudnn": 0.8, "sdpa_efficient": None}
@@ -297,7 +297,7 @@ def test_flash_log_decisions_show_and_cpu_refusal(tmp_path, capsys, monkeypatch)
     assert (row["step"], row["decision"], row["note"]) == ("tiles", "kept", "won 3%") and "leaderboard" not in row
     flash_log.main(base + ["--show"])
     assert "| step | decision |" in capsys.readouterr().out
-    monkeypatch.setattr(flash_log.harness, "default_device", lambda: CPU)
+    monkeypatch.setattr(flash_log.timing, "default_device", lambda: CPU)
     with pytest.raises(SystemExit) as exit_info:
         flash_log.main(base + ["--step", "x"])
     assert exit_info.value.code == 2 and "needs a CUDA GPU" in capsys.readouterr().err
@@ -307,9 +307,9 @@ def test_flash_log_measures_a_step_with_cpu_stand_ins(tmp_path, monkeypatch):
     """The whole measurement on the CPU: the naive attention stands in for ours, tiny shapes."""
     for name in ("ours", "ours_compiled"):
         monkeypatch.setitem(fp.PROVIDERS, name, dataclasses.replace(fp.PROVIDERS["naive"], name=name))
-    monkeypatch.setattr(leaderboard, "HEADS", 2)
-    monkeypatch.setattr(leaderboard, "SEQ_LEN", 64)
-    monkeypatch.setattr(leaderboard, "D_HEAD", 16)
+    monkeypatch.setattr(fp, "LEADERBOARD_HEADS", 2)
+    monkeypatch.setattr(fp, "LEADERBOARD_SEQ_LEN", 64)
+    monkeypatch.setattr(fp, "LEADERBOARD_D_HEAD", 16)
     args = flash_log.parser().parse_args(["--step", "s", "--rep", "3", "--warmup", "1", "--points", "64x16",
                                           "--point-rep", "3", "--point-warmup", "1"])
     measured = flash_log.measure_step(args, CPU)

@@ -26,8 +26,9 @@ from torch.nn.utils import parametrize
 from cs336_basics.model import Embedding, Linear, RMSNorm
 from cs336_basics.nn_utils import cross_entropy
 from cs336_basics.optimizer import AdamW
-from cs336_systems.bench import comm_timeline, fsdp_accounting
-from cs336_systems.bench.lm import LMConfig, build_model
+from cs336_systems.bench import fsdp_accounting
+from cs336_systems.bench.common import timeline
+from cs336_systems.bench.common.lm import LMConfig, build_model
 from cs336_systems.parallel.distributed import spawn
 from cs336_systems.parallel.fsdp import FSDP
 from tests import adapters
@@ -518,7 +519,7 @@ def synthetic_trace() -> dict:
 
 
 def test_timeline_pairs_gathers_with_uses_and_draws(tmp_path):
-    analysis = comm_timeline.analyze(synthetic_trace())
+    analysis = timeline.analyze_gathers(synthetic_trace())
     uses = {use.weight: use for use in analysis["uses"]}
     assert not uses["a.weight"].exposed and uses["a.weight"].stall_us == 0
     assert uses["b.weight"].exposed and uses["b.weight"].stall_us == pytest.approx(300 - 121)
@@ -528,7 +529,7 @@ def test_timeline_pairs_gathers_with_uses_and_draws(tmp_path):
     assert summary["reduce_scatters"] == 1
     assert summary["comm_ms"] == pytest.approx(0.26) and summary["comm_hidden_ms"] == pytest.approx(0.02)
     assert summary["comm_exposed_ms"] == pytest.approx(0.24) and summary["span_ms"] == pytest.approx(1.15)
-    comm_timeline.render(analysis, tmp_path / "timeline.png", "synthetic", zoom_ms=0.5)
+    timeline.render_gathers(analysis, tmp_path / "timeline.png", "synthetic", zoom_ms=0.5)
     assert (tmp_path / "timeline.png").stat().st_size > 10_000
     with pytest.raises(ValueError, match="no GPU kernels"):
-        comm_timeline.render(comm_timeline.analyze({"traceEvents": []}), tmp_path / "empty.png", "empty")
+        timeline.render_gathers(timeline.analyze_gathers({"traceEvents": []}), tmp_path / "empty.png", "empty")

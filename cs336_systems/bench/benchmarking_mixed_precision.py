@@ -16,11 +16,14 @@ Examples::
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import torch
 from torch import nn
 
-from cs336_systems.bench import benchmarking_script, harness
-from cs336_systems.bench.lm import autocast
+from cs336_systems.bench.common import cli, result_store, timing
+from cs336_systems.bench.common.lm import autocast
 
 PROBLEM = "benchmarking_mixed_precision"
 
@@ -61,12 +64,12 @@ def toy_model_dtypes(dtype: torch.dtype, device: torch.device) -> dict[str, str]
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = harness.base_parser(__doc__)
+    parser = cli.base_parser(__doc__)
     parser.add_argument("--timings", action="store_true", help="also the fp32 vs bf16 sweep of benchmarking_script")
     args, rest = parser.parse_known_args(argv)
-    device = harness.default_device()
-    harness.announce(device, args.quick)
-    store = harness.ResultStore(PROBLEM, args.results_dir, force=True)  # takes milliseconds: always re-run
+    device = timing.default_device()
+    cli.announce(device, args.quick)
+    store = result_store.ResultStore(PROBLEM, args.results_dir, force=True)  # takes milliseconds: always re-run
     for dtype in (torch.float16, torch.bfloat16):
         dtypes = toy_model_dtypes(dtype, device)
         store.add({"autocast": str(dtype).removeprefix("torch."), "device_type": device.type}, {"dtypes": dtypes})
@@ -79,7 +82,8 @@ def main(argv: list[str] | None = None) -> None:
             forwarded.append("--quick")
         if args.results_dir:
             forwarded += ["--results-dir", str(args.results_dir)]
-        benchmarking_script.main(forwarded)
+        # A tool never imports another: the timings run as their own command.
+        subprocess.run([sys.executable, "-m", "cs336_systems.bench.benchmarking_script", *forwarded], check=True)
 
 
 if __name__ == "__main__":

@@ -26,25 +26,27 @@ from typing import Any
 
 import torch
 
-from cs336_systems.bench import harness
-from cs336_systems.bench.lm import (
+from cs336_systems.bench.common import cli, result_store, timing
+from cs336_systems.bench.common.lm import (
     DTYPES,
     MODES,
     SIZES,
-    VOCAB_SIZE,
     LMConfig,
+    add_flops,
     build_model,
     make_optimizer,
     make_step,
+    measure_case,
     random_batch,
 )
+from cs336_systems.bench.common.memory import record_snapshot
 
 PROBLEM = "benchmarking_script"
 WARMUP_STUDY = (0, 1, 2, 5)
 
 
 def parser():
-    p = harness.base_parser(__doc__)
+    p = cli.base_parser(__doc__)
     p.add_argument("--sizes", nargs="+", default=None, choices=list(SIZES), help="model sizes (default: all five)")
     p.add_argument("--context-length", type=int, default=None, help="tokens per sequence (default 512)")
     p.add_argument("--batch-size", type=int, default=4)
@@ -61,56 +63,12 @@ def parser():
     return p
 
 
-def measure_case(
-    config: LMConfig, mode: str, dtype: str, warmup: int, steps: int, device: torch.device,
-    attention: str = "naive", compile_model: bool | str = False, model=None,
-) -> dict[str, Any]:
-    """Time one (size, mode, dtype) case: per-step and per-phase seconds, summarised in ms.
-
-    ``compile_model``: False for eager, True (inductor) or a ``torch.compile`` backend name.
-    """
-    model = model if model is not None else build_model(config, device, attention)
-    if compile_model:
-        runner = torch.compile(model, backend="inductor" if compile_model is True else compile_model)
-    else:
-        runner = model
-    optimizer = make_optimizer(model) if mode == "train_step" else None
-    step = make_step(runner, random_batch(config, device), mode, DTYPES[dtype], optimizer)
-    phases: list[dict[str, float]] = []
-    step_seconds: list[float] = []
-
-    def timed_step():
-        phase_seconds: dict[str, float] = {}
-        step(phase_seconds)
-        phases.append(phase_seconds)
-        step_seconds.append(sum(phase_seconds.values()))
-
-    for _ in range(warmup):
-        step(None)
-    harness.synchronize(device)
-    for _ in range(steps):
-        timed_step()
-    result: dict[str, Any] = {**harness.summarize_ms(step_seconds), "step_ms": [s * 1e3 for s in step_seconds]}
-    for phase in ("forward", "backward", "optimizer"):
-        if phase in phases[0]:
-            result.update(harness.summarize_ms([p[phase] for p in phases], prefix=f"{phase}_"))
-    del optimizer
-    return result
 
 
-def add_flops(result: dict[str, Any], config: LMConfig, mode: str, peak_tflops: float | None) -> None:
-    h = config.hparams
-    flops = harness.lm_forward_flops(
-        VOCAB_SIZE, h["d_model"], h["d_ff"], h["num_layers"], config.batch_size, config.context_length
-    ) * harness.FLOPS_MULTIPLIER[mode]
-    result["flops"] = flops
-    result["peak_tflops"] = peak_tflops
-    if peak_tflops and not result.get("oom"):
-        result["mfu"] = flops / (result["median_ms"] / 1e3) / (peak_tflops * 1e12)
 
 
 def run_sweep(args, device: torch.device) -> list[dict[str, Any]]:
-    store = harness.ResultStore(PROBLEM, args.results_dir, args.force)
+    store = result_store.ResultStore(PROBLEM, args.results_dir, args.force)
     cases = [
         dict(size=size, context_length=args.context_length, batch_size=args.batch_size, mode=mode, dtype=dtype,
              attention=args.attention, compile=args.compile, warmup=args.warmup, steps=args.steps, tag=args.tag)
@@ -119,30 +77,30 @@ def run_sweep(args, device: torch.device) -> list[dict[str, Any]]:
     pending = store.pending(cases)
     print(f"# {len(cases) - len(pending)} of {len(cases)} cases already measured on this device", file=sys.stderr)
     # The warm-up study must meet a cold GPU: no matmul-rate measurement (it would warm cuBLAS) first.
-    peak = harness.measure_matmul_tflops(device) if pending and args.tag != "warmup_study" else None
+    peak = timing.measure_matmul_tflops(device) if pending and args.tag != "warmup_study" else None
     rows = []
     by_size: dict[str, list[dict[str, Any]]] = {}
     for case in pending:
         by_size.setdefault(case["size"], []).append(case)
-    bar = harness.progress(pending, PROBLEM)
+    bar = cli.progress(pending, PROBLEM)
     for size, size_cases in by_size.items():
         config = LMConfig(size, args.context_length, args.batch_size)
-        built = harness.measure_or_oom(lambda: {"model": build_model(config, device, args.attention)})
+        built = result_store.measure_or_oom(lambda: {"model": build_model(config, device, args.attention)})
         model = built.pop("model", None)
         for case in size_cases:
             if built["oom"]:
                 result = dict(built)
             else:
-                result = harness.measure_or_oom(lambda: measure_case(
+                result = result_store.measure_or_oom(lambda: measure_case(
                     config, case["mode"], case["dtype"], args.warmup, args.steps, device, args.attention,
                     args.compile, model))
             add_flops(result, config, case["mode"], peak)
             rows.append(store.add(case, result))
             bar.update()
             model.zero_grad(set_to_none=True) if model is not None else None
-            harness.free_memory()
+            timing.free_memory()
         del model
-        harness.free_memory()
+        timing.free_memory()
     bar.close()
     return rows
 
@@ -166,8 +124,6 @@ def run_warmup_study(args) -> None:
 
 def record_extras(args, device: torch.device) -> None:
     """The optional memory snapshot and profiler trace, of the first size/mode/dtype."""
-    from cs336_systems.bench import memory_profiling
-
     config = LMConfig(args.sizes[0], args.context_length, args.batch_size)
     mode, dtype = args.modes[0], args.dtypes[0]
     model = build_model(config, device, args.attention)
@@ -175,13 +131,13 @@ def record_extras(args, device: torch.device) -> None:
     step = make_step(model, random_batch(config, device), mode, DTYPES[dtype], optimizer)
     step(None)
     if args.memory_snapshot:
-        memory_profiling.record_snapshot(lambda: [step(None) for _ in range(2)], args.memory_snapshot, device)
+        record_snapshot(lambda: [step(None) for _ in range(2)], args.memory_snapshot, device)
         print(f"# memory snapshot: {args.memory_snapshot}", file=sys.stderr)
     if args.trace:
         with torch.profiler.profile(activities=profiler_activities(device)) as prof:
             for _ in range(2):
                 step(None)
-            harness.synchronize(device)
+            timing.synchronize(device)
         prof.export_chrome_trace(args.trace)
         print(f"# profiler trace: {args.trace}", file=sys.stderr)
 
@@ -195,8 +151,8 @@ def profiler_activities(device: torch.device) -> list:
 
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
-    device = harness.default_device()
-    harness.announce(device, args.quick)
+    device = timing.default_device()
+    cli.announce(device, args.quick)
     tiny = args.quick or device.type == "cpu"
     if args.sizes is None:
         args.sizes = ["tiny"] if tiny else ["small", "medium", "large", "xl", "2.7B"]
@@ -211,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = run_sweep(args, device)
     if args.memory_snapshot or args.trace:
         record_extras(args, device)
-    harness.print_table(rows, ["size", "mode", "dtype", "warmup", "mean_ms", "std_ms", "forward_mean_ms",
+    cli.print_table(rows, ["size", "mode", "dtype", "warmup", "mean_ms", "std_ms", "forward_mean_ms",
                                "backward_mean_ms", "optimizer_mean_ms", "mfu", "oom"])
 
 

@@ -35,13 +35,10 @@ Examples::
 
 from __future__ import annotations
 
-import argparse
 import os
-import re
 import statistics
 import sys
 import tempfile
-import timeit
 from pathlib import Path
 from typing import Any
 
@@ -49,30 +46,30 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cs336_basics.nn_utils import cross_entropy
-from cs336_systems.bench import distributed_launch as dl
-from cs336_systems.bench import harness, timeline
-from cs336_systems.bench.lm import DTYPES, SIZES, LMConfig, autocast, build_model, make_optimizer, random_batch
-from cs336_systems.parallel.ddp import wrap_ddp
+from cs336_systems.bench.common import cli, result_store, timeline, timing
+from cs336_systems.bench.common import distributed_launch as dl
+from cs336_systems.bench.common.ddp_step import (
+    BUCKETED,
+    LOCAL,
+    VARIANTS,
+    Marker,
+    communication_calls,
+    make_train_step,
+    time_steps,
+    variant_name,
+    wrap,
+)
+from cs336_systems.bench.common.lm import DTYPES, SIZES, LMConfig, build_model, make_optimizer, random_batch
 
 PROBLEM = "ddp_benchmarking"
-LOCAL = "local"
-VARIANTS = ["naive", "flat", "overlap", "bucketed_1mb", "bucketed_10mb", "bucketed_100mb", "bucketed_1000mb",
-            "torch_ddp"]
 TRACE_VARIANTS = ["naive", "bucketed_100mb"]
-BUCKETED = re.compile(r"bucketed_(\d+(?:\.\d+)?)mb")
 DEFAULT_TRACE_DIR = Path(os.environ.get("OUT") or tempfile.gettempdir()) / "ddp_traces"
 
 
-def variant_name(name: str) -> str:
-    """Validate a variant name (argparse type): a fixed name or ``bucketed_<N>mb``."""
-    if name in (*VARIANTS, LOCAL) or BUCKETED.fullmatch(name):
-        return name
-    raise argparse.ArgumentTypeError(f"unknown variant {name!r}: one of {', '.join(VARIANTS)}, or bucketed_<N>mb")
 
 
 def parser():
-    p = harness.base_parser(__doc__)
+    p = cli.base_parser(__doc__)
     p.add_argument("--variants", nargs="+", type=variant_name, default=VARIANTS, help="default: all")
     p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
     p.add_argument("--size", default=None, choices=list(SIZES), help="model size (default xl; tiny on CPU)")
@@ -86,7 +83,7 @@ def parser():
     p.add_argument("--trace-variants", nargs="+", type=variant_name, default=TRACE_VARIANTS,
                    help=f"default {' '.join(TRACE_VARIANTS)}")
     p.add_argument("--trace-dir", type=Path, default=DEFAULT_TRACE_DIR, help=f"raw traces (default {DEFAULT_TRACE_DIR})")
-    p.add_argument("--figures-dir", type=Path, default=None, help=f"where PNGs go (default {harness.FIGURES_DIR})")
+    p.add_argument("--figures-dir", type=Path, default=None, help=f"where PNGs go (default {result_store.FIGURES_DIR})")
     p.add_argument("--timeout-s", type=float, default=3600.0, help="give up if the run hangs this long")
     return p
 
@@ -96,92 +93,14 @@ def parser():
 # ---------------------------------------------------------------------------------------------
 
 
-def wrap(variant: str, model: nn.Module, device: torch.device) -> nn.Module:
-    """``model`` inside the data-parallel wrapper that ``variant`` names (itself for ``local``)."""
-    if variant == LOCAL:
-        return model
-    if variant == "torch_ddp":
-        return nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    bucketed = BUCKETED.fullmatch(variant)
-    if bucketed:
-        return wrap_ddp("bucketed", model, float(bucketed.group(1)))
-    return wrap_ddp({"naive": "naive", "flat": "flattened", "overlap": "overlapped"}[variant], model)
 
 
-def communication_calls(variant: str, wrapped: nn.Module) -> int | None:
-    """All-reduce calls per step (``n_b`` of the overhead model); None where PyTorch decides."""
-    if variant == LOCAL:
-        return 0
-    if hasattr(wrapped, "buckets"):
-        return len(wrapped.buckets)
-    if variant == "flat":
-        return len({(p.dtype, p.device) for p in wrapped.trainable_parameters()})
-    if variant in ("naive", "overlap"):
-        return len(wrapped.trainable_parameters())
-    return None
 
 
-class Marker:
-    """Points in a rank's step on the device timeline (CUDA events), or wall-clock times on a CPU."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-
-    def mark(self):
-        if not self.cuda:
-            return timeit.default_timer()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def elapsed_ms(self, start, end) -> float:
-        """Milliseconds between two marks (after the device has passed both)."""
-        return start.elapsed_time(end) if self.cuda else (end - start) * 1e3
 
 
-def make_train_step(wrapped: nn.Module, optimizer, batch, dtype: torch.dtype | None, marker: Marker):
-    """A training step ``step(update=True) -> (mark after backward, mark after gradient synchronisation)``.
-
-    ``update=False`` stops before ``optimizer.step()``. The phases are ``record_function`` ranges, so a
-    profiler trace shows them on the timeline.
-    """
-    x, y = batch
-    finish = getattr(wrapped, "finish_gradient_synchronization", None)
-    start = getattr(wrapped, "on_train_batch_start", None)
-
-    def step(update: bool = True):
-        if start is not None:
-            start()
-        optimizer.zero_grad(set_to_none=True)
-        with torch.profiler.record_function("forward"), autocast(x.device, dtype):
-            loss = cross_entropy(wrapped(x), y)
-        with torch.profiler.record_function("backward"):
-            loss.backward()
-        after_backward = marker.mark()
-        with torch.profiler.record_function("finish_gradient_synchronization"):
-            if finish is not None:
-                finish()
-        after_sync = marker.mark()
-        if update:
-            with torch.profiler.record_function("optimizer"):
-                optimizer.step()
-        return after_backward, after_sync
-
-    return step
 
 
-def time_steps(step, device: torch.device, marker: Marker, warmup: int, steps: int) -> tuple[list[float], list[float]]:
-    """This rank's step times and gradient-synchronisation times (ms) of ``steps`` steps after ``warmup``."""
-    step_ms, sync_ms = [], []
-    for i in range(warmup + steps):
-        harness.synchronize(device)
-        start = timeit.default_timer()
-        marks = step()
-        harness.synchronize(device)
-        if i >= warmup:
-            step_ms.append((timeit.default_timer() - start) * 1e3)
-            sync_ms.append(marker.elapsed_ms(*marks))
-    return step_ms, sync_ms
 
 
 def trace_step(step, device: torch.device, path: Path) -> timeline.Timeline:
@@ -191,7 +110,7 @@ def trace_step(step, device: torch.device, path: Path) -> timeline.Timeline:
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=activities) as prof:
         step()
-        harness.synchronize(device)
+        timing.synchronize(device)
     path.parent.mkdir(parents=True, exist_ok=True)
     prof.export_chrome_trace(str(path))
     return timeline.timeline_from_trace(timeline.load_trace(path))
@@ -224,12 +143,12 @@ def trace_and_draw(step, variant: str, dtype: str, device: torch.device, args, s
     path = args.trace_dir / f"ddp_{variant}_{dtype}_rank{rank}.json.gz"  # gzipped by the profiler: 10x smaller
     timelines = dl.gather(trace_step(step, device, path))  # gathered, not re-read: ranks may be on other hosts
     summaries = [timeline.overlap_summary(t) for t in timelines]
-    figure = (args.figures_dir or harness.FIGURES_DIR) / f"ddp_overlap_{variant}_{dtype}.png"
+    figure = (args.figures_dir or result_store.FIGURES_DIR) / f"ddp_overlap_{variant}_{dtype}.png"
     if rank == 0:
         title = (f"{variant} DDP, {args.size} model, {dtype}, context {args.context_length}, "
-                 f"{args.batch_size} sequences per rank, {harness.environment()['device']}: one traced step "
+                 f"{args.batch_size} sequences per rank, {result_store.environment()['device']}: one traced step "
                  f"(untraced median {step_ms:.0f} ms)")
-        timeline.render(timelines, figure, title)
+        timeline.render_lanes(timelines, figure, title)
         print(f"# trace: {path.parent} (rank traces), figure {figure}", file=sys.stderr)
 
     def mean(key):
@@ -237,7 +156,7 @@ def trace_and_draw(step, variant: str, dtype: str, device: torch.device, args, s
         return statistics.fmean(values) if values else None
 
     shown = figure.resolve()
-    shown = shown.relative_to(harness.REPO_ROOT) if shown.is_relative_to(harness.REPO_ROOT) else shown
+    shown = shown.relative_to(result_store.REPO_ROOT) if shown.is_relative_to(result_store.REPO_ROOT) else shown
     return {"trace_comm_busy_ms": mean("comm_busy_ms"), "trace_comm_exposed_ms": mean("comm_exposed_ms"),
             "trace_overlap_share": mean("overlap_share"), "trace_figure": str(shown)}
 
@@ -259,7 +178,7 @@ def wanted_cases(args, world_size: int) -> list[dict[str, Any]]:
 
 def _worker(rank: int, world_size: int, args) -> None:
     device = dl.rank_device()
-    store = harness.ResultStore(PROBLEM, args.results_dir, args.force) if rank == 0 else None
+    store = result_store.ResultStore(PROBLEM, args.results_dir, args.force) if rank == 0 else None
     pending = dl.from_rank0(store.pending(wanted_cases(args, world_size)) if rank == 0 else None)
     todo = [c for c in pending if c["variant"] != LOCAL]
     if not pending:
@@ -270,7 +189,7 @@ def _worker(rank: int, world_size: int, args) -> None:
     batch = random_batch(lm_config, device, generator_seed=rank)  # each rank its own sequences, same in every variant
     compute_ms: dict[str, float] = {}
     rows = []
-    bar = harness.progress(variants, PROBLEM) if rank == 0 else None
+    bar = cli.progress(variants, PROBLEM) if rank == 0 else None
     for variant in variants:
         torch.manual_seed(0)  # the same weights for every variant (the wrappers also broadcast rank 0's)
         model = build_model(lm_config, device, args.attention)
@@ -290,12 +209,12 @@ def _worker(rank: int, world_size: int, args) -> None:
             if rank == 0:
                 rows.append(store.add(config, result) if config in pending else {**config, **result})
         del model, wrapped, optimizer
-        harness.free_memory()
+        timing.free_memory()
         if bar is not None:
             bar.update()
     if rank == 0:
         bar.close()
-        harness.print_table(rows, ["variant", "dtype", "step_ms", "comm_ms", "compute_ms", "exposed_ms",
+        cli.print_table(rows, ["variant", "dtype", "step_ms", "comm_ms", "compute_ms", "exposed_ms",
                                    "exposed_share", "n_buckets"])
 
 

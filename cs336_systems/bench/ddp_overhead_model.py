@@ -33,11 +33,9 @@ from typing import Any
 
 import numpy as np
 
-from cs336_systems.bench import harness
-from cs336_systems.bench.ddp_benchmarking import BUCKETED
-from cs336_systems.bench.ddp_benchmarking import PROBLEM as DDP_PROBLEM
-from cs336_systems.bench.distributed_communication_single_node import PROBLEM as ALLREDUCE_PROBLEM
-from cs336_systems.bench.distributed_communication_single_node import fits_by_setting
+from cs336_systems.bench.common import cli, result_store
+from cs336_systems.bench.common.allreduce_fit import fits_by_setting
+from cs336_systems.bench.common.ddp_step import BUCKETED
 
 MB = 1024**2  # bucket sizes are MiB, as DDPBucketed's bucket_size_mb
 
@@ -168,9 +166,9 @@ def compare(allreduce_rows: list[dict[str, Any]], ddp_rows: list[dict[str, Any]]
 def compare_files(results_dir: Path | None = None, dtypes: tuple[str, ...] = ("fp32", "bf16"),
                   backend: str = "nccl") -> list[dict[str, Any]]:
     """:func:`compare` for each dtype that has rows, from the results files in ``results_dir``."""
-    results_dir = Path(results_dir or harness.RESULTS_DIR)
-    allreduce = read_rows(results_dir / f"{ALLREDUCE_PROBLEM}.jsonl")
-    ddp = read_rows(results_dir / f"{DDP_PROBLEM}.jsonl")
+    results_dir = Path(results_dir or result_store.RESULTS_DIR)
+    allreduce = read_rows(results_dir / "distributed_communication_single_node.jsonl")
+    ddp = read_rows(results_dir / "ddp_benchmarking.jsonl")
     out = []
     for dtype in dtypes:
         try:
@@ -182,7 +180,7 @@ def compare_files(results_dir: Path | None = None, dtypes: tuple[str, ...] = ("f
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--results-dir", type=Path, default=None, help=f"default {harness.RESULTS_DIR}")
+    p.add_argument("--results-dir", type=Path, default=None, help=f"default {result_store.RESULTS_DIR}")
     p.add_argument("--backend", default="nccl", choices=["nccl", "gloo"])
     args = p.parse_args(argv)
     for result in compare_files(args.results_dir, backend=args.backend):
@@ -197,7 +195,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"fitted to the measured times: o = {result['fitted_per_call_us']:.1f} us, "
                   f"w = {result['fitted_bandwidth_gbps']:.1f} GB/s, optimum "
                   f"{'-' if optimum is None else f'{optimum:.1f} MiB'}")
-        harness.print_table(result["rows"], ["variant", "n_buckets", "step_ms", "measured_exposed_ms",
+        cli.print_table(result["rows"], ["variant", "n_buckets", "step_ms", "measured_exposed_ms",
                                              "predicted_overhead_ms", "fitted_overhead_ms"])
 
 

@@ -29,16 +29,15 @@ import os
 import statistics
 import sys
 import timeit
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from cs336_systems.bench import distributed_launch as dl
-from cs336_systems.bench import harness
+from cs336_systems.bench.common import cli, result_store, timing
+from cs336_systems.bench.common import distributed_launch as dl
+from cs336_systems.bench.common.allreduce_fit import bus_bandwidth, fits_by_setting, latest_rows
 
 PROBLEM = "distributed_communication_single_node"
 SIZES_MB = [1, 10, 100, 1000]
@@ -48,7 +47,7 @@ BACKENDS = ["gloo", "nccl"]
 
 
 def parser():
-    p = harness.base_parser(__doc__)
+    p = cli.base_parser(__doc__)
     p.add_argument("--backends", nargs="+", choices=BACKENDS, default=BACKENDS,
                    help="nccl is skipped for world sizes with too few GPUs (default: both)")
     p.add_argument("--world-sizes", nargs="+", type=int, default=None, help=f"default {WORLD_SIZES}")
@@ -58,14 +57,11 @@ def parser():
     p.add_argument("--min-iters", type=int, default=3, help="timed calls at least (default 3)")
     p.add_argument("--budget-s", type=float, default=3.0,
                    help="timed calls per case are cut to about this many seconds (within the bounds above)")
-    p.add_argument("--figures-dir", type=Path, default=None, help=f"where the plot goes (default {harness.FIGURES_DIR})")
+    p.add_argument("--figures-dir", type=Path, default=None, help=f"where the plot goes (default {result_store.FIGURES_DIR})")
     p.add_argument("--timeout-s", type=float, default=1200.0, help="give up if a group hangs this long")
     return p
 
 
-def bus_bandwidth(algbw: float, world_size: int) -> float:
-    """A ring all-reduce moves ``2 (n - 1) / n`` times the data through each rank's link."""
-    return algbw * 2 * (world_size - 1) / world_size
 
 
 # ---------------------------------------------------------------------------------------------
@@ -76,10 +72,10 @@ def bus_bandwidth(algbw: float, world_size: int) -> float:
 def _timed_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> float:
     """Seconds of one all-reduce on this rank, started right after a barrier."""
     dist.barrier(group=group)
-    harness.synchronize(tensor.device)
+    timing.synchronize(tensor.device)
     start = timeit.default_timer()
     dist.all_reduce(tensor, group=group)
-    harness.synchronize(tensor.device)
+    timing.synchronize(tensor.device)
     return timeit.default_timer() - start
 
 
@@ -107,7 +103,7 @@ def measure_case(size_mb: float, group: dist.ProcessGroup | None, device: torch.
         "bytes": numel * 4,
         "warmup": warmup + 1,
         "iters": iters,
-        **harness.summarize_ms(seconds),
+        **timing.summarize_ms(seconds),
         "rank_mean_ms": [statistics.fmean(times) * 1e3 for times in per_rank],
         "call_ms": [s * 1e3 for s in seconds],
         "algbw_gbps": algbw,
@@ -121,18 +117,18 @@ def wanted_cases(args, world_size: int, backends: list[str]) -> list[dict[str, A
 
 def _worker(rank: int, world_size: int, args, backends: list[str]) -> None:
     default_backend = dist.get_backend()
-    store = harness.ResultStore(PROBLEM, args.results_dir, args.force) if rank == 0 else None
+    store = result_store.ResultStore(PROBLEM, args.results_dir, args.force) if rank == 0 else None
     cases = dl.from_rank0(store.pending(wanted_cases(args, world_size, backends)) if rank == 0 else None)
     for backend in backends:
         # Every rank creates every group, in the same order (new_group is collective).
         group = None if backend == default_backend else dist.new_group(backend=backend)
         device = dl.rank_device() if backend == "nccl" else torch.device("cpu")
         todo = [case for case in cases if case["backend"] == backend]
-        for case in harness.progress(todo, f"{backend} x{world_size}") if rank == 0 else todo:
+        for case in cli.progress(todo, f"{backend} x{world_size}") if rank == 0 else todo:
             result = measure_case(case["size_mb"], group, device, args)
             if rank == 0:
                 store.add(case, result)
-        harness.free_memory()
+        timing.free_memory()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -140,59 +136,12 @@ def _worker(rank: int, world_size: int, args, backends: list[str]) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class LatencyBandwidth:
-    """``t(bytes) = alpha_s + bytes / beta_bytes_per_s`` for one all-reduce call."""
-
-    alpha_s: float
-    beta_bytes_per_s: float
-
-    def seconds(self, nbytes: float) -> float:
-        return self.alpha_s + nbytes / self.beta_bytes_per_s
 
 
-def fit_latency_bandwidth(nbytes: list[float], seconds: list[float]) -> LatencyBandwidth:
-    """Least squares of ``t = alpha + bytes / beta`` on relative errors (so 1 MB counts as much as 1 GB).
-
-    A negative intercept (noise on tiny per-call times) is clamped to zero and ``beta`` refitted alone.
-    """
-    x, t = np.asarray(nbytes, dtype=float), np.asarray(seconds, dtype=float)
-    if len(x) < 2 or len(set(x)) < 2:
-        raise ValueError("fitting latency and bandwidth needs at least two different sizes")
-    design = np.stack([np.ones_like(x), x], axis=1) / t[:, None]
-    (alpha, inverse_beta), *_ = np.linalg.lstsq(design, np.ones_like(t), rcond=None)
-    if alpha < 0:
-        alpha = 0.0
-        inverse_beta = float(np.sum(x / t) / np.sum((x / t) ** 2))  # argmin sum (x/t * b - 1)^2
-    if inverse_beta <= 0:
-        raise ValueError("all-reduce times do not grow with size: no bandwidth to fit")
-    return LatencyBandwidth(float(alpha), float(1 / inverse_beta))
 
 
-def latest_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The last row of each (backend, world size, size) that has a time, in file order."""
-    latest = {}
-    for row in rows:
-        if row.get("mean_ms") is not None:
-            latest[(row["backend"], row["world_size"], row["bytes"])] = row
-    return list(latest.values())
 
 
-def fits_by_setting(rows: list[dict[str, Any]]) -> dict[tuple[str, int], LatencyBandwidth]:
-    """One latency-bandwidth fit per (backend, world size) from the mean call times of ``rows``.
-
-    Settings with fewer than two sizes, or whose times do not grow with size (tiny, noisy tensors), have none.
-    """
-    groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
-    for row in latest_rows(rows):
-        groups.setdefault((row["backend"], row["world_size"]), []).append(row)
-    fits = {}
-    for key, group in sorted(groups.items()):
-        try:
-            fits[key] = fit_latency_bandwidth([r["bytes"] for r in group], [r["mean_ms"] / 1e3 for r in group])
-        except ValueError:
-            continue
-    return fits
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
@@ -261,7 +210,7 @@ def main(argv: list[str] | None = None) -> None:
         args.warmup, args.iters, args.min_iters = 1, 3, 2
     if dl.under_torchrun():
         args.world_sizes = [int(os.environ["WORLD_SIZE"])]
-    store = harness.ResultStore(PROBLEM, args.results_dir, args.force)
+    store = result_store.ResultStore(PROBLEM, args.results_dir, args.force)
     for world_size, backend, backends in settings(args):
         if store.pending(wanted_cases(args, world_size, backends)):  # else no group to start
             dl.launch(_worker, world_size, args, backends, backend=backend, timeout_s=args.timeout_s)
@@ -275,19 +224,19 @@ def report(args) -> None:
     Rows of machines with more GPUs of the same kind join in (NCCL with 4 ranks, say); of each case the
     latest row counts.
     """
-    store = harness.ResultStore(PROBLEM, args.results_dir)
+    store = result_store.ResultStore(PROBLEM, args.results_dir)
     rows = [row for row in store.rows() if row.get("env", {}).get("gpu_name") == store.env["gpu_name"]]
     shown = sorted(latest_rows(rows), key=lambda r: (r["backend"], r["world_size"], r["bytes"]))
-    harness.print_table(shown, ["backend", "world_size", "size_mb", "iters", "mean_ms", "median_ms", "algbw_gbps",
+    cli.print_table(shown, ["backend", "world_size", "size_mb", "iters", "mean_ms", "median_ms", "algbw_gbps",
                                 "busbw_gbps"], digits=3)
     fits = fits_by_setting(rows)
     print("\nlatency-bandwidth fits, t = alpha + bytes / beta:")
-    harness.print_table(
+    cli.print_table(
         [{"backend": b, "world_size": n, "alpha_us": f.alpha_s * 1e6, "beta_gbps": f.beta_bytes_per_s / 1e9}
          for (b, n), f in fits.items()],
         ["backend", "world_size", "alpha_us", "beta_gbps"],
     )
-    path = (args.figures_dir or harness.FIGURES_DIR) / f"{PROBLEM}.png"
+    path = (args.figures_dir or result_store.FIGURES_DIR) / f"{PROBLEM}.png"
     plot(rows, path)
     print(f"# plot: {path}", file=sys.stderr)
 

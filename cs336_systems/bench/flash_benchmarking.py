@@ -2,7 +2,7 @@
 
 SPEC 3.6: batch 1 (one head), causal, sequence length 128..65536 (powers of two) x head dim 16, 32, 64, 128 x
 {bf16, fp32}; forward, backward and forward+backward latency with ``triton.testing.do_bench`` (mean over the
-samples; see ``flash_providers`` for what each phase times) of
+samples; see ``common/attention_providers`` for what each phase times) of
 
 * ``ours``: ``FlashAttention2Triton.apply`` (eager),
 * ``naive`` and ``naive_compiled``: the plain PyTorch attention, eager and ``torch.compile``-d,
@@ -37,8 +37,8 @@ from typing import Any
 
 import torch
 
-from cs336_systems.bench import flash_providers as fp
-from cs336_systems.bench import harness
+from cs336_systems.bench.common import attention_providers as fp
+from cs336_systems.bench.common import cli, result_store, timing
 
 PROBLEM = "flash_benchmarking"
 SEQ_LENS = [2**i for i in range(7, 17)]  # 128 .. 65536
@@ -52,7 +52,7 @@ SHAPE_KEYS = ("dtype", "d_head", "seq_len")
 
 
 def parser():
-    p = harness.base_parser(__doc__)
+    p = cli.base_parser(__doc__)
     p.add_argument("--providers", nargs="+", choices=list(fp.PROVIDERS), default=None,
                    help=f"default: {' '.join(GPU_PROVIDERS)} on a GPU, {' '.join(CPU_PROVIDERS)} on a CPU")
     p.add_argument("--seq-lens", nargs="+", type=int, default=None)
@@ -67,7 +67,7 @@ def parser():
     p.add_argument("--fixed-tiles", action="store_true", help="our kernels with fixed tiles instead of autotuning")
     p.add_argument("--time-limit-s", type=float, default=None,
                    help="start no new case after this many seconds (run again to resume)")
-    p.add_argument("--figures-dir", type=Path, default=None, help=f"where PNGs go (default {harness.FIGURES_DIR})")
+    p.add_argument("--figures-dir", type=Path, default=None, help=f"where PNGs go (default {result_store.FIGURES_DIR})")
     p.add_argument("--no-plot", action="store_true")
     return p
 
@@ -118,39 +118,15 @@ def make_cases(args) -> list[dict[str, Any]]:
     return cases
 
 
-def measure_case(
-    provider_name: str, q, k, v, device: torch.device, rep_ms: float, warmup_ms: float, phases=fp.PHASES
-) -> dict[str, Any]:
-    """One provider's phases on ``q, k, v`` (row fields: times, or ``oom``, or an ``error``)."""
-    provider = fp.get_provider(provider_name)
-    reason = provider.unavailable_reason(device)
-    if reason:
-        return {"error": reason, "unsupported": True}
-    result = fp.time_phases(provider, q, k, v, device, phases, warmup_ms, rep_ms)
-    if provider.triton:
-        result["autotune"] = fp.autotuning()
-    return result
 
 
-def measure_shape(
-    providers: list[str], seq_len: int, d_head: int, dtype: str, device: torch.device, rep_ms: float,
-    warmup_ms: float, phases: dict[str, tuple[str, ...]] | None = None,
-) -> dict[str, dict[str, Any]]:
-    """:func:`measure_case` of each provider on one batch-1 causal input (``phases[provider]`` narrows what
-    is timed; default: every phase). Used by ``flash_log`` for its sweep points."""
-    q, k, v = fp.make_inputs(1, seq_len, d_head, fp.DTYPES[dtype], device)
-    results = {}
-    for name in providers:
-        results[name] = measure_case(name, q, k, v, device, rep_ms, warmup_ms, (phases or {}).get(name, fp.PHASES))
-        harness.free_memory()
-    return results
 
 
-def run_sweep(args, device: torch.device) -> harness.ResultStore:
-    store = harness.ResultStore(PROBLEM, args.results_dir, args.force)
+def run_sweep(args, device: torch.device) -> result_store.ResultStore:
+    store = result_store.ResultStore(PROBLEM, args.results_dir, args.force)
     pending = store.pending(make_cases(args))
     start, inputs, shape = time.monotonic(), None, None
-    bar = harness.progress(pending, PROBLEM)
+    bar = cli.progress(pending, PROBLEM)
     for case in bar:
         if args.time_limit_s is not None and time.monotonic() - start > args.time_limit_s:
             print(f"\n# time limit reached: {len(pending) - bar.n} cases left; run again to resume", file=sys.stderr)
@@ -158,15 +134,15 @@ def run_sweep(args, device: torch.device) -> harness.ResultStore:
         bar.set_postfix_str(f"{case['provider']} {case['dtype']} d={case['d_head']} n={case['seq_len']}")
         if shape != tuple(case[key] for key in SHAPE_KEYS):
             inputs = None
-            harness.free_memory()
+            timing.free_memory()
             shape = tuple(case[key] for key in SHAPE_KEYS)
             inputs = fp.make_inputs(1, case["seq_len"], case["d_head"], fp.DTYPES[case["dtype"]], device)
-        store.add(case, measure_case(case["provider"], *inputs, device, args.rep, args.warmup))
+        store.add(case, fp.measure_provider(case["provider"], *inputs, device, args.rep, args.warmup))
     bar.close()
     return store
 
 
-def latest_rows(store: harness.ResultStore) -> list[dict[str, Any]]:
+def latest_rows(store: result_store.ResultStore) -> list[dict[str, Any]]:
     """This device's rows, the latest one of each (provider, length, head dim, dtype)."""
     latest = {}
     for row in store.rows():
@@ -230,8 +206,8 @@ def plot(rows: list[dict[str, Any]], dtype: str, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
-    device = harness.default_device()
-    harness.announce(device, args.quick)
+    device = timing.default_device()
+    cli.announce(device, args.quick)
     resolve_defaults(args, device)
     if args.fixed_tiles:
         fp.use_fixed_tiles()
@@ -244,7 +220,7 @@ def main(argv: list[str] | None = None) -> None:
         print("# forward+backward ms, everything measured on this device:")
         print(table(rows))
     if not args.no_plot:
-        figures_dir = args.figures_dir or harness.FIGURES_DIR
+        figures_dir = args.figures_dir or result_store.FIGURES_DIR
         for dtype in sorted({r["dtype"] for r in rows}):
             path = figures_dir / f"{PROBLEM}_{dtype}.png"
             plot(rows, dtype, path)

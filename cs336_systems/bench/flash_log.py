@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
-from cs336_systems.bench import flash_benchmarking, harness, leaderboard
-from cs336_systems.bench import flash_providers as fp
+from cs336_systems.bench.common import attention_providers as fp
+from cs336_systems.bench.common import cli, result_store, timing
 
 PROBLEM = "flash_optimisation_log"
 POINTS = [(4096, 64), (16384, 64), (16384, 128), (65536, 64), (65536, 128)]
@@ -50,7 +50,7 @@ def point(text: str) -> tuple[int, int]:
 
 
 def parser():
-    p = harness.base_parser(__doc__)
+    p = cli.base_parser(__doc__)
     p.add_argument("--step", help="the step's name (short, unique)")
     p.add_argument("--hypothesis", default="", help="the idea and the predicted effect")
     p.add_argument("--decision", choices=DECISIONS, default="pending")
@@ -69,7 +69,7 @@ def git_dirty() -> bool | None:
     """Whether tracked files differ from the commit (None outside a git checkout): a dirty step's numbers
     belong to code that no commit holds."""
     try:
-        out = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=harness.REPO_ROOT,
+        out = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=result_store.REPO_ROOT,
                              capture_output=True, text=True, check=True)
     except (OSError, subprocess.CalledProcessError):
         return None
@@ -77,7 +77,7 @@ def git_dirty() -> bool | None:
 
 
 def leaderboard_summary(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The log's view of ``leaderboard.measure_all``: ms, ratio to cuDNN, and the checks of ours."""
+    """The log's view of ``attention_providers.measure_leaderboard``: ms, ratio to cuDNN, and the checks of ours."""
     ours, cudnn = results.get("ours", {}), results.get("sdpa_cudnn", {})
     summary = {
         "ours_fwd_bwd_ms": ours.get("fwd_bwd_ms"),
@@ -110,11 +110,11 @@ def point_summary(seq_len: int, d_head: int, results: dict[str, dict[str, Any]])
 
 def measure_step(args, device: torch.device) -> dict[str, Any]:
     """The leaderboard shape and every point, summarised as the row's measurements."""
-    board = leaderboard.measure_all(LEADERBOARD_PROVIDERS, leaderboard.HEADS, leaderboard.SEQ_LEN, leaderboard.D_HEAD,
-                                    leaderboard.DTYPE, device, args.rep, args.warmup)
+    board = fp.measure_leaderboard(LEADERBOARD_PROVIDERS, fp.LEADERBOARD_HEADS, fp.LEADERBOARD_SEQ_LEN, fp.LEADERBOARD_D_HEAD,
+                                    fp.LEADERBOARD_DTYPE, device, args.rep, args.warmup)
     points = []
-    for seq_len, d_head in harness.progress(args.points, "sweep points"):
-        results = flash_benchmarking.measure_shape(POINT_PROVIDERS, seq_len, d_head, "bf16", device, args.point_rep,
+    for seq_len, d_head in cli.progress(args.points, "sweep points"):
+        results = fp.measure_shape(POINT_PROVIDERS, seq_len, d_head, "bf16", device, args.point_rep,
                                                    args.point_warmup, POINT_PHASES)
         points.append(point_summary(seq_len, d_head, results))
     return {"leaderboard": leaderboard_summary(board), "points": points,
@@ -155,7 +155,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
-    store = harness.ResultStore(PROBLEM, args.results_dir, force=True)  # a log: every call appends
+    store = result_store.ResultStore(PROBLEM, args.results_dir, force=True)  # a log: every call appends
     if args.show:
         print(markdown(store.rows()))
         return
@@ -165,11 +165,11 @@ def main(argv: list[str] | None = None) -> None:
         store.add({"step": args.step}, {"decision": args.decision, "note": args.note})
         print(f"# {args.step}: {args.decision}")
         return
-    device = harness.default_device()
+    device = timing.default_device()
     if device.type != "cuda":
         print("# flash_log measures our Triton kernels: it needs a CUDA GPU", file=sys.stderr)
         sys.exit(2)
-    harness.announce(device, args.quick)
+    cli.announce(device, args.quick)
     if args.quick:
         args.rep, args.warmup, args.points = min(args.rep, 200), min(args.warmup, 50), args.points[:2]
     measurements = measure_step(args, device)
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> None:
     board = row["leaderboard"]
     print(f"# leaderboard shape: ours {board['ours_fwd_bwd_ms']} ms, cuDNN {board['sdpa_cudnn_fwd_bwd_ms']} ms, "
           f"ours/cuDNN {board['ratio_vs_cudnn']}; verified {board.get('verified')}")
-    harness.print_table(row["points"], ["seq_len", "d_head", "ours_fwd_ms", "ours_bwd_ms", "ours_fwd_bwd_ms",
+    cli.print_table(row["points"], ["seq_len", "d_head", "ours_fwd_ms", "ours_bwd_ms", "ours_fwd_bwd_ms",
                                         "sdpa_cudnn_fwd_bwd_ms", "sdpa_flash_fwd_bwd_ms", "ratio_vs_cudnn",
                                         "ratio_vs_fa2"], digits=3)
     if board.get("verified") is False:

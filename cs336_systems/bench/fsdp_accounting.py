@@ -23,7 +23,7 @@ minus the few gathered bf16 weights and fp32 gradient buffers in flight. For xl 
 
 ``--trace DIR`` records one step of ours with ``torch.profiler`` (chrome traces in DIR, one per rank, kept
 out of git) and draws ``writeup/figures/fsdp_timeline.png``: compute vs communication kernels on the GPU,
-and whether each all-gather finished before its layer needed it (``cs336_systems.bench.comm_timeline``).
+and whether each all-gather finished before its layer needed it (``cs336_systems.bench.common.timeline``).
 
 ``--check`` trains a small LM with our FSDP in fp32 and with bf16 compute and compares the weights with one
 process trained on the full batch (by accumulation over the ranks' slices in rank order; the bf16 reference
@@ -52,8 +52,8 @@ from torch.nn.utils import parametrize
 from cs336_basics.model import Embedding, Linear
 from cs336_basics.nn_utils import cross_entropy
 from cs336_basics.optimizer import AdamW
-from cs336_systems.bench import comm_timeline, harness
-from cs336_systems.bench.lm import DTYPES, SIZES, VOCAB_SIZE, LMConfig, autocast, build_model, random_batch
+from cs336_systems.bench.common import cli, result_store, timeline, timing
+from cs336_systems.bench.common.lm import DTYPES, SIZES, VOCAB_SIZE, LMConfig, autocast, build_model, random_batch
 from cs336_systems.parallel.ddp import DDPIndividualParameters
 from cs336_systems.parallel.distributed import cleanup, init_from_env, spawn
 from cs336_systems.parallel.fsdp import FSDP
@@ -64,7 +64,7 @@ BYTES_PER_PARAM = 16  # fp32 weight, gradient, and AdamW's two moments
 
 
 def parser():
-    p = harness.base_parser(__doc__)
+    p = cli.base_parser(__doc__)
     p.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS))
     p.add_argument("--size", default=None, choices=list(SIZES), help="model size (default xl; tiny on a CPU)")
     p.add_argument("--context-length", type=int, default=None, help="default 512 (32 on a CPU)")
@@ -76,7 +76,7 @@ def parser():
     p.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto",
                    help="auto: NCCL with one GPU per rank when there are GPUs, else gloo ranks on the CPU")
     p.add_argument("--trace", default=None, metavar="DIR", help="also trace one step of ours into DIR and draw it")
-    p.add_argument("--figure", default=str(harness.FIGURES_DIR / "fsdp_timeline.png"), help="where the timeline goes")
+    p.add_argument("--figure", default=str(result_store.FIGURES_DIR / "fsdp_timeline.png"), help="where the timeline goes")
     p.add_argument("--check", action="store_true", help="only the correctness check against one process")
     p.add_argument("--timeout-s", type=float, default=580.0, help="give up if the spawned ranks hang this long")
     return p
@@ -171,18 +171,18 @@ def setup(impl: str, config: LMConfig, dtype: torch.dtype | None, device: torch.
 
 def measure(impl: str, config: LMConfig, dtype: torch.dtype | None, device: torch.device, args) -> dict[str, Any]:
     """This rank's median step time and memory for ``impl``."""
-    harness.free_memory()
+    timing.free_memory()
     model, optimizer, step, n_params = setup(impl, config, dtype, device)
     for _ in range(args.warmup):
         step()
     dist.barrier()
-    with harness.peak_memory(device) as peak:
-        seconds = harness.time_calls(step, warmup=0, steps=args.steps, device=device)
+    with timing.peak_memory(device) as peak:
+        seconds = timing.time_calls(step, warmup=0, steps=args.steps, device=device)
     state = torch.cuda.memory_allocated(device) / 1e9 if device.type == "cuda" else None
-    result = {**harness.summarize_ms(seconds), "peak_gb": peak.get("peak_gb"), "state_gb": state,
+    result = {**timing.summarize_ms(seconds), "peak_gb": peak.get("peak_gb"), "state_gb": state,
               "params": n_params, "local_params": local_numel(impl, model)}
     del model, optimizer, step
-    harness.free_memory()
+    timing.free_memory()
     return result
 
 
@@ -193,7 +193,7 @@ def expected(n_params: int, local_params: int) -> dict[str, float]:
     }
 
 
-def _latest(store: harness.ResultStore, config: dict[str, Any], impl: str) -> dict[str, Any] | None:
+def _latest(store: result_store.ResultStore, config: dict[str, Any], impl: str) -> dict[str, Any] | None:
     rows = [r for r in store.rows() if r.get("device") == store.env["device"] and r.get("measure") == "step"
             and r.get("impl") == impl and all(r.get(k) == v for k, v in config.items() if k != "impl")]
     return rows[-1] if rows else None
@@ -208,7 +208,7 @@ def step_cases(args, world_size: int) -> list[dict[str, Any]]:
 def run_measurements(rank: int, world_size: int, device: torch.device, args) -> None:
     config = LMConfig(args.size, args.context_length, args.batch_per_rank)
     dtype = DTYPES[args.dtype]
-    store = harness.ResultStore(PROBLEM, args.results_dir, args.force) if rank == 0 else None
+    store = result_store.ResultStore(PROBLEM, args.results_dir, args.force) if rank == 0 else None
     pending = [store.pending(step_cases(args, world_size)) if rank == 0 else None]
     dist.broadcast_object_list(pending, src=0)
     rows = []
@@ -244,7 +244,7 @@ def run_measurements(rank: int, world_size: int, device: torch.device, args) -> 
                 result["peak_ratio_vs_fsdp2"] = result["peak_gb"] / fsdp2["peak_gb"]
         rows.append(store.add(case, result))
     if rank == 0 and rows:
-        harness.print_table(rows, ["impl", "step_ms", "peak_gb", "state_gb", "expected_saving_gb",
+        cli.print_table(rows, ["impl", "step_ms", "peak_gb", "state_gb", "expected_saving_gb",
                                    "measured_saving_gb", "step_ratio_vs_fsdp2", "peak_ratio_vs_fsdp2"])
 
 
@@ -257,16 +257,16 @@ def run_trace(rank: int, world_size: int, device: torch.device, args) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     config = LMConfig(args.size, args.context_length, args.batch_per_rank)
-    harness.free_memory()
+    timing.free_memory()
     model, optimizer, step, _ = setup("ours", config, DTYPES[args.dtype], device)
     for _ in range(max(args.warmup, 1)):
         step()
     model.annotate = True
-    harness.synchronize(device)
+    timing.synchronize(device)
     dist.barrier()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
         step()
-        harness.synchronize(device)
+        timing.synchronize(device)
     os.makedirs(args.trace, exist_ok=True)
     path = os.path.join(args.trace, f"fsdp_ours_rank{rank}.trace.json")
     profiler.export_chrome_trace(path)
@@ -274,17 +274,17 @@ def run_trace(rank: int, world_size: int, device: torch.device, args) -> None:
     dist.barrier()
     if rank != 0:
         return
-    analysis = comm_timeline.analyze(comm_timeline.load_trace(path))
+    analysis = timeline.analyze_gathers(timeline.load_trace(path))
     name = torch.cuda.get_device_name(device)
     title = (f"our FSDP, {args.size}, context {args.context_length}, {args.batch_per_rank} seq/rank, {args.dtype} "
              f"compute, {world_size}x {name}: one training step on rank 0")
-    comm_timeline.render(analysis, args.figure, title)
+    timeline.render_gathers(analysis, args.figure, title)
     print(f"# trace: {path}; timeline: {args.figure}", file=sys.stderr)
-    store = harness.ResultStore(PROBLEM, args.results_dir, force=True)
+    store = result_store.ResultStore(PROBLEM, args.results_dir, force=True)
     case = dict(measure="timeline", impl="ours", size=args.size, context_length=args.context_length,
                 batch_per_rank=args.batch_per_rank, world_size=world_size, dtype=args.dtype)
-    row = store.add(case, {**analysis["summary"], "figure": os.path.relpath(args.figure, harness.REPO_ROOT)})
-    harness.print_table([row], ["forward_gathers", "forward_gathers_exposed", "forward_stall_ms", "backward_gathers",
+    row = store.add(case, {**analysis["summary"], "figure": os.path.relpath(args.figure, result_store.REPO_ROOT)})
+    cli.print_table([row], ["forward_gathers", "forward_gathers_exposed", "forward_stall_ms", "backward_gathers",
                                 "backward_gathers_exposed", "backward_stall_ms", "comm_ms", "comm_exposed_ms"])
 
 
@@ -352,7 +352,7 @@ CHECK_TOLERANCE = {"fp32": 1e-6, "bf16": 1e-4}  # on weights after the steps, an
 
 
 def run_check(rank: int, world_size: int, device: torch.device, args) -> None:
-    store = harness.ResultStore(PROBLEM, args.results_dir, force=True) if rank == 0 else None
+    store = result_store.ResultStore(PROBLEM, args.results_dir, force=True) if rank == 0 else None
     failures = []
     for name in ("fp32", "bf16"):
         result = check_against_one_process(rank, world_size, device, DTYPES[name])
@@ -415,7 +415,7 @@ def main(argv: list[str] | None = None) -> None:
         try:
             resolve(args, device.type == "cuda")
             if int(os.environ["RANK"]) == 0:
-                harness.announce(device, args.quick)
+                cli.announce(device, args.quick)
             worker(dist.get_rank(), dist.get_world_size(), args)
         finally:
             cleanup()
@@ -424,7 +424,7 @@ def main(argv: list[str] | None = None) -> None:
     on_gpu = args.backend == "nccl" or (args.backend == "auto" and gpus > 0 and dist.is_nccl_available())
     resolve(args, on_gpu)
     world_size = args.world_size or (gpus if on_gpu else 2)
-    harness.announce(torch.device("cuda" if on_gpu else "cpu"), args.quick)
+    cli.announce(torch.device("cuda" if on_gpu else "cpu"), args.quick)
     if on_gpu and world_size > gpus:
         raise SystemExit(f"--world-size {world_size} needs as many GPUs, found {gpus}")
     backend = "nccl" if on_gpu else "gloo"
@@ -433,7 +433,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         print(f"# {world_size} ranks, {backend}; {args.size}, context {args.context_length}, {args.batch_per_rank} "
               f"sequences per rank, {args.dtype}", file=sys.stderr)
-        store = harness.ResultStore(PROBLEM, args.results_dir, args.force)
+        store = result_store.ResultStore(PROBLEM, args.results_dir, args.force)
         if not store.pending(step_cases(args, world_size)) and not args.trace:
             print("# everything already measured (--force measures again)", file=sys.stderr)
             return

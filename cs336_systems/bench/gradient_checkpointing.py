@@ -26,15 +26,24 @@ from typing import Any
 import torch
 from torch import nn
 
-from cs336_systems.bench import harness
-from cs336_systems.bench.lm import DTYPES, SIZES, LMConfig, autocast, build_model, make_optimizer, make_step, random_batch
+from cs336_systems.bench.common import cli, result_store, timing
+from cs336_systems.bench.common.lm import (
+    DTYPES,
+    SIZES,
+    LMConfig,
+    autocast,
+    build_model,
+    make_optimizer,
+    make_step,
+    random_batch,
+)
 
 PROBLEM = "gradient_checkpointing"
 GROUP_SIZES = [1, 2, 3, 4, 6, 8, 12, 0]  # 0: no checkpointing (last: it is the one most likely to run out)
 
 
 def parser():
-    p = harness.base_parser(__doc__)
+    p = cli.base_parser(__doc__)
     p.add_argument("--size", default=None, choices=list(SIZES), help="model size (default xl)")
     p.add_argument("--context-length", type=int, default=None, help="default 2048")
     p.add_argument("--batch-size", type=int, default=4)
@@ -73,25 +82,25 @@ def measure_group(model, optimizer, config: LMConfig, group: int, dtype: str, st
     step = make_step(model, random_batch(config, device), "train_step", DTYPES[dtype], optimizer)
     step(None)  # warm-up (the optimizer state exists from the first step on)
     seconds = []
-    with harness.peak_memory(device) as peak:
+    with timing.peak_memory(device) as peak:
         for _ in range(steps):
             phases: dict[str, float] = {}
             step(phases)
             seconds.append(sum(phases.values()))
-    return {**harness.summarize_ms(seconds), "peak_gb": peak.get("peak_gb")}
+    return {**timing.summarize_ms(seconds), "peak_gb": peak.get("peak_gb")}
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
-    device = harness.default_device()
-    harness.announce(device, args.quick)
+    device = timing.default_device()
+    cli.announce(device, args.quick)
     tiny = args.quick or device.type == "cpu"
     size = args.size or ("tiny" if tiny else "xl")
     context = args.context_length or (32 if tiny else 2048)
     if tiny:
         args.batch_size, args.steps = min(args.batch_size, 2), 1
     config = LMConfig(size, context, args.batch_size)
-    store = harness.ResultStore(PROBLEM, args.results_dir, args.force)
+    store = result_store.ResultStore(PROBLEM, args.results_dir, args.force)
     base = dict(size=size, context_length=context, batch_size=args.batch_size, dtype=args.dtype,
                 attention=args.attention)
     cases = store.pending([{**base, "group_size": k} for k in args.group_sizes])
@@ -111,11 +120,11 @@ def main(argv: list[str] | None = None) -> None:
           f"(sqrt(N a / b) = {math.sqrt(n_blocks * boundary / per_block):.2f})", file=sys.stderr)
     optimizer = make_optimizer(model)
     rows = []
-    for case in harness.progress(cases, PROBLEM):
+    for case in cli.progress(cases, PROBLEM):
         k = case["group_size"]
-        result = harness.measure_or_oom(lambda: measure_group(model, optimizer, config, k, args.dtype, args.steps, device))
+        result = result_store.measure_or_oom(lambda: measure_group(model, optimizer, config, k, args.dtype, args.steps, device))
         model.zero_grad(set_to_none=True)
-        harness.free_memory()
+        timing.free_memory()
         result.update(
             n_blocks=n_blocks, saved_per_block_gb=per_block / 1e9, group_input_gb=boundary / 1e9,
             model_state_gb=state / 1e9, predicted_optimum=optimum,
@@ -123,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
         )
         result["predicted_peak_gb"] = result["model_state_gb"] + result["predicted_activation_gb"]
         rows.append(store.add(case, result))
-    harness.print_table(rows, ["group_size", "peak_gb", "predicted_peak_gb", "mean_ms", "oom"])
+    cli.print_table(rows, ["group_size", "peak_gb", "predicted_peak_gb", "mean_ms", "oom"])
 
 
 if __name__ == "__main__":

@@ -40,32 +40,24 @@ from typing import Any
 
 import torch
 
-from cs336_systems.bench import flash_providers as fp
-from cs336_systems.bench import harness
+from cs336_systems.bench.common import attention_providers as fp
+from cs336_systems.bench.common import cli, result_store, timing
 
 PROBLEM = "leaderboard"
-# Row name -> provider in flash_providers: ours is timed through the compiled wrapper, as the protocol says.
-LEADERBOARD_PROVIDERS = {
-    "ours": "ours_compiled",
-    "sdpa_cudnn": "sdpa_cudnn",
-    "sdpa_flash": "sdpa_flash",
-    "sdpa_efficient": "sdpa_efficient",
-}
-HEADS, SEQ_LEN, D_HEAD, DTYPE = 16, 16384, 64, "bf16"
 REP_MS, WARMUP_MS = 10_000, 1_000
 QUICK = dict(rep=500, warmup=100)
 CPU = dict(heads=2, seq_len=256, d_head=64, rep=50, warmup=10)
 
 
 def parser():
-    p = harness.base_parser(__doc__)
-    p.add_argument("--providers", nargs="+", choices=list(LEADERBOARD_PROVIDERS), default=list(LEADERBOARD_PROVIDERS))
+    p = cli.base_parser(__doc__)
+    p.add_argument("--providers", nargs="+", choices=list(fp.LEADERBOARD_PROVIDERS), default=list(fp.LEADERBOARD_PROVIDERS))
     p.add_argument("--rep", type=float, default=None, help=f"do_bench repetition time, ms (default {REP_MS})")
     p.add_argument("--warmup", type=float, default=None, help=f"do_bench warm-up time, ms (default {WARMUP_MS})")
-    p.add_argument("--heads", type=int, default=HEADS, help="the leading dimension of q, k, v (heads)")
-    p.add_argument("--seq-len", type=int, default=SEQ_LEN)
-    p.add_argument("--d-head", type=int, default=D_HEAD)
-    p.add_argument("--dtype", choices=list(fp.DTYPES), default=DTYPE)
+    p.add_argument("--heads", type=int, default=fp.LEADERBOARD_HEADS, help="the leading dimension of q, k, v (heads)")
+    p.add_argument("--seq-len", type=int, default=fp.LEADERBOARD_SEQ_LEN)
+    p.add_argument("--d-head", type=int, default=fp.LEADERBOARD_D_HEAD)
+    p.add_argument("--dtype", choices=list(fp.DTYPES), default=fp.LEADERBOARD_DTYPE)
     p.add_argument("--no-fwd", action="store_true", help="skip the forward-only timings")
     p.add_argument("--no-verify", action="store_true", help="skip the checks of the compiled wrapper")
     p.add_argument("--fixed-tiles", action="store_true", help="our kernels with fixed tiles instead of autotuning")
@@ -82,59 +74,14 @@ def resolve_defaults(args, device: torch.device) -> None:
     args.rep, args.warmup = args.rep or REP_MS, args.warmup or WARMUP_MS
 
 
-def verify_ours(fn: fp.AttentionFn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, Any]:
-    """The checks of the compiled wrapper (module docstring), as row fields; ``verified`` sums them up.
-    Must run before ``fn`` is first called, so that the graph-break count sees its compilation."""
-    checks = fp.first_call_graph_breaks(fn, q, k, v)
-    fp.clear_graph_break_count()  # from here on, any recompilation counts in graph_breaks_after_first_call
-    checks.update(fp.runs_our_kernels(fn, q, k, v))
-    checks.update(fp.check_against_sdpa(fn, q, k, v))
-    # Our launch wrappers are torch.compiler.disable'd on purpose (the kernels run eagerly either way), so
-    # those breaks do not change what is timed; any other break would.
-    checks["only_deliberate_breaks"] = all("disable" in reason for reason in checks.get("graph_break_reasons", []))
-    checks["verified"] = checks["only_deliberate_breaks"] and checks["kernels_ok"] and checks["matches_sdpa"]
-    return checks
 
 
-def measure(
-    name: str, q, k, v, device: torch.device, rep_ms: float, warmup_ms: float, phases=("fwd_bwd", "fwd"),
-    verify: bool = True,
-) -> dict[str, Any]:
-    """The row fields of leaderboard provider ``name``: checks (ours), timings of ``phases`` (fwd+bwd is the
-    protocol's ``o.sum().backward()``), or an error."""
-    provider = fp.get_provider(LEADERBOARD_PROVIDERS[name])
-    reason = provider.unavailable_reason(device)
-    if reason:
-        return {"error": reason, "unsupported": True}
-    fn = provider.build()
-    result: dict[str, Any] = {"implementation": provider.description}
-    if provider.triton:
-        result["autotune"] = fp.autotuning()
-        if verify:
-            result.update(verify_ours(fn, q, k, v))
-    result.update(fp.time_phases(provider, q, k, v, device, phases, warmup_ms, rep_ms, sum_backward=True, fn=fn))
-    if provider.triton and verify:
-        # Recompilations after the first call (in the checks or the timing) must not break the graph either.
-        result["graph_breaks_after_first_call"] = fp.graph_break_count()["graph_breaks"]
-        result["verified"] = result["verified"] and result["graph_breaks_after_first_call"] == 0
-    return result
 
 
-def add_ratios(results: dict[str, dict[str, Any]]) -> None:
-    """``ours_over_this_fwd_bwd`` (and ``_fwd``) in each SDPA row, and ``ratios`` (``{provider: ours / it}``,
-    fwd+bwd) in ours."""
-    ours = results.get("ours", {})
-    for name, result in results.items():
-        if name == "ours":
-            continue
-        for phase in ("fwd_bwd", "fwd"):
-            result[f"ours_over_this_{phase}"] = fp.ratio(ours.get(f"{phase}_ms"), result.get(f"{phase}_ms"))
-    if ours:
-        ours["ratios"] = {name: r["ours_over_this_fwd_bwd"] for name, r in results.items() if name != "ours"}
 
 
 def print_summary(rows: list[dict[str, Any]]) -> None:
-    harness.print_table(rows, ["provider", "fwd_bwd_ms", "fwd_ms", "fwd_bwd_median_ms", "ours_over_this_fwd_bwd",
+    cli.print_table(rows, ["provider", "fwd_bwd_ms", "fwd_ms", "fwd_bwd_median_ms", "ours_over_this_fwd_bwd",
                                "ours_over_this_fwd"], digits=3)
     for row in rows:
         if row.get("error"):
@@ -148,25 +95,13 @@ def print_summary(rows: list[dict[str, Any]]) -> None:
             print(f"#   graph break: {reason}")
 
 
-def measure_all(
-    providers: list[str], heads: int, seq_len: int, d_head: int, dtype: str, device: torch.device, rep_ms: float,
-    warmup_ms: float, phases=("fwd_bwd", "fwd"), verify: bool = True,
-) -> dict[str, dict[str, Any]]:
-    """:func:`measure` of each provider on one set of inputs ``(heads, seq_len, d_head)``, with the ratios."""
-    q, k, v = fp.make_inputs(heads, seq_len, d_head, fp.DTYPES[dtype], device)
-    results = {}
-    for name in harness.progress(providers, PROBLEM):
-        results[name] = measure(name, q, k, v, device, rep_ms, warmup_ms, phases, verify)
-        harness.free_memory()
-    add_ratios(results)
-    return results
 
 
 def run(args, device: torch.device) -> list[dict[str, Any]]:
     """Measure every requested provider and append their rows (always: no resume)."""
-    store = harness.ResultStore(PROBLEM, args.results_dir, force=True)
+    store = result_store.ResultStore(PROBLEM, args.results_dir, force=True)
     phases = ["fwd_bwd"] if args.no_fwd else ["fwd_bwd", "fwd"]
-    results = measure_all(args.providers, args.heads, args.seq_len, args.d_head, args.dtype, device, args.rep,
+    results = fp.measure_leaderboard(args.providers, args.heads, args.seq_len, args.d_head, args.dtype, device, args.rep,
                           args.warmup, phases, verify=not args.no_verify)
     config = dict(heads=args.heads, seq_len=args.seq_len, d_head=args.d_head, dtype=args.dtype, causal=True,
                   rep_ms=args.rep, warmup_ms=args.warmup)
@@ -175,8 +110,8 @@ def run(args, device: torch.device) -> list[dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
-    device = harness.default_device()
-    harness.announce(device, args.quick)
+    device = timing.default_device()
+    cli.announce(device, args.quick)
     resolve_defaults(args, device)
     if args.fixed_tiles:
         fp.use_fixed_tiles()

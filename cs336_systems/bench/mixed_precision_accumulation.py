@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from cs336_systems.bench import harness
+from cs336_systems.bench.common import cli, result_store
 
 PROBLEM = "mixed_precision_accumulation"
 
@@ -35,8 +35,8 @@ VARIANTS = [
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = harness.base_parser(__doc__).parse_args(argv)
-    store = harness.ResultStore(PROBLEM, args.results_dir, force=True)  # cheap and exact: always re-run
+    args = cli.base_parser(__doc__).parse_args(argv)
+    store = result_store.ResultStore(PROBLEM, args.results_dir, force=True)  # cheap and exact: always re-run
     rows = []
     for name, accumulator, value, upcast in VARIANTS:
         total = accumulate(accumulator, value, upcast)
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> None:
                  value=str(value).removeprefix("torch."), upcast=upcast),
             dict(result=total, error=total - 10.0, summand=float(torch.tensor(0.01, dtype=value).double())),
         ))
-    harness.print_table(rows, ["variant", "result", "error", "summand"], digits=6)
+    cli.print_table(rows, ["variant", "result", "error", "summand"], digits=6)
 
 
 if __name__ == "__main__":

@@ -35,8 +35,8 @@ from typing import Any
 import torch
 
 from cs336_systems.attention.reference import nvtx_range
-from cs336_systems.bench import harness
-from cs336_systems.bench.lm import SIZES, LMConfig, build_model, make_optimizer, make_step, random_batch
+from cs336_systems.bench.common import cli, result_store, timing
+from cs336_systems.bench.common.lm import SIZES, LMConfig, build_model, make_optimizer, make_step, random_batch
 
 PROBLEM = "nsys_profile"
 PHASES = ("forward", "backward", "optimizer")
@@ -46,7 +46,7 @@ TOP = 8
 
 
 def parser():
-    p = harness.base_parser(__doc__)
+    p = cli.base_parser(__doc__)
     p.add_argument("--sizes", nargs="+", default=None, choices=list(SIZES))
     p.add_argument("--contexts", nargs="+", type=int, default=None, help="context lengths (default 128 256 512 1024)")
     p.add_argument("--batch-size", type=int, default=4)
@@ -115,7 +115,7 @@ def profile_case(config: LMConfig, steps: int, device: torch.device) -> dict[str
     with torch.profiler.profile(activities=activities) as prof:
         for _ in range(steps):
             train({})
-        harness.synchronize(device)
+        timing.synchronize(device)
     events = list(prof.events())
     on_gpu = lambda e: e.device_type != torch.autograd.DeviceType.CPU  # noqa: E731
     # The profiler mirrors each record_function range on the GPU timeline as an event of the same name
@@ -155,29 +155,29 @@ def profile_case(config: LMConfig, steps: int, device: torch.device) -> dict[str
 
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
-    device = harness.default_device()
-    harness.announce(device, args.quick)
+    device = timing.default_device()
+    cli.announce(device, args.quick)
     tiny = args.quick or device.type == "cpu"
     sizes = args.sizes or (["tiny"] if tiny else ["small", "medium", "large", "xl", "2.7B"])
     contexts = args.contexts or ([32] if tiny else [128, 256, 512, 1024])
     if tiny:
         args.batch_size, args.steps = min(args.batch_size, 2), 1
-    store = harness.ResultStore(PROBLEM, args.results_dir, args.force)
+    store = result_store.ResultStore(PROBLEM, args.results_dir, args.force)
     cases = [dict(size=s, context_length=c, batch_size=args.batch_size, dtype="fp32", steps=args.steps)
              for s in sizes for c in contexts]
     rows = []
-    for case in harness.progress(store.pending(cases), PROBLEM):
+    for case in cli.progress(store.pending(cases), PROBLEM):
         config = LMConfig(case["size"], case["context_length"], case["batch_size"])
-        result = harness.measure_or_oom(lambda: profile_case(config, args.steps, device))
+        result = result_store.measure_or_oom(lambda: profile_case(config, args.steps, device))
         rows.append(store.add(case, result))
-        harness.free_memory()
+        timing.free_memory()
     for row in rows:
         row["forward_gpu_ms"] = row.get("forward", {}).get("gpu_ms")
         row["fwd_matmul_share"] = row.get("forward", {}).get("matmul_share")
         row["step_matmul_share"] = row.get("train_step", {}).get("matmul_share")
         top = row.get("forward", {}).get("top_kernels") or [{}]
         row["fwd_top_kernel"] = (top[0].get("name") or "-")[:40]
-    harness.print_table(rows, ["size", "context_length", "forward_python_ms", "forward_gpu_ms", "fwd_matmul_share",
+    cli.print_table(rows, ["size", "context_length", "forward_python_ms", "forward_gpu_ms", "fwd_matmul_share",
                                "step_matmul_share", "fwd_top_kernel", "oom"])
 
 

@@ -39,10 +39,10 @@ from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from cs336_basics.optimizer import AdamW
-from cs336_systems.bench import distributed_launch as dl
-from cs336_systems.bench import harness
-from cs336_systems.bench.ddp_benchmarking import Marker, make_train_step, time_steps, variant_name, wrap
-from cs336_systems.bench.lm import ADAMW_KWARGS, DTYPES, SIZES, LMConfig, build_model, random_batch
+from cs336_systems.bench.common import cli, result_store, timing
+from cs336_systems.bench.common import distributed_launch as dl
+from cs336_systems.bench.common.ddp_step import Marker, make_train_step, time_steps, variant_name, wrap
+from cs336_systems.bench.common.lm import ADAMW_KWARGS, DTYPES, SIZES, LMConfig, build_model, random_batch
 from cs336_systems.parallel.sharded_optimizer import ShardedOptimizer
 
 PROBLEM = "optimizer_state_sharding_accounting"
@@ -52,7 +52,7 @@ GB = 1e9
 
 
 def parser():
-    p = harness.base_parser(__doc__)
+    p = cli.base_parser(__doc__)
     p.add_argument("--optimizers", nargs="+", choices=OPTIMIZERS, default=OPTIMIZERS)
     p.add_argument("--ddp", type=variant_name, default="bucketed_100mb",
                    help="data-parallel wrapper, a ddp_benchmarking variant (default bucketed_100mb)")
@@ -106,7 +106,7 @@ def memory_point(model: nn.Module, optimizer: torch.optim.Optimizer | None, devi
         "rest_gb": None,
     }
     if device.type == "cuda":
-        harness.synchronize(device)
+        timing.synchronize(device)
         point["peak_gb"] = torch.cuda.max_memory_allocated(device) / GB
         point["allocated_gb"] = torch.cuda.memory_allocated(device) / GB
         point["rest_gb"] = point["peak_gb"] - point["params_gb"] - point["grads_gb"] - point["optimizer_state_gb"]
@@ -117,7 +117,7 @@ def memory_point(model: nn.Module, optimizer: torch.optim.Optimizer | None, devi
 def measure(name: str, batch, device: torch.device, args) -> dict[str, Any]:
     """This rank's memory at the three points and its step times."""
     config = LMConfig(args.size, args.context_length, args.batch_size)
-    harness.free_memory()
+    timing.free_memory()
     torch.manual_seed(0)
     model = build_model(config, device, args.attention)
     memory = {"after_init": memory_point(model, None, device)}
@@ -134,7 +134,7 @@ def measure(name: str, batch, device: torch.device, args) -> dict[str, Any]:
     local_params = sum(p.numel() for p in optimizer_state_owners(optimizer))
     total_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     del step, optimizer, wrapped, model
-    harness.free_memory()
+    timing.free_memory()
     return {"step_ms": step_ms, "memory": memory, "local_param_share": local_params / total_params}
 
 
@@ -178,19 +178,19 @@ def wanted_cases(args, world_size: int) -> list[dict[str, Any]]:
 
 def _worker(rank: int, world_size: int, args) -> None:
     device = dl.rank_device()
-    store = harness.ResultStore(PROBLEM, args.results_dir, args.force) if rank == 0 else None
+    store = result_store.ResultStore(PROBLEM, args.results_dir, args.force) if rank == 0 else None
     cases = dl.from_rank0(store.pending(wanted_cases(args, world_size)) if rank == 0 else None)
     if not cases:
         return
     batch = random_batch(LMConfig(args.size, args.context_length, args.batch_size), device, generator_seed=rank)
     rows = []
-    for case in harness.progress(cases, PROBLEM) if rank == 0 else cases:
+    for case in cli.progress(cases, PROBLEM) if rank == 0 else cases:
         per_rank = dl.gather(measure(case["optimizer"], batch, device, args))
         if rank == 0:
             rows.append(store.add(case, {**summarize(per_rank), "warmup": args.warmup, "steps": args.steps,
                                          "backend": dist.get_backend()}))
     if rank == 0:
-        harness.print_table(rows, ["optimizer", "step_ms", "peak_gb", "peak_at", "params_gb", "grads_gb",
+        cli.print_table(rows, ["optimizer", "step_ms", "peak_gb", "peak_at", "params_gb", "grads_gb",
                                    "optimizer_state_gb", "rest_gb"])
 
 

@@ -22,7 +22,7 @@ Two parts, measured in one run:
   ``torch.compile``-d, naive attention; and for xl: each fused RMSNorm + our Triton attention + compile
   against plain RMSNorm + PyTorch SDPA + compile.
 
-On a CPU (no GPU) the tool runs a tiny configuration with ``harness.time_calls`` and skips ``ours`` and
+On a CPU (no GPU) the tool runs a tiny configuration with ``timing.time_calls`` and skips ``ours`` and
 ``liger`` (Triton kernels need a GPU), except that ``ours`` runs through the Triton interpreter when
 ``TRITON_INTERPRET=1`` is set (slow; the numbers then mean nothing).
 
@@ -44,8 +44,8 @@ import torch
 from torch import nn
 
 from cs336_basics.model import RMSNorm
-from cs336_systems.bench import harness
-from cs336_systems.bench.lm import SIZES, LMConfig, build_model
+from cs336_systems.bench.common import cli, result_store, timing
+from cs336_systems.bench.common.lm import SIZES, LMConfig, build_model, measure_case
 
 PROBLEM = "rmsnorm"
 COLS = [768, 1024, 1280, 1600, 2560]
@@ -59,7 +59,7 @@ EPS = 1e-5
 
 
 def parser():
-    p = harness.base_parser(__doc__)
+    p = cli.base_parser(__doc__)
     p.add_argument("--part", choices=["kernel", "model", "both"], default="both")
     p.add_argument("--cols", nargs="+", type=int, default=None, help=f"hidden sizes (default {COLS})")
     p.add_argument("--rows", nargs="+", type=int, default=None, help=f"row counts (default {ROWS})")
@@ -140,7 +140,7 @@ def time_ms(fn: Callable[[], Any], device: torch.device) -> dict[str, float]:
 
         median, p20, p80 = triton.testing.do_bench(fn, warmup=25, rep=100, quantiles=[0.5, 0.2, 0.8])
         return {"ms": median, "ms_p20": p20, "ms_p80": p80}
-    seconds = harness.time_calls(fn, warmup=0, steps=3, device=device)
+    seconds = timing.time_calls(fn, warmup=0, steps=3, device=device)
     return {"ms": statistics.median(seconds) * 1e3}
 
 
@@ -186,7 +186,7 @@ def measure_kernel_case(case: dict[str, Any], device: torch.device, copy_gbps: f
     return result
 
 
-def run_kernels(args, device: torch.device, store: harness.ResultStore) -> list[dict[str, Any]]:
+def run_kernels(args, device: torch.device, store: result_store.ResultStore) -> list[dict[str, Any]]:
     cases = kernel_cases(args)
     pending = store.pending(cases)
     print(f"# kernel part: {len(cases) - len(pending)} of {len(cases)} cases already measured on this device",
@@ -200,19 +200,19 @@ def run_kernels(args, device: torch.device, store: harness.ResultStore) -> list[
     copy_gbps = {(r["rows"], r["cols"], r["dtype"]): r["gbps"] for r in store.rows()
                  if r.get("provider") == "copy" and r.get("device") == store.env["device"]}
     rows = []
-    for case in harness.progress(pending, f"{PROBLEM} (kernel)"):
+    for case in cli.progress(pending, f"{PROBLEM} (kernel)"):
         if case["provider"] in skipped:
             continue
         shape = (case["rows"], case["cols"], case["dtype"])
-        result = harness.measure_or_oom(lambda: measure_kernel_case(case, device, copy_gbps.get(shape)))
+        result = result_store.measure_or_oom(lambda: measure_kernel_case(case, device, copy_gbps.get(shape)))
         if case["provider"] == "copy" and "gbps" in result:
             copy_gbps[shape] = result["gbps"]
         rows.append(store.add(case, result))
-        harness.free_memory()
+        timing.free_memory()
     return rows
 
 
-def print_kernel_summary(store: harness.ResultStore) -> None:
+def print_kernel_summary(store: result_store.ResultStore) -> None:
     """GB/s of every provider per shape, and ours relative to the best competitor, from this device's rows."""
     import pandas as pd
 
@@ -252,7 +252,6 @@ def model_cases(args) -> list[dict[str, Any]]:
 
 
 def measure_model_case(case: dict[str, Any], device: torch.device, warmup: int, steps: int) -> dict[str, Any]:
-    from cs336_systems.bench.benchmarking_script import measure_case
     from cs336_systems.kernels.rmsnorm import use_fused_rmsnorm
 
     config = LMConfig(case["size"], case["context_length"], case["batch_size"])
@@ -267,7 +266,7 @@ def measure_model_case(case: dict[str, Any], device: torch.device, warmup: int, 
         torch._dynamo.reset()
 
 
-def run_models(args, device: torch.device, store: harness.ResultStore) -> list[dict[str, Any]]:
+def run_models(args, device: torch.device, store: result_store.ResultStore) -> list[dict[str, Any]]:
     cases = model_cases(args)
     if not ours_available(device):
         print("# model part: no GPU (and no TRITON_INTERPRET=1): only the plain RMSNorm", file=sys.stderr)
@@ -276,15 +275,15 @@ def run_models(args, device: torch.device, store: harness.ResultStore) -> list[d
     print(f"# model part: {len(cases) - len(pending)} of {len(cases)} cases already measured on this device",
           file=sys.stderr)
     rows = []
-    for case in harness.progress(pending, f"{PROBLEM} (model)"):
-        result = harness.measure_or_oom(lambda: measure_model_case(case, device, args.warmup, args.steps))
+    for case in cli.progress(pending, f"{PROBLEM} (model)"):
+        result = result_store.measure_or_oom(lambda: measure_model_case(case, device, args.warmup, args.steps))
         rows.append(store.add(case, result))
-        harness.free_memory()
+        timing.free_memory()
     return rows
 
 
 def print_model_summary(rows: list[dict[str, Any]]) -> None:
-    harness.print_table(rows, ["size", "norm", "attention", "compile", "median_ms", "mean_ms", "std_ms", "oom"])
+    cli.print_table(rows, ["size", "norm", "attention", "compile", "median_ms", "mean_ms", "std_ms", "oom"])
     by_key = {(r["size"], r["norm"], r["attention"], r["compile"]): r.get("median_ms") for r in rows}
     for size in dict.fromkeys(r["size"] for r in rows):
         for compiled in (False, True):
@@ -303,8 +302,8 @@ def print_model_summary(rows: list[dict[str, Any]]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
-    device = harness.default_device()
-    harness.announce(device, args.quick)
+    device = timing.default_device()
+    cli.announce(device, args.quick)
     tiny = device.type == "cpu"
     if tiny:
         args.cols, args.rows = args.cols or [64, 96], args.rows or [256]
@@ -316,7 +315,7 @@ def main(argv: list[str] | None = None) -> None:
     args.cols, args.rows, args.sizes = args.cols or COLS, args.rows or ROWS, args.sizes or MODEL_SIZES
     if args.quick:
         args.dtypes = args.dtypes[:1]
-    store = harness.ResultStore(PROBLEM, args.results_dir, args.force)
+    store = result_store.ResultStore(PROBLEM, args.results_dir, args.force)
     if args.part in ("kernel", "both"):
         run_kernels(args, device, store)
         print_kernel_summary(store)

@@ -18,16 +18,15 @@ from __future__ import annotations
 
 import torch
 
-from cs336_systems.bench import harness, pytorch_attention
-from cs336_systems.bench.benchmarking_script import add_flops, measure_case
-from cs336_systems.bench.lm import SIZES, LMConfig, build_model
+from cs336_systems.bench.common import attention_grid as grid
+from cs336_systems.bench.common import cli, result_store, timing
+from cs336_systems.bench.common.lm import SIZES, LMConfig, add_flops, build_model, measure_case
 
 PROBLEM = "torch_compile"
 
 
 def parser():
-    p = pytorch_attention.parser()
-    p.description = __doc__
+    p = grid.add_arguments(cli.base_parser(__doc__))
     p.add_argument("--part", choices=["attention", "model", "both"], default="both")
     p.add_argument("--sizes", nargs="+", default=None, choices=list(SIZES))
     p.add_argument("--dtypes", nargs="+", default=["fp32"], choices=["fp32", "bf16"])
@@ -38,7 +37,7 @@ def parser():
 
 
 def run_models(args, device: torch.device) -> list[dict]:
-    store = harness.ResultStore(PROBLEM, args.results_dir, args.force)
+    store = result_store.ResultStore(PROBLEM, args.results_dir, args.force)
     cases = [
         dict(part="model", size=size, context_length=args.context_length, batch_size=4, mode=mode, dtype=dtype,
              compile=compiled and args.compile_backend, warmup=5, steps=args.steps)
@@ -46,9 +45,9 @@ def run_models(args, device: torch.device) -> list[dict]:
         for mode in ("forward", "train_step")
     ]
     pending = store.pending(cases)
-    peak = harness.measure_matmul_tflops(device) if pending else None
+    peak = timing.measure_matmul_tflops(device) if pending else None
     rows = []
-    for case in harness.progress(pending, f"{PROBLEM} (model)"):
+    for case in cli.progress(pending, f"{PROBLEM} (model)"):
         config = LMConfig(case["size"], case["context_length"], case["batch_size"])
 
         def measure():
@@ -56,30 +55,30 @@ def run_models(args, device: torch.device) -> list[dict]:
             return measure_case(config, case["mode"], case["dtype"], 5, args.steps, device,
                                 compile_model=case["compile"], model=model)
 
-        result = harness.measure_or_oom(measure)
+        result = result_store.measure_or_oom(measure)
         add_flops(result, config, case["mode"], peak)
         rows.append(store.add(case, result))
         torch._dynamo.reset()
-        harness.free_memory()
+        timing.free_memory()
     return rows
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
-    device = harness.default_device()
-    harness.announce(device, args.quick)
-    pytorch_attention.resolve_defaults(args, device)
+    device = timing.default_device()
+    cli.announce(device, args.quick)
+    grid.resolve_defaults(args, device)
     tiny = args.quick or device.type == "cpu"
     args.sizes = args.sizes or (["tiny"] if tiny else ["small", "medium", "large", "xl", "2.7B"])
     args.context_length = args.context_length or (32 if tiny else 512)
     if tiny:
         args.steps = min(args.steps, 2)
     if args.part in ("attention", "both"):
-        rows = pytorch_attention.run_grid(PROBLEM, ["naive", "compiled"], args, device, {"part": "attention"})
-        harness.print_table(rows, ["attention", "d", "seq_len", "forward_mean_ms", "backward_mean_ms", "oom"])
+        rows = grid.run_grid(PROBLEM, ["naive", "compiled"], args, device, {"part": "attention"})
+        cli.print_table(rows, ["attention", "d", "seq_len", "forward_mean_ms", "backward_mean_ms", "oom"])
     if args.part in ("model", "both"):
         rows = run_models(args, device)
-        harness.print_table(rows, ["size", "mode", "dtype", "compile", "mean_ms", "std_ms", "mfu", "oom"])
+        cli.print_table(rows, ["size", "mode", "dtype", "compile", "mean_ms", "std_ms", "mfu", "oom"])
 
 
 if __name__ == "__main__":

@@ -179,7 +179,7 @@ class FSDP(nn.Module):
 
     ``annotate = True`` records profiler ranges named after each weight: ``fsdp.all_gather <name>`` around a
     gather's launch, ``fsdp.use <name>`` when its weight becomes available to compute (forward and backward),
-    ``fsdp.reduce_scatter <name>`` around a reduction's launch (``cs336_systems.bench.comm_timeline`` reads them).
+    ``fsdp.reduce_scatter <name>`` around a reduction's launch (``cs336_systems.bench.common.timeline`` reads them).
     """
 
     def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None):

@@ -1,4 +1,4 @@
-"""Reading the benchmark results: rows of ``<results_dir>/<problem>.jsonl`` written by ``harness.ResultStore``.
+"""Reading the benchmark results: rows of ``<results_dir>/<problem>.jsonl`` written by ``cs336_systems.bench.common.result_store.ResultStore``.
 
 A row is flat: ``run``, ``problem``, its configuration keys (listed in ``config_keys``), its measurements
 (or ``"oom": true``), ``device`` and ``env`` (GPU name, torch/triton/CUDA versions, date, commit).

@@ -10,6 +10,7 @@ import contextlib
 import timeit
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -18,7 +19,8 @@ from cs336_basics.model import MODEL_SIZES, BasicsTransformerLM
 from cs336_basics.nn_utils import cross_entropy
 from cs336_basics.optimizer import AdamW
 from cs336_systems.attention import get_attention
-from cs336_systems.bench.harness import synchronize
+from cs336_systems.bench.common import flops, timing
+from cs336_systems.bench.common.timing import synchronize
 
 VOCAB_SIZE = 10_000
 # A model small enough for a CPU smoke test; not one of the assignment's sizes.
@@ -126,3 +128,52 @@ ADAMW_KWARGS = dict(lr=1e-4, weight_decay=0.01)
 
 def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
     return AdamW(model.parameters(), **ADAMW_KWARGS)
+
+
+def measure_case(
+    config: LMConfig, mode: str, dtype: str, warmup: int, steps: int, device: torch.device,
+    attention: str = "naive", compile_model: bool | str = False, model=None,
+) -> dict[str, Any]:
+    """Time one (size, mode, dtype) case: per-step and per-phase seconds, summarised in ms.
+
+    ``compile_model``: False for eager, True (inductor) or a ``torch.compile`` backend name.
+    """
+    model = model if model is not None else build_model(config, device, attention)
+    if compile_model:
+        runner = torch.compile(model, backend="inductor" if compile_model is True else compile_model)
+    else:
+        runner = model
+    optimizer = make_optimizer(model) if mode == "train_step" else None
+    step = make_step(runner, random_batch(config, device), mode, DTYPES[dtype], optimizer)
+    phases: list[dict[str, float]] = []
+    step_seconds: list[float] = []
+
+    def timed_step():
+        phase_seconds: dict[str, float] = {}
+        step(phase_seconds)
+        phases.append(phase_seconds)
+        step_seconds.append(sum(phase_seconds.values()))
+
+    for _ in range(warmup):
+        step(None)
+    timing.synchronize(device)
+    for _ in range(steps):
+        timed_step()
+    result: dict[str, Any] = {**timing.summarize_ms(step_seconds), "step_ms": [s * 1e3 for s in step_seconds]}
+    for phase in ("forward", "backward", "optimizer"):
+        if phase in phases[0]:
+            result.update(timing.summarize_ms([p[phase] for p in phases], prefix=f"{phase}_"))
+    del optimizer
+    return result
+
+
+def add_flops(result: dict[str, Any], config: LMConfig, mode: str, peak_tflops: float | None) -> None:
+    """Add the step's model FLOPs (``flops``), the matmul rate and the MFU to a measured row."""
+    h = config.hparams
+    total = flops.lm_forward_flops(
+        VOCAB_SIZE, h["d_model"], h["d_ff"], h["num_layers"], config.batch_size, config.context_length
+    ) * flops.FLOPS_MULTIPLIER[mode]
+    result["flops"] = total
+    result["peak_tflops"] = peak_tflops
+    if peak_tflops and not result.get("oom"):
+        result["mfu"] = total / (result["median_ms"] / 1e3) / (peak_tflops * 1e12)

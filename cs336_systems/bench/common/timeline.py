@@ -1,5 +1,32 @@
-"""Compute vs communication on the GPU, read from a ``torch.profiler`` chrome trace, and drawn.
+"""Timelines of compute and communication read from ``torch.profiler`` Chrome traces, and drawn as PNGs:
+the one module every tool that records a trace uses.
 
+Two views of a trace:
+
+* **Lanes** (:func:`timeline_from_trace`, :func:`overlap_summary`, :func:`render_lanes`; used by
+  ``ddp_benchmarking`` and the ``timeline`` command): per rank, compute, communication and phase spans and
+  how much of the communication overlapped compute.
+* **FSDP gathers** (:func:`analyze_gathers`, :func:`render_gathers`; used by ``fsdp_accounting``): every
+  all-gather paired with the use of its weight, late or hidden.
+
+Lanes.
+A trace (``prof.export_chrome_trace(path)``) is reduced to three lanes of spans per rank:
+
+* ``compute``: GPU kernels, copies and memsets other than communication; on a CPU-only trace, the
+  operators of the busiest thread (the one that ran the model);
+* ``communication``: NCCL kernels; on a CPU-only trace, the collectives' ranges (``gloo:all_reduce``
+  on gloo's own thread, the ``c10d::`` calls);
+* ``phases``: the ``record_function`` ranges named in ``phases`` (e.g. forward, backward), on the GPU
+  timeline when the trace has one.
+
+An NCCL kernel starts when it is launched and ends when the all-reduce is done, so its span includes
+the time it waits for the other ranks to join.
+
+:func:`overlap_summary` says how much of the communication ran while compute was running, and
+:func:`render_lanes` draws one block of lanes per rank, the overlapped part of each communication span
+highlighted, so overlap, or its absence, is plain to see.
+
+FSDP gathers.
 The trace holds GPU kernels (``cat: kernel``, with the stream and a ``correlation`` id), the CPU calls that
 launched them (``cuda_runtime`` / ``cuda_driver``, same ``correlation``) and ``record_function`` ranges
 (``user_annotation``). NCCL kernels are communication, every other kernel is compute.
@@ -17,13 +44,197 @@ The step's phases come from ranges named ``step.forward``, ``step.backward``, ``
 from __future__ import annotations
 
 import bisect
+import gzip
 import json
-from dataclasses import dataclass
+import re
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+# ---------------------------------------------------------------------------------------------------
+# Traces and interval arithmetic
+# ---------------------------------------------------------------------------------------------------
+
+
+def load_trace(path: str | Path) -> dict[str, Any]:
+    """A Chrome trace from ``.json`` or ``.json.gz``."""
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt") as file:
+        return json.load(file)
+
+
+def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of ``(start, end)`` intervals as disjoint, sorted intervals."""
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(a, b) for a, b in merged]
+
+
+def intersect(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The intersection of two disjoint sorted interval lists."""
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        start, end = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if start < end:
+            out.append((start, end))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def _length(intervals: list[tuple[float, float]]) -> float:
+    return sum(end - start for start, end in intervals)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Lanes: compute, communication and phases per rank
+# ---------------------------------------------------------------------------------------------------
+
+
+COMM_PATTERN = re.compile(r"nccl|gloo|c10d::|all_?reduce|all_?gather|reduce_?scatter|broadcast", re.IGNORECASE)
+GPU_CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset"}
+LANE_PHASES = ("forward", "backward", "finish_gradient_synchronization", "optimizer")
+
+
+@dataclass(frozen=True)
+class Span:
+    start_ms: float
+    end_ms: float
+    name: str = ""
+
+
+@dataclass
+class Timeline:
+    """One rank's spans, in ms from the first of them."""
+
+    compute: list[Span] = field(default_factory=list)
+    communication: list[Span] = field(default_factory=list)
+    phases: list[Span] = field(default_factory=list)
+    source: str = "gpu"  # "gpu": kernels on the device; "cpu": operators on host threads
+
+
+def _complete_events(trace: dict[str, Any] | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    return [e for e in events if e.get("ph") == "X" and "ts" in e and "dur" in e]
+
+
+def timeline_from_trace(trace: dict[str, Any] | list[dict[str, Any]], phases: tuple[str, ...] = LANE_PHASES) -> Timeline:
+    """The compute, communication and phase spans of one rank's trace (GPU kernels if there are any)."""
+    events = _complete_events(trace)
+    kernels = [e for e in events if e.get("cat") in GPU_CATEGORIES]
+    if kernels:
+        source = "gpu"
+        compute = [e for e in kernels if not COMM_PATTERN.search(e["name"])]
+        communication = [e for e in kernels if COMM_PATTERN.search(e["name"])]
+        phase_events = [e for e in events if e.get("cat") == "gpu_user_annotation" and e["name"] in phases]
+        if not phase_events:
+            phase_events = [e for e in events if e.get("cat") == "user_annotation" and e["name"] in phases]
+    else:
+        source = "cpu"
+        operators = [e for e in events if e.get("cat") in ("cpu_op", "user_annotation")]
+        busiest = Counter(e.get("tid") for e in operators if e.get("cat") == "cpu_op").most_common(1)
+        main_thread = busiest[0][0] if busiest else None
+        communication = [e for e in operators if e["name"] not in phases and COMM_PATTERN.search(e["name"])]
+        compute = [e for e in operators if e.get("cat") == "cpu_op" and e.get("tid") == main_thread
+                   and not COMM_PATTERN.search(e["name"])]
+        phase_events = [e for e in operators if e.get("cat") == "user_annotation" and e["name"] in phases]
+    everything = compute + communication + phase_events
+    origin = min((e["ts"] for e in everything), default=0.0)
+
+    def spans(selected: list[dict[str, Any]]) -> list[Span]:
+        out = [Span((e["ts"] - origin) / 1e3, (e["ts"] + e["dur"] - origin) / 1e3, e["name"]) for e in selected]
+        return sorted(out, key=lambda s: s.start_ms)
+
+    return Timeline(spans(compute), spans(communication), spans(phase_events), source)
+
+
+def merge(spans: list[Span]) -> list[tuple[float, float]]:
+    """The union of ``spans`` as disjoint, sorted ``(start, end)`` intervals (ms)."""
+    return union([(span.start_ms, span.end_ms) for span in spans])
+
+
+def overlap_summary(timeline: Timeline) -> dict[str, float | None]:
+    """Busy time of each lane, communication time overlapped with compute, and its share (ms)."""
+    compute, communication = merge(timeline.compute), merge(timeline.communication)
+    comm_ms = _length(communication)
+    overlap_ms = _length(intersect(compute, communication))
+    everything = merge(timeline.compute + timeline.communication)
+    return {
+        "span_ms": everything[-1][1] - everything[0][0] if everything else 0.0,
+        "compute_busy_ms": _length(compute),
+        "comm_busy_ms": comm_ms,
+        "comm_overlapped_ms": overlap_ms,
+        "comm_exposed_ms": comm_ms - overlap_ms,
+        "overlap_share": overlap_ms / comm_ms if comm_ms > 0 else None,
+    }
+
+
+PHASE_COLORS = {"forward": "#9ecae1", "backward": "#fdae6b", "finish_gradient_synchronization": "#fc9272",
+                "optimizer": "#a1d99b"}
+
+
+def render_lanes(timelines: list[Timeline], path: str | Path, title: str = "", labels: list[str] | None = None) -> None:
+    """One block of lanes (phases, compute, communication) per timeline; overlapped communication in green."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    labels = labels or [f"rank {i}" for i in range(len(timelines))]
+    lanes_per_rank = 3
+    fig, ax = plt.subplots(figsize=(14, 1.0 + 1.05 * lanes_per_rank * len(timelines)))
+    yticks, yticklabels = [], []
+    end = max((s.end_ms for t in timelines for s in t.compute + t.communication + t.phases), default=1.0)
+    for rank, (timeline, label) in enumerate(zip(timelines, labels)):
+        base = (len(timelines) - 1 - rank) * (lanes_per_rank + 0.6)
+        phase_y, compute_y, comm_y = base + 2, base + 1, base
+        kind = "kernels" if timeline.source == "gpu" else "CPU ops"
+        summary = overlap_summary(timeline)
+        share = "-" if summary["overlap_share"] is None else f"{100 * summary['overlap_share']:.0f} %"
+        comm_label = f"communication\n({summary['comm_busy_ms']:.1f} ms, {share} overlapped)"
+        for y, name in ((phase_y, "phases"), (compute_y, f"compute {kind}"), (comm_y, comm_label)):
+            yticks.append(y + 0.4)
+            yticklabels.append(f"{label}: {name}")
+        for span in timeline.phases:
+            color = PHASE_COLORS.get(span.name, "#d9d9d9")
+            ax.broken_barh([(span.start_ms, span.end_ms - span.start_ms)], (phase_y, 0.8), facecolors=color,
+                           edgecolors="grey", linewidth=0.5)
+            if span.end_ms - span.start_ms > 0.06 * end:
+                short = "grad sync" if span.name == "finish_gradient_synchronization" else span.name
+                ax.text((span.start_ms + span.end_ms) / 2, phase_y + 0.4, short, ha="center", va="center", fontsize=8)
+        compute, communication = merge(timeline.compute), merge(timeline.communication)
+        ax.broken_barh([(a, b - a) for a, b in compute], (compute_y, 0.8), facecolors="#3182bd")
+        ax.broken_barh([(a, b - a) for a, b in communication], (comm_y, 0.8), facecolors="#e6550d")
+        overlapped = intersect(compute, communication)
+        ax.broken_barh([(a, b - a) for a, b in overlapped], (comm_y, 0.8), facecolors="#31a354")
+    ax.set_yticks(yticks, yticklabels, fontsize=8)
+    ax.set_xlim(0, end * 1.01)
+    ax.set_xlabel("time since the first event of the rank's trace (ms)")
+    ax.legend(handles=[Patch(color="#3182bd", label="compute"), Patch(color="#e6550d", label="communication"),
+                       Patch(color="#31a354", label="communication overlapped with compute")],
+              loc="upper center", bbox_to_anchor=(0.5, -0.12 if len(timelines) > 1 else -0.25), ncol=3, fontsize=8)
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------------
+# FSDP gathers: each all-gather against the use of its weight
+# ---------------------------------------------------------------------------------------------------
+
+
 GATHER, USE, REDUCE = "fsdp.all_gather ", "fsdp.use ", "fsdp.reduce_scatter "
-PHASES = ("step.forward", "step.backward", "step.optimizer")
+FSDP_PHASES = ("step.forward", "step.backward", "step.optimizer")
 LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
 TOLERANCE_US = 2.0  # clock jitter between the GPU kernels of two streams
 
@@ -66,11 +277,6 @@ class GatherUse:
         return max(0.0, min(self.gather_end, self.need) - self.ready) if self.exposed else 0.0
 
 
-def load_trace(path: Path | str) -> dict[str, Any]:
-    with open(path) as file:
-        return json.load(file)
-
-
 def kernels_and_ranges(trace: dict[str, Any]) -> tuple[list[Kernel], list[Range]]:
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
     launches = {
@@ -103,33 +309,7 @@ def kernels_and_ranges(trace: dict[str, Any]) -> tuple[list[Kernel], list[Range]
     return kernels, ranges
 
 
-def _union_us(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    merged: list[list[float]] = []
-    for start, end in sorted(intervals):
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
-        else:
-            merged.append([start, end])
-    return [(a, b) for a, b in merged]
-
-
-def _length(intervals: list[tuple[float, float]]) -> float:
-    return sum(b - a for a, b in intervals)
-
-
-def _intersection_us(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
-    total, j = 0.0, 0
-    for start, end in a:
-        while j < len(b) and b[j][1] <= start:
-            j += 1
-        k = j
-        while k < len(b) and b[k][0] < end:
-            total += max(0.0, min(end, b[k][1]) - max(start, b[k][0]))
-            k += 1
-    return total
-
-
-def analyze(trace: dict[str, Any]) -> dict[str, Any]:
+def analyze_gathers(trace: dict[str, Any]) -> dict[str, Any]:
     """Pair every FSDP gather with its use; totals of compute, communication and their overlap."""
     kernels, ranges = kernels_and_ranges(trace)
     compute = [k for k in kernels if not k.is_comm]
@@ -142,7 +322,7 @@ def analyze(trace: dict[str, Any]) -> dict[str, Any]:
     for k in sorted(compute, key=lambda k: k.end):
         compute_ends_by_stream.setdefault(k.stream, []).append(k.end)
 
-    phase_ranges = [r for r in ranges if r.name in PHASES]
+    phase_ranges = [r for r in ranges if r.name in FSDP_PHASES]
 
     def phase_of(t: float) -> str:
         for r in phase_ranges:
@@ -187,9 +367,9 @@ def analyze(trace: dict[str, Any]) -> dict[str, Any]:
         ready = max(ends[previous] if previous >= 0 else need.start, need.launch)
         uses.append(GatherUse(weight, phase_of(r.start), gather.start, gather.end, need.start, min(ready, need.start)))
 
-    compute_busy = _union_us([(k.start, k.end) for k in compute])
-    comm_busy = _union_us([(k.start, k.end) for k in comm])
-    overlap = _intersection_us(comm_busy, compute_busy)
+    compute_busy = union([(k.start, k.end) for k in compute])
+    comm_busy = union([(k.start, k.end) for k in comm])
+    overlap = _length(intersect(comm_busy, compute_busy))
     summary: dict[str, Any] = {
         "span_ms": (max(k.end for k in kernels) - min(k.start for k in kernels)) / 1e3 if kernels else 0.0,
         "compute_ms": _length(compute_busy) / 1e3,
@@ -217,7 +397,7 @@ def _phase_gpu_spans(analysis: dict[str, Any]) -> list[tuple[str, float, float]]
     return spans
 
 
-def render(analysis: dict[str, Any], path: Path | str, title: str, zoom_ms: float = 4.0) -> None:
+def render_gathers(analysis: dict[str, Any], path: Path | str, title: str, zoom_ms: float = 4.0) -> None:
     """Two panels: the whole step, and ``zoom_ms`` from the middle of the forward pass. Lanes: compute kernels,
     all-gathers (green: done before the compute stream needed them; red: it waited), reductions and other
     communication; a black tick marks where each gathered weight was needed."""

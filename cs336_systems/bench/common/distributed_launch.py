@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cs336_systems.bench import harness
+from cs336_systems.bench.common import result_store
 from cs336_systems.parallel.distributed import cleanup, init_from_env, spawn
 
 
@@ -123,7 +123,7 @@ def launch_lm_benchmark(problem: str, worker: Callable[..., None], args: Any,
     args.batch_size = args.batch_size or (2 if tiny else 4)
     if args.quick:
         args.warmup, args.steps = 1, 2
-    if not harness.ResultStore(problem, args.results_dir, args.force).pending(wanted_cases(args, world_size)):
+    if not result_store.ResultStore(problem, args.results_dir, args.force).pending(wanted_cases(args, world_size)):
         if is_rank0_process():
             print("# everything already measured", file=sys.stderr)
         return

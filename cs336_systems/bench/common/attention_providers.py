@@ -38,7 +38,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from cs336_systems.bench import harness
+from cs336_systems.bench.common import cli, result_store, timing
 
 AttentionFn = Callable[[Tensor, Tensor, Tensor, bool], Tensor]
 PHASES = ("fwd", "bwd", "fwd_bwd")
@@ -198,10 +198,10 @@ def _do_bench_all(fn: Callable[[], Any], warmup_ms: float, rep_ms: float) -> lis
 def _timer_loop(fn: Callable[[], Any], warmup_ms: float, rep_ms: float) -> list[float]:
     """``do_bench``'s budget on a CPU: one call, an estimate from three, then warm-up and timed calls."""
     fn()
-    estimate_ms = 1e3 * min(harness.time_calls(fn, warmup=0, steps=3))
+    estimate_ms = 1e3 * min(timing.time_calls(fn, warmup=0, steps=3))
     n_warmup = max(1, int(warmup_ms / max(estimate_ms, 1e-3)))
     n_repeat = max(1, min(1000, int(rep_ms / max(estimate_ms, 1e-3))))
-    return [1e3 * s for s in harness.time_calls(fn, warmup=n_warmup, steps=n_repeat)]
+    return [1e3 * s for s in timing.time_calls(fn, warmup=n_warmup, steps=n_repeat)]
 
 
 def bench_ms(
@@ -262,7 +262,7 @@ def _sdpa_refusals_as_unsupported(provider: Provider) -> Any:
         try:
             yield
         except RuntimeError as error:
-            if harness.is_oom(error):
+            if result_store.is_oom(error):
                 raise
             reasons = [str(w.message).splitlines()[0] for w in caught]
             message = "; ".join([str(error).splitlines()[0], *dict.fromkeys(reasons)])
@@ -298,7 +298,7 @@ def time_phases(
 
         try:
             with _sdpa_refusals_as_unsupported(provider):
-                measured = harness.measure_or_oom(measure)
+                measured = result_store.measure_or_oom(measure)
         except Unsupported as error:
             return {"error": str(error), "unsupported": True}
         reset_grads(q, k, v)
@@ -449,3 +449,117 @@ def runs_our_kernels(fn: AttentionFn, q: Tensor, k: Tensor, v: Tensor) -> dict[s
     if not found["kernels_ok"]:
         found["launched_kernels"] = kernels[:40]  # to see what ran instead
     return found
+
+
+# ---------------------------------------------------------------------------------------------------
+# The leaderboard protocol (``leaderboard``, ``flash_log``)
+# ---------------------------------------------------------------------------------------------------
+
+
+# Row name -> provider: ours is timed through the compiled wrapper, as the protocol says.
+LEADERBOARD_PROVIDERS = {
+    "ours": "ours_compiled",
+    "sdpa_cudnn": "sdpa_cudnn",
+    "sdpa_flash": "sdpa_flash",
+    "sdpa_efficient": "sdpa_efficient",
+}
+# The official shape: q, k, v of shape (16, 16384, 64), bf16, causal.
+LEADERBOARD_HEADS, LEADERBOARD_SEQ_LEN, LEADERBOARD_D_HEAD, LEADERBOARD_DTYPE = 16, 16384, 64, "bf16"
+
+
+def verify_ours(fn: AttentionFn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, Any]:
+    """The checks of the compiled wrapper (module docstring), as row fields; ``verified`` sums them up.
+    Must run before ``fn`` is first called, so that the graph-break count sees its compilation."""
+    checks = first_call_graph_breaks(fn, q, k, v)
+    clear_graph_break_count()  # from here on, any recompilation counts in graph_breaks_after_first_call
+    checks.update(runs_our_kernels(fn, q, k, v))
+    checks.update(check_against_sdpa(fn, q, k, v))
+    # Our launch wrappers are torch.compiler.disable'd on purpose (the kernels run eagerly either way), so
+    # those breaks do not change what is timed; any other break would.
+    checks["only_deliberate_breaks"] = all("disable" in reason for reason in checks.get("graph_break_reasons", []))
+    checks["verified"] = checks["only_deliberate_breaks"] and checks["kernels_ok"] and checks["matches_sdpa"]
+    return checks
+
+
+def measure_leaderboard_provider(
+    name: str, q, k, v, device: torch.device, rep_ms: float, warmup_ms: float, phases=("fwd_bwd", "fwd"),
+    verify: bool = True,
+) -> dict[str, Any]:
+    """The row fields of leaderboard provider ``name``: checks (ours), timings of ``phases`` (fwd+bwd is the
+    protocol's ``o.sum().backward()``), or an error."""
+    provider = get_provider(LEADERBOARD_PROVIDERS[name])
+    reason = provider.unavailable_reason(device)
+    if reason:
+        return {"error": reason, "unsupported": True}
+    fn = provider.build()
+    result: dict[str, Any] = {"implementation": provider.description}
+    if provider.triton:
+        result["autotune"] = autotuning()
+        if verify:
+            result.update(verify_ours(fn, q, k, v))
+    result.update(time_phases(provider, q, k, v, device, phases, warmup_ms, rep_ms, sum_backward=True, fn=fn))
+    if provider.triton and verify:
+        # Recompilations after the first call (in the checks or the timing) must not break the graph either.
+        result["graph_breaks_after_first_call"] = graph_break_count()["graph_breaks"]
+        result["verified"] = result["verified"] and result["graph_breaks_after_first_call"] == 0
+    return result
+
+
+def add_ratios(results: dict[str, dict[str, Any]]) -> None:
+    """``ours_over_this_fwd_bwd`` (and ``_fwd``) in each SDPA row, and ``ratios`` (``{provider: ours / it}``,
+    fwd+bwd) in ours."""
+    ours = results.get("ours", {})
+    for name, result in results.items():
+        if name == "ours":
+            continue
+        for phase in ("fwd_bwd", "fwd"):
+            result[f"ours_over_this_{phase}"] = ratio(ours.get(f"{phase}_ms"), result.get(f"{phase}_ms"))
+    if ours:
+        ours["ratios"] = {name: r["ours_over_this_fwd_bwd"] for name, r in results.items() if name != "ours"}
+
+
+def measure_leaderboard(
+    providers: list[str], heads: int, seq_len: int, d_head: int, dtype: str, device: torch.device, rep_ms: float,
+    warmup_ms: float, phases=("fwd_bwd", "fwd"), verify: bool = True,
+) -> dict[str, dict[str, Any]]:
+    """:func:`measure_leaderboard_provider` of each provider on one set of inputs ``(heads, seq_len, d_head)``, with the ratios."""
+    q, k, v = make_inputs(heads, seq_len, d_head, DTYPES[dtype], device)
+    results = {}
+    for name in cli.progress(providers, "leaderboard"):
+        results[name] = measure_leaderboard_provider(name, q, k, v, device, rep_ms, warmup_ms, phases, verify)
+        timing.free_memory()
+    add_ratios(results)
+    return results
+
+
+# ---------------------------------------------------------------------------------------------------
+# One provider, or several, at one shape (``flash_benchmarking``, ``flash_log``)
+# ---------------------------------------------------------------------------------------------------
+
+
+def measure_provider(
+    provider_name: str, q, k, v, device: torch.device, rep_ms: float, warmup_ms: float, phases=PHASES
+) -> dict[str, Any]:
+    """One provider's phases on ``q, k, v`` (row fields: times, or ``oom``, or an ``error``)."""
+    provider = get_provider(provider_name)
+    reason = provider.unavailable_reason(device)
+    if reason:
+        return {"error": reason, "unsupported": True}
+    result = time_phases(provider, q, k, v, device, phases, warmup_ms, rep_ms)
+    if provider.triton:
+        result["autotune"] = autotuning()
+    return result
+
+
+def measure_shape(
+    providers: list[str], seq_len: int, d_head: int, dtype: str, device: torch.device, rep_ms: float,
+    warmup_ms: float, phases: dict[str, tuple[str, ...]] | None = None,
+) -> dict[str, dict[str, Any]]:
+    """:func:`measure_provider` of each provider on one batch-1 causal input (``phases[provider]`` narrows what
+    is timed; default: every phase). Used by ``flash_log`` for its sweep points."""
+    q, k, v = make_inputs(1, seq_len, d_head, DTYPES[dtype], device)
+    results = {}
+    for name in providers:
+        results[name] = measure_provider(name, q, k, v, device, rep_ms, warmup_ms, (phases or {}).get(name, PHASES))
+        timing.free_memory()
+    return results

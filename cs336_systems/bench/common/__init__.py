@@ -1,0 +1,18 @@
+"""What the benchmark tools share; every tool in ``cs336_systems.bench`` is a leaf over these modules and the
+library, and no tool imports another (``tests/test_layout.py`` checks it).
+
+| module | what |
+|---|---|
+| ``result_store`` | the results file of a problem (resume, out-of-memory rows) and the environment every row carries |
+| ``timing`` | synchronisation, timed calls and their statistics, peak memory, the measured matmul rate |
+| ``flops`` | FLOP accounting of the language model (MFU) |
+| ``cli`` | the options every tool takes, the device announcement, progress bars, printed tables |
+| ``lm`` | the language model under benchmark: named sizes, random batches, one step in timed phases |
+| ``memory`` | CUDA memory snapshots, the active-memory timeline, the largest allocations |
+| ``attention_grid`` | the naive-attention grid (``pytorch_attention``, ``torch_compile``) |
+| ``attention_providers`` | the attention implementations raced by name, their timing and checks, the leaderboard protocol |
+| ``distributed_launch`` | one rank per GPU (self-spawned or under ``torchrun``), rank 0 deciding and writing |
+| ``ddp_step`` | a data-parallel training step under a named DDP variant, with its exposed communication |
+| ``allreduce_fit`` | the latency-bandwidth fit of all-reduce timings |
+| ``timeline`` | compute and communication timelines from profiler traces, drawn |
+"""

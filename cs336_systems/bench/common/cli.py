@@ -1,0 +1,58 @@
+"""What every benchmark command line shares: the common options, the device announcement, progress bars
+and printed tables."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cs336_systems.bench.common.result_store import RESULTS_DIR
+
+
+def base_parser(description: str) -> argparse.ArgumentParser:
+    """An argument parser with the options every benchmark takes."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="smoke test: the smallest configuration, few steps")
+    parser.add_argument("--results-dir", type=Path, default=None, help=f"where rows go (default {RESULTS_DIR})")
+    parser.add_argument("--force", action="store_true", help="measure again configurations already in the results")
+    return parser
+
+
+def announce(device: torch.device, quick: bool) -> None:
+    """Say on which machine the tool runs and whether it chose the tiny CPU configuration."""
+    if device.type == "cuda":
+        print(f"# device: {torch.cuda.get_device_name(device)} ({torch.cuda.device_count()} GPU(s))", file=sys.stderr)
+    else:
+        print("# device: CPU (no GPU found): running a tiny CPU configuration", file=sys.stderr)
+    if quick:
+        print("# --quick: smoke-test configuration", file=sys.stderr)
+
+
+def progress(items: list, desc: str):
+    """A tqdm progress bar over ``items`` (on stderr, so printed tables stay clean); ``.update()`` steps it."""
+    from tqdm import tqdm
+
+    return tqdm(items, desc=desc, file=sys.stderr, dynamic_ncols=True)
+
+
+def fmt(value: Any, digits: int = 2) -> str:
+    """A table cell: numbers rounded, None and NaN as a dash."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def print_table(rows: list[dict[str, Any]], columns: list[str], digits: int = 2) -> None:
+    """A plain fixed-width table of ``columns`` from ``rows`` on stdout."""
+    cells = [[fmt(row.get(col), digits) for col in columns] for row in rows]
+    widths = [max(len(col), *(len(c[i]) for c in cells)) if cells else len(col) for i, col in enumerate(columns)]
+    print("  ".join(col.rjust(w) for col, w in zip(columns, widths)))
+    for c in cells:
+        print("  ".join(v.rjust(w) for v, w in zip(c, widths)))

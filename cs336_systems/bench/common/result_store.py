@@ -1,0 +1,140 @@
+"""The result store and the environment record every benchmark row carries.
+
+Every benchmark tool ``python -m cs336_systems.bench.<problem>`` writes rows to
+``<results dir>/<problem>.jsonl`` through a :class:`ResultStore`: one JSON object a line, holding
+
+* ``run``: an id per invocation (UTC time plus a random suffix), and ``problem``,
+* the configuration's keys (what was measured: the keys that identify the row; resume compares them),
+* the measurements (``mean_ms``, ``std_ms``, ``median_ms``, ..., or ``"oom": true``),
+* ``device`` (GPU count and name, or ``cpu``) and ``env``: GPU name and count, torch/triton/CUDA
+  versions, date, git commit.
+
+Re-running a tool skips every configuration already measured on the same device (GPU name and count),
+so a sweep can be split over several short runs; ``--force`` measures again. An out-of-memory case
+becomes a row with ``"oom": true`` instead of a crash.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import platform
+import secrets
+import subprocess
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cs336_systems.bench.common.timing import free_memory
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+RESULTS_DIR = Path(os.environ.get("CS336_RESULTS_DIR", REPO_ROOT / "writeup" / "results"))
+FIGURES_DIR = Path(os.environ.get("CS336_FIGURES_DIR", REPO_ROOT / "writeup" / "figures"))
+
+
+def git_commit() -> str:
+    """The checkout's commit (``CS336_GIT_COMMIT`` wins: a copied tree without ``.git`` knows no commit)."""
+    if os.environ.get("CS336_GIT_COMMIT"):
+        return os.environ["CS336_GIT_COMMIT"]
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, check=True
+        )
+        return out.stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def environment() -> dict[str, Any]:
+    """Where a row was measured: device, software versions, date and commit."""
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    has_cuda = torch.cuda.is_available()
+    gpu_name = torch.cuda.get_device_name(0) if has_cuda else None
+    gpu_count = torch.cuda.device_count() if has_cuda else 0
+    return {
+        "device": f"{gpu_count}x {gpu_name}" if has_cuda else f"cpu ({platform.processor() or platform.machine()})",
+        "gpu_name": gpu_name,
+        "gpu_count": gpu_count,
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "commit": git_commit(),
+    }
+
+
+def _matches(row: dict[str, Any], config: dict[str, Any]) -> bool:
+    """Whether ``row`` was measured for exactly ``config`` (same configuration keys, same values)."""
+    return set(row.get("config_keys", ())) == set(config) and all(row.get(k) == v for k, v in config.items())
+
+
+class ResultStore:
+    """Rows of one problem in ``<results_dir>/<problem>.jsonl``, appended one line at a time."""
+
+    def __init__(self, problem: str, results_dir: Path | str | None = None, force: bool = False):
+        self.problem = problem
+        self.path = Path(results_dir or RESULTS_DIR) / f"{problem}.jsonl"
+        self.force = force
+        self.run = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ") + "-" + secrets.token_hex(3)
+        self.env = environment()
+        self._measured = [row for row in self.rows() if row.get("device") == self.env["device"]]
+
+    def rows(self) -> list[dict[str, Any]]:
+        """Every row in the file (all devices, all runs)."""
+        if not self.path.exists():
+            return []
+        with self.path.open() as file:
+            return [json.loads(line) for line in file if line.strip()]
+
+    def done(self, config: dict[str, Any]) -> bool:
+        """Whether ``config`` was already measured on this device (always False with ``force``)."""
+        return not self.force and any(_matches(row, config) for row in self._measured)
+
+    def add(self, config: dict[str, Any], measurements: dict[str, Any]) -> dict[str, Any]:
+        """Append one row (``config`` and ``measurements`` side by side) and return it."""
+        clash = set(config) & set(measurements)
+        if clash:
+            raise ValueError(f"measurement keys {sorted(clash)} clash with configuration keys")
+        row = {
+            "run": self.run,
+            "problem": self.problem,
+            **config,
+            **measurements,
+            "config_keys": sorted(config),
+            "device": self.env["device"],
+            "env": self.env,
+        }
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a") as file:
+            file.write(json.dumps(row) + "\n")
+        self._measured.append(row)
+        return row
+
+    def pending(self, configs: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The configurations not yet measured on this device, in order."""
+        return [config for config in configs if not self.done(config)]
+
+
+def is_oom(error: BaseException) -> bool:
+    return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()
+
+
+def measure_or_oom(measure: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """``measure()``, or ``{"oom": True, "error": ...}`` when it runs out of device memory."""
+    try:
+        return {"oom": False, **measure()}
+    except (torch.OutOfMemoryError, RuntimeError) as error:
+        if not is_oom(error):
+            raise
+        message = str(error).splitlines()[0][:300]
+    free_memory()
+    return {"oom": True, "error": message}

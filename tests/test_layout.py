@@ -1,0 +1,51 @@
+"""The package's layout rules (SPEC section 0): every benchmark tool is a leaf (no tool imports another; what
+tools share lives in ``cs336_systems/bench/common/``), and the model never imports parallelism or benchmarks."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "cs336_systems" / "bench"
+TOOLS = sorted(path.stem for path in BENCH.glob("*.py") if path.stem != "__init__")
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every module ``path`` imports, at any depth (``from a.b import c`` counts ``a.b`` and ``a.b.c``)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def test_there_are_tools_and_a_common_room():
+    assert {"benchmarking_script", "leaderboard", "ddp_benchmarking"} <= set(TOOLS)
+    assert (BENCH / "common" / "__init__.py").exists()
+
+
+@pytest.mark.parametrize("tool", TOOLS)
+def test_no_tool_imports_another_tool(tool):
+    others = {f"cs336_systems.bench.{name}" for name in TOOLS if name != tool}
+    assert not imported_modules(BENCH / f"{tool}.py") & others
+
+
+def test_common_modules_import_no_tool():
+    tools = {f"cs336_systems.bench.{name}" for name in TOOLS}
+    for path in (BENCH / "common").glob("*.py"):
+        assert not imported_modules(path) & tools, path.name
+
+
+def test_library_never_imports_the_benchmarks_and_the_model_no_parallelism():
+    for path in (ROOT / "cs336_systems").rglob("*.py"):
+        if BENCH not in path.parents:
+            assert not any(m.startswith("cs336_systems.bench") for m in imported_modules(path)), path
+    for path in (ROOT / "cs336-basics" / "cs336_basics").rglob("*.py"):
+        assert not any(m.startswith("cs336_systems") for m in imported_modules(path)), path
+
