@@ -49,3 +49,18 @@ def test_library_never_imports_the_benchmarks_and_the_model_no_parallelism():
     for path in (ROOT / "cs336-basics" / "cs336_basics").rglob("*.py"):
         assert not any(m.startswith("cs336_systems") for m in imported_modules(path)), path
 
+
+def test_smoke_and_cpu_runs_write_to_the_scratch_folder(monkeypatch, tmp_path):
+    from cs336_systems.bench import benchmarking_script, flash_benchmarking
+    from cs336_systems.bench.common.result_store import FIGURES_DIR, RESULTS_DIR, SCRATCH_DIR
+
+    assert ".scratch/" in (ROOT / ".gitignore").read_text().split()
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    assert benchmarking_script.parser().parse_args([]).results_dir == SCRATCH_DIR / "results"
+    cpu = flash_benchmarking.parser().parse_args([])
+    assert (cpu.results_dir, cpu.figures_dir) == (SCRATCH_DIR / "results", SCRATCH_DIR / "figures")
+    assert benchmarking_script.parser().parse_args(["--results-dir", str(tmp_path)]).results_dir == tmp_path
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    assert benchmarking_script.parser().parse_args(["--quick"]).results_dir == SCRATCH_DIR / "results"
+    gpu = flash_benchmarking.parser().parse_args([])
+    assert (gpu.results_dir, gpu.figures_dir) == (RESULTS_DIR, FIGURES_DIR)

@@ -11,14 +11,31 @@ from typing import Any
 
 import torch
 
-from cs336_systems.bench.common.result_store import RESULTS_DIR
+from cs336_systems.bench.common.result_store import FIGURES_DIR, RESULTS_DIR, SCRATCH_DIR
+
+
+class BenchmarkParser(argparse.ArgumentParser):
+    """Parses a tool's options, then points ``results_dir`` (and ``figures_dir``, where the tool has one) at
+    the git-ignored scratch folder when none was given and the run is a smoke run (``--quick``) or has no
+    GPU: committed results come only from deliberate GPU runs."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        parsed, rest = super().parse_known_args(args, namespace)
+        scratch = getattr(parsed, "quick", False) or not torch.cuda.is_available()
+        if getattr(parsed, "results_dir", "absent") is None:
+            parsed.results_dir = SCRATCH_DIR / "results" if scratch else RESULTS_DIR
+        if getattr(parsed, "figures_dir", "absent") is None:
+            parsed.figures_dir = SCRATCH_DIR / "figures" if scratch else FIGURES_DIR
+        return parsed, rest
 
 
 def base_parser(description: str) -> argparse.ArgumentParser:
     """An argument parser with the options every benchmark takes."""
-    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = BenchmarkParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smoke test: the smallest configuration, few steps")
-    parser.add_argument("--results-dir", type=Path, default=None, help=f"where rows go (default {RESULTS_DIR})")
+    parser.add_argument("--results-dir", type=Path, default=None,
+                        help=f"where rows go (default {RESULTS_DIR} on a GPU; {SCRATCH_DIR / 'results'} for --quick "
+                             "runs and on machines without a GPU)")
     parser.add_argument("--force", action="store_true", help="measure again configurations already in the results")
     return parser
 

@@ -33,6 +33,9 @@ from cs336_systems.bench.common.timing import free_memory
 REPO_ROOT = Path(__file__).resolve().parents[3]
 RESULTS_DIR = Path(os.environ.get("CS336_RESULTS_DIR", REPO_ROOT / "writeup" / "results"))
 FIGURES_DIR = Path(os.environ.get("CS336_FIGURES_DIR", REPO_ROOT / "writeup" / "figures"))
+SCRATCH_DIR = REPO_ROOT / ".scratch"
+"""Where smoke runs (``--quick``) and runs on a machine without a GPU write rows and figures unless told
+otherwise (``--results-dir``, ``--figures-dir``): git-ignored, so only deliberate GPU runs reach the writeup."""
 
 
 def git_commit() -> str:
