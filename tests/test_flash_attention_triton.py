@@ -426,6 +426,34 @@ def test_torch_compile_of_apply_gpu(fixed_tiles_poisoned_outputs):
 
 
 @pytest.mark.gpu
+def test_compiled_lm_with_our_attention_has_no_graph_break_and_runs_in_cuda_graphs_gpu(fixed_tiles_poisoned_outputs):
+    """Inductor traces the model with our operators in one graph (fullgraph), and ``reduce-overhead``
+    (CUDA graphs) captures them; both give the eager model's loss and gradients."""
+    from cs336_basics.model import BasicsTransformerLM
+    from cs336_systems.attention import get_attention
+
+    kwargs = dict(vocab_size=500, context_length=256, d_model=256, num_layers=2, num_heads=4, d_ff=512)
+    eager = BasicsTransformerLM(**kwargs, attention_fn=get_attention("triton")).cuda()
+    token_ids = torch.randint(0, 500, (2, 256), device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        expected = eager(token_ids).float().square().mean()
+    expected.backward()
+    for mode in ("default", "reduce-overhead"):
+        torch._dynamo.reset()
+        model = BasicsTransformerLM(**kwargs, attention_fn=get_attention("triton")).cuda()
+        model.load_state_dict(eager.state_dict())
+        compiled = torch.compile(model, fullgraph=True, mode=mode)
+        for _ in range(3):  # CUDA graphs record on a later call
+            model.zero_grad(set_to_none=True)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = compiled(token_ids).float().square().mean()
+            loss.backward()
+        torch.testing.assert_close(loss, expected, rtol=2e-2, atol=1e-3)
+        for (name, ours), theirs in zip(model.named_parameters(), eager.parameters()):
+            torch.testing.assert_close(ours.grad, theirs.grad, rtol=5e-2, atol=1e-3, msg=lambda m: f"{mode} {name}: {m}")
+
+
+@pytest.mark.gpu
 def test_transformer_lm_with_triton_attention_matches_naive_gpu(fixed_tiles_poisoned_outputs):
     from cs336_basics.model import BasicsTransformerLM
 

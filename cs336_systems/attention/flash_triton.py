@@ -12,9 +12,10 @@ Inputs may be non-contiguous; a copy is made only when the last dimension is str
 
 Launch parameters:
 
-* on a GPU, ``triton.autotune`` picks the tiles per (coarsened lengths, head dim, causal, dtype);
-  set ``CS336_FLASH_AUTOTUNE=0`` (or ``AUTOTUNE = False`` here) for one fixed configuration per
-  dtype and head dim instead, which compiles far less (the tests use it);
+* on a GPU, one fixed configuration per dtype and head dim (:func:`fixed_config`, from autotuner timings),
+  which compiles each kernel once and never again at a new length; ``CS336_FLASH_AUTOTUNE=1`` (or
+  ``AUTOTUNE = True`` here) lets ``triton.autotune`` pick the tiles per (coarsened lengths, head dim,
+  causal, dtype) instead, which costs tens of seconds of compiling and timing per new length bucket;
 * under ``TRITON_INTERPRET=1`` (CPU), one small configuration with unequal tiles, so that the tests
   exercise every masking path at small sizes in seconds.
 
@@ -40,8 +41,10 @@ SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_GRID_Y = 65535  # CUDA's limit on the second grid dimension, which runs over batch * heads
 
-AUTOTUNE: bool = os.environ.get("CS336_FLASH_AUTOTUNE", "1") != "0"
-"""Autotune the tiles on a GPU (default), or use :func:`fixed_config`."""
+AUTOTUNE: bool = os.environ.get("CS336_FLASH_AUTOTUNE", "0") == "1"
+"""Autotune the tiles on a GPU (``CS336_FLASH_AUTOTUNE=1``), or use :func:`fixed_config` (default): fixed
+tiles per dtype and head dim compile each kernel once per (dtype, head dim, causal), whatever the lengths, so a
+cold first call costs one compilation of each kernel it launches, and none at a new sequence length."""
 
 FILL_OUTPUTS_WITH_NAN: bool = False
 """Tests set this so that outputs start as NaN instead of uninitialised memory: an element a kernel
@@ -286,10 +289,6 @@ def _new_output(shape, dtype: torch.dtype, device: torch.device) -> Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-# torch.compile (of the model, or of FlashAttention2Triton.apply as the leaderboard does) runs the
-# launch wrappers eagerly instead of tracing the Triton kernels into its own graph: a graph break that
-# is known to work everywhere, including under the CPU interpreter, at the cost of a few microseconds.
-@torch.compiler.disable
 def flash_attention_forward(
     Q: Float[Tensor, "batch *heads q d"], K: Float[Tensor, "batch *heads k d"], V: Float[Tensor, "batch *heads k d"],
     is_causal: bool,
@@ -312,7 +311,6 @@ def flash_attention_forward(
     return O, L.view(Q.shape[:-1])
 
 
-@torch.compiler.disable
 def flash_attention_backward(
     Q: Float[Tensor, "batch *heads q d"], K: Float[Tensor, "batch *heads k d"], V: Float[Tensor, "batch *heads k d"],
     O: Float[Tensor, "batch *heads q d"], L: Float[Tensor, "batch *heads q"], dO: Float[Tensor, "batch *heads q d"],
@@ -370,8 +368,55 @@ def _dq_mode(dtype: torch.dtype, batch_heads: int, n_keys: int, head_dim: int) -
 
 
 # ---------------------------------------------------------------------------------------------------
-# Autograd function and functional entry point
+# PyTorch operators, the autograd Function and the functional entry point
 # ---------------------------------------------------------------------------------------------------
+# The forward and the backward are operators (torch.library.custom_op), so torch.compile traces any model
+# or function that calls them without a graph break (Inductor calls them as opaque kernels), CUDA graphs
+# capture them, and eager calls go through the dispatcher once. Both run on any device: on the CPU only
+# under the Triton interpreter (the launch code raises otherwise).
+
+
+@torch.library.custom_op("cs336_systems::flash_attention_forward", mutates_args=())
+def flash_attention_forward_op(Q: Tensor, K: Tensor, V: Tensor, is_causal: bool) -> tuple[Tensor, Tensor]:
+    """``(O, L)`` of :func:`flash_attention_forward` (inputs of any strides; checked by the caller)."""
+    Q, K, V = (_unit_last_stride(x) for x in (Q, K, V))
+    return flash_attention_forward(Q, K, V, is_causal)
+
+
+@flash_attention_forward_op.register_fake
+def _(Q: Tensor, K: Tensor, V: Tensor, is_causal: bool) -> tuple[Tensor, Tensor]:
+    return Q.new_empty(Q.shape), Q.new_empty(Q.shape[:-1], dtype=torch.float32)
+
+
+@torch.library.custom_op("cs336_systems::flash_attention_backward", mutates_args=())
+def flash_attention_backward_op(
+    Q: Tensor, K: Tensor, V: Tensor, O: Tensor, L: Tensor, dO: Tensor, is_causal: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dQ, dK, dV)`` of :func:`flash_attention_backward`."""
+    Q, K, V, O = (_unit_last_stride(x) for x in (Q, K, V, O))
+    return flash_attention_backward(Q, K, V, O, L, dO, is_causal)
+
+
+@flash_attention_backward_op.register_fake
+def _(Q: Tensor, K: Tensor, V: Tensor, O: Tensor, L: Tensor, dO: Tensor, is_causal: bool) -> tuple[Tensor, Tensor, Tensor]:
+    return Q.new_empty(Q.shape), K.new_empty(K.shape), V.new_empty(V.shape)
+
+
+def _save_for_backward(ctx, inputs: tuple, output: tuple[Tensor, Tensor]) -> None:
+    Q, K, V, is_causal = inputs
+    O, L = output
+    ctx.save_for_backward(Q, K, V, O, L)
+    ctx.is_causal = is_causal
+    ctx.mark_non_differentiable(L)
+
+
+def _forward_op_backward(ctx, dO: Tensor, dL: Tensor | None):
+    Q, K, V, O, L = ctx.saved_tensors
+    dQ, dK, dV = flash_attention_backward_op(Q, K, V, O, L, dO, ctx.is_causal)
+    return dQ, dK, dV, None
+
+
+flash_attention_forward_op.register_autograd(_forward_op_backward, setup_context=_save_for_backward)
 
 
 class FlashAttention2Triton(torch.autograd.Function):
@@ -385,8 +430,7 @@ class FlashAttention2Triton(torch.autograd.Function):
     @staticmethod
     def forward(ctx, Q: Tensor, K: Tensor, V: Tensor, is_causal: bool = False) -> Tensor:
         _check_triton_inputs(Q, K, V)
-        Q, K, V = (_unit_last_stride(x) for x in (Q, K, V))
-        O, L = flash_attention_forward(Q, K, V, bool(is_causal))
+        O, L = flash_attention_forward_op(Q, K, V, bool(is_causal))
         ctx.save_for_backward(Q, K, V, O, L)
         ctx.is_causal = bool(is_causal)
         return O
@@ -394,7 +438,7 @@ class FlashAttention2Triton(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dO: Tensor):
         Q, K, V, O, L = ctx.saved_tensors
-        dQ, dK, dV = flash_attention_backward(Q, K, V, O, L, dO, ctx.is_causal)
+        dQ, dK, dV = flash_attention_backward_op(Q, K, V, O, L, dO, ctx.is_causal)
         return dQ, dK, dV, None
 
 
@@ -402,5 +446,7 @@ def flash_attention(
     Q: Float[Tensor, "batch *heads q d"], K: Float[Tensor, "batch *heads k d"], V: Float[Tensor, "batch *heads k d"],
     is_causal: bool = False,
 ) -> Float[Tensor, "batch *heads q d"]:
-    """Functional form of :class:`FlashAttention2Triton`, with the model's attention protocol."""
-    return FlashAttention2Triton.apply(Q, K, V, is_causal)
+    """FlashAttention-2 with the model's attention protocol: the forward operator, differentiated through its
+    registered autograd formula (the backward operator). Same results as :class:`FlashAttention2Triton`."""
+    _check_triton_inputs(Q, K, V)
+    return flash_attention_forward_op(Q, K, V, bool(is_causal))[0]

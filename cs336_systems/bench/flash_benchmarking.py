@@ -64,7 +64,8 @@ def parser():
                    help="longest length for flash_pytorch (its Python tile loop makes ~seq^2/2048 calls)")
     p.add_argument("--naive-max-seq", type=int, default=None,
                    help="longest length for naive and naive_compiled (default: all; out-of-memory becomes a row)")
-    p.add_argument("--fixed-tiles", action="store_true", help="our kernels with fixed tiles instead of autotuning")
+    p.add_argument("--fixed-tiles", action="store_true", help="our kernels with fixed tiles (the default)")
+    p.add_argument("--autotune", action="store_true", help="autotune our kernels' tiles per length bucket instead")
     p.add_argument("--time-limit-s", type=float, default=None,
                    help="start no new case after this many seconds (run again to resume)")
     p.add_argument("--figures-dir", type=Path, default=None, help=f"where PNGs go (default {result_store.FIGURES_DIR})")
@@ -211,6 +212,8 @@ def main(argv: list[str] | None = None) -> None:
     resolve_defaults(args, device)
     if args.fixed_tiles:
         fp.use_fixed_tiles()
+    elif args.autotune:
+        fp.use_autotuning()
     store = run_sweep(args, device)
     rows = latest_rows(store)
     import pandas as pd
