@@ -194,3 +194,13 @@ def test_fullgraph_compiled_lm_with_our_attention_matches_naive(attention):
     expected.square().mean().backward()
     for (name, ours), theirs in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-3, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("d, is_causal", [(24, True), (40, False)])
+def test_head_dims_between_the_kernels_runs_padded(d, is_causal):
+    """d = 24 and 40 run zero-padded to 32 and 64 with the scale of the true d (the 2.7B model has d = 80)."""
+    Q, K, V = make_qkv(2, 2, 33, 40, d, torch.float32, "cpu")
+    dO = torch.randn(Q.shape)
+    ref, ours = run_reference(Q, K, V, is_causal, dO), run_function(FlashAttention2Triton, Q, K, V, is_causal, dO)
+    for name in QUANTITIES:
+        assert relative_error(ours[name], ref[name]) < TOLERANCE[torch.float32], name

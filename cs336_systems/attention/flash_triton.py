@@ -257,9 +257,10 @@ def _check_triton_inputs(Q: Tensor, K: Tensor, V: Tensor) -> None:
     check_attention_inputs(Q, K, V)
     if Q.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"unsupported dtype {Q.dtype}: the Triton kernels take float16, bfloat16 or float32")
-    if Q.shape[-1] not in SUPPORTED_HEAD_DIMS:
+    if Q.shape[-1] > max(SUPPORTED_HEAD_DIMS) or Q.shape[-1] % 8:
         raise ValueError(
-            f"unsupported head dimension d={Q.shape[-1]}: the Triton kernels support d in {SUPPORTED_HEAD_DIMS}"
+            f"unsupported head dimension d={Q.shape[-1]}: the Triton kernels run d in {SUPPORTED_HEAD_DIMS}, and "
+            f"other multiples of 8 up to {max(SUPPORTED_HEAD_DIMS)} zero-padded to the next of those"
         )
     if Q.device.type != "cuda" and not kernels.RUNNING_IN_INTERPRETER:
         raise ValueError(
@@ -291,7 +292,7 @@ def _new_output(shape, dtype: torch.dtype, device: torch.device) -> Tensor:
 
 def flash_attention_forward(
     Q: Float[Tensor, "batch *heads q d"], K: Float[Tensor, "batch *heads k d"], V: Float[Tensor, "batch *heads k d"],
-    is_causal: bool,
+    is_causal: bool, sm_scale: float | None = None,
 ) -> tuple[Float[Tensor, "batch *heads q d"], Float[Tensor, "batch *heads q"]]:
     """``O`` (Q's shape and dtype) and the natural-log logsumexp ``L`` (float32). Inputs are checked by
     the caller and have unit stride along ``d``."""
@@ -299,7 +300,7 @@ def flash_attention_forward(
     batch_heads, (n_queries, head_dim), n_keys = Q.shape[0] * n_heads, Q.shape[-2:], K.shape[-2]
     O = _new_output(Q.shape, Q.dtype, Q.device)
     L = _new_output((batch_heads, n_queries), torch.float32, Q.device)
-    sm_scale = 1.0 / math.sqrt(head_dim)
+    sm_scale = sm_scale or 1.0 / math.sqrt(head_dim)
     args = (
         Q, K, V, O, L,
         *_strides(Q), *_strides(K), *_strides(V), *_strides(O),
@@ -314,7 +315,7 @@ def flash_attention_forward(
 def flash_attention_backward(
     Q: Float[Tensor, "batch *heads q d"], K: Float[Tensor, "batch *heads k d"], V: Float[Tensor, "batch *heads k d"],
     O: Float[Tensor, "batch *heads q d"], L: Float[Tensor, "batch *heads q"], dO: Float[Tensor, "batch *heads q d"],
-    is_causal: bool,
+    is_causal: bool, sm_scale: float | None = None,
 ) -> tuple[Float[Tensor, "batch *heads q d"], Float[Tensor, "batch *heads k d"], Float[Tensor, "batch *heads k d"]]:
     """``dQ, dK, dV`` (in the inputs' dtype) from the saved forward state and the output gradient."""
     dO = _unit_last_stride(dO.to(O.dtype))  # o.sum().backward() sends an expanded, all-stride-0 dO
@@ -332,7 +333,7 @@ def flash_attention_backward(
     dQ = _new_output(Q.shape, Q.dtype, Q.device)
     dK = _new_output(K.shape, K.dtype, K.device)
     dV = _new_output(V.shape, V.dtype, V.device)
-    sm_scale = 1.0 / math.sqrt(head_dim)
+    sm_scale = sm_scale or 1.0 / math.sqrt(head_dim)
     dq_acc_desc = None
     if dq_mode == "tma":  # the block shape is the configuration's (set before each launch)
         dq_acc_desc = TensorDescriptor(DQ_acc, list(DQ_acc.shape), list(DQ_acc.stride()), [1, 16, head_dim])
@@ -376,11 +377,27 @@ def _dq_mode(dtype: torch.dtype, batch_heads: int, n_keys: int, head_dim: int) -
 # under the Triton interpreter (the launch code raises otherwise).
 
 
+def _padded_head_dim(head_dim: int) -> int:
+    return min(d for d in SUPPORTED_HEAD_DIMS if d >= head_dim)
+
+
+def _pad_head_dim(x: Tensor, head_dim: int) -> Tensor:
+    """``x`` with zeros appended along ``d`` up to ``head_dim`` (zero features change no score or output),
+    else ``x`` with a unit stride along ``d``."""
+    if x.shape[-1] == head_dim:
+        return _unit_last_stride(x)
+    return torch.nn.functional.pad(x, (0, head_dim - x.shape[-1]))
+
+
 @torch.library.custom_op("cs336_systems::flash_attention_forward", mutates_args=())
 def flash_attention_forward_op(Q: Tensor, K: Tensor, V: Tensor, is_causal: bool) -> tuple[Tensor, Tensor]:
-    """``(O, L)`` of :func:`flash_attention_forward` (inputs of any strides; checked by the caller)."""
-    Q, K, V = (_unit_last_stride(x) for x in (Q, K, V))
-    return flash_attention_forward(Q, K, V, is_causal)
+    """``(O, L)`` of :func:`flash_attention_forward` (inputs of any strides and any supported ``d``; checked by
+    the caller). A head dim between the kernels' runs padded, with the scale of the true one."""
+    head_dim = Q.shape[-1]
+    padded = _padded_head_dim(head_dim)
+    Q, K, V = (_pad_head_dim(x, padded) for x in (Q, K, V))
+    O, L = flash_attention_forward(Q, K, V, is_causal, 1.0 / math.sqrt(head_dim))
+    return (O if padded == head_dim else O[..., :head_dim].contiguous()), L
 
 
 @flash_attention_forward_op.register_fake
@@ -392,9 +409,14 @@ def _(Q: Tensor, K: Tensor, V: Tensor, is_causal: bool) -> tuple[Tensor, Tensor]
 def flash_attention_backward_op(
     Q: Tensor, K: Tensor, V: Tensor, O: Tensor, L: Tensor, dO: Tensor, is_causal: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """``(dQ, dK, dV)`` of :func:`flash_attention_backward`."""
-    Q, K, V, O = (_unit_last_stride(x) for x in (Q, K, V, O))
-    return flash_attention_backward(Q, K, V, O, L, dO, is_causal)
+    """``(dQ, dK, dV)`` of :func:`flash_attention_backward` (padded like the forward)."""
+    head_dim = Q.shape[-1]
+    padded = _padded_head_dim(head_dim)
+    Q, K, V, O, dO = (_pad_head_dim(x, padded) for x in (Q, K, V, O, dO.to(O.dtype)))
+    dQ, dK, dV = flash_attention_backward(Q, K, V, O, L, dO, is_causal, 1.0 / math.sqrt(head_dim))
+    if padded == head_dim:
+        return dQ, dK, dV
+    return tuple(g[..., :head_dim].contiguous() for g in (dQ, dK, dV))
 
 
 @flash_attention_backward_op.register_fake
