@@ -249,6 +249,10 @@ class BasicsTransformerLM(nn.Module):
         return total - self.token_embeddings.weight.numel() if non_embedding else total
 
     def forward(self, token_ids: Int[Tensor, "batch seq"]) -> Float[Tensor, "batch seq vocab_size"]:
+        return self.lm_head(self.hidden_states(token_ids))
+
+    def hidden_states(self, token_ids: Int[Tensor, "batch seq"]) -> Float[Tensor, "batch seq d_model"]:
+        """The final normalised hidden states, the LM head's input (a fused LM head + loss starts here)."""
         if token_ids.shape[-1] > self.context_length:
             raise ValueError(f"sequence length {token_ids.shape[-1]} exceeds context_length {self.context_length}")
         x = self.token_embeddings(token_ids)
@@ -258,7 +262,7 @@ class BasicsTransformerLM(nn.Module):
                 x = checkpoint(_run_blocks, self.layers[start : start + k], x, use_reentrant=False)
         else:
             x = _run_blocks(self.layers, x)
-        return self.lm_head(self.ln_final(x))
+        return self.ln_final(x)
 
 
 def _run_blocks(blocks: nn.ModuleList, x: Float[Tensor, "batch seq d_model"]) -> Float[Tensor, "batch seq d_model"]:

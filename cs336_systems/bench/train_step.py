@@ -1,0 +1,136 @@
+"""The training step of our stack against PyTorch's best, in the same run (problem ``train_step``, SPEC section 9).
+
+For every model size and (context length, batch size) in ``--shapes`` (default: 512 and 2048 at batch 4, 8192 at
+batch 1), each stack of :data:`cs336_systems.train.STACKS` (``ours``: our attention operator, fused RMSNorm,
+fused LM head + cross-entropy, fused AdamW; ``torch``: SDPA, plain RMSNorm and cross-entropy, AdamW(fused=True);
+both with compiled blocks) trains a fresh model under bf16 autocast: ``--warmup`` untimed steps (compilation
+included), ``--steps`` timed ones, each synchronised (median ``step_ms``), then ``--phase-steps`` steps timed per
+phase (forward, backward, optimizer; synchronising between them). Rows: ``step_ms`` (median) with mean/std,
+phase medians, ``mfu`` (model FLOPs of a step, causal attention counted half, over the bf16 matmul rate measured
+in the same run), ``peak_gb`` (peak allocated during the timed steps), ``ours_over_torch`` in ours' row when both
+ran. Between cases everything is released and the memory left over is recorded (``leftover_gb``).
+
+    python -m cs336_systems.bench.train_step                              # every size, three shapes, both stacks
+    python -m cs336_systems.bench.train_step --sizes xl --shapes 512:4 --stacks ours torch
+    python -m cs336_systems.bench.train_step --override attention=sdpa    # ours with one part swapped
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import sys
+import timeit
+from typing import Any
+
+import torch
+
+from cs336_systems.bench.common import cli, flops, result_store, timing
+from cs336_systems.bench.common.lm import SIZES, VOCAB_SIZE, LMConfig, build_model, random_batch
+from cs336_systems.train import STACKS, build_training_step
+
+PROBLEM = "train_step"
+DEFAULT_SHAPES = ["512:4", "2048:4", "8192:1"]
+
+
+def shape(text: str) -> tuple[int, int]:
+    """``context:batch`` (argparse type)."""
+    try:
+        context, batch = (int(part) for part in text.split(":"))
+    except ValueError:
+        raise ValueError(f"a shape is context:batch, e.g. 512:4, not {text!r}") from None
+    return context, batch
+
+
+def parser():
+    p = cli.base_parser(__doc__)
+    p.add_argument("--sizes", nargs="+", default=None, choices=list(SIZES), help="model sizes (default: all five)")
+    p.add_argument("--shapes", nargs="+", type=shape, default=None, help="context:batch pairs (default 512:4 2048:4 8192:1)")
+    p.add_argument("--stacks", nargs="+", default=["torch", "ours"], choices=list(STACKS))
+    p.add_argument("--override", nargs="*", default=[], help="part=value changes to every stack (e.g. compile=model)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--phase-steps", type=int, default=3)
+    return p
+
+
+def parts_of(stack: str, overrides: list[str]):
+    changes: dict[str, Any] = {}
+    for item in overrides:
+        name, _, value = item.partition("=")
+        changes[name] = int(value) if name == "checkpointing" else value
+    return STACKS[stack].with_(**changes)
+
+
+def measure(config: LMConfig, stack: str, args, device: torch.device) -> dict[str, Any]:
+    parts = parts_of(stack, args.override)
+    model = build_model(config, device)
+    step = build_training_step(model, parts)
+    x, y = random_batch(config, device)
+    cold = timeit.default_timer()
+    step(x, y)
+    timing.synchronize(device)
+    first_step_s = timeit.default_timer() - cold
+    for _ in range(args.warmup):
+        step(x, y)
+    timing.synchronize(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    seconds = timing.time_calls(lambda: step(x, y), 0, args.steps, device)
+    peak_gb = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
+    phases: list[dict[str, float]] = []
+    for _ in range(args.phase_steps):
+        phases.append({})
+        step(x, y, phases[-1])
+    result = {**timing.summarize_ms(seconds), "step_ms": statistics.median(seconds) * 1e3, "peak_gb": peak_gb,
+              "first_step_s": first_step_s, "parts": dataclasses.asdict(parts)}
+    for phase in ("forward", "backward", "optimizer"):
+        result[f"{phase}_ms"] = statistics.median(p[phase] for p in phases) * 1e3 if phases else None
+    del step, model
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    device = timing.default_device()
+    cli.announce(device, args.quick)
+    tiny = args.quick or device.type == "cpu"
+    if tiny and device.type == "cpu":
+        print("# no GPU: the tiny model, eager, our kernels would need TRITON_INTERPRET=1: torch stack only",
+              file=sys.stderr)
+        args.stacks, args.override = ["torch"], [*args.override, "compile=none", "optimizer=basics"]
+    args.sizes = args.sizes or (["tiny"] if tiny else ["small", "medium", "large", "xl", "2.7B"])
+    args.shapes = args.shapes or ([(32, 2)] if tiny else [shape(s) for s in DEFAULT_SHAPES])
+    if tiny:
+        args.warmup, args.steps, args.phase_steps = min(args.warmup, 1), min(args.steps, 2), min(args.phase_steps, 1)
+    store = result_store.ResultStore(PROBLEM, args.results_dir, args.force)
+    cases = [dict(size=size, context_length=context, batch_size=batch, stack=stack, overrides=sorted(args.override),
+                  dtype="bf16", warmup=args.warmup, steps=args.steps)
+             for size in args.sizes for context, batch in args.shapes for stack in args.stacks]
+    pending = store.pending(cases)
+    print(f"# {len(cases) - len(pending)} of {len(cases)} cases already measured on this device", file=sys.stderr)
+    peak_tflops = timing.measure_matmul_tflops(device) if pending else None
+    rows, by_config = [], {}
+    for case in cli.progress(pending, PROBLEM):
+        config = LMConfig(case["size"], case["context_length"], case["batch_size"])
+        result = result_store.measure_or_oom(lambda: measure(config, case["stack"], args, device))
+        h = config.hparams
+        step_flops = 3 * flops.lm_forward_flops(VOCAB_SIZE, h["d_model"], h["d_ff"], h["num_layers"], config.batch_size,
+                                                config.context_length, causal_attention=True)
+        result.update(flops=step_flops, peak_tflops=peak_tflops)
+        if peak_tflops and not result["oom"]:
+            result["mfu"] = step_flops / (result["step_ms"] / 1e3) / (peak_tflops * 1e12)
+        torch._dynamo.reset()
+        timing.free_memory()
+        result["leftover_gb"] = torch.cuda.memory_allocated(device) / 1e9 if device.type == "cuda" else None
+        same = by_config.setdefault((case["size"], case["context_length"], case["batch_size"]), {})
+        same[case["stack"]] = result
+        if case["stack"] == "ours" and "torch" in same and not result["oom"] and not same["torch"]["oom"]:
+            result["ours_over_torch"] = result["step_ms"] / same["torch"]["step_ms"]
+        rows.append(store.add(case, result))
+    cli.print_table(rows, ["size", "context_length", "batch_size", "stack", "step_ms", "forward_ms", "backward_ms",
+                           "optimizer_ms", "mfu", "peak_gb", "ours_over_torch", "oom"], digits=3)
+
+
+if __name__ == "__main__":
+    main()
