@@ -31,8 +31,10 @@ instead); under ``TRITON_INTERPRET=1`` (CPU) one small configuration. Set the va
 module is imported: ``@triton.jit`` reads it when the kernels are defined.
 
 ``torch.compile``: eager calls launch the kernels directly (the least host overhead); while Dynamo traces,
-the Function calls the same launch code through two ``torch.library`` custom ops instead, which the
-compiled graph calls as opaque kernels (no graph break, so the graph around every norm stays whole).
+the Function calls the same launch code through two ``torch.library`` operators instead. On a GPU these are
+``triton_op``s whose launches go through ``wrap_triton``, so Inductor emits the kernel launches into its own
+generated code (no Python launch code per norm in a compiled model, and CUDA graphs capture them); under the
+interpreter they are opaque ``custom_op``s.
 
 Under autocast, ``FusedRMSNorm.autocast_output`` (off by default) writes the output directly in the
 autocast dtype, which the matmuls that consume it would cast to anyway: half the bytes written, no cast
@@ -52,6 +54,7 @@ import triton
 import triton.language as tl
 from jaxtyping import Float
 from torch import Tensor, nn
+from torch.library import wrap_triton as _wrap_triton
 
 from cs336_basics.model import RMSNorm
 
@@ -295,12 +298,15 @@ def fixed_config(kernel: str, n_cols: int, element_size: int) -> triton.Config:
 
 def _launch(kernel: str, grid, args: tuple, meta: dict, n_cols: int, element_size: int) -> None:
     """Run ``kernel`` ("fwd" or "bwd"), autotuned or with :func:`fixed_config`. ``grid(block_m)``."""
+    # wrap_triton: while an operator is traced, the launch joins the graph and Inductor emits it directly (no
+    # Python launch code per call); run eagerly, it launches the kernel as usual.
+    wrap_triton = _wrap_triton if not RUNNING_IN_INTERPRETER else (lambda kernel: kernel)
     if AUTOTUNE and not RUNNING_IN_INTERPRETER:
-        _autotuned[kernel][lambda META: grid(META["BLOCK_M"])](*args, **meta)
+        wrap_triton(_autotuned[kernel])[lambda META: grid(META["BLOCK_M"])](*args, **meta)
     else:
         config = fixed_config(kernel, n_cols, element_size)
         # Only the tiles, warps and stages: torch.compile refuses num_ctas passed as a launch argument.
-        _plain[kernel][grid(config.kwargs["BLOCK_M"])](
+        wrap_triton(_plain[kernel])[grid(config.kwargs["BLOCK_M"])](
             *args, **meta, **config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages
         )
 
@@ -382,21 +388,20 @@ def rmsnorm_backward(
 
 
 # ---------------------------------------------------------------------------------------------------
-# Custom ops: the launch wrappers as opaque operators for torch.compile
+# Operators: torch.compile traces them into its graph (no graph break). On a GPU they are triton_ops, whose
+# launches Inductor emits itself, so a compiled model pays no Python launch code per norm. Under the
+# interpreter the kernels are not jit functions, which triton_op cannot trace: opaque custom ops there.
 # ---------------------------------------------------------------------------------------------------
 
+_define_op = torch.library.custom_op if RUNNING_IN_INTERPRETER else torch.library.triton_op
 
-@torch.library.custom_op("cs336_systems::rmsnorm_forward", mutates_args=())
+
+@_define_op("cs336_systems::rmsnorm_forward", mutates_args=())
 def _rmsnorm_forward_op(x: Tensor, weight: Tensor, eps: float, out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     return rmsnorm_forward(x, weight, eps, out_dtype)
 
 
-@_rmsnorm_forward_op.register_fake
-def _(x: Tensor, weight: Tensor, eps: float, out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    return x.new_empty(x.shape, dtype=out_dtype), x.new_empty(x.shape[:1], dtype=torch.float32)
-
-
-@torch.library.custom_op("cs336_systems::rmsnorm_backward", mutates_args=())
+@_define_op("cs336_systems::rmsnorm_backward", mutates_args=())
 def _rmsnorm_backward_op(
     dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor, compute_dx: bool, compute_dw: bool
 ) -> tuple[Tensor, Tensor]:
@@ -405,9 +410,15 @@ def _rmsnorm_backward_op(
     return (dx if dx is not None else x.new_empty(0)), (dw if dw is not None else weight.new_empty(0))
 
 
-@_rmsnorm_backward_op.register_fake
-def _(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor, compute_dx: bool, compute_dw: bool) -> tuple[Tensor, Tensor]:
-    return x.new_empty(x.shape if compute_dx else (0,)), weight.new_empty(weight.shape if compute_dw else (0,))
+if RUNNING_IN_INTERPRETER:
+
+    @_rmsnorm_forward_op.register_fake
+    def _(x: Tensor, weight: Tensor, eps: float, out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        return x.new_empty(x.shape, dtype=out_dtype), x.new_empty(x.shape[:1], dtype=torch.float32)
+
+    @_rmsnorm_backward_op.register_fake
+    def _(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor, compute_dx: bool, compute_dw: bool) -> tuple[Tensor, Tensor]:
+        return x.new_empty(x.shape if compute_dx else (0,)), weight.new_empty(weight.shape if compute_dw else (0,))
 
 
 # ---------------------------------------------------------------------------------------------------
