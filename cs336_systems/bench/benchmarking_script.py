@@ -37,6 +37,7 @@ from cs336_systems.bench.common.lm import (
     make_optimizer,
     make_step,
     measure_case,
+    measure_stack,
     random_batch,
 )
 from cs336_systems.bench.common.memory import record_snapshot
@@ -56,6 +57,9 @@ def parser():
     p.add_argument("--steps", type=int, default=10, help="timed steps")
     p.add_argument("--attention", default="naive", help="attention implementation (cs336_systems.attention names)")
     p.add_argument("--compile", action="store_true", help="torch.compile the whole model")
+    p.add_argument("--stack", choices=["ours", "torch"], default=None,
+                   help="time the training step of a stack of cs336_systems.train instead (implies --modes train_step; "
+                        "its own attention, norms, loss, optimizer and compilation)")
     p.add_argument("--warmup-study", action="store_true", help="0, 1, 2 and 5 warm-up steps, each in a fresh process")
     p.add_argument("--tag", default="sweep", help="labels the rows (the warm-up study's are 'warmup_study')")
     p.add_argument("--memory-snapshot", default=None, help="also record a CUDA memory snapshot of the first case here")
@@ -71,7 +75,8 @@ def run_sweep(args, device: torch.device) -> list[dict[str, Any]]:
     store = result_store.ResultStore(PROBLEM, args.results_dir, args.force)
     cases = [
         dict(size=size, context_length=args.context_length, batch_size=args.batch_size, mode=mode, dtype=dtype,
-             attention=args.attention, compile=args.compile, warmup=args.warmup, steps=args.steps, tag=args.tag)
+             attention=args.attention, compile=args.compile, warmup=args.warmup, steps=args.steps, tag=args.tag,
+             **({"stack": args.stack} if args.stack else {}))
         for size in args.sizes for mode in args.modes for dtype in args.dtypes
     ]
     pending = store.pending(cases)
@@ -85,11 +90,14 @@ def run_sweep(args, device: torch.device) -> list[dict[str, Any]]:
     bar = cli.progress(pending, PROBLEM)
     for size, size_cases in by_size.items():
         config = LMConfig(size, args.context_length, args.batch_size)
-        built = result_store.measure_or_oom(lambda: {"model": build_model(config, device, args.attention)})
+        built = result_store.measure_or_oom(lambda: {} if args.stack else {"model": build_model(config, device, args.attention)})
         model = built.pop("model", None)
         for case in size_cases:
             if built["oom"]:
                 result = dict(built)
+            elif args.stack:
+                result = result_store.measure_or_oom(lambda: measure_stack(
+                    config, args.stack, case["dtype"], args.warmup, args.steps, device))
             else:
                 result = result_store.measure_or_oom(lambda: measure_case(
                     config, case["mode"], case["dtype"], args.warmup, args.steps, device, args.attention,
@@ -161,6 +169,8 @@ def main(argv: list[str] | None = None) -> None:
     if tiny:
         args.batch_size = min(args.batch_size, 2)
         args.steps = min(args.steps, 2)
+    if args.stack:
+        args.modes = ["train_step"]
     if args.warmup_study:
         run_warmup_study(args)
         return

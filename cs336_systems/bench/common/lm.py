@@ -167,6 +167,29 @@ def measure_case(
     return result
 
 
+def measure_stack(
+    config: LMConfig, stack: str, dtype: str, warmup: int, steps: int, device: torch.device
+) -> dict[str, Any]:
+    """Time the training step of a named stack of :mod:`cs336_systems.train` (``ours`` or ``torch``) like
+    :func:`measure_case` times a ``train_step``: per-step and per-phase seconds, summarised in ms."""
+    from cs336_systems.train import build_training_step
+
+    step = build_training_step(build_model(config, device), stack, autocast_dtype=DTYPES[dtype])
+    x, y = random_batch(config, device)
+    for _ in range(warmup):
+        step(x, y)
+    timing.synchronize(device)
+    phases: list[dict[str, float]] = []
+    for _ in range(steps):
+        phases.append({})
+        step(x, y, phases[-1])
+    result: dict[str, Any] = {**timing.summarize_ms([sum(p.values()) for p in phases])}
+    result["step_ms"] = [sum(p.values()) * 1e3 for p in phases]
+    for phase in ("forward", "backward", "optimizer"):
+        result.update(timing.summarize_ms([p[phase] for p in phases], prefix=f"{phase}_"))
+    return result
+
+
 def add_flops(result: dict[str, Any], config: LMConfig, mode: str, peak_tflops: float | None) -> None:
     """Add the step's model FLOPs (``flops``), the matmul rate and the MFU to a measured row."""
     h = config.hparams
