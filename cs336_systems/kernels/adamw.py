@@ -52,12 +52,13 @@ again in float32, so nothing is lost for 16-bit parameters.
 
 Limits: parameters must be contiguous (raises otherwise; a non-contiguous gradient is copied); dense
 gradients only; CUDA tensors, or CPU tensors under the interpreter only (the table holds raw
-addresses, which the interpreter reads in host memory). No ``amsgrad``/``maximize``/capturable options,
-and the launch is not CUDA-graph-capturable on a table-cache miss (it copies the tables to the device).
+addresses, which the interpreter reads in host memory). No ``amsgrad``/``maximize`` options; not CUDA-graph
+capturable (the hyper-parameters and bias corrections are host scalars, and a table-cache miss copies to the device).
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 from collections.abc import Callable, Sequence
@@ -79,8 +80,8 @@ tensor stream, enough bytes in flight to keep HBM busy; the tail of small tensor
 NUM_WARPS: int = 8
 
 TABLE_CACHE_SIZE = 8
-"""Tables kept per optimizer: one per launch group is used each step; a few more absorb gradients that
-move between two addresses."""
+"""The fewest tables an optimizer keeps (it keeps at least two per launch of a step): one per launch is used
+each step; the others absorb gradients that move between two addresses."""
 
 _ROW = tl.constexpr(6)  # int64 columns per tensor in the table: p, g, exp_avg, exp_avg_sq addresses; numel; first block
 
@@ -261,7 +262,8 @@ def fused_adamw_(
             kept.append(g)
         if p.dtype != param_dtype or g.dtype != grad_dtype:
             raise TypeError(f"one launch takes one parameter dtype and one gradient dtype: {_name('params', i)} is "
-                            f"{p.dtype} with a {g.dtype} gradient, {_name('params', 0)} {param_dtype} with {grad_dtype}")
+                            f"{p.dtype} with a {g.dtype} gradient, {_name('params', 0)} {param_dtype} with "
+                            f"{grad_dtype}")
         for name, t in (("grads", g), ("exp_avgs", m), ("exp_avg_sqs", v)):
             if t.shape != p.shape:
                 raise ValueError(f"{_name(name, i)} has shape {tuple(t.shape)}, its parameter {tuple(p.shape)}")
@@ -278,13 +280,15 @@ def fused_adamw_(
         return
     beta1, beta2 = betas
     bias_correction2_sqrt = math.sqrt(1 - beta2**step)
-    fused_adamw_kernel[(tables.n_blocks,)](
-        tables.table, tables.block_tensor,
-        float(1 - lr * weight_decay), float(1 - beta1), float(beta2), float(1 - beta2),
-        float(lr * bias_correction2_sqrt / (1 - beta1**step)), float(eps * bias_correction2_sqrt),
-        PARAM_DTYPE=_TL_DTYPES[param_dtype], GRAD_DTYPE=_TL_DTYPES[grad_dtype], ALIGNED=tables.aligned, BLOCK=BLOCK,
-        num_warps=NUM_WARPS,
-    )
+    # Triton launches on the current device, which need not be the tensors'.
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        fused_adamw_kernel[(tables.n_blocks,)](
+            tables.table, tables.block_tensor,
+            float(1 - lr * weight_decay), float(1 - beta1), float(beta2), float(1 - beta2),
+            float(lr * bias_correction2_sqrt / (1 - beta1**step)), float(eps * bias_correction2_sqrt),
+            PARAM_DTYPE=_TL_DTYPES[param_dtype], GRAD_DTYPE=_TL_DTYPES[grad_dtype], ALIGNED=tables.aligned,
+            BLOCK=BLOCK, num_warps=NUM_WARPS,
+        )
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -342,6 +346,8 @@ class FusedAdamW(torch.optim.Optimizer):
                 members[0].append(p)
                 members[1].append(g)
                 members[2].append(state)
+        # Room for every launch's tables (per-layer param groups, say) and for gradients moving between two places.
+        self._tables.size = max(TABLE_CACHE_SIZE, 2 * len(launches))
         for (_, _, _, step, (lr, betas, eps, weight_decay)), (params, grads, states) in launches.items():
             fused_adamw_(params, grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
                          step=step, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, cache=self._tables)
