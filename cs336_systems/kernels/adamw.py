@@ -18,7 +18,8 @@ rounded ones (``tl.sqrt_rn``, ``tl.div_rn``): the kernel is memory-bound, so the
 
 Bytes per parameter element: read p, g, m, v and write p, m, v. With float32 parameters and gradients
 that is 7 x 4 = 28 bytes; with bfloat16 parameters and gradients 2 + 2 + 8 read, 2 + 8 written = 22 bytes.
-At ~4 TB/s (an H200) a step over 10^9 float32 parameters is therefore at least ~7 ms.
+At ~4 TB/s (an H200) a step over 10^9 float32 parameters is therefore at least ~7 ms. The tables below
+add 4 bytes (the map) and one 48-byte row, mostly from L2, per ``BLOCK`` elements: noise.
 
 Design (multi-tensor launch):
 
@@ -52,8 +53,9 @@ again in float32, so nothing is lost for 16-bit parameters.
 
 Limits: parameters must be contiguous (raises otherwise; a non-contiguous gradient is copied); dense
 gradients only; CUDA tensors, or CPU tensors under the interpreter only (the table holds raw
-addresses, which the interpreter reads in host memory). No ``amsgrad``/``maximize`` options; not CUDA-graph
-capturable (the hyper-parameters and bias corrections are host scalars, and a table-cache miss copies to the device).
+addresses, which the interpreter reads in host memory). No ``amsgrad``/``maximize`` options. Not
+CUDA-graph capturable: hyper-parameters and bias corrections are host scalars, and a table-cache miss copies
+to the device.
 """
 
 from __future__ import annotations
@@ -73,9 +75,12 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 RUNNING_IN_INTERPRETER: bool = triton.knobs.runtime.interpret
 """Whether ``@triton.jit`` below built interpreter functions (``TRITON_INTERPRET=1`` at import)."""
 
-BLOCK: int = 256 if RUNNING_IN_INTERPRETER else 4096
-"""Elements per program. On a GPU: 16 float32 elements a thread with 8 warps, four 16-byte vectors per
-tensor stream, enough bytes in flight to keep HBM busy; the tail of small tensors wastes little at this size."""
+BLOCK: int = 256 if RUNNING_IN_INTERPRETER else 2048
+"""Elements per program. On a GPU, with :data:`NUM_WARPS` 8: 8 elements a thread, two 16-byte vectors per
+float32 stream. Chosen from ptxas's register counts for sm_90a, not yet from timings: 64 registers a thread
+in float32 (about 100 with bfloat16 parameters) and no spills, so 2 to 4 programs (16 to 32 warps) share an
+SM, 50 to 130 KB of reads in flight per SM, and one program's table look-ups overlap the others'
+streaming. 16 elements a thread (4096 with 8 warps) took 162 registers: one program per SM."""
 
 NUM_WARPS: int = 8
 
