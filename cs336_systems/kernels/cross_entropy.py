@@ -13,7 +13,9 @@ Math. For a token with hidden state ``h`` (d,), logits ``z = W h`` (V,), target 
 
 The loss is the last node of the graph: its input gradients depend on what follows only through the scalar
 ``grad_output``, which multiplies them all. So the forward computes the loss, dH and dW together, and the backward
-scales them (eagerly, not at all when the scalar is 1).
+only scales them: in eager mode not at all when the scalar is 1 (see :func:`_is_one`), under ``torch.compile``
+always (the scalar has no value while the backward is traced). A scalar other than 1 rounds a 16-bit dH or dW a
+second time.
 
 For each chunk of ``C`` tokens (rows of H):
 
@@ -27,13 +29,14 @@ For each chunk of ``C`` tokens (rows of H):
 Memory at peak, with ``s`` the bytes of an element of ``compute_dtype`` (2 for bf16):
 
 * fused: the chunk's logits ``C V s``; the float32 dW accumulator ``V d 4`` (itself the returned dW when
-  ``weight`` is float32, cast once at the end otherwise); dH ``N d``; W cast to ``compute_dtype`` (``V d s``, only
-  when its dtype differs, as autocast's own cast would); a float32 loss per token. dH and dW live on until the
-  backward scales them.
-* unfused ``F.cross_entropy(H @ W.T, targets)`` under bf16 autocast: the logits ``N V 2``, their float32
-  ``log_softmax`` ``N V 4`` (both saved for backward), then in backward the float32 gradient of the log-softmax
-  and of the logits ``N V 4`` and its bf16 cast ``N V 2``, besides the same dH and dW: about 12 bytes a logit.
-  At N = 16384 tokens and V = 151936 that is 30 GB, against a 1 GiB chunk here.
+  ``weight`` is float32; for a 16-bit weight, cast once at the end, both held for that moment); dH ``N d``; W cast
+  to ``compute_dtype`` (``V d s``, only when its dtype differs, as autocast's own cast would); a float32 loss per
+  token. dH and dW live on until the backward hands them over.
+* unfused ``F.cross_entropy(H @ W.T, targets)`` under bf16 autocast: the logits ``N V 2`` (held by the caller)
+  and their float32 ``log_softmax`` ``N V 4`` (saved for backward); in backward, the gradient that ``nll_loss``
+  hands to the log-softmax and the logits' own, both float32 (``N V 4`` each), then the latter's bf16 cast
+  (``N V 2``): about 14 bytes a logit at the peak, besides the same dH and dW. At N = 16384 tokens and
+  V = 151936: 35 GB, against at most a 1 GiB chunk here.
 
 Chunk rule (:func:`default_chunk_tokens`): the most rows whose logits fit both in ``CHUNK_LOGITS_BYTES`` (1 GiB)
 and in the size of the float32 dW accumulator (``C V s <= V d 4``, so ``C <= 4 d / s``: the chunk never outweighs
