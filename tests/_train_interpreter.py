@@ -1,0 +1,36 @@
+"""The training-step stacks under the Triton CPU interpreter (run by ``tests/test_train.py`` in a subprocess with
+``TRITON_INTERPRET=1``): our stack (Triton attention, fused RMSNorm, fused cross-entropy, fused AdamW) trains a
+tiny model exactly as PyTorch's stack does (eager; compiled blocks are checked on the GPU)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("runs under TRITON_INTERPRET=1", allow_module_level=True)
+
+from cs336_basics.model import BasicsTransformerLM
+from cs336_systems.train import STACKS, build_training_step
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+def train(stack: str, compile_mode: str, steps: int = 3) -> tuple[list[float], dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    model = BasicsTransformerLM(vocab_size=300, context_length=24, d_model=32, num_layers=2, num_heads=2, d_ff=64)
+    step = build_training_step(model, STACKS[stack].with_(compile=compile_mode), autocast_dtype=None)
+    tokens = torch.randint(0, 300, (2, 25), generator=torch.Generator().manual_seed(1))
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    losses = [step(x, y).item() for _ in range(steps)]
+    return losses, {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def test_our_stack_trains_like_pytorchs_eager():
+    ours, ours_params = train("ours", "none")
+    theirs, their_params = train("torch", "none")
+    assert ours == pytest.approx(theirs, rel=1e-5)
+    for name, p in their_params.items():
+        torch.testing.assert_close(ours_params[name], p, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")

@@ -1,0 +1,61 @@
+"""The training step composed from named parts (``cs336_systems.train``): part validation, the PyTorch stack on
+the CPU, our stack under the Triton interpreter (subprocess), and both stacks on a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cs336_systems.bench.common.lm import LMConfig, build_model, random_batch
+from cs336_systems.train import STACKS, Parts, build_training_step
+from tests._flash_checks import run_under_interpreter
+from tests._markers import needs_interpreter_numpy
+
+
+def test_parts_are_checked():
+    with pytest.raises(ValueError, match="optimizer"):
+        Parts(optimizer="sgd")
+    with pytest.raises(ValueError, match="compile"):
+        STACKS["ours"].with_(compile="everything")
+    with pytest.raises(ValueError, match="checkpointing"):
+        Parts(checkpointing=-1)
+    with pytest.raises(ValueError, match="unknown stack"):
+        build_training_step(build_model(LMConfig("tiny", 8, 1), torch.device("cpu")), "fastest")
+
+
+def test_torch_stack_steps_and_phases_on_cpu():
+    config = LMConfig("tiny", 16, 2)
+    model = build_model(config, torch.device("cpu"))
+    step = build_training_step(model, STACKS["torch"].with_(compile="none", checkpointing=1), autocast_dtype=None)
+    x, y = random_batch(config, torch.device("cpu"))
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    phases: dict[str, float] = {}
+    first = step(x, y, phases)
+    assert set(phases) == {"forward", "backward", "optimizer"} and all(t > 0 for t in phases.values())
+    assert all(not torch.equal(before[name], p) for name, p in model.named_parameters())
+    assert all(p.grad is None for p in model.parameters())
+    assert step(x, y).item() < first.item()  # the same batch again: the loss went down
+
+
+@needs_interpreter_numpy
+def test_stacks_under_interpreter():
+    run_under_interpreter("_train_interpreter.py")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compile_mode", ["none", "blocks"])
+def test_our_stack_trains_like_pytorchs_on_gpu(compile_mode):
+    """bf16 autocast on both: losses and parameters after a few steps agree to bf16 tolerance."""
+    config = LMConfig("tiny", 256, 4)
+    device = torch.device("cuda")
+    x, y = random_batch(config, device)
+    results = {}
+    for stack in ("torch", "ours"):
+        torch.manual_seed(0)
+        torch._dynamo.reset()
+        model = build_model(config, device)
+        step = build_training_step(model, STACKS[stack].with_(compile=compile_mode))
+        results[stack] = ([step(x, y).item() for _ in range(4)], [p.detach().clone() for p in model.parameters()])
+    assert results["ours"][0] == pytest.approx(results["torch"][0], rel=2e-2)
+    for ours, theirs in zip(results["ours"][1], results["torch"][1]):
+        torch.testing.assert_close(ours, theirs, rtol=2e-2, atol=2e-3)
