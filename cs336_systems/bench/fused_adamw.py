@@ -5,8 +5,9 @@ The parameters (and random gradients) have the shapes of a named model size (def
 ``triton.testing.do_bench`` (median over repetitions; the state exists from a first step). Providers:
 ``ours`` (:class:`cs336_systems.kernels.adamw.FusedAdamW`), ``torch_fused`` (``torch.optim.AdamW(fused=True)``),
 ``torch_foreach`` (``foreach=True``) and ``basics`` (``cs336_basics`` AdamW, a Python loop). ``gb_per_s`` counts
-the bytes an ideal step moves: parameters read and written, gradients read, both float32 moments read and
-written (28 bytes a float32 parameter; 20 for bfloat16 with bfloat16 gradients), over the measured time, beside
+the bytes an ideal step moves: parameters read and written, gradients read, both moments read and written in
+the dtype the provider keeps them in (28 bytes a float32 parameter; with bfloat16 parameters and gradients 22
+bytes for ours, whose moments stay float32, and 14 for PyTorch's, whose moments follow the parameter's dtype), beside
 the device's copy bandwidth measured in the same run (``copy_gb_per_s``). ``ours_over_this`` is our time over
 this provider's.
 
@@ -83,8 +84,12 @@ def measure(provider: str, shapes: list[torch.Size], dtype: torch.dtype, device:
     else:
         ms = timing.summarize_ms(timing.time_calls(optimizer.step, 1, 3, device))["median_ms"]
     n = sum(p.numel() for p in params)
-    bytes_per_param = 2 * params[0].element_size() + params[0].grad.element_size() + 16
-    return {"median_ms": ms, "params": n, "tensors": len(params), "gb_per_s": n * bytes_per_param / (ms / 1e3) / 1e9}
+    # The moments' dtype is the provider's: float32 for ours, the parameter's for PyTorch's AdamWs.
+    moment_size = optimizer.state[params[0]]["exp_avg"].element_size()
+    bytes_per_param = 2 * params[0].element_size() + params[0].grad.element_size() + 4 * moment_size
+    return {"median_ms": ms, "params": n, "tensors": len(params), "bytes_per_param": bytes_per_param,
+            "moment_dtype": str(optimizer.state[params[0]]["exp_avg"].dtype).removeprefix("torch."),
+            "gb_per_s": n * bytes_per_param / (ms / 1e3) / 1e9}
 
 
 def main(argv: list[str] | None = None) -> None:
