@@ -181,8 +181,11 @@ def check_low_precision_against_float64(shapes, dtype: torch.dtype, device, grad
             assert_close(state[name], moment, f"param {i} {name}")
         if p.numel() == 0:
             continue
-        # One unit in the last place of |x| in [2^k, 2^(k+1)) is eps * 2^k.
-        units = (p.double() - expected).abs() / (ulp * torch.exp2(torch.floor(torch.log2(expected.abs()))))
+        # One unit in the last place of |x| in [2^k, 2^(k+1)) is eps * 2^k. Elements near zero are measured in
+        # the ulp of the tensor's typical magnitude: a one-ulp difference in a float32 intermediate (GPUs contract
+        # into FMAs) that flips one rounding moves a value crossing zero by many of its own, tiny, ulps.
+        scale = torch.maximum(expected.abs(), expected.abs().median())
+        units = (p.double() - expected).abs() / (ulp * torch.exp2(torch.floor(torch.log2(scale))))
         assert units.max().item() <= MAX_ULPS, f"param {i}: {units.max().item():.1f} units in the last place"
         differing = (units > 0).double().mean().item()
         assert differing <= MAX_DIFFERING_FRACTION, f"param {i}: {differing:.1%} of the elements differ"

@@ -215,7 +215,11 @@ def linear_cross_entropy_forward(
     with torch.autocast(device.type, enabled=False):  # the matmuls must run in compute_dtype, whatever the caller's
         w = weight.to(compute_dtype)  # (V, d); no copy when the dtypes agree
         n_counted = (targets != ignore_index).sum()
-        scale = n_counted.to(torch.float32).reciprocal().reshape(1)  # stays on the device: no synchronisation
+        # 1/N stays on the device (no synchronisation); N clamped at 1: with no counted token every dz row is 0.
+        scale = n_counted.clamp(min=1).to(torch.float32).reciprocal().reshape(1)
+        # The row kernel writes the unscaled dz = softmax - onehot (entries in [-1, 1]); 1/N is applied to dH and dW
+        # afterwards, in their precision: scaled first, dz's entries (~1/(V N)) would underflow in float16.
+        unit = torch.ones(1, dtype=torch.float32, device=device)
         row_loss = torch.empty(n_tokens, dtype=torch.float32, device=device)
         dh = torch.empty_like(hidden) if need_dh else hidden.new_empty(0)
         dw = torch.zeros(weight.shape, dtype=torch.float32, device=device) if need_dw else weight.new_empty(0)
@@ -225,16 +229,19 @@ def linear_cross_entropy_forward(
             h = hidden[start:end].to(compute_dtype)  # (C, d)
             z = logits_buffer[: end - start]  # (C, V), contiguous
             torch.mm(h, w.t(), out=z)
-            _rows_step(z, targets[start:end], row_loss[start:end], scale, ignore_index, need_dh or need_dw)
+            _rows_step(z, targets[start:end], row_loss[start:end], unit, ignore_index, need_dh or need_dw)
             if need_dh:
                 if dh.dtype == compute_dtype:
                     torch.mm(z, w, out=dh[start:end])
+                    dh[start:end].mul_(scale)
                 else:
-                    dh[start:end] = z @ w
+                    dh[start:end] = (z @ w).to(dh.dtype) * scale
             if need_dw:
                 _accumulate_weight_grad(dw, z, h)
         loss = row_loss.sum() / n_counted  # NaN when no token counts, as F.cross_entropy
-        return loss, dh, (dw.to(weight.dtype) if need_dw else dw)
+        if need_dw:
+            dw = dw.mul_(scale).to(weight.dtype)
+        return loss, dh, dw
 
 
 # ---------------------------------------------------------------------------------------------------
