@@ -54,6 +54,10 @@ def main() -> None:
                           wall_ms=wall * 1e3, gpu_kernel_ms=gpu, host_bound_share=1 - gpu / (wall * 1e3))))
     for name, us in kernels.most_common(args.top):
         print(json.dumps(dict(kernel=name[:90], ms_per_step=us / 1e3 / args.steps, calls_per_step=calls[name] / args.steps)))
+    host = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[: args.top]
+    for e in host:
+        print(json.dumps(dict(host_op=e.key[:90], self_cpu_ms_per_step=e.self_cpu_time_total / 1e3 / args.steps,
+                              calls_per_step=e.count / args.steps)))
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ included), ``--steps`` timed ones, each synchronised (median ``step_ms``), then 
 phase (forward, backward, optimizer; synchronising between them). Rows: ``step_ms`` (median) with mean/std,
 phase medians, ``mfu`` (model FLOPs of a step, causal attention counted half, over the bf16 matmul rate measured
 in the same run), ``peak_gb`` (peak allocated during the timed steps), ``ours_over_torch`` in ours' row when both
-ran. Between cases everything is released and the memory left over is recorded (``leftover_gb``).
+ran. Every case runs in a fresh process (``--case``), so no compiled code, cache or allocation of one
+stack can help or hinder the other.
 
     python -m cs336_systems.bench.train_step                              # every size, three shapes, both stacks
     python -m cs336_systems.bench.train_step --sizes xl --shapes 512:4 --stacks ours torch
@@ -17,7 +18,10 @@ ran. Between cases everything is released and the memory left over is recorded (
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import json
+import subprocess
 import statistics
 import sys
 import timeit
@@ -51,6 +55,7 @@ def parser():
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--phase-steps", type=int, default=3)
+    p.add_argument("--case", default=None, help=argparse.SUPPRESS)  # internal: measure one case (JSON), print its row
     return p
 
 
@@ -90,9 +95,31 @@ def measure(config: LMConfig, stack: str, args, device: torch.device) -> dict[st
     return result
 
 
+def measure_in_fresh_process(case: dict[str, Any], args) -> dict[str, Any]:
+    """Run :func:`measure` for ``case`` in a new Python process; its result (or out-of-memory row)."""
+    command = [sys.executable, "-m", "cs336_systems.bench.train_step", "--case", json.dumps(case),
+               "--warmup", str(args.warmup), "--steps", str(args.steps), "--phase-steps", str(args.phase_steps),
+               "--override", *args.override]
+    done = subprocess.run(command, capture_output=True, text=True)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"case {case} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    return json.loads(lines[-1].removeprefix("RESULT "))
+
+
+def measure_case(case: dict[str, Any], args, device: torch.device) -> None:
+    """The ``--case`` child: measure one case and print its result as one JSON line."""
+    config = LMConfig(case["size"], case["context_length"], case["batch_size"])
+    result = result_store.measure_or_oom(lambda: measure(config, case["stack"], args, device))
+    print("RESULT " + json.dumps(result))
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     device = timing.default_device()
+    if args.case:
+        measure_case(json.loads(args.case), args, device)
+        return
     cli.announce(device, args.quick)
     tiny = args.quick or device.type == "cpu"
     if tiny and device.type == "cpu":
@@ -110,19 +137,17 @@ def main(argv: list[str] | None = None) -> None:
     pending = store.pending(cases)
     print(f"# {len(cases) - len(pending)} of {len(cases)} cases already measured on this device", file=sys.stderr)
     peak_tflops = timing.measure_matmul_tflops(device) if pending else None
+    timing.free_memory()  # the children get the whole GPU
     rows, by_config = [], {}
     for case in cli.progress(pending, PROBLEM):
         config = LMConfig(case["size"], case["context_length"], case["batch_size"])
-        result = result_store.measure_or_oom(lambda: measure(config, case["stack"], args, device))
+        result = measure_in_fresh_process(case, args)
         h = config.hparams
         step_flops = 3 * flops.lm_forward_flops(VOCAB_SIZE, h["d_model"], h["d_ff"], h["num_layers"], config.batch_size,
                                                 config.context_length, causal_attention=True)
         result.update(flops=step_flops, peak_tflops=peak_tflops)
         if peak_tflops and not result["oom"]:
             result["mfu"] = step_flops / (result["step_ms"] / 1e3) / (peak_tflops * 1e12)
-        torch._dynamo.reset()
-        timing.free_memory()
-        result["leftover_gb"] = torch.cuda.memory_allocated(device) / 1e9 if device.type == "cuda" else None
         same = by_config.setdefault((case["size"], case["context_length"], case["batch_size"]), {})
         same[case["stack"]] = result
         if case["stack"] == "ours" and "torch" in same and not result["oom"] and not same["torch"]["oom"]:
