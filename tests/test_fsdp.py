@@ -22,7 +22,9 @@ Warnings are errors, in the workers and here.
 from __future__ import annotations
 
 import json
+import runpy
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -555,6 +557,14 @@ def test_fsdp_matches_single_process(world_size):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_fsdp_with_nccl():
     spawn(run_checks, 2, backend="nccl", timeout_s=300)
+
+
+def test_equality_demo_runs(capsys):
+    """``scripts/fsdp_equality_demo.py`` (a leaf script, run in this process): one step, the table printed."""
+    demo = runpy.run_path(str(Path(__file__).parents[1] / "scripts" / "fsdp_equality_demo.py"))
+    demo["main"](["--steps", "1"])
+    out = capsys.readouterr().out
+    assert "head.weight" in out and "torch.equal on every parameter after 1 steps" in out
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ are laid end to end in one flat fp32 buffer of ``N`` elements, padded to ``W * S
 for ``W`` ranks; rank ``r`` keeps elements ``[r S, (r + 1) S)`` in ``unit.shard``. The optimizer sees ONE
 ``nn.Parameter`` per unit: the trainable part of the rank's slice, a 1-D view of ``unit.shard`` (registered
 as ``shards.<unit>``; frozen elements as ``frozen_shards.<unit>``, ``requires_grad=False``). One parameter per
-unit keeps the optimizer's loop short (50 parameters on the xl model instead of ~440), any elementwise
+unit keeps the optimizer's loop short (50 parameters on the xl model instead of 435), any elementwise
 ``torch.optim.Optimizer`` works on it (``cs336_basics``' AdamW included), and the padding is never stepped.
 The price: per-parameter optimizer options (no weight decay on gains, say) cannot be expressed, and the
 wrapped module has no parameters of its own left. :meth:`FSDP.gather_full_params` returns every original
