@@ -75,7 +75,8 @@ carries such differences forward. ``tests/test_fsdp.py`` compares to tolerance.
 Limits: every rank must call the same units in the same order; one forward per backward; call
 :meth:`finish_gradient_synchronization` after every backward; move the module to its device before wrapping
 (``.to()`` afterwards would break the shard/parameter aliasing); a unit's output must not be a view of its
-parameters.
+parameters, and a trainable weight's saved uses must lead into its gradient (a ``weight.detach()`` saved for
+backward could outlive the buffer, which is freed once the unit's gradients are reduced).
 """
 
 from __future__ import annotations
