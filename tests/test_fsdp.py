@@ -1,34 +1,45 @@
-"""FSDP against single-process training (gloo on CPU at world sizes 2 and 3; NCCL with 2+ GPUs), the 2026
-DDP entry points, and the ``fsdp_accounting`` CLI on the CPU.
+"""FSDP by blocks against single-process training (gloo on CPU at world sizes 2 and 3; NCCL with 2+ GPUs), the
+2026 DDP entry points, and the ``fsdp_accounting`` CLI on the CPU.
 
-Every spawn costs seconds of imports, so each world size is one spawn that runs all the checks; every
-check goes through the grader's adapters. The reference is one process training on the full batch by
-gradient accumulation over the ranks' slices, in rank order, then dividing by the world size: the same
-gradient as one backward over the full batch (checked to float tolerance below), in the one summation
-order a data-parallel run can reproduce bit for bit (``cs336_systems/parallel/fsdp.py`` explains).
+Every spawn costs seconds of imports, so each world size is one spawn that runs all the checks, through the
+grader's adapters where they exist. The reference is one process training on the full batch.
+
+Tolerances, and why they are not zero. Each rank's gradient sums its own tokens, then the reduction sums the
+ranks' partial sums and divides by W; one process sums all tokens in one matmul. Floating-point addition is
+not associative, so fp32 gradients differ by about 1e-7 relative: every step, the gathered gradients are
+compared (``GRAD_TOL``) with one process's gradient at FSDP's own weights, which measures that error alone.
+The weights of the two trainings are compared after every step: after SGD they differ by lr times the
+gradients' difference (``SGD_TOL``). AdamW divides the gradient by ``sqrt(v) + eps``, and the update's
+derivative is up to ``lr / eps`` where the gradient is tiny (rows of rare tokens in an LM head): there a 1e-9
+gradient difference becomes a visible update difference, so AdamW runs with eps 1e-6 and its weights are
+compared to ``ADAMW_TOL``, 2% of one step (seen: up to 0.9e-4 on the tiny LM at 3 ranks). Mixed precision
+rounds each rank's low-precision gradient separately, so there the one process accumulates the ranks' slices
+one by one (one backward over the whole batch would round the sum once, a 1e-3 relative difference in fp16);
+what remains is the fp32 summation order again (``MIXED_TOL``).
 Warnings are errors, in the workers and here.
 """
 
 from __future__ import annotations
 
 import json
-import math
-import time
+import runpy
 import warnings
-import weakref
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.utils import parametrize
+from torch.utils.checkpoint import checkpoint
 
-from cs336_basics.model import Embedding, Linear, RMSNorm
+from cs336_basics.model import BasicsTransformerLM, Embedding, Linear, RMSNorm
 from cs336_basics.nn_utils import cross_entropy
 from cs336_basics.optimizer import AdamW
 from cs336_systems.bench import fsdp_accounting
 from cs336_systems.bench.common import timeline
-from cs336_systems.bench.common.lm import LMConfig, build_model
+from cs336_systems.bench.common.lm import TINY, VOCAB_SIZE, LMConfig
+from cs336_systems.parallel import fsdp as fsdp_module
 from cs336_systems.parallel.distributed import spawn
 from cs336_systems.parallel.fsdp import FSDP
 from tests import adapters
@@ -36,9 +47,14 @@ from tests._ddp_toy_models import current_device
 
 pytestmark = pytest.mark.filterwarnings("error")
 
-# No width divides by 2 and 3 at once; 10 rows divide by 2 (the unpadded path), 23 and 13 by neither.
-VOCAB, D_MODEL, D_HIDDEN, SEQ = 23, 10, 13, 5
+GRAD_TOL = dict(rtol=1e-5, atol=1e-7)  # fp32 gradients (largest 1e-2 .. 1e-1; a sum that cancels keeps its terms' error)
+SGD_TOL = dict(rtol=1e-6, atol=1e-7)  # fp32 weights after SGD steps (lr 0.1)
+ADAMW_TOL = dict(rtol=0, atol=2e-4)  # fp32 weights after AdamW steps (lr 1e-2, eps 1e-6): 2% of one step
+MIXED_TOL = dict(rtol=1e-4, atol=1e-5)  # fp16 / bf16 compute against the same casts, gradients and weights
 STEPS = 3
+
+# No width divides by 2 and 3 at once; units of 230 elements divide by 2, 23 and 13 by neither.
+VOCAB, D_MODEL, D_HIDDEN, SEQ = 23, 10, 13, 5
 
 
 class SmallNet(nn.Module):
@@ -62,32 +78,42 @@ class SmallNet(nn.Module):
         x = x + self.frozen(x)
         return self.head(self.final_norm(x))  # (batch, seq, vocab)
 
+    def units(self) -> list:
+        """One unit per layer, the MLP block as one: five units, the frozen one on its own."""
+        return [self.embedding, (self.norm, self.up, self.down), self.frozen, (self.final_norm, self.head)]
 
-def build(seed: int, device: torch.device, **kwargs) -> SmallNet:
-    torch.manual_seed(seed)
-    return SmallNet(**kwargs).to(device)
+
+class ToyModel(nn.Module):
+    """The course's 2026 toy model: ``Embedding -> RMSNorm -> Linear``, trained on the last token's logits."""
+
+    def __init__(self, vocab: int = VOCAB, d_model: int = 11):
+        super().__init__()
+        self.embedding = Embedding(vocab, d_model)
+        self.norm = RMSNorm(d_model)
+        self.head = Linear(d_model, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.embedding(tokens)))  # (batch, seq, vocab)
 
 
-def full_batch(step: int, world_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tokens and targets ``(2 * world_size, SEQ)``, the same on every rank."""
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return cross_entropy(logits, targets)
+
+
+def last_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return cross_entropy(logits[:, -1], targets[:, -1])
+
+
+def full_batch(step: int, world_size: int, device: torch.device, vocab: int = VOCAB, seq: int = SEQ):
+    """Tokens and targets ``(2 * world_size, seq)``, the same on every rank."""
     generator = torch.Generator().manual_seed(100 + step)
-    tokens = torch.randint(VOCAB, (2 * world_size, SEQ + 1), generator=generator).to(device)
+    tokens = torch.randint(vocab, (2 * world_size, seq + 1), generator=generator).to(device)
     return tokens[:, :-1], tokens[:, 1:]
 
 
 def rank_slice(batch: tuple[torch.Tensor, ...], rank: int, world_size: int) -> tuple[torch.Tensor, ...]:
     size = batch[0].shape[0] // world_size
     return tuple(t[rank * size : (rank + 1) * size] for t in batch)
-
-
-def reference_backward(model: nn.Module, batch, world_size: int) -> None:
-    """The full batch's gradient by accumulation over the ranks' slices in rank order, then / world size."""
-    for rank in range(world_size):
-        x, y = rank_slice(batch, rank, world_size)
-        cross_entropy(model(x), y).backward()
-    for param in model.parameters():
-        if param.grad is not None:
-            param.grad.div_(world_size)
 
 
 class MomentumSGD(torch.optim.Optimizer):
@@ -113,22 +139,16 @@ def make_optimizer(name: str, params) -> torch.optim.Optimizer:
     if name == "sgd":
         return MomentumSGD(params, lr=0.1, momentum=0.9)
     if name == "adamw":
-        return AdamW(params, lr=1e-2, weight_decay=0.1)  # cs336_basics' AdamW
+        return AdamW(params, lr=1e-2, weight_decay=0.1, eps=1e-6)  # cs336_basics' AdamW
     raise ValueError(name)
 
 
-def compare(actual: torch.Tensor, expected: torch.Tensor, where: str, exact: bool, tol: float = 1e-6) -> None:
-    if exact:
-        assert actual.dtype == expected.dtype and actual.shape == expected.shape, where
-        assert torch.equal(actual, expected), f"{where}: max |diff| {(actual - expected).abs().max().item():.3e}"
-    else:
-        torch.testing.assert_close(actual, expected, rtol=tol, atol=tol, msg=lambda m: f"{where}: {m}")
-
-
-def full_rows(weight, rank: int) -> slice:
-    """The rows of the full weight that ``rank``'s shard holds (the rest of the shard is padding)."""
-    start = rank * weight.shard_rows
-    return slice(start, min(start + weight.shard_rows, weight.rows))
+def compare(actual: torch.Tensor | None, expected: torch.Tensor | None, where: str, tol: dict) -> None:
+    if expected is None:
+        assert actual is None, where
+        return
+    assert actual is not None and actual.shape == expected.shape and actual.dtype == expected.dtype, where
+    torch.testing.assert_close(actual, expected, **tol, msg=lambda m: f"{where}: {m}")
 
 
 def assert_same_on_every_rank(tensor: torch.Tensor, where: str) -> None:
@@ -138,81 +158,144 @@ def assert_same_on_every_rank(tensor: torch.Tensor, where: str) -> None:
         assert torch.equal(value, tensor), f"{where}: rank {other} differs from rank {dist.get_rank()}"
 
 
-def check_gradients(fsdp: FSDP, reference: nn.Module, rank: int, where: str, exact: bool, tol: float = 1e-6) -> None:
-    """Every gradient fp32, shaped like its parameter; shards hold the reference's rows; replicated ones agree."""
-    reference_grads = {name: p.grad for name, p in reference.named_parameters()}
-    sharded = {id(w.param): w for w in fsdp.sharded_weights}
-    for name, param in fsdp.module.named_parameters():
-        context = f"{where}, gradient of {name}"
-        expected = reference_grads[name]
-        if not param.requires_grad:
-            assert param.grad is None and expected is None, context
-            continue
-        assert param.grad is not None and param.grad.shape == param.shape, context
-        assert param.grad.dtype == torch.float32, context
-        weight = sharded.get(id(param))
-        if weight is None:
-            assert_same_on_every_rank(param.grad, context)
-            compare(param.grad, expected, context, exact, tol)
-        else:
-            rows = full_rows(weight, rank)
-            compare(param.grad[: rows.stop - rows.start], expected[rows], context, exact, tol)
-            assert not param.grad[rows.stop - rows.start :].any(), f"{context}: padding rows got a gradient"
+def check_shards(fsdp: FSDP, where: str) -> None:
+    """One fp32 parameter per unit, a view of the unit's flat shard of ``ceil(N / W)`` elements; gradients fp32,
+    shaped like their shard."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    for unit in fsdp.units:
+        context = f"{where}, unit {unit.name}"
+        assert unit.shard.dtype == torch.float32 and unit.shard_numel == -(-unit.numel // world), context
+        assert unit.full.numel() == unit.shard_numel * world, context
+        for part in (unit.param, unit.frozen):
+            if part is not None:
+                assert part.dtype == torch.float32 and part.dim() == 1, context
+                assert part.untyped_storage().data_ptr() == unit.shard.untyped_storage().data_ptr(), context
+        if unit.param is not None:
+            trainable_here = min(max(unit.trainable_numel - rank * unit.shard_numel, 0), unit.shard_numel)
+            assert unit.param.numel() == trainable_here, context
+            if unit.param.grad is not None:
+                assert unit.param.grad.dtype == torch.float32 and unit.param.grad.shape == unit.param.shape, context
+        if unit.frozen is not None:
+            assert not unit.frozen.requires_grad and unit.frozen.grad is None, context
 
 
-def check_full_params(fsdp: FSDP, reference: nn.Module, where: str, exact: bool, tol: float = 1e-6) -> None:
-    grads = fsdp.gather_full_grads()
-    for name, param in reference.named_parameters():
-        if param.grad is None:
-            assert grads[name] is None, f"{where}, {name}"
-        else:
-            compare(grads[name], param.grad, f"{where}, full gradient of {name}", exact, tol)
+def train_and_compare(
+    rank: int,
+    world_size: int,
+    fsdp: FSDP,
+    make_reference,
+    batch_of,
+    loss_fn,
+    optimizer_name: str,
+    where: str,
+    weight_tol: dict,
+    grad_tol: dict = GRAD_TOL,
+    steps: int = STEPS,
+    accumulate: bool = False,
+    names=lambda model: model.named_parameters(),
+) -> None:
+    """Train ``fsdp`` on each rank's slice and a reference (``make_reference()``) on the full batch side by
+    side. Every step: the gathered gradients match one process's gradient at the same weights (a probe model
+    loaded with FSDP's weights: the gradient's own error, not the trajectories' drift), the weights after the
+    step match the reference's, every rank gathers the same weights; frozen parameters never move.
+
+    ``accumulate``: the one-process gradient accumulates the ranks' slices one by one (mixed precision).
+    ``names(model)``: (name, parameter) pairs of a reference model under the wrapped module's names."""
+    reference, probe = make_reference(), make_reference()
+    named, probe_named = dict(names(reference)), dict(names(probe))
+    frozen_before = {n: p.detach().clone() for n, p in named.items() if not p.requires_grad}
     full = adapters.fsdp_gather_full_params(fsdp)
-    expected = dict(reference.named_parameters())
-    assert list(full) == list(expected), where
+    assert list(full) == list(named), where
     for name, tensor in full.items():
-        compare(tensor, expected[name].detach(), f"{where}, {name}", exact, tol)
+        compare(tensor, named[name].detach(), f"{where}, {name} after construction", dict(rtol=0, atol=0))
+    optimizer = make_optimizer(optimizer_name, fsdp.parameters())
+    reference_optimizer = make_optimizer(optimizer_name, reference.parameters())
+    set_to_none = optimizer_name != "sgd"  # SGD: the gradients exist (zeros) and are added to
+
+    def one_process_backward(model: nn.Module, batch) -> None:
+        for x, y in [rank_slice(batch, r, world_size) for r in range(world_size)] if accumulate else [batch]:
+            loss_fn(model(x), y).backward()
+        if accumulate:
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.div_(world_size)
+
+    for step in range(steps):
+        batch = batch_of(step)
+        optimizer.zero_grad(set_to_none=set_to_none)
+        x, y = rank_slice(batch, rank, world_size)
+        loss_fn(fsdp(x), y).backward()
+        adapters.fsdp_on_after_backward(fsdp, optimizer)
+        check_shards(fsdp, f"{where}, step {step}")
+        with torch.no_grad():
+            for name, param in probe_named.items():
+                param.copy_(full[name])
+                param.grad = None
+        one_process_backward(probe, batch)
+        grads = fsdp.gather_full_grads()
+        for name, param in probe_named.items():
+            compare(grads[name], param.grad, f"{where}, step {step}, gradient of {name}", grad_tol)
+        optimizer.step()
+        reference_optimizer.zero_grad(set_to_none=set_to_none)
+        one_process_backward(reference, batch)
+        reference_optimizer.step()
+        full = adapters.fsdp_gather_full_params(fsdp)
+        for name, param in named.items():
+            compare(full[name], param.detach(), f"{where}, step {step}, {name}", weight_tol)
+            assert_same_on_every_rank(full[name], f"{where}, {name}")
+    for name, before in frozen_before.items():
+        assert torch.equal(full[name], before) and torch.equal(named[name], before), f"{where}: frozen {name} moved"
 
 
-def check_matches_single_process(rank: int, world_size: int, device: torch.device, exact: bool) -> None:
-    """fp32: gradients and weights equal the reference's after every SGD / AdamW step (bit for bit on CPU)."""
+def build(cls, seed: int, device: torch.device, **kwargs) -> nn.Module:
+    torch.manual_seed(seed)
+    return cls(**kwargs).to(device)
+
+
+WEIGHT_TOL = {"sgd": SGD_TOL, "adamw": ADAMW_TOL}
+
+
+def check_toy_models(rank: int, world_size: int, device: torch.device) -> None:
+    """fp32: the course's toy model and SmallNet (frozen layer, tied or not; default units and one unit per
+    layer) with SGD and AdamW match one process on the full batch."""
+    for optimizer_name in ("sgd", "adamw"):
+        where = f"toy model, {optimizer_name}, rank {rank}/{world_size}"
+        fsdp = adapters.get_fsdp(build(ToyModel, rank, device))
+        assert [u.name for u in fsdp.units] == ["embedding", "_root"], where  # norm and head: the root unit
+        train_and_compare(rank, world_size, fsdp, lambda: build(ToyModel, 0, device),
+                          lambda step: full_batch(step, world_size, device, seq=8), last_token_loss,
+                          optimizer_name, where, WEIGHT_TOL[optimizer_name])
     for tied in (False, True):
-        for optimizer_name in ("sgd", "adamw"):
-            where = f"fp32, tied={tied}, {optimizer_name}, rank {rank}/{world_size}"
-            fsdp = adapters.get_fsdp(build(seed=rank, device=device, tied=tied))
-            reference = build(seed=0, device=device, tied=tied)
-            assert fsdp.module.__class__ is SmallNet
-            assert [n for n, _ in fsdp.module.named_parameters()] == [n for n, _ in reference.named_parameters()]
-            check_full_params(fsdp, reference, f"{where}, after construction", exact=True)
-            optimizer = make_optimizer(optimizer_name, fsdp.parameters())
-            reference_optimizer = make_optimizer(optimizer_name, reference.parameters())
-            set_to_none = optimizer_name != "sgd"  # SGD: shard gradients exist (zeros) and are added to
-            for step in range(STEPS):
-                batch = full_batch(step, world_size, device)
-                optimizer.zero_grad(set_to_none=set_to_none)
-                x, y = rank_slice(batch, rank, world_size)
-                cross_entropy(fsdp(x), y).backward()
-                adapters.fsdp_on_after_backward(fsdp, optimizer)
-                reference_optimizer.zero_grad(set_to_none=set_to_none)
-                reference_backward(reference, batch, world_size)
-                check_gradients(fsdp, reference, rank, f"{where}, step {step}", exact)
-                optimizer.step()
-                reference_optimizer.step()
-                check_full_params(fsdp, reference, f"{where}, after step {step}", exact)
+        for per_layer in (False, True):
+            for optimizer_name in ("sgd", "adamw"):
+                where = f"SmallNet, tied={tied}, units per layer={per_layer}, {optimizer_name}, rank {rank}/{world_size}"
+                model = build(SmallNet, rank, device, tied=tied)
+                fsdp = FSDP(model, units=model.units()) if per_layer else adapters.get_fsdp(model)
+                assert fsdp.module is model and not list(model.parameters()), where
+                if tied:  # the shared weight goes to the root unit
+                    assert "embedding" not in [u.name for u in fsdp.units], where
+                train_and_compare(rank, world_size, fsdp, lambda tied=tied: build(SmallNet, 0, device, tied=tied),
+                                  lambda step: full_batch(step, world_size, device), lm_loss,
+                                  optimizer_name, where, WEIGHT_TOL[optimizer_name])
 
-    # The accumulated reference is the full-batch gradient: one backward over the whole batch agrees to
-    # float tolerance (and only to tolerance: one matmul sums the tokens in its own order).
-    reference, single = build(seed=0, device=device), build(seed=0, device=device)
-    batch = full_batch(0, world_size, device)
-    reference_backward(reference, batch, world_size)
-    cross_entropy(single(batch[0]), batch[1]).backward()
-    for (name, p), q in zip(reference.named_parameters(), single.parameters()):
-        if p.grad is not None:
-            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=lambda m, name=name: f"{name}: {m}")
+
+def check_reduce_scatter_fallback(rank: int, world_size: int, device: torch.device) -> None:
+    """The all-reduce + slice path (for backends without a mean reduce-scatter) gives the same training."""
+    backend = dist.get_backend()
+    saved = dict(fsdp_module._NATIVE_MEAN_REDUCE_SCATTER)
+    fsdp_module._NATIVE_MEAN_REDUCE_SCATTER[backend] = False
+    try:
+        model = build(SmallNet, rank, device)
+        train_and_compare(rank, world_size, FSDP(model, units=model.units()), lambda: build(SmallNet, 0, device),
+                          lambda step: full_batch(step, world_size, device), lm_loss, "sgd",
+                          f"fallback reduction, rank {rank}/{world_size}", SGD_TOL, steps=2)
+    finally:
+        fsdp_module._NATIVE_MEAN_REDUCE_SCATTER.clear()
+        fsdp_module._NATIVE_MEAN_REDUCE_SCATTER.update(saved)
 
 
 class CastTo(nn.Module):
-    """Parametrization: the weight read in forward is the fp32 master weight cast to ``dtype``."""
+    """Parametrization: the parameter read in forward is the fp32 master cast to ``dtype``."""
 
     def __init__(self, dtype: torch.dtype):
         super().__init__()
@@ -223,190 +306,213 @@ class CastTo(nn.Module):
 
 
 def mixed_precision_reference(seed: int, device: torch.device, dtype: torch.dtype) -> nn.Module:
-    """The non-parallel mixed-precision model: Linear and Embedding weights cast to ``dtype`` for forward and
-    backward, fp32 master weights and gradients."""
-    model = build(seed=seed, device=device)
+    """The non-parallel mixed-precision model: every parameter (norm gains too) cast to ``dtype`` for forward
+    and backward, fp32 master weights and gradients."""
+    model = build(SmallNet, seed, device)
     for unit in model.modules():
-        if isinstance(unit, (Linear, Embedding)):
+        if isinstance(unit, (Linear, Embedding, RMSNorm)):
             parametrize.register_parametrization(unit, "weight", CastTo(dtype), unsafe=True)
     return model
 
 
-class MasterWeights(nn.Module):
-    """Names the reference's fp32 master weights as the plain model names them."""
-
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.model = model
-
-    def named_parameters(self, *args, **kwargs):
-        for name, param in self.model.named_parameters():
-            yield name.replace(".parametrizations.weight.original", ".weight"), param
+def master_weights(model: nn.Module):
+    """The reference's fp32 master weights under the plain model's names."""
+    return [(name.replace(".parametrizations.weight.original", ".weight"), p) for name, p in model.named_parameters()]
 
 
 def check_mixed_precision(rank: int, world_size: int, device: torch.device) -> None:
     """fp16 / bf16 compute: weights travel and compute in the low precision, master weights and gradients stay
-    fp32, and training matches the reference with the same casts to 1e-4."""
+    fp32, and training matches the reference with the same casts."""
     for dtype in (torch.float16, torch.bfloat16):
         where = f"{dtype}, rank {rank}/{world_size}"
-        fsdp = adapters.get_fsdp(build(seed=rank, device=device), compute_dtype=dtype)
-        reference = mixed_precision_reference(seed=0, device=device, dtype=dtype)
-        named_reference = MasterWeights(reference)
-        dtypes = []
-        start_gather = fsdp._start_gather
-
-        def recording_gather(weight, start_gather=start_gather, dtypes=dtypes):
-            gather = start_gather(weight)
-            dtypes.append(gather.buffer.dtype)
-            return gather
-
-        fsdp._start_gather = recording_gather
-        optimizer = make_optimizer("adamw", fsdp.parameters())
-        reference_optimizer = make_optimizer("adamw", reference.parameters())
-        for step in range(STEPS):
-            batch = full_batch(step, world_size, device)
-            optimizer.zero_grad()
-            x, y = rank_slice(batch, rank, world_size)
-            logits = fsdp(x)
-            assert logits.dtype == dtype, where
-            cross_entropy(logits, y).backward()
-            adapters.fsdp_on_after_backward(fsdp, optimizer)
-            reference_optimizer.zero_grad()
-            reference_backward(reference, batch, world_size)
-            check_gradients(fsdp, named_reference, rank, f"{where}, step {step}", exact=False, tol=1e-4)
-            optimizer.step()
-            reference_optimizer.step()
-            check_full_params(fsdp, named_reference, f"{where}, after step {step}", exact=False, tol=1e-4)
+        model = build(SmallNet, rank, device)
+        fsdp = adapters.get_fsdp(model, compute_dtype=dtype) if dtype == torch.bfloat16 else FSDP(
+            model, compute_dtype=dtype, units=model.units())
+        assert all(u.full.dtype == dtype for u in fsdp.units), where
+        x, _ = rank_slice(full_batch(0, world_size, device), rank, world_size)
+        assert fsdp(x).dtype == dtype, where
+        fsdp.finish_gradient_synchronization()
+        train_and_compare(rank, world_size, fsdp, lambda dtype=dtype: mixed_precision_reference(0, device, dtype),
+                          lambda step: full_batch(step, world_size, device), lm_loss, "adamw", where, MIXED_TOL,
+                          grad_tol=MIXED_TOL, accumulate=True, names=master_weights)
         assert all(p.dtype == torch.float32 for p in fsdp.parameters()), where
-        assert dtypes and set(dtypes) == {dtype}, f"{where}: gathered in {set(dtypes)}"
 
 
-def check_shard_storage(rank: int, world_size: int, device: torch.device) -> None:
-    """Each shard owns its storage, ``ceil(rows / W)`` rows of the full weight's row size, in fp32."""
-    reference = build(seed=0, device=device)
-    fsdp = adapters.get_fsdp(build(seed=rank, device=device))
-    full_bytes = padded_bytes = shard_bytes = 0
-    storages = set()
-    for weight in fsdp.sharded_weights:
-        full = dict(reference.named_parameters())[weight.name]
-        row_bytes = full[0].numel() * 4
-        storage = weight.param.untyped_storage()
-        assert weight.param.dtype == torch.float32 and weight.param.shape[1:] == full.shape[1:]
-        assert storage.nbytes() == math.ceil(full.shape[0] / world_size) * row_bytes, weight.name
-        storages.add(storage.data_ptr())
-        full_bytes += full.numel() * 4
-        padded_bytes += weight.padded_shape.numel() * 4
-        shard_bytes += storage.nbytes()
-    assert len(storages) == len(fsdp.sharded_weights)
-    assert shard_bytes * world_size == padded_bytes < full_bytes + world_size * 4 * sum(
-        w.padded_shape[1:].numel() for w in fsdp.sharded_weights
-    )
-    assert_same_on_every_rank(torch.tensor([shard_bytes], device=device), "shard bytes")
+class Recorder:
+    """Records, in order, the gathers FSDP issues (with the units gathered at that moment), the start and end
+    of each unit's forward, and the most units gathered at once."""
+
+    def __init__(self, fsdp: FSDP, modules: dict[str, tuple[nn.Module, nn.Module]]):
+        self.fsdp, self.events, self.peak = fsdp, [], 0
+        issue = fsdp._issue_gather
+
+        def recording_issue(unit):
+            if not unit.allocated:
+                self.events.append(("gather", unit.name))
+            issue(unit)
+            self.sample()
+
+        fsdp._issue_gather = recording_issue
+        for name, (first, last) in modules.items():
+            first.register_forward_pre_hook(lambda m, a, name=name: self.mark("start", name))  # after FSDP's hook
+            last.register_forward_hook(lambda m, a, o, name=name: self.mark("done", name), prepend=True)
+
+    def mark(self, kind: str, name: str) -> None:
+        self.events.append((kind, name))
+        self.sample()
+
+    def sample(self) -> None:
+        self.peak = max(self.peak, len([n for n in self.fsdp.gathered_units() if n != fsdp_module.ROOT_KEY]))
+
+    def names(self, kind: str, events=None) -> list[str]:
+        return [name for k, name in (self.events if events is None else events) if k == kind]
 
 
-def check_prefetch_and_free(rank: int, world_size: int, device: torch.device) -> None:
-    """The gather of unit call i starts once call i - 2 has finished its forward; gathered weights are freed
-    after use and gathered again in backward; at most three are alive at once."""
-    fsdp = adapters.get_fsdp(build(seed=rank, device=device))
-    order = ["embedding", "up", "down", "frozen", "head"]
-    events: list[tuple[str, str]] = []
-    buffers: list[weakref.ref] = []
-    alive_peak = [0]
-    start_gather = fsdp._start_gather
+def BasicsLM4(config: LMConfig, device: torch.device):
+    """The tiny LM with 4 blocks (the checkpointing groups of 2 need more than one group)."""
+    return BasicsTransformerLM(vocab_size=VOCAB_SIZE, context_length=config.context_length,
+                               **{**TINY, "num_layers": 4}).to(device)
 
-    def alive(limit: int = 0) -> int:
-        """Gathered weights still alive, once at most ``limit`` or after 2 s. The backend's threads let go of
-        a finished collective's tensors a moment after completing it (gloo's worker, NCCL's watchdog)."""
-        deadline = time.monotonic() + 2.0
-        while True:
-            count = sum(ref() is not None for ref in buffers)
-            if count <= limit or time.monotonic() > deadline:
-                return count
-            time.sleep(0.002)
 
-    def recording_gather(weight):
-        gather = start_gather(weight)
-        events.append(("gather", weight.name.removesuffix(".weight")))
-        buffers.append(weakref.ref(gather.buffer))
-        alive_peak[0] = max(alive_peak[0], alive(limit=3))
-        return gather
+def lm_batch(config: LMConfig, step: int, rank: int | None, world_size: int, device: torch.device):
+    generator = torch.Generator().manual_seed(7 + step)
+    tokens = torch.randint(10_000, (config.batch_size, config.context_length + 1), generator=generator).to(device)
+    batch = (tokens[:, :-1], tokens[:, 1:])
+    return batch if rank is None else rank_slice(batch, rank, world_size)
 
-    fsdp._start_gather = recording_gather
-    for name in order:  # runs before FSDP's own hook, which starts the next prefetch
-        getattr(fsdp.module, name).register_forward_hook(
-            lambda unit, args, out, name=name: events.append(("done", name)), prepend=True
-        )
+
+def lm_units(model) -> dict[str, tuple[nn.Module, nn.Module]]:
+    blocks = {f"layers.{i}": (block, block) for i, block in enumerate(model.layers)}
+    return {"token_embeddings": (model.token_embeddings,) * 2, **blocks, "ln_final+lm_head": (model.ln_final, model.lm_head)}
+
+
+def check_lm_prefetch_and_memory(rank: int, world_size: int, device: torch.device) -> None:
+    """BasicsTransformerLM (4 blocks): units are the embedding, each block, the final norm with the head. In
+    forward the next unit's gather is issued before this unit computes, and a unit is freed after its forward;
+    in backward units are gathered again in reverse order (not the embedding, whose backward needs no weight;
+    not the head, kept from forward). At most 2 units are gathered in forward and 3 in backward."""
+    config = LMConfig("tiny", context_length=8, batch_size=2 * world_size)
+    torch.manual_seed(0)
+    model = BasicsLM4(config, device)
+    fsdp = adapters.get_fsdp(model)
+    order = ["token_embeddings", "layers.0", "layers.1", "layers.2", "layers.3", "ln_final+lm_head"]
+    assert [u.name for u in fsdp.units] == order
+    recorder = Recorder(fsdp, lm_units(model))
     optimizer = make_optimizer("adamw", fsdp.parameters())
     for step in range(2):
-        events.clear()
-        optimizer.zero_grad()
-        x, y = rank_slice(full_batch(step, world_size, device), rank, world_size)
-        logits = fsdp(x)
-        forward_events = list(events)
-        assert alive() == 0, f"step {step}: {alive()} gathered weights outlive the forward"
-        assert [name for kind, name in forward_events if kind == "gather"] == order
-        assert [name for kind, name in forward_events if kind == "done"] == order
-        for i, name in enumerate(order):
-            position = forward_events.index(("gather", name))
-            if i >= 2:
-                assert forward_events.index(("done", order[i - 2])) < position, (name, forward_events)
+        recorder.events.clear()
+        recorder.peak = 0
+        x, y = lm_batch(config, step, rank, world_size, device)
+        loss = lm_loss(fsdp(x), y)
+        forward = list(recorder.events)
+        assert fsdp.gathered_units() == ["ln_final+lm_head"], fsdp.gathered_units()  # kept for backward
+        assert recorder.names("gather", forward) == order and recorder.names("done", forward) == order
+        for i, name in enumerate(order[:-1]):
+            nxt = forward.index(("gather", order[i + 1]))
+            assert nxt < forward.index(("start", name)), (name, forward)  # prefetched before this unit runs
             if i >= 1:
-                assert position < forward_events.index(("done", order[i - 1])), (name, forward_events)
-        cross_entropy(logits, y).backward()
+                assert nxt > forward.index(("done", order[i - 1])), (name, forward)  # not earlier: bounds memory
+        assert recorder.peak <= 2, (recorder.peak, forward)
+        recorder.peak = 0
+        loss.backward()
         adapters.fsdp_on_after_backward(fsdp, optimizer)
-        backward_gathers = [name for kind, name in events[len(forward_events) :] if kind == "gather"]
-        # The embedding's backward needs no weight; the others are gathered again, last first.
-        assert backward_gathers == ["head", "frozen", "down", "up"], backward_gathers
-        assert alive() == 0
+        assert recorder.names("gather", recorder.events[len(forward) :]) == order[1:-1][::-1]
+        assert recorder.peak <= 3, recorder.peak
+        assert fsdp.gathered_units() == []
         optimizer.step()
-    assert alive_peak[0] <= 3, alive_peak[0]
+
+
+class CheckpointedBlock(nn.Module):
+    """A caller's own activation checkpointing: the block runs under ``checkpoint(..., use_reentrant=False)``."""
+
+    def __init__(self, block: nn.Module, use_reentrant: bool = False):
+        super().__init__()
+        self.block, self.use_reentrant = block, use_reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self.block, x, use_reentrant=self.use_reentrant)
+
+
+def check_lm_training(rank: int, world_size: int, device: torch.device) -> None:
+    """BasicsTransformerLM (4 blocks), fp32: plain, with the model's activation checkpointing in groups of 1 and
+    2 blocks, and with each block wrapped by the caller, against one process without checkpointing. With
+    checkpointing the blocks are gathered again for their recomputation and stay within 3 gathered units
+    (groups of 1) or 4 (groups of 2)."""
+    config = LMConfig("tiny", context_length=8, batch_size=2 * world_size)
+    cases = [("plain", 0, "adamw"), ("checkpoint groups of 1", 1, "sgd"), ("checkpoint groups of 2", 2, "adamw"),
+             ("caller's checkpoint", -1, "sgd")]
+    for label, group, optimizer_name in cases:
+        where = f"LM, {label}, {optimizer_name}, rank {rank}/{world_size}"
+        torch.manual_seed(rank)
+        model = BasicsLM4(config, device)
+        if group > 0:
+            model.set_activation_checkpointing(group)
+        elif group < 0:
+            for i, block in enumerate(model.layers):
+                model.layers[i] = CheckpointedBlock(block)
+        fsdp = adapters.get_fsdp(model)
+        assert len(fsdp.units) == 6, where  # the wrapped blocks are still found
+        blocks = [getattr(b, "block", b) for b in model.layers]  # inside the caller's wrappers
+        block_units = [unit.name for unit in fsdp.units[1:5]]  # layers.i, or layers.i.block inside wrappers
+        recorder = Recorder(fsdp, {name: (b, b) for name, b in zip(block_units, blocks)})
+        prefix = "layers.{}.block." if group < 0 else "layers.{}."  # the wrapped model's names
+
+        def reference():
+            torch.manual_seed(0)
+            return BasicsLM4(config, device)
+
+        def names(model, prefix=prefix):
+            return [(n.replace(f"layers.{n.split('.')[1]}.", prefix.format(n.split(".")[1])) if n.startswith("layers.")
+                     else n, p) for n, p in model.named_parameters()]
+
+        train_and_compare(rank, world_size, fsdp, reference, lambda step: lm_batch(config, step, None, world_size, device),
+                          lm_loss, optimizer_name, where, WEIGHT_TOL[optimizer_name], steps=2, names=names)
+        if group:  # each block: gathered in forward, then once in backward (recomputation and backward share it)
+            gathers = recorder.names("gather")
+            assert all(gathers.count(name) == 2 * 2 for name in block_units), gathers
+            starts = recorder.names("start")  # forward, then the recomputation in backward
+            assert all(starts.count(name) == 2 * 2 for name in block_units), starts
+        assert recorder.peak <= (4 if group == 2 else 3), (where, recorder.peak)
 
 
 def check_errors(rank: int, world_size: int, device: torch.device) -> None:
-    fsdp = adapters.get_fsdp(build(seed=rank, device=device))
+    model = build(SmallNet, rank, device)
+    fsdp = adapters.get_fsdp(model)
     x, y = rank_slice(full_batch(0, world_size, device), rank, world_size)
     with pytest.raises(RuntimeError, match="outside FSDP.forward"):
-        fsdp.module(x)
-    cross_entropy(fsdp(x), y).backward()
+        fsdp.module.embedding(x)
+    lm_loss(fsdp(x), y).backward()
     with pytest.raises(RuntimeError, match="finish_gradient_synchronization"):
         fsdp(x)
     fsdp.finish_gradient_synchronization()
     with torch.no_grad():  # evaluation: no backward, nothing to synchronise
         fsdp(x)
         fsdp(x)
+    assert fsdp.gathered_units() == []
+    fsdp(x)  # a forward with grad whose graph is dropped: the next forward starts afresh
+    lm_loss(fsdp(x), y).backward()
+    fsdp.finish_gradient_synchronization()
     with pytest.raises(ValueError, match="floating-point"):
-        FSDP(build(seed=rank, device=device), compute_dtype=torch.int32)
-
-
-def check_tiny_lm(rank: int, world_size: int, device: torch.device, exact: bool) -> None:
-    """The real ``BasicsTransformerLM`` (size "tiny") against one process, AdamW, fp32."""
-    config = LMConfig("tiny", context_length=16, batch_size=2 * world_size)
-    torch.manual_seed(rank)
-    fsdp = adapters.get_fsdp(build_model(config, device))
-    torch.manual_seed(0)
-    reference = build_model(config, device)
-    optimizer = make_optimizer("adamw", fsdp.parameters())
-    reference_optimizer = make_optimizer("adamw", reference.parameters())
-    generator = torch.Generator().manual_seed(7)
-    for step in range(2):
-        tokens = torch.randint(10_000, (config.batch_size, config.context_length + 1), generator=generator).to(device)
-        batch = (tokens[:, :-1], tokens[:, 1:])
-        optimizer.zero_grad()
-        x, y = rank_slice(batch, rank, world_size)
-        cross_entropy(fsdp(x), y).backward()
-        adapters.fsdp_on_after_backward(fsdp, optimizer)
-        reference_optimizer.zero_grad()
-        reference_backward(reference, batch, world_size)
-        check_gradients(fsdp, reference, rank, f"tiny LM, step {step}", exact, tol=1e-5)
-        optimizer.step()
-        reference_optimizer.step()
-    check_full_params(fsdp, reference, "tiny LM", exact, tol=1e-5)
+        FSDP(build(SmallNet, rank, device), compute_dtype=torch.int32)
+    other = build(SmallNet, rank, device)
+    for units, message in (([other.up, Linear(2, 2)], "not a submodule"), ([other], "wrapped module itself"),
+                           ([other.up, (other.norm, other.up)], "in units"), ([other.embedding, 3], "module")):
+        with pytest.raises(ValueError, match=message):
+            FSDP(other, units=units)
+    # Reentrant checkpointing backpropagates through the recomputed graph: refused in backward.
+    model = build(ToyModel, rank, device)
+    model.norm = CheckpointedBlock(model.norm, use_reentrant=True)
+    fsdp = FSDP(model, units=[model.embedding, model.norm.block])
+    x, y = rank_slice(full_batch(0, world_size, device), rank, world_size)
+    with pytest.raises(RuntimeError, match="use_reentrant=False"):
+        last_token_loss(fsdp(x), y).backward()
+    fsdp.finish_gradient_synchronization()
 
 
 def check_ddp_2026_names(rank: int, world_size: int, device: torch.device) -> None:
     """``get_ddp`` / ``ddp_on_after_backward``: rank 0's weights at start, then single-process training."""
-    ddp = adapters.get_ddp(build(seed=rank, device=device))
-    reference = build(seed=0, device=device)
+    ddp = adapters.get_ddp(build(SmallNet, rank, device))
+    reference = build(SmallNet, 0, device)
     assert ddp.module.__class__ is SmallNet
     assert [n for n, _ in ddp.named_parameters()] == [f"module.{n}" for n, _ in reference.named_parameters()]
     optimizer = make_optimizer("adamw", ddp.parameters())
@@ -415,45 +521,51 @@ def check_ddp_2026_names(rank: int, world_size: int, device: torch.device) -> No
         batch = full_batch(step, world_size, device)
         optimizer.zero_grad()
         x, y = rank_slice(batch, rank, world_size)
-        cross_entropy(ddp(x), y).backward()
+        lm_loss(ddp(x), y).backward()
         adapters.ddp_on_after_backward(ddp, optimizer)
         optimizer.step()
         reference_optimizer.zero_grad()
-        reference_backward(reference, batch, world_size)
+        lm_loss(reference(batch[0]), batch[1]).backward()
         reference_optimizer.step()
         for (name, p), q in zip(ddp.module.named_parameters(), reference.parameters()):
             where = f"DDP, {name}, step {step}"
-            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda m, where=where: f"{where}: {m}")
+            torch.testing.assert_close(p, q, **ADAMW_TOL, msg=lambda m, where=where: f"{where}: {m}")
 
 
-def run_checks(rank: int, world_size: int, exact: bool) -> None:
+def run_checks(rank: int, world_size: int) -> None:
     warnings.simplefilter("error")
-    torch.set_num_threads(1)  # the reference runs in the same process with the same kernels
+    torch.set_num_threads(1)
     device = current_device()
-    check_matches_single_process(rank, world_size, device, exact)
+    check_toy_models(rank, world_size, device)
+    check_reduce_scatter_fallback(rank, world_size, device)
     check_mixed_precision(rank, world_size, device)
-    check_shard_storage(rank, world_size, device)
-    check_prefetch_and_free(rank, world_size, device)
-    check_errors(rank, world_size, device)
+    check_lm_prefetch_and_memory(rank, world_size, device)
+    check_lm_training(rank, world_size, device)
     check_ddp_2026_names(rank, world_size, device)
     if world_size == 2:
-        check_tiny_lm(rank, world_size, device, exact)
         for dtype in (None, torch.bfloat16):  # the CLI's --check, without a CLI (no extra processes)
             result = fsdp_accounting.check_against_one_process(rank, world_size, device, dtype, steps=2)
-            assert result["bit_exact"] or not exact, result
             assert result["max_abs_diff"] <= 1e-4 and result["grad_max_abs_diff"] <= 1e-4, result
+    check_errors(rank, world_size, device)  # last: it leaves a failed backward behind
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_fsdp_matches_single_process(world_size):
-    spawn(run_checks, world_size, True, backend="gloo", timeout_s=240)
+    spawn(run_checks, world_size, backend="gloo", timeout_s=240)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_fsdp_with_nccl():
-    # GPU kernels are deterministic for equal shapes, but not promised to be: compare to float tolerance.
-    spawn(run_checks, 2, False, backend="nccl", timeout_s=300)
+    spawn(run_checks, 2, backend="nccl", timeout_s=300)
+
+
+def test_equality_demo_runs(capsys):
+    """``scripts/fsdp_equality_demo.py`` (a leaf script, run in this process): one step, the table printed."""
+    demo = runpy.run_path(str(Path(__file__).parents[1] / "scripts" / "fsdp_equality_demo.py"))
+    demo["main"](["--steps", "1"])
+    out = capsys.readouterr().out
+    assert "head.weight" in out and "torch.equal on every parameter after 1 steps" in out
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -478,9 +590,9 @@ def test_fsdp_accounting_quick_on_cpu(tmp_path, capsys):
         assert len(row["step_ms_per_rank"]) == 2
     params = rows["ddp"]["params"]
     assert rows["ddp"]["local_params"] == params and rows["ddp"]["expected_saving_gb"] == 0
-    # Sharded over 2 ranks: half the parameters each (ours pads odd row counts by a row).
+    # Sharded over 2 ranks: half the parameters each (ours pads each unit's flat buffer by at most one element).
     assert rows["fsdp2"]["local_params"] * 2 >= params and rows["ours"]["local_params"] * 2 >= params
-    assert rows["ours"]["local_params"] * 2 - params < 1000
+    assert rows["ours"]["local_params"] * 2 - params < 10
     assert rows["ours"]["expected_saving_gb"] == pytest.approx(16 * (params - rows["ours"]["local_params"]) / 1e9)
     assert rows["ours"]["step_ratio_vs_fsdp2"] == pytest.approx(rows["ours"]["step_ms"] / rows["fsdp2"]["step_ms"])
     fsdp_accounting.main(argv)  # measured already: resumes without starting any rank

@@ -49,7 +49,7 @@ from torch import nn
 from torch.autograd.profiler import record_function
 from torch.nn.utils import parametrize
 
-from cs336_basics.model import Embedding, Linear
+from cs336_basics.model import Embedding, Linear, RMSNorm
 from cs336_basics.nn_utils import cross_entropy
 from cs336_basics.optimizer import AdamW
 from cs336_systems.bench.common import cli, result_store, timeline, timing
@@ -314,7 +314,7 @@ def check_against_one_process(rank: int, world_size: int, device: torch.device, 
     reference = build_model(config, device)
     if dtype is not None:
         for unit in reference.modules():
-            if isinstance(unit, (Linear, Embedding)):
+            if isinstance(unit, (Linear, Embedding, RMSNorm)):  # FSDP casts every parameter, norm gains too
                 parametrize.register_parametrization(unit, "weight", CastTo(dtype), unsafe=True)
     optimizer = AdamW(fsdp.parameters(), lr=1e-3, weight_decay=0.01)
     reference_optimizer = AdamW(reference.parameters(), lr=1e-3, weight_decay=0.01)

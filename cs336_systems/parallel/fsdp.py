@@ -1,50 +1,91 @@
-"""Fully sharded data parallel (FSDP) for ``cs336_basics`` models (SPEC section 6, the course's 2026 ``fsdp``).
+"""Fully sharded data parallel (FSDP) by blocks (SPEC section 6, the course's 2026 ``fsdp``).
 
-``FSDP(module, compute_dtype=None)`` shards the ``weight`` of every ``cs336_basics`` :class:`Linear` and
-:class:`Embedding` (a *unit*) along dim 0: with ``W`` ranks, the weight of ``rows`` rows is padded to
-``W * ceil(rows / W)`` rows and rank ``r`` keeps rows ``[r s, (r + 1) s)`` (``s = ceil(rows / W)``) as an fp32
-parameter of its own, registered under the weight's name, so ``named_parameters()`` yields shard-shaped
-parameters and any optimizer steps only the shard. Every other parameter (the RMSNorm gains) is replicated.
+``FSDP(module, compute_dtype=None, units=None)`` shards the parameters of ``module`` over the ranks of the
+default process group, one *unit* (a block of parameters) at a time.
 
-One training step, seen from a unit:
+Units. By default (:func:`default_units`) every ``TransformerBlock`` is a unit (``module.layers[i]`` of a
+``BasicsTransformerLM``), and so is every ``Embedding`` (the token embedding); the final norm and the LM
+head (``ln_final``, ``lm_head``) form one unit together. ``units=`` names any other split: each entry is a
+submodule, or a tuple of submodules that form one unit. Every parameter not in a unit belongs to the *root*
+unit, and so does a parameter shared by two units (tied weights).
 
-* forward: its full weight is all-gathered (cast to ``compute_dtype`` first, so half the bytes travel in
-  bf16), asynchronously and ahead of use: the gather of the ``i``-th unit call starts when call ``i - 2`` has
-  finished its forward, which bounds the gathered weights alive at once to about three. The forward runs the
-  unit's own code on the gathered weight, which is then freed: autograd's saved reference to it is replaced
-  by a placeholder (``torch.autograd.graph.saved_tensors_hooks``).
-* backward: when autograd unpacks the placeholder, the weight is gathered again (and the gather of the unit
-  needed next in backward is started). Once the gradient of the full weight exists, it is cast to fp32 and
-  reduce-scattered, asynchronously, to the ranks that own its rows.
-* replicated parameters: their gradients are all-gathered from a post-accumulate-grad hook and averaged.
+Flat shards. A unit's parameters (all of them: RMSNorm gains too), trainable ones first, then frozen ones,
+are laid end to end in one flat fp32 buffer of ``N`` elements, padded to ``W * S`` with ``S = ceil(N / W)``
+for ``W`` ranks; rank ``r`` keeps elements ``[r S, (r + 1) S)`` in ``unit.shard``. The optimizer sees ONE
+``nn.Parameter`` per unit: the trainable part of the rank's slice, a 1-D view of ``unit.shard`` (registered
+as ``shards.<unit>``; frozen elements as ``frozen_shards.<unit>``, ``requires_grad=False``). One parameter per
+unit keeps the optimizer's loop short (50 parameters on the xl model instead of 435), any elementwise
+``torch.optim.Optimizer`` works on it (``cs336_basics``' AdamW included), and the padding is never stepped.
+The price: per-parameter optimizer options (no weight decay on gains, say) cannot be expressed, and the
+wrapped module has no parameters of its own left. :meth:`FSDP.gather_full_params` returns every original
+parameter by its original name, full and fp32.
 
-``finish_gradient_synchronization()`` (after backward, before ``optimizer.step()``) waits for everything still
-in flight; afterwards every parameter has an fp32 gradient of its own shape, averaged over the ranks.
+Forward. The original parameters are deleted from their modules; while a unit runs, each module attribute
+(``linear.weight``) is a plain tensor, a view of the unit's gathered flat buffer ``unit.full`` (in the compute
+dtype), produced by one autograd Function (:class:`_GatheredParams`) per unit call, so autograd hands all the
+unit's weight gradients to one backward. Before a unit runs (forward pre-hook) its buffer is all-gathered in
+ONE ``all_gather_into_tensor`` from the shard (cast to ``compute_dtype`` first: half the bytes travel in
+bf16), and the gather of the unit predicted next (the order of the previous forward; registration order at
+first) is issued before this unit computes. After the unit's forward the buffer's storage is resized to 0:
+the views autograd saved stay valid objects, and the storage is filled again before the unit's backward.
+The last unit of the forward stays gathered (its backward comes next), and so does the root unit until its
+gradients are reduced.
 
-Reduction order, and why fp32 training is bit-identical to one process. Data-parallel training computes the
-gradient of the mean loss over the full batch as the average of per-rank gradients, each the gradient of the
-mean loss over that rank's slice. One process computing the full batch in one backward sums all tokens inside
-one matmul, in an order no split of the batch can reproduce, so bit-identity is only possible against the
-same computation done in one process: gradient accumulation over the ranks' slices in rank order
-(``g = ((g_0 + g_1) + g_2) ...``, autograd's own accumulation), then ``g / W``. The collectives here
-reproduce that order exactly: a reduce-scatter is an all-to-all (rank ``j`` receives every rank's rows of its
-shard) followed by a local sum in rank order, and a replicated gradient's all-reduce is an all-gather
-followed by the same sum (a ring reduce-scatter or all-reduce adds in an order that depends on the chunk,
-which changes the bits for 3+ ranks). The bytes sent equal a ring reduce-scatter's; the receive buffer is one
-full-size gradient per reduction in flight. The optimizer updates are elementwise, so stepping the shards of
-a weight gives the rows of the full step. ``tests/test_fsdp.py`` checks this with ``torch.equal``.
+Backward. A hook on each unit call's outputs fires before the unit's backward: it gathers the unit again
+(already prefetched, normally) and prefetches the unit that ran before it in forward. Units whose saved
+tensors do not touch their weights (an embedding's lookup) are not gathered again: a saved-tensor pack hook
+records, during forward, whether anything saved lives in a gathered buffer. When all the unit's parameter
+gradients exist (the Function's backward), they are cast to fp32 into one flat buffer and
+``reduce_scatter_tensor(op=AVG)`` leaves this rank's slice of the average in its shard's ``.grad``
+(:func:`reduce_scatter_mean` falls back to all-reduce + slice where a backend lacks it); the gathered buffer
+is freed. :meth:`FSDP.finish_gradient_synchronization` waits for what is in flight; afterwards every shard's
+``.grad`` is fp32 and averaged over ranks.
 
-Limits: every rank must call the same units in the same order (as for any FSDP); units called twice are
-fine (their gradients are summed before the reduce-scatter). Call ``finish_gradient_synchronization`` after
-every backward. Activation checkpointing inside the wrapped module is not supported.
+Streams (GPU, NCCL). Gathers run on a gather stream and reduce-scatters on a reduction stream, each on its
+own process group (one NCCL communicator runs its collectives one after another; two let a reduce-scatter
+overlap the next gather). A gather stream first waits for the compute stream (the optimizer may have written
+the shard, and a buffer freed on the CPU may still be read by queued kernels: the allocator hands its block
+to the next gather only once the gather stream has caught up), then records an event that the compute stream
+waits for before the unit runs. A reduction waits for the compute stream (the gradients), records an event;
+its fp32 input (allocated on the compute stream) is released once the compute stream has waited for that
+event, two reductions later, which bounds the gradient buffers in flight. On the CPU (gloo) the collectives
+are asynchronous ``Work`` objects, waited for at the same points.
+
+Memory. Gathered at once: in forward the running unit and the next one (in flight), in backward the unit
+whose backward runs, the previous one (prefetched) and, briefly, the one just finished: ~2-3 units, plus the
+root unit. Units holding frozen parameters stay gathered from their backward gather to the end of backward
+(the Function's backward, which frees a unit, does not wait for frozen weights' last use).
+
+Activation checkpointing (``torch.utils.checkpoint(..., use_reentrant=False)`` inside the wrapped module:
+``BasicsTransformerLM.set_activation_checkpointing``, or a caller wrapping blocks itself). Inside a checkpointed
+region autograd saves nothing of the unit, so the pack hook sees no saved tensor and the unit is marked as
+needing its weights in backward (it will be recomputed). In backward, recomputation calls the unit's modules
+again: the pre-hook gathers the unit (usually prefetched already), installs fresh views (through the same
+Function, so the recomputed operations save what the original ones did) and keeps the buffer until the
+unit's gradients are reduced. A checkpointed group of ``g`` blocks therefore holds up to ``g`` gathered units
+during its backward. Reentrant checkpointing is rejected (its recomputed graph is the one backpropagated).
+
+Why fp32 training matches one process only to float tolerance. Data parallelism computes the gradient of the
+mean loss over the batch as the average of per-rank gradients of each rank's slice. One process sums all the
+tokens inside one matmul; the ranks sum their own tokens, then the collective sums the ranks' partial sums
+(a ring adds them in an order that depends on the chunk) and divides by W. Floating-point addition is not
+associative, so the two results differ in the last bits (about 1e-7 relative in fp32) and every optimizer step
+carries such differences forward. ``tests/test_fsdp.py`` compares to tolerance.
+
+Limits: every rank must call the same units in the same order; one forward per backward; call
+:meth:`finish_gradient_synchronization` after every backward; move the module to its device before wrapping
+(``.to()`` afterwards would break the shard/parameter aliasing); a unit's output must not be a view of its
+parameters, and a trainable weight's saved uses must lead into its gradient (a ``weight.detach()`` saved for
+backward could outlive the buffer, which is freed once the unit's gradients are reduced).
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
 import math
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -53,363 +94,660 @@ from jaxtyping import Float
 from torch import Tensor, nn
 from torch.autograd.profiler import record_function
 
-from cs336_basics.model import Embedding, Linear
+from cs336_basics.model import Embedding, TransformerBlock
 from cs336_systems.parallel.ddp.base import broadcast_module_state
 
-SHARDED_TYPES = (Linear, Embedding)
-WEIGHT = "weight"  # the attribute of a unit that is sharded
-PREFETCH_DISTANCE = 2  # forward: gather unit call i once call i - 2 has finished
-REDUCTIONS_IN_FLIGHT = 2  # reductions left running before the oldest is completed (bounds receive buffers)
-# Profiler range names (FSDP.annotate): a gather's launch, the moment its weight is in use, a reduction's launch.
+REDUCTIONS_IN_FLIGHT = 2  # reductions left running before the compute stream waits for the oldest
+ROOT_KEY = "_root"  # the root unit's key in FSDP.shards
+# Profiler range names (FSDP.annotate): a gather's launch, the moment its unit's weights are in use, a
+# reduction's launch; each followed by the unit's name (``cs336_systems.bench.common.timeline`` reads them).
 GATHER_RANGE, USE_RANGE, REDUCE_RANGE = "fsdp.all_gather ", "fsdp.use ", "fsdp.reduce_scatter "
+
+UnitSpec = nn.Module | Sequence[nn.Module]
+
+
+# ---------------------------------------------------------------------------------------------------
+# The reduce-scatter of a mean, with a fallback
+# ---------------------------------------------------------------------------------------------------
+
+# Backend -> whether reduce_scatter_tensor(op=AVG) works there (gloo gained it late; probed on first use).
+_NATIVE_MEAN_REDUCE_SCATTER: dict[str, bool] = {"nccl": True}
 
 
 @dataclass(eq=False)
-class ShardedWeight:
-    """One sharded weight: the rank's fp32 shard (an optimizer-visible parameter) and the full layout."""
+class MeanReduceScatter:
+    """A :func:`reduce_scatter_mean` in flight; :meth:`wait` leaves the mean in its output."""
 
-    name: str  # the name of the full weight in the wrapped module
-    param: nn.Parameter  # (shard_rows, *rest) fp32: rows [rank * shard_rows, (rank + 1) * shard_rows) of the padded weight
-    full_shape: torch.Size  # (rows, *rest), unpadded
-    world_size: int
-    uses_in_flight: int = 0  # forward uses whose gradient has not arrived yet
-    grad_sum: Tensor | None = None  # (padded_rows, *rest) fp32: gradients of the uses that arrived, summed
+    work: dist.Work | None
+    finish: Callable[[], None] | None = None
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        if self.finish is not None:
+            self.finish()
+            self.finish = None
+
+
+def reduce_scatter_mean(
+    output: Float[Tensor, " S"], input: Float[Tensor, " WS"], group=None, async_op: bool = False
+) -> MeanReduceScatter:
+    """``output = mean over ranks of input[rank * S : (rank + 1) * S]``.
+
+    One ``reduce_scatter_tensor(op=AVG)`` where the backend has it (NCCL; gloo in recent PyTorch). Elsewhere:
+    a SUM all-reduce of ``input`` in place, then this rank's chunk divided by the world size (the same
+    values, W times the bytes received). Without ``async_op`` the result is there on return.
+    """
+    backend = dist.get_backend(group)
+    if _NATIVE_MEAN_REDUCE_SCATTER.get(backend, True):
+        try:
+            work = dist.reduce_scatter_tensor(output, input, op=dist.ReduceOp.AVG, group=group, async_op=async_op)
+        except RuntimeError:
+            if backend == "nccl":
+                raise
+            _NATIVE_MEAN_REDUCE_SCATTER[backend] = False  # every rank fails alike: same backend, same version
+        else:
+            _NATIVE_MEAN_REDUCE_SCATTER[backend] = True
+            return MeanReduceScatter(work)
+    world_size, rank, size = dist.get_world_size(group), dist.get_rank(group), output.numel()
+    work = dist.all_reduce(input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    chunk = input[rank * size : (rank + 1) * size]
+    handle = MeanReduceScatter(work, finish=lambda: torch.div(chunk, world_size, out=output))
+    if not async_op:
+        handle.wait()
+    return handle
+
+
+# ---------------------------------------------------------------------------------------------------
+# Units
+# ---------------------------------------------------------------------------------------------------
+
+
+def default_units(module: nn.Module) -> list[UnitSpec]:
+    """Every ``TransformerBlock`` and ``Embedding`` (outermost ones), and ``(ln_final, lm_head)`` when the
+    module has both: for ``BasicsTransformerLM`` the token embedding, each block, the final norm with the head."""
+    units: list[UnitSpec] = []
+    inside: set[int] = set()  # ids of modules inside a unit already chosen
+    for sub in module.modules():
+        if sub is module or id(sub) in inside:
+            continue
+        if isinstance(sub, (TransformerBlock, Embedding, nn.Embedding)):
+            units.append(sub)
+            inside.update(id(m) for m in sub.modules())
+    head = [getattr(module, name, None) for name in ("ln_final", "lm_head")]
+    if all(isinstance(m, nn.Module) and id(m) not in inside for m in head):
+        units.append(tuple(head))
+    return units
+
+
+@dataclass(eq=False)
+class FlatParam:
+    """One original parameter, a segment of its unit's flat buffer."""
+
+    name: str  # its (first) name in the wrapped module
+    slots: list[tuple[nn.Module, str]]  # every (module, attribute) that held it
+    shape: torch.Size
+    offset: int  # first element in the flat buffer
+    requires_grad: bool
 
     @property
-    def rows(self) -> int:
-        return self.full_shape[0]
+    def numel(self) -> int:
+        return self.shape.numel()
 
     @property
-    def shard_rows(self) -> int:
-        return self.param.shape[0]
+    def stop(self) -> int:
+        return self.offset + self.numel
 
-    @property
-    def padded_shape(self) -> torch.Size:
-        return torch.Size((self.shard_rows * self.world_size, *self.full_shape[1:]))
+
+@dataclass(eq=False)
+class _Call:
+    """One forward call of a unit (the root's included), and what its backward needs."""
+
+    unit: Unit
+    position: int  # index in FSDP._calls (-1: the root)
+    generation: int  # the forward it belongs to
+    grad_enabled: bool
+    packs_at_open: int = 0
+    saved: bool = False  # autograd saved a view of the unit's gathered buffer
+    needs_gather: bool = False  # the unit's weights must be gathered again for its backward
+    backward_seen: bool = False
 
 
 @dataclass(eq=False)
 class _Gather:
-    """An all-gather of one weight in flight: the padded full weight arrives in ``buffer``."""
+    """An all-gather in flight: a CUDA event on the gather stream, or a CPU ``Work`` and its tensors."""
 
-    buffer: Tensor  # (padded_rows, *rest) in the compute dtype
-    source: Tensor  # the cast shard being sent (kept alive until the gather completes)
-    work: dist.Work | None
-
-    def wait(self) -> Tensor:
-        if self.work is not None:
-            self.work.wait()
-            self.work = None
-        return self.buffer
-
-
-@dataclass(eq=False)
-class _UnitCall:
-    """One forward call of a unit, and what its backward needs."""
-
-    unit: nn.Module
-    weight: ShardedWeight
-    previous: _UnitCall | None = None  # the call before it (in forward order) that saved its weight for backward
-    saved: int = 0  # placeholders autograd holds for this call's weight
-    unpacked: int = 0
-    backward_gather: _Gather | None = None  # the weight gathered again for backward (prefetched or on demand)
-    backward_buffer: Tensor | None = None  # held until every placeholder has been unpacked
-
-
-@dataclass(frozen=True, eq=False)
-class _Placeholder:
-    """Stands in for a saved view of a gathered weight; unpacking gathers the weight again."""
-
-    call: _UnitCall
-    size: torch.Size
-    stride: tuple[int, ...]
-    offset: int
+    event: torch.cuda.Event | None = None
+    work: dist.Work | None = None
+    tensors: tuple[Tensor, ...] = ()
 
 
 @dataclass(eq=False)
 class _Reduction:
-    """A reduce-scatter in flight: every rank's gradient rows of this rank's shard arrive in ``received``."""
-
-    weight: ShardedWeight
-    sent: Tensor  # (padded_rows, *rest) fp32, kept alive until the all-to-all completes
-    received: Tensor  # (world_size * shard_rows, *rest) fp32: chunk j is rank j's gradient of my rows
-    work: dist.Work
+    unit: Unit
+    input: Tensor  # (W * S,) fp32, kept until the reduction is known complete
+    output: Tensor  # (S,) fp32: this rank's slice of the mean
+    event: torch.cuda.Event | None = None
+    handle: MeanReduceScatter | None = None
 
 
 @dataclass(eq=False)
-class _ReplicatedReduction:
-    param: nn.Parameter
-    gathered: Tensor  # (world_size * param.numel(),): every rank's gradient, in rank order
-    work: dist.Work
+class Unit:
+    """A block of parameters sharded as one flat fp32 buffer."""
+
+    name: str
+    modules: tuple[nn.Module, ...]  # () for the root unit
+    params: list[FlatParam]  # trainable ones first, then frozen ones
+    trainable_numel: int  # T: elements [0, T) of the flat buffer are trainable
+    numel: int  # N: parameters' elements; the flat buffer holds W * S >= N
+    shard: Tensor  # (S,) fp32: this rank's slice of the flat buffer
+    param: nn.Parameter | None  # shard[:t]: the trainable part of the slice (None if T == 0)
+    frozen: nn.Parameter | None  # the frozen part of the slice (None without frozen parameters)
+    full: Tensor  # (W * S,) compute dtype; its storage is resized to 0 when not gathered
+    # The state of one step.
+    gather: _Gather | None = None  # in flight
+    ready: bool = False  # gathered and waited for
+    is_open: bool = False  # its forward (or recomputation) is running, its views are installed
+    open_call: _Call | None = None
+    depth: int = 0
+    modules_done: set[int] = field(default_factory=set)
+    pending_backward: int = 0  # forward calls whose gradients have not arrived
+    grad_flat: Tensor | None = None  # (W * S,) fp32: the gradients that arrived, summed
+
+    @property
+    def shard_numel(self) -> int:
+        return self.shard.numel()
+
+    @property
+    def allocated(self) -> bool:
+        return self.full.untyped_storage().nbytes() > 0
+
+    @property
+    def keeps_gathered(self) -> bool:
+        """Frozen weights may be read after the last trainable gradient arrived: kept to the end of backward."""
+        return self.frozen is not None
 
 
-class _GatheredWeight(torch.autograd.Function):
-    """``shard -> full weight`` for autograd: forward waits for the gather, backward hands the full
-    weight's gradient to the reduce-scatter (the shard's ``.grad`` is set when that completes)."""
+class _GatheredParams(torch.autograd.Function):
+    """``shard -> views of the gathered flat buffer`` (one per original parameter) for autograd: the backward
+    receives all the unit's weight gradients at once and hands them to the reduction."""
 
     @staticmethod
-    def forward(ctx, shard: Tensor, gather: _Gather, call: _UnitCall, fsdp: FSDP) -> Tensor:
-        ctx.call, ctx.fsdp = call, fsdp
-        full = gather.wait()
-        return full if full.shape[0] == call.weight.rows else full[: call.weight.rows]
+    def forward(ctx, trainable: Tensor | None, fsdp: FSDP, unit: Unit, call: _Call | None) -> tuple[Tensor, ...]:
+        ctx.set_materialize_grads(False)
+        ctx.fsdp, ctx.unit, ctx.call = fsdp, unit, call
+        views = tuple(unit.full[p.offset : p.stop].view(p.shape) for p in unit.params)
+        ctx.mark_non_differentiable(*(v for v, p in zip(views, unit.params) if not p.requires_grad))
+        return views
 
     @staticmethod
-    def backward(ctx, grad_full: Tensor):
-        ctx.fsdp._on_full_gradient(ctx.call.weight, grad_full)
+    def backward(ctx, *grads: Tensor | None):
+        ctx.fsdp._on_unit_gradients(ctx.unit, ctx.call, grads)
         return None, None, None, None
 
 
-def _ordered_mean(chunks: Float[Tensor, "world ..."]) -> Float[Tensor, "..."]:
-    """``((chunks[0] + chunks[1]) + chunks[2] + ...) / world``: the sum in rank order, as gradient
-    accumulation over the ranks' micro-batches would compute it."""
-    total = chunks[0].clone() if len(chunks) == 1 else chunks[0] + chunks[1]
-    for chunk in chunks[2:]:
-        total.add_(chunk)
-    return total.div_(len(chunks))
+class _Phase(enum.Enum):
+    IDLE = "idle"
+    FORWARD = "forward"
+    BACKWARD = "backward"  # between a forward that needs a backward and finish_gradient_synchronization
+
+
+def _tensors(value: Any) -> Iterable[Tensor]:
+    """The tensors in a module's output (nested tuples, lists and dicts)."""
+    if isinstance(value, Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _tensors(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
 
 
 class FSDP(nn.Module):
     """Fully sharded data parallel wrapper around ``module`` (see the module docstring).
 
-    ``compute_dtype`` (e.g. ``torch.bfloat16``): the sharded weights are cast to it before they are
-    gathered and the unit runs on the cast weight; the shards (master weights), the optimizer update and
-    the shards' gradients stay fp32. Replicated parameters are not cast.
+    ``compute_dtype`` (e.g. ``torch.bfloat16``): every unit's parameters are cast to it before they are
+    gathered, and the module computes with them; the shards (master weights), the optimizer update and the
+    shards' gradients stay fp32. Without it everything is fp32.
+
+    ``units``: submodules (or tuples of submodules) that each form one unit; default :func:`default_units`.
 
     At construction every rank takes rank 0's parameters and buffers, then keeps its shards only.
 
-    ``annotate = True`` records profiler ranges named after each weight: ``fsdp.all_gather <name>`` around a
-    gather's launch, ``fsdp.use <name>`` when its weight becomes available to compute (forward and backward),
-    ``fsdp.reduce_scatter <name>`` around a reduction's launch (``cs336_systems.bench.common.timeline`` reads them).
+    ``annotate = True`` records profiler ranges named after each unit: ``fsdp.all_gather <unit>`` around a
+    gather's launch, ``fsdp.use <unit>`` where its gathered weights become available to compute (forward and
+    backward), ``fsdp.reduce_scatter <unit>`` around a reduction's launch.
     """
 
-    def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None):
+    def __init__(
+        self, module: nn.Module, compute_dtype: torch.dtype | None = None, units: Sequence[UnitSpec] | None = None
+    ):
         super().__init__()
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("FSDP needs an initialised default process group")
         if compute_dtype is not None and not compute_dtype.is_floating_point:
             raise ValueError(f"compute_dtype must be a floating-point dtype, got {compute_dtype}")
+        params = list(module.parameters())
+        if not params:
+            raise ValueError("the module has no parameters to shard")
+        self.device = params[0].device
+        if any(p.device != self.device for p in params) or any(not p.is_floating_point() for p in params):
+            raise ValueError("FSDP needs floating-point parameters, all on one device")
         self.module = module
         self.compute_dtype = compute_dtype
-        self.world_size = dist.get_world_size()
-        self.rank = dist.get_rank()
+        self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
+        self.annotate = False
         broadcast_module_state(module, src=0)
 
-        self.sharded_weights: list[ShardedWeight] = []
-        self._weight_of: dict[nn.Module, ShardedWeight] = {}
-        self._order: list[nn.Module] = []  # units in the order the last forward called them
-        for unit_name, unit in module.named_modules():
-            if isinstance(unit, SHARDED_TYPES):
-                self._shard_unit(unit_name, unit)
-                self._order.append(unit)  # first guess: registration order; the first forward corrects it
-                unit.register_forward_pre_hook(self._before_unit)
-                unit.register_forward_hook(self._after_unit)
-        sharded = {id(w.param) for w in self.sharded_weights}
-        self.replicated_params = [p for p in module.parameters() if id(p) not in sharded]
-        for param in self.replicated_params:
-            if param.requires_grad:
-                param.register_post_accumulate_grad_hook(self._on_replicated_gradient)
+        specs = self._check_units(module, default_units(module) if units is None else units)
+        self._param_names = [name for name, _ in module.named_parameters()]
+        self.units: list[Unit] = []  # the root unit, if any, is last
+        self.root: Unit | None = None
+        self._unit_of: dict[nn.Module, Unit] = {}
+        self.shards = nn.ParameterDict()
+        self.frozen_shards = nn.ParameterDict()
+        self._build_units(module, specs)
 
-        self._in_forward = False
-        self._calls: list[_UnitCall] = []  # this forward's unit calls, in order
-        self._prefetched: dict[nn.Module, _Gather] = {}
-        self._live: dict[int, _UnitCall] = {}  # storage pointer of a gathered weight in use -> its call
-        self._last_saved: _UnitCall | None = None
+        # GPU under NCCL: side streams, and a second communicator so that reductions overlap gathers.
+        self._streams = self.device.type == "cuda" and dist.get_backend() == "nccl"
+        self._gather_group = None  # the default group
+        self._reduce_group = dist.new_group() if self._streams else None
+        if self._streams:
+            self._gather_stream = torch.cuda.Stream(self.device)
+            self._reduce_stream = torch.cuda.Stream(self.device)
+
+        self._phase = _Phase.IDLE
+        self._generation = 0
+        self._calls: list[_Call] = []  # this forward's unit calls, in order
+        self._order: list[Unit] = [u for u in self.units if u is not self.root]  # last forward's calls
+        self._root_call: _Call | None = None
+        self._live: dict[int, _Call] = {}  # storage pointer of a gathered buffer in use in forward -> its call
+        self._pack_count = 0
+        self._backward_started = False
         self._reductions: list[_Reduction] = []
-        self._replicated_reductions: list[_ReplicatedReduction] = []
-        self.annotate = False
-
-    def _range(self, prefix: str, weight: ShardedWeight) -> contextlib.AbstractContextManager:
-        return record_function(prefix + weight.name) if self.annotate else contextlib.nullcontext()
 
     # ------------------------------------------------------------------------------------------------
-    # Sharding
+    # Construction
     # ------------------------------------------------------------------------------------------------
 
-    def _shard_unit(self, unit_name: str, unit: nn.Module) -> None:
-        param = getattr(unit, WEIGHT)
-        for existing in self.sharded_weights:  # a weight shared by several units is sharded once
-            if existing.param is param:
-                self._weight_of[unit] = existing
-                return
-        full = param.detach()
-        shard_rows = math.ceil(full.shape[0] / self.world_size)
-        shard = torch.zeros((shard_rows, *full.shape[1:]), dtype=torch.float32, device=full.device)
-        start, stop = self.rank * shard_rows, min((self.rank + 1) * shard_rows, full.shape[0])
-        if stop > start:
-            shard[: stop - start].copy_(full[start:stop])
-        weight = ShardedWeight(
-            name=f"{unit_name}.{WEIGHT}" if unit_name else WEIGHT,
-            param=nn.Parameter(shard, requires_grad=param.requires_grad),
-            full_shape=full.shape,
-            world_size=self.world_size,
+    @staticmethod
+    def _check_units(module: nn.Module, units: Sequence[UnitSpec]) -> list[tuple[str, tuple[nn.Module, ...]]]:
+        """``(name, modules)`` per unit; submodules of ``module`` only, none in two units, none nested."""
+        names = {id(m): name for name, m in module.named_modules()}
+        specs, owner = [], {}  # owner: id of a unit's module -> the unit's index
+        for index, spec in enumerate(units):
+            members = (spec,) if isinstance(spec, nn.Module) else tuple(spec) if isinstance(spec, Sequence) else ()
+            if not members or not all(isinstance(m, nn.Module) for m in members):
+                raise ValueError(f"unit {index} must be a module or a non-empty sequence of modules, got {spec!r}")
+            for member in members:
+                if member is module:
+                    raise ValueError("the wrapped module itself cannot be a unit (its own parameters form the root unit)")
+                if id(member) not in names:
+                    raise ValueError(f"unit {index}: {type(member).__name__} is not a submodule of the wrapped module")
+                if owner.setdefault(id(member), index) != index:
+                    raise ValueError(f"{names[id(member)]} is in units {owner[id(member)]} and {index}")
+            specs.append(("+".join(names[id(m)] for m in members), members))
+        # Submodules may be shared (the blocks' rotary embedding); a unit's module inside another's may not.
+        for index, (_, members) in enumerate(specs):
+            for member in members:
+                for sub in member.modules():
+                    if sub is not member and owner.get(id(sub), index) != index:
+                        raise ValueError(f"unit {owner[id(sub)]} ({names[id(sub)]}) is nested inside unit {index}")
+        return specs
+
+    def _build_units(self, module: nn.Module, specs: list[tuple[str, tuple[nn.Module, ...]]]) -> None:
+        slots: dict[int, list[tuple[nn.Module, str]]] = {}  # id(param) -> every (module, attribute) holding it
+        claims: dict[int, set[int]] = {}  # id(param) -> units whose modules hold it (-1: outside every unit)
+        units_of_module: dict[int, set[int]] = {}  # a submodule shared by units is in several
+        for i, (_, members) in enumerate(specs):
+            for member in members:
+                for sub in member.modules():
+                    units_of_module.setdefault(id(sub), set()).add(i)
+        for sub in module.modules():
+            for attribute, param in sub._parameters.items():
+                if param is not None:
+                    slots.setdefault(id(param), []).append((sub, attribute))
+                    claims.setdefault(id(param), set()).update(units_of_module.get(id(sub), {-1}))
+        members: list[list[tuple[str, nn.Parameter]]] = [[] for _ in range(len(specs) + 1)]  # the root last
+        for name, param in module.named_parameters():
+            owners = claims[id(param)]
+            members[next(iter(owners)) if len(owners) == 1 and -1 not in owners else len(specs)].append((name, param))
+        for i, named in enumerate(members):
+            if not named:
+                continue  # a unit whose parameters all went to the root, or an empty root
+            is_root = i == len(specs)
+            name, modules = (ROOT_KEY, ()) if is_root else specs[i]
+            unit = self._make_unit(name, modules, named, slots)
+            self.units.append(unit)
+            key = name.replace(".", "/")
+            if unit.param is not None:
+                self.shards[key] = unit.param
+            if unit.frozen is not None:
+                self.frozen_shards[key] = unit.frozen
+            if is_root:
+                self.root = unit
+            for m in modules:
+                self._unit_of[m] = unit
+                m.register_forward_pre_hook(self._pre_forward)
+                m.register_forward_hook(self._post_forward)
+
+    @torch.no_grad()
+    def _make_unit(self, name: str, modules: tuple[nn.Module, ...], named: list[tuple[str, nn.Parameter]],
+                   slots: dict[int, list[tuple[nn.Module, str]]]) -> Unit:
+        ordered = [(n, p) for n, p in named if p.requires_grad] + [(n, p) for n, p in named if not p.requires_grad]
+        flat_params, offset = [], 0
+        for param_name, param in ordered:
+            flat_params.append(FlatParam(param_name, slots[id(param)], param.shape, offset, param.requires_grad))
+            offset += param.numel()
+        numel, world, rank = offset, self.world_size, self.rank
+        trainable = sum(p.numel for p in flat_params if p.requires_grad)
+        shard_numel = math.ceil(numel / world)
+        flat = torch.zeros(world * shard_numel, dtype=torch.float32, device=self.device)
+        for flat_param, (_, param) in zip(flat_params, ordered):
+            flat[flat_param.offset : flat_param.stop].copy_(param.reshape(-1))
+        shard = flat[rank * shard_numel : (rank + 1) * shard_numel].clone()
+        trainable_here = min(max(trainable - rank * shard_numel, 0), shard_numel)
+        params_here = min(max(numel - rank * shard_numel, 0), shard_numel)
+        full = torch.empty(world * shard_numel, dtype=self.compute_dtype or torch.float32, device=self.device)
+        full.untyped_storage().resize_(0)
+        for flat_param in flat_params:  # the modules lose their parameters; views are installed while they run
+            for sub, attribute in flat_param.slots:
+                del sub._parameters[attribute]
+        return Unit(
+            name=name,
+            modules=modules,
+            params=flat_params,
+            trainable_numel=trainable,
+            numel=numel,
+            shard=shard,
+            param=nn.Parameter(shard[:trainable_here]) if trainable else None,
+            frozen=nn.Parameter(shard[trainable_here:params_here], requires_grad=False) if numel > trainable else None,
+            full=full,
         )
-        # Every unit holding the full parameter (a tied weight) gets the shard.
-        for other in self.module.modules():
-            if isinstance(other, SHARDED_TYPES) and getattr(other, WEIGHT) is param:
-                setattr(other, WEIGHT, weight.param)
-                self._weight_of[other] = weight
-        self.sharded_weights.append(weight)
 
-    def _start_gather(self, weight: ShardedWeight) -> _Gather:
-        source = weight.param.detach()
-        if self.compute_dtype is not None:
-            source = source.to(self.compute_dtype)
-        buffer = torch.empty(weight.padded_shape, dtype=source.dtype, device=source.device)
-        with self._range(GATHER_RANGE, weight):
-            work = dist.all_gather_into_tensor(buffer, source, async_op=True)
-        return _Gather(buffer=buffer, source=source, work=work)
+    def _range(self, prefix: str, unit: Unit) -> contextlib.AbstractContextManager:
+        return record_function(prefix + unit.name) if self.annotate else contextlib.nullcontext()
+
+    # ------------------------------------------------------------------------------------------------
+    # Gathering and freeing
+    # ------------------------------------------------------------------------------------------------
+
+    def _issue_gather(self, unit: Unit) -> None:
+        """Start gathering ``unit``'s flat buffer unless it is gathered or on its way."""
+        if unit.allocated:
+            return
+        storage_bytes = unit.full.numel() * unit.full.element_size()
+        with self._range(GATHER_RANGE, unit):
+            if self._streams:
+                self._gather_stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(self._gather_stream):
+                    source = unit.shard if self.compute_dtype is None else unit.shard.to(self.compute_dtype)
+                    unit.full.untyped_storage().resize_(storage_bytes)  # allocated on the gather stream
+                    # .data: an alias with a version counter of its own, so that refilling a buffer whose
+                    # views autograd saved is not taken for an in-place change of those views.
+                    dist.all_gather_into_tensor(unit.full.data, source, group=self._gather_group)
+                    unit.gather = _Gather(event=self._gather_stream.record_event())
+            else:
+                source = unit.shard if self.compute_dtype is None else unit.shard.to(self.compute_dtype)
+                unit.full.untyped_storage().resize_(storage_bytes)
+                output = unit.full.data
+                work = dist.all_gather_into_tensor(output, source, group=self._gather_group, async_op=True)
+                unit.gather = _Gather(work=work, tensors=(source, output))
+
+    def _wait_gather(self, unit: Unit) -> None:
+        """Make ``unit``'s gathered buffer usable by what runs next on this (compute) stream."""
+        gather, unit.gather = unit.gather, None
+        if gather is not None:
+            with self._range(USE_RANGE, unit):
+                if gather.event is not None:
+                    torch.cuda.current_stream(self.device).wait_event(gather.event)
+                else:
+                    gather.work.wait()
+        unit.ready = unit.allocated
+
+    def _free(self, unit: Unit) -> None:
+        if unit.gather is not None and unit.gather.work is not None:
+            unit.gather.work.wait()  # gloo writes into the buffer from its own thread
+        unit.gather, unit.ready = None, False
+        unit.full.untyped_storage().resize_(0)
+
+    def _install(self, unit: Unit, call: _Call | None) -> None:
+        """Point the modules' attributes at views of the gathered buffer (through autograd)."""
+        views = _GatheredParams.apply(unit.param, self, unit, call)
+        for flat_param, view in zip(unit.params, views):
+            for sub, attribute in flat_param.slots:
+                sub.__dict__[attribute] = view
+        if call is not None and any(v.requires_grad for v in views):
+            unit.pending_backward += 1
+
+    @staticmethod
+    def _uninstall(unit: Unit) -> None:
+        for flat_param in unit.params:
+            for sub, attribute in flat_param.slots:
+                sub.__dict__.pop(attribute, None)
 
     # ------------------------------------------------------------------------------------------------
     # Forward
     # ------------------------------------------------------------------------------------------------
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        if self._reductions or self._replicated_reductions:
-            raise RuntimeError("call finish_gradient_synchronization() after backward, before the next forward")
-        self._in_forward, self._calls, self._last_saved = True, [], None
-        for position in range(PREFETCH_DISTANCE):
-            self._prefetch(position)
+        self._begin_forward()
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack):
                 output = self.module(*inputs, **kwargs)
-        finally:
-            self._end_forward()
-        if isinstance(output, Tensor) and output.requires_grad and self._last_saved is not None:
-            last = self._last_saved
-            output.register_hook(lambda grad: self._prefetch_for_backward(last))
+        except BaseException:
+            self._reset()
+            raise
+        self._end_forward()
         return output
 
+    def _begin_forward(self) -> None:
+        if self._phase is _Phase.BACKWARD:
+            if self._backward_started or self._reductions:
+                raise RuntimeError("call finish_gradient_synchronization() after backward, before the next forward")
+            self._reset()  # the last forward's graph was dropped without a backward (evaluation with grad on)
+        self._generation += 1
+        self._calls = []
+        self._phase = _Phase.FORWARD
+        root = self.root
+        if root is not None:
+            self._issue_gather(root)
+        if self._order:
+            self._issue_gather(self._order[0])
+        if root is not None:
+            self._wait_gather(root)
+            self._root_call = _Call(root, -1, self._generation, torch.is_grad_enabled())
+            self._install(root, self._root_call)
+
     def _end_forward(self) -> None:
-        self._in_forward = False
-        for unit in self._weight_of:  # only after an error inside a unit: the full weight is still installed
-            unit.__dict__.pop(WEIGHT, None)
-        self._live.clear()
+        for unit in self.units:
+            if unit.is_open and unit is not self.root:  # a unit of several modules not all called
+                self._close(unit)
         if self._calls:
             self._order = [call.unit for call in self._calls]
-        for gather in self._prefetched.values():  # gathered for a call that did not happen this time
-            gather.wait()
-        self._prefetched.clear()
+        self._phase = _Phase.BACKWARD if any(u.pending_backward for u in self.units) else _Phase.IDLE
+        last = self._calls[-1] if self._calls else None
+        for unit in self.units:
+            if unit is self.root or not unit.allocated:
+                continue
+            keep = (self._phase is _Phase.BACKWARD and last is not None and last.unit is unit and last.needs_gather)
+            if not keep:  # a prefetch the forward did not use, or a unit kept for a backward that will not come
+                self._free(unit)
+        if self._phase is _Phase.IDLE:
+            self._reset()
 
-    def _prefetch(self, position: int) -> None:
-        if position < len(self._order):
-            unit = self._order[position]
-            if unit not in self._prefetched:
-                self._prefetched[unit] = self._start_gather(self._weight_of[unit])
+    def _predicted(self, position: int) -> Unit | None:
+        return self._order[position] if 0 <= position < len(self._order) else None
 
-    def _before_unit(self, unit: nn.Module, args: tuple) -> None:
-        if not self._in_forward:
+    def _pre_forward(self, module: nn.Module, args: tuple) -> None:
+        if self._phase is _Phase.IDLE:
             raise RuntimeError("a sharded unit was called outside FSDP.forward: call the FSDP wrapper, not its module")
-        weight = self._weight_of[unit]
-        call = _UnitCall(unit=unit, weight=weight)
-        self._calls.append(call)
-        gather = self._prefetched.pop(unit, None) or self._start_gather(weight)
-        gather.wait()
-        with self._range(USE_RANGE, weight):
-            full = _GatheredWeight.apply(weight.param, gather, call, self)
-        if full.requires_grad:
-            weight.uses_in_flight += 1
-        self._live[full.untyped_storage().data_ptr()] = call
-        # An instance attribute shadows the registered (shard) parameter, so the unit's own forward code
-        # reads the full weight; named_parameters() and the optimizer still see the shard.
-        unit.__dict__[WEIGHT] = full
+        unit = self._unit_of[module]
+        if not unit.is_open:
+            self._open(unit)
+        unit.depth += 1
 
-    def _after_unit(self, unit: nn.Module, args: tuple, output: Any) -> None:
-        full = unit.__dict__.pop(WEIGHT)
-        self._live.pop(full.untyped_storage().data_ptr(), None)
-        self._prefetch(len(self._calls) - 1 + PREFETCH_DISTANCE)
+    def _open(self, unit: Unit) -> None:
+        if self._phase is _Phase.FORWARD:
+            call = _Call(unit, len(self._calls), self._generation, torch.is_grad_enabled(), self._pack_count)
+            self._calls.append(call)
+            self._issue_gather(unit)
+            following = self._predicted(call.position + 1)  # prefetched before this unit computes
+        else:  # recomputation of a checkpointed region, during backward
+            call = None
+            self._issue_gather(unit)
+            following = self._predicted(self._order.index(unit) + 1) if unit in self._order else None
+            if following is not None and following.pending_backward == 0:
+                following = None  # its backward is over: it is not part of this recomputation
+        if following is not None and following is not unit:
+            self._issue_gather(following)
+        self._wait_gather(unit)
+        self._install(unit, call)
+        unit.is_open, unit.open_call = True, call
+        if call is not None:
+            self._live[unit.full.untyped_storage().data_ptr()] = call
 
-    def _pack(self, tensor: Tensor) -> Any:
-        if not self._live:
-            return tensor
-        call = self._live.get(tensor.untyped_storage().data_ptr())
+    def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> None:
+        unit = self._unit_of[module]
+        unit.depth -= 1
+        call = unit.open_call
+        if call is not None and call.grad_enabled:
+            tensors = [t for t in _tensors(output) if t.requires_grad]
+            if len(tensors) == 1:
+                tensors[0].register_hook(lambda grad, call=call: self._before_backward(call))
+            elif tensors:
+                torch.autograd.graph.register_multi_grad_hook(
+                    tensors, lambda grads, call=call: self._before_backward(call), mode="any"
+                )
+        unit.modules_done.add(id(module))
+        if unit.depth == 0 and len(unit.modules_done) == len(unit.modules):
+            self._close(unit)
+
+    def _close(self, unit: Unit) -> None:
+        self._uninstall(unit)
+        call, unit.open_call = unit.open_call, None
+        unit.is_open, unit.depth = False, 0
+        unit.modules_done.clear()
         if call is None:
-            return tensor
-        if call.saved == 0:
-            call.previous, self._last_saved = self._last_saved, call
-        call.saved += 1
-        return _Placeholder(call, tensor.size(), tensor.stride(), tensor.storage_offset())
+            return  # recomputed: the buffer stays until the unit's gradients are reduced
+        self._live.pop(unit.full.untyped_storage().data_ptr(), None)
+        # Nothing packed by our hook during a forward with grad: a checkpoint's hooks took the saved tensors,
+        # so the unit will be recomputed in backward and needs its weights there.
+        call.needs_gather = call.saved or (call.grad_enabled and self._pack_count == call.packs_at_open)
+        last = call.position == len(self._order) - 1
+        if not (last and call.needs_gather and unit.pending_backward):
+            self._free(unit)
+
+    def _pack(self, tensor: Tensor) -> Tensor:
+        self._pack_count += 1
+        if self._live:
+            call = self._live.get(tensor.untyped_storage().data_ptr())
+            if call is not None:
+                call.saved = True
+        return tensor
 
     # ------------------------------------------------------------------------------------------------
     # Backward
     # ------------------------------------------------------------------------------------------------
 
-    def _prefetch_for_backward(self, call: _UnitCall | None) -> None:
-        if call is not None and call.backward_gather is None and call.backward_buffer is None:
-            call.backward_gather = self._start_gather(call.weight)
+    def _before_backward(self, call: _Call) -> None:
+        """The gradient of a unit call's output exists: its backward is next. Gather it, prefetch the one before."""
+        if call.backward_seen or call.generation != self._generation or self._phase is not _Phase.BACKWARD:
+            return
+        call.backward_seen = True
+        self._backward_started = True
+        if call.needs_gather:
+            self._issue_gather(call.unit)
+            self._wait_gather(call.unit)
+        for previous in reversed(self._calls[: call.position]):
+            if previous.needs_gather:
+                self._issue_gather(previous.unit)
+                break
 
-    def _unpack(self, saved: Any) -> Tensor:
-        if not isinstance(saved, _Placeholder):
-            return saved
-        call = saved.call
-        if call.backward_buffer is None:
-            self._prefetch_for_backward(call)
-            self._prefetch_for_backward(call.previous)  # the next unit backward will need
-            gather, call.backward_gather = call.backward_gather, None
-            call.backward_buffer = gather.wait()
-            with self._range(USE_RANGE, call.weight):
-                pass
-        buffer = call.backward_buffer
-        call.unpacked += 1
-        if call.unpacked % call.saved == 0:  # autograd now holds the views it needs
-            call.backward_buffer = None
-        return buffer.as_strided(saved.size, saved.stride, saved.offset)
-
-    def _on_full_gradient(self, weight: ShardedWeight, grad: Tensor) -> None:
-        """Sum the gradient of one use of ``weight``; after its last use, launch the reduce-scatter."""
-        weight.uses_in_flight -= 1
-        last_use = weight.uses_in_flight == 0
-        if weight.grad_sum is None:
-            if last_use and grad.dtype == torch.float32 and grad.shape == weight.padded_shape and grad.is_contiguous():
-                weight.grad_sum = grad  # the common case: sent as it is, no copy
-            else:
-                weight.grad_sum = grad.new_zeros(weight.padded_shape, dtype=torch.float32)
-                weight.grad_sum[: weight.rows].copy_(grad)
+    def _on_unit_gradients(self, unit: Unit, call: _Call | None, grads: tuple[Tensor | None, ...]) -> None:
+        """The gradients of one call's weights: sum them; after the unit's last call, reduce and free."""
+        if call is None:
+            raise RuntimeError("FSDP supports activation checkpointing with use_reentrant=False only")
+        if call.generation != self._generation:
+            raise RuntimeError("backward through the graph of an earlier FSDP forward: backward before the next forward")
+        if unit.pending_backward <= 0:
+            raise RuntimeError("a second backward through the same FSDP forward is not supported")
+        self._backward_started = True
+        if unit.grad_flat is None:
+            flat = unit.grad_flat = torch.empty(unit.full.numel(), dtype=torch.float32, device=self.device)
+            flat[unit.trainable_numel :].zero_()  # frozen parameters and padding
+            for flat_param, grad in zip(unit.params, grads):
+                if flat_param.requires_grad:
+                    segment = flat[flat_param.offset : flat_param.stop]
+                    segment.zero_() if grad is None else segment.view(flat_param.shape).copy_(grad)  # cast to fp32
         else:
-            weight.grad_sum[: weight.rows].add_(grad)
-        if last_use:
-            self._launch_reduction(weight)
+            for flat_param, grad in zip(unit.params, grads):
+                if flat_param.requires_grad and grad is not None:
+                    unit.grad_flat[flat_param.offset : flat_param.stop].view(flat_param.shape).add_(grad)
+        unit.pending_backward -= 1
+        if unit.pending_backward == 0:
+            self._launch_reduction(unit)
+            if not unit.keeps_gathered:
+                self._free(unit)
 
-    def _launch_reduction(self, weight: ShardedWeight) -> None:
-        sent, weight.grad_sum = weight.grad_sum, None
-        received = torch.empty_like(sent)
-        with self._range(REDUCE_RANGE, weight):
-            work = dist.all_to_all_single(received, sent, async_op=True)
-        self._reductions.append(_Reduction(weight=weight, sent=sent, received=received, work=work))
-        self._complete_reductions(keep=REDUCTIONS_IN_FLIGHT)
+    def _launch_reduction(self, unit: Unit) -> None:
+        flat, unit.grad_flat = unit.grad_flat, None
+        with self._range(REDUCE_RANGE, unit):
+            if self._streams:
+                self._reduce_stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(self._reduce_stream):
+                    output = torch.empty(unit.shard_numel, dtype=torch.float32, device=self.device)
+                    reduce_scatter_mean(output, flat, group=self._reduce_group)
+                    self._accumulate_grad(unit, output)
+                    event = self._reduce_stream.record_event()
+                self._reductions.append(_Reduction(unit, flat, output, event=event))
+            else:
+                output = torch.empty(unit.shard_numel, dtype=torch.float32, device=self.device)
+                handle = reduce_scatter_mean(output, flat, group=self._reduce_group, async_op=True)
+                self._reductions.append(_Reduction(unit, flat, output, handle=handle))
+        self._retire_reductions(keep=REDUCTIONS_IN_FLIGHT)
 
-    def _complete_reductions(self, keep: int) -> None:
-        """Complete the oldest reductions until at most ``keep`` are in flight (frees their buffers)."""
+    def _retire_reductions(self, keep: int) -> None:
+        """Complete the oldest reductions until at most ``keep`` are in flight (frees their inputs)."""
         while len(self._reductions) > keep:
             reduction = self._reductions.pop(0)
-            reduction.work.wait()
-            weight = reduction.weight
-            chunks = reduction.received.view(self.world_size, weight.shard_rows, *weight.full_shape[1:])
-            grad = _ordered_mean(chunks)
-            if weight.param.grad is None:
-                weight.param.grad = grad
+            if reduction.event is not None:
+                torch.cuda.current_stream(self.device).wait_event(reduction.event)
             else:
-                weight.param.grad.add_(grad)
+                reduction.handle.wait()
+                self._accumulate_grad(reduction.unit, reduction.output)
 
-    def _on_replicated_gradient(self, param: nn.Parameter) -> None:
-        grad = param.grad.contiguous().view(-1)
-        gathered = grad.new_empty(self.world_size * grad.numel())  # gloo wants the ranks' tensors concatenated on dim 0
-        work = dist.all_gather_into_tensor(gathered, grad, async_op=True)
-        self._replicated_reductions.append(_ReplicatedReduction(param=param, gathered=gathered, work=work))
+    @staticmethod
+    def _accumulate_grad(unit: Unit, reduced: Float[Tensor, " S"]) -> None:
+        grad = reduced[: unit.param.numel()]
+        if unit.param.grad is None:
+            unit.param.grad = grad
+        else:
+            unit.param.grad.add_(grad)
 
     def finish_gradient_synchronization(self) -> None:
-        """Wait for every reduction in flight; afterwards each parameter holds its averaged fp32 gradient."""
-        for weight in self.sharded_weights:  # a use whose gradient never arrived (its output was unused)
-            if weight.grad_sum is not None:
-                weight.uses_in_flight = 0
-                self._launch_reduction(weight)
-            weight.uses_in_flight = 0
-        self._complete_reductions(keep=0)
-        for reduction in self._replicated_reductions:
-            reduction.work.wait()
-            chunks = reduction.gathered.view(self.world_size, *reduction.param.shape)
-            reduction.param.grad.copy_(_ordered_mean(chunks))
-        self._replicated_reductions.clear()
-        self._last_saved = None
+        """Wait for every reduction in flight; afterwards each shard's ``.grad`` is fp32, averaged over ranks."""
+        for unit in self.units:  # a call whose output was not used: reduce what arrived
+            if unit.pending_backward and unit.grad_flat is not None:
+                unit.pending_backward = 0
+                self._launch_reduction(unit)
+        self._retire_reductions(keep=0)
+        self._reset()
+
+    def _reset(self) -> None:
+        """Back to idle: views removed, buffers freed, nothing in flight."""
+        self._retire_reductions(keep=0)
+        for unit in self.units:
+            self._uninstall(unit)
+            self._free(unit)
+            unit.is_open, unit.open_call, unit.depth = False, None, 0
+            unit.modules_done.clear()
+            unit.pending_backward, unit.grad_flat = 0, None
+        self._live.clear()
+        self._root_call = None
+        self._phase, self._backward_started = _Phase.IDLE, False
 
     # ------------------------------------------------------------------------------------------------
     # Full parameters
@@ -417,30 +755,40 @@ class FSDP(nn.Module):
 
     @torch.no_grad()
     def gather_full_params(self) -> dict[str, Tensor]:
-        """Every parameter of the wrapped module by its name there, unsharded and unpadded, in fp32 for the
-        sharded ones (a collective: every rank must call it)."""
-        return self._gather_full(lambda param: param)
+        """Every parameter of the wrapped module by its original name, full and fp32 (fresh tensors; a
+        collective: every rank must call it)."""
+        return self._gather_full(lambda unit: unit.shard)
 
     @torch.no_grad()
     def gather_full_grads(self) -> dict[str, Tensor | None]:
-        """Every parameter's gradient, unsharded like :meth:`gather_full_params` (None where there is none;
-        a collective: every rank must call it after :meth:`finish_gradient_synchronization`)."""
-        return self._gather_full(lambda param: param.grad)
+        """Every parameter's gradient, full like :meth:`gather_full_params` (None for frozen parameters and
+        where no gradient exists; a collective, after :meth:`finish_gradient_synchronization`)."""
+        def local_grad(unit: Unit) -> Tensor | None:
+            if unit.param is None or unit.param.grad is None:
+                return None
+            padded = torch.zeros(unit.shard_numel, dtype=torch.float32, device=self.device)
+            padded[: unit.param.numel()] = unit.param.grad
+            return padded
 
-    def _gather_full(self, tensor_of) -> dict[str, Tensor | None]:
-        sharded = {id(weight.param): weight for weight in self.sharded_weights}
-        full = {}
-        for name, param in self.module.named_parameters():
-            tensor, weight = tensor_of(param), sharded.get(id(param))
-            if tensor is None or weight is None:
-                full[name] = None if tensor is None else tensor.detach().clone()
+        return self._gather_full(local_grad)
+
+    def _gather_full(self, local: Callable[[Unit], Tensor | None]) -> dict[str, Tensor | None]:
+        full: dict[str, Tensor | None] = {}
+        for unit in self.units:
+            shard = local(unit)
+            if shard is None:
+                full.update((p.name, None) for p in unit.params)
                 continue
-            buffer = torch.empty(weight.padded_shape, dtype=tensor.dtype, device=tensor.device)
-            dist.all_gather_into_tensor(buffer, tensor.detach().contiguous())
-            full[name] = buffer if weight.rows == buffer.shape[0] else buffer[: weight.rows].clone()
-        return full
+            buffer = torch.empty(unit.full.numel(), dtype=shard.dtype, device=self.device)
+            dist.all_gather_into_tensor(buffer, shard.contiguous())
+            for p in unit.params:
+                full[p.name] = buffer[p.offset : p.stop].view(p.shape) if shard is unit.shard or p.requires_grad else None
+        return {name: full[name] for name in self._param_names}
 
-    def sharded_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        """``(name, shard)`` of every sharded weight."""
-        for weight in self.sharded_weights:
-            yield weight.name, weight.param
+    def gathered_units(self) -> list[str]:
+        """Names of the units whose flat buffer is gathered (or on its way) now: for tests and debugging."""
+        return [unit.name for unit in self.units if unit.allocated]
+
+
+def _unpack(tensor: Tensor) -> Tensor:
+    return tensor

@@ -468,7 +468,7 @@ def render_gathers(analysis: dict[str, Any], path: Path | str, title: str, zoom_
     legend = [Patch(color=colors["compute"], label="compute kernel"),
               Patch(color=colors["hidden"], label="all-gather done in time"),
               Patch(color=colors["exposed"], label="all-gather the layer waited for"),
-              Patch(color=colors["reduce"], label="reduce-scatter (all-to-all)"),
+              Patch(color=colors["reduce"], label="reduce-scatter"),
               Patch(color=colors["other"], label="other communication")]
     axes[0].legend(handles=legend, loc="upper right", fontsize=7, ncol=5, bbox_to_anchor=(1.0, -0.18))
     fig.tight_layout()
