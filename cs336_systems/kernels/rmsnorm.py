@@ -297,18 +297,18 @@ def fixed_config(kernel: str, n_cols: int, element_size: int) -> triton.Config:
 
 
 def _launch(kernel: str, grid, args: tuple, meta: dict, n_cols: int, element_size: int, autotune: bool = True) -> None:
-    """Run ``kernel`` ("fwd" or "bwd"), autotuned or with :func:`fixed_config`. ``grid(block_m)``."""
-    # wrap_triton: while an operator is traced, the launch joins the graph and Inductor emits it directly (no
-    # Python launch code per call); run eagerly, it launches the kernel as usual.
-    wrap_triton = _wrap_triton if not RUNNING_IN_INTERPRETER else (lambda kernel: kernel)
+    """Run ``kernel`` ("fwd" or "bwd"), autotuned (eager calls) or with :func:`fixed_config` (``autotune=False``:
+    the operators, whose launches go through ``wrap_triton`` so that a traced graph holds them and Inductor emits
+    them directly). ``grid(block_m)``."""
     if autotune and AUTOTUNE and not RUNNING_IN_INTERPRETER:
-        wrap_triton(_autotuned[kernel])[lambda META: grid(META["BLOCK_M"])](*args, **meta)
-    else:
-        config = fixed_config(kernel, n_cols, element_size)
-        # Only the tiles, warps and stages: torch.compile refuses num_ctas passed as a launch argument.
-        wrap_triton(_plain[kernel])[grid(config.kwargs["BLOCK_M"])](
-            *args, **meta, **config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages
-        )
+        _autotuned[kernel][lambda META: grid(META["BLOCK_M"])](*args, **meta)
+        return
+    config = fixed_config(kernel, n_cols, element_size)
+    launcher = _plain[kernel] if RUNNING_IN_INTERPRETER or autotune else _wrap_triton(_plain[kernel])
+    # Only the tiles, warps and stages: torch.compile refuses num_ctas passed as a launch argument.
+    launcher[grid(config.kwargs["BLOCK_M"])](
+        *args, **meta, **config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages
+    )
 
 
 @functools.cache
