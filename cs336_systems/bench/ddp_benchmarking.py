@@ -35,6 +35,8 @@ Examples::
 
 from __future__ import annotations
 
+import argparse
+
 import os
 import statistics
 import sys
@@ -219,7 +221,14 @@ def _worker(rank: int, world_size: int, args) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    dl.launch_lm_benchmark(PROBLEM, _worker, parser().parse_args(argv), wanted_cases)
+    dl.launch_lm_benchmark(PROBLEM, _worker, parser().parse_args(argv), wanted_cases, isolate=one_variant_each)
+
+
+def one_variant_each(args) -> list:
+    """One launch per (variant, dtype): each on fresh ranks, with the compute-only reference (``local``) of
+    its dtype measured first in the same processes."""
+    return [argparse.Namespace(**{**vars(args), "variants": [variant], "dtypes": [dtype]})
+            for dtype in args.dtypes for variant in args.variants]
 
 if __name__ == "__main__":
     main()

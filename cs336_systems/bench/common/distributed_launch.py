@@ -103,13 +103,20 @@ def mean_over_ranks(per_rank: list[list[float]]) -> list[float]:
 
 
 def launch_lm_benchmark(problem: str, worker: Callable[..., None], args: Any,
-                        wanted_cases: Callable[[Any, int], list[dict[str, Any]]]) -> None:
+                        wanted_cases: Callable[[Any, int], list[dict[str, Any]]],
+                        isolate: Callable[[Any], list[Any]] | None = None) -> None:
     """The entry of a distributed language-model benchmark: choose the world size and backend, fill in the
     model defaults (xl, context 512, 4 sequences per rank under NCCL; the tiny model otherwise), and launch
     ``worker(args)`` on every rank unless every case of ``wanted_cases(args, world_size)`` is measured.
 
     ``args`` needs ``quick``, ``world_size``, ``size``, ``context_length``, ``batch_size``, ``warmup``,
     ``steps``, ``results_dir``, ``force`` and ``timeout_s``.
+
+    ``isolate(args)`` splits the work into parts (copies of ``args`` asking for one variant each) that are
+    launched one after another, each on freshly spawned ranks, so that no variant measures memory or time
+    another one left behind (seen: optimizer or DDP variants run after others in one process showed gigabytes
+    of their predecessors' allocations and 1.5x their isolated step times). Under ``torchrun`` the ranks cannot
+    be respawned: every part runs in the same processes, one after another.
     """
     world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.world_size
     backend, reason = choose_backend(world_size)
@@ -123,8 +130,10 @@ def launch_lm_benchmark(problem: str, worker: Callable[..., None], args: Any,
     args.batch_size = args.batch_size or (2 if tiny else 4)
     if args.quick:
         args.warmup, args.steps = 1, 2
-    if not result_store.ResultStore(problem, args.results_dir, args.force).pending(wanted_cases(args, world_size)):
-        if is_rank0_process():
-            print("# everything already measured", file=sys.stderr)
-        return
-    launch(worker, world_size, args, backend=backend, timeout_s=args.timeout_s)
+    parts = isolate(args) if isolate is not None and not under_torchrun() else [args]
+    for part in parts:
+        if not result_store.ResultStore(problem, part.results_dir, part.force).pending(wanted_cases(part, world_size)):
+            if is_rank0_process() and len(parts) == 1:
+                print("# everything already measured", file=sys.stderr)
+            continue
+        launch(worker, world_size, part, backend=backend, timeout_s=part.timeout_s)
