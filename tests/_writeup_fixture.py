@@ -271,6 +271,76 @@ def rmsnorm() -> list[dict]:
     return rows
 
 
+PARTS = {"torch": {"attention": "sdpa", "rmsnorm": "plain", "loss": "plain", "optimizer": "torch_fused",
+                   "compile": "blocks", "checkpointing": 0},
+         "ours": {"attention": "triton", "rmsnorm": "fused", "loss": "fused", "optimizer": "fused",
+                  "compile": "blocks", "checkpointing": 0}}
+
+
+def train_step() -> list[dict]:
+    """Both stacks on two sizes and two shapes; the small model's torch rows from an earlier invocation."""
+    rows = []
+    for size, base in (("small", 20.0), ("xl", 100.0)):
+        for context, batch in ((512, 4), (8192, 1)):
+            scale = 1.0 if context == 512 else 3.0
+            steps = {}
+            for stack, slower in (("torch", 1.0), ("ours", 1.2)):
+                step = base * scale * slower
+                steps[stack] = step
+                config = {"size": size, "context_length": context, "batch_size": batch, "stack": stack,
+                          "overrides": [], "dtype": "bf16", "warmup": 2, "steps": 6}
+                measured = {"oom": False, **timing(step), "step_ms": step, "peak_gb": 5.0 * scale,
+                            "first_step_s": 8.0, "parts": PARTS[stack], "forward_ms": 0.3 * step,
+                            "backward_ms": 0.55 * step, "optimizer_ms": 0.15 * step, "flops": 1e13 * scale,
+                            "peak_tflops": 750.0, "mfu": 1e13 * scale / (step / 1e3) / 750e12}
+                earlier = stack == "torch" and size == "small"
+                run = "20261122T150000Z-torch0" if earlier else "20261122T160000Z-abcdef"
+                if stack == "ours":
+                    measured.update(ours_over_torch=step / steps["torch"],
+                                    torch_run="20261122T150000Z-torch0" if size == "small" else run)
+                r = row("train_step", config, measured, gpu="NVIDIA H200")
+                r["run"] = run
+                rows.append(r)
+    return rows
+
+
+def fused_adamw() -> list[dict]:
+    rows = []
+    params = 1_998_235_200
+    for dtype, times_ms in (("fp32", {"ours": 13.6, "torch_fused": 15.9, "torch_foreach": 43.5, "basics": 40.3}),
+                            ("bf16", {"ours": 12.4, "torch_fused": 10.5, "torch_foreach": 26.2, "basics": 22.4})):
+        for provider, ms in times_ms.items():
+            rows.append(row("fused_adamw", {"size": "xl", "dtype": dtype, "provider": provider},
+                            {"oom": False, "median_ms": ms, "params": params, "tensors": 435,
+                             "gb_per_s": params * 28 / (ms / 1e3) / 1e9, "copy_gb_per_s": 4200.0,
+                             "ours_over_this": times_ms["ours"] / ms}, gpu="NVIDIA H200"))
+    return rows
+
+
+def fused_cross_entropy() -> list[dict]:
+    rows = []
+    for (tokens, vocab, d), measured in (((32768, 151936, 4096), {"ours": (195.0, 6.0), "eager": (220.0, 51.0),
+                                                                    "compiled": (192.0, 12.7)}),
+                                         ((8192, 10000, 1600), {"ours": (2.0, 0.23), "eager": (1.9, 0.88),
+                                                                "compiled": (1.5, 0.25)})):
+        ours_ms, ours_gb = measured["ours"]
+        for provider, (ms, extra) in measured.items():
+            config = {"tokens": tokens, "vocab": vocab, "d": d, "provider": provider, "autocast": "bf16"}
+            rows.append(row("fused_cross_entropy", config,
+                            {"oom": False, "loss": 12.4, "peak_extra_gb": extra, "median_ms": ms,
+                             "ours_over_this": ours_ms / ms, "ours_memory_over_this": ours_gb / extra},
+                            gpus=2, gpu="NVIDIA H200"))
+    return rows
+
+
+def flash_cold_start() -> list[dict]:
+    """The JSON scripts/flash_cold_start.py prints, one line per head dimension: no env, the GPU's name only."""
+    lengths = (1000, 3000, 5000, 7777, 12345, 20000)
+    return [{"d_head": d, "dtype": "bf16", "import_s": 0.3, "first_call_s": first,
+             "unseen_length_call_s": {str(n): 2.5 if n == 12345 else 0.002 for n in lengths}, "gpu": "NVIDIA H200"}
+            for d, first in ((64, 7.3), (128, 6.2))]
+
+
 def flash_errors() -> dict[str, Any]:
     worst = {t: {"relative_error": 1e-6, "case": "1x2x17x4096 d=32 causal=False", "max_ratio_to_torch": 1.2,
                  "max_abs_error": 2e-7} for t in ("O", "L", "dQ", "dK", "dV")}
@@ -305,6 +375,10 @@ def write_fixture(results: Path, figures: Path) -> None:
         "optimizer_state_sharding_accounting": optimizer_state_sharding_accounting(),
         "fsdp_accounting": fsdp_accounting(figures),
         "rmsnorm": rmsnorm(),
+        "train_step": train_step(),
+        "fused_adamw": fused_adamw(),
+        "fused_cross_entropy": fused_cross_entropy(),
+        "flash_cold_start": flash_cold_start(),
     }
     results.mkdir(parents=True, exist_ok=True)
     for problem, rows in files.items():

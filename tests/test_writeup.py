@@ -56,8 +56,21 @@ def test_builds_every_section_from_the_fixture(tmp_path, fixture_results):
     # Every measured section states where and when its rows were measured.
     assert "NVIDIA H100 80GB HBM3" in data["benchmarking_script"]["env"]
     assert "2026-11-22" in data["benchmarking_script"]["env"]
-    for figure in ("warmup_study.png", "pytorch_attention.png", "all_reduce.png", "ddp_bucketed.png"):
+    for figure in ("warmup_study.png", "pytorch_attention.png", "all_reduce.png", "ddp_bucketed.png",
+                   "train_step_ratio.png"):
         assert (tmp_path / "figures" / figure).exists()
+    # The fast training step: ours at 1.2x torch everywhere; the small model's torch rows from an earlier run.
+    step = data["train_step"]["n"]
+    assert step["range"] == "1.20×" and step["slower_everywhere"] and not step["goal_met"]
+    assert step["has_earlier"] and "small: run 20261122T150000Z-torch0" in step["runs"]
+    # AdamW GB/s from the bytes each provider moves: PyTorch's bf16 moments are bf16 (14 bytes), ours fp32 (22).
+    adamw = data["fused_adamw"]["n"]["bf16"]
+    assert (adamw["ours_bytes"], adamw["torch_bytes"]) == ("22", "14")
+    assert adamw["torch_gbps"] == f"{1_998_235_200 * 14 / 10.5e-3 / 1e9:,.0f}"
+    assert data["fused_cross_entropy"]["n"]["big"]["mem_eager"] == f"{6.0 / 51.0:.3f}×"
+    # The cold-start rows name only their GPU; the 12,345-token call is the first of the one-pass backward.
+    assert data["flash_cold_start"]["env"] == "NVIDIA H200"
+    assert data["flash_cold_start"]["n"]["switch"] == "12,345"
 
 
 def test_a_missing_results_file_fails_naming_it(tmp_path, fixture_results, capsys):
@@ -186,6 +199,12 @@ def test_naive_attention_accounting_and_first_failure():
     assert accounting.first_oom_length(16384, 8, 3.0, 80.0) == 32768
     assert accounting.device_memory_gb([{"error": "GPU 0 has a total capacity of 79.18 GiB of which"}]) == \
         pytest.approx(79.18 * 2**30 / 1e9)
+
+
+def test_adamw_bytes_per_parameter():
+    assert accounting.adamw_bytes_per_param(4, 4, 4) == 28
+    assert accounting.adamw_bytes_per_param(2, 2, 4) == 22  # ours on bf16 parameters: float32 moments
+    assert accounting.adamw_bytes_per_param(2, 2, 2) == 14  # PyTorch's: moments in the parameters' dtype
 
 
 def test_checkpointing_peak_model():

@@ -172,3 +172,15 @@ def sharding_traffic(params: int, world: int) -> dict[str, float]:
     share = (world - 1) / world
     all_reduce = 2 * share * s
     return {"all_reduce": all_reduce, "ours": all_reduce + share * s, "zero1": 2 * share * s, "ratio": 1.5}
+
+
+# ---------------------------------------------------------------------------------------------
+# The fast training step (SPEC 9)
+# ---------------------------------------------------------------------------------------------
+
+
+def adamw_bytes_per_param(param: int, grad: int, moment: int) -> int:
+    """Bytes one AdamW step moves per parameter, at best: the parameter read and written, the gradient read, both
+    moments read and written (element sizes in bytes). 28 for float32 throughout; 22 for bf16 parameters and
+    gradients with float32 moments, 14 with bf16 moments."""
+    return 2 * param + grad + 2 * 2 * moment

@@ -121,7 +121,7 @@ def environment_line(rows: list[dict[str, Any]]) -> str | None:
     envs = [row.get("env") or {} for row in rows]
     if not envs:
         return None
-    devices = _unique(env.get("device") or row.get("device") for env, row in zip(envs, rows))
+    devices = _unique(env.get("device") or row.get("device") or row.get("gpu") for env, row in zip(envs, rows))
     parts = [", ".join(devices) or "unknown device"]
     for label, key in (("torch", "torch"), ("Triton", "triton"), ("CUDA", "cuda")):
         versions = _unique(env.get(key) for env in envs)

@@ -3,7 +3,7 @@
 Importing this package imports every section module, which fills :data:`SECTIONS`.
 """
 
-from pipeline.sections import beyond, ddp, flash, sharding, single_gpu  # noqa: F401  (they register sections)
+from pipeline.sections import beyond, ddp, flash, sharding, single_gpu, train_step  # noqa: F401  (they register sections)
 from pipeline.sections.registry import SECTIONS, Output, problem
 
 __all__ = ["SECTIONS", "Output", "problem"]
