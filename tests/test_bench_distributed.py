@@ -340,3 +340,15 @@ def test_overhead_model_fit_and_errors(tmp_path, capsys):
     ddp_overhead_model.main(["--results-dir", str(tmp_path)])
     out = capsys.readouterr().out
     assert "fp32: no bucketed DDP rows" in out and "predicted optimum" in out and "bucketed_100mb" in out
+
+
+def test_ddp_ratio_check_script_runs_on_gloo():
+    """scripts/ddp_ratio_check.py: its own loop over PyTorch's DDP and our bucketed DDP (2 gloo ranks, tiny)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "ddp_ratio_check.py"
+    done = subprocess.run([sys.executable, str(script), "--quick"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "plain loop ratio" in done.stdout and "torch_ddp" in done.stdout
