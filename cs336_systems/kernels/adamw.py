@@ -70,6 +70,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from cs336_basics.optimizer import AdamW
+
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 RUNNING_IN_INTERPRETER: bool = triton.knobs.runtime.interpret
@@ -301,7 +303,7 @@ def fused_adamw_(
 # ---------------------------------------------------------------------------------------------------
 
 
-class FusedAdamW(torch.optim.Optimizer):
+class FusedAdamW(AdamW):
     """``cs336_basics.optimizer.AdamW`` with every step done by :func:`fused_adamw_`: one kernel launch per
     (device, parameter dtype, gradient dtype, step count, hyper-parameters) group, usually one per param group.
 
@@ -312,13 +314,7 @@ class FusedAdamW(torch.optim.Optimizer):
     """
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01):
-        if lr < 0:
-            raise ValueError(f"invalid learning rate {lr}")
-        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
-            raise ValueError(f"invalid betas {betas}")
-        if eps < 0:
-            raise ValueError(f"invalid eps {eps}")
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)  # the plain one's checks
         self._tables = TableCache()
 
     def __setstate__(self, state: dict) -> None:
