@@ -28,8 +28,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--top", type=int, default=12)
     args = p.parse_args()
-    changes = {k: (int(v) if k == "checkpointing" else v) for k, _, v in (o.partition("=") for o in args.override)}
-    parts = STACKS[args.stack].with_(**changes)
+    parts = STACKS[args.stack].with_overrides(args.override)
     config = LMConfig(args.size, args.context, args.batch)
     device = torch.device("cuda")
     step = build_training_step(build_model(config, device), parts)

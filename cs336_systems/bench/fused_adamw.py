@@ -22,35 +22,23 @@ from typing import Any
 
 import torch
 
-from cs336_basics.optimizer import AdamW
 from cs336_systems.bench.common import cli, result_store, timing
 from cs336_systems.bench.common.lm import SIZES, LMConfig, build_model
+from cs336_systems.train import make_optimizer
 
 PROBLEM = "fused_adamw"
-PROVIDERS = ("ours", "torch_fused", "torch_foreach", "basics")
+# Provider -> the optimizer of that name in cs336_systems.train (the training step's AdamW hyper-parameters).
+PROVIDERS = {"ours": "fused", "torch_fused": "torch_fused", "torch_foreach": "torch_foreach", "basics": "basics"}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-HYPERPARAMETERS = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 
 
 def parser():
     p = cli.base_parser(__doc__)
     p.add_argument("--size", default=None, choices=list(SIZES), help="whose parameter shapes (default xl)")
     p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
-    p.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=PROVIDERS)
+    p.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=list(PROVIDERS))
     p.add_argument("--rep", type=float, default=500, help="do_bench repetition time, ms")
     return p
-
-
-def make_optimizer(provider: str, params: list[torch.Tensor]) -> torch.optim.Optimizer:
-    if provider == "ours":
-        from cs336_systems.kernels.adamw import FusedAdamW
-
-        return FusedAdamW(params, **HYPERPARAMETERS)
-    if provider == "torch_fused":
-        return torch.optim.AdamW(params, fused=True, **HYPERPARAMETERS)
-    if provider == "torch_foreach":
-        return torch.optim.AdamW(params, foreach=True, **HYPERPARAMETERS)
-    return AdamW(params, **HYPERPARAMETERS)
 
 
 def parameter_shapes(size: str) -> list[torch.Size]:
@@ -72,10 +60,10 @@ def copy_bandwidth(device: torch.device, n_bytes: int = 2**31) -> float | None:
 
 def measure(provider: str, shapes: list[torch.Size], dtype: torch.dtype, device: torch.device, rep: float) -> dict[str, Any]:
     gen = torch.Generator(device=device).manual_seed(0)
-    params = [torch.randn(shape, device=device, dtype=dtype, generator=gen) for shape in shapes]
+    params = [torch.randn(shape, device=device, dtype=dtype, generator=gen).requires_grad_() for shape in shapes]
     for p in params:
         p.grad = torch.randn(p.shape, device=device, dtype=dtype, generator=gen)
-    optimizer = make_optimizer(provider, params)
+    optimizer = make_optimizer(params, PROVIDERS[provider])
     optimizer.step()  # creates the state
     if device.type == "cuda":
         import triton.testing

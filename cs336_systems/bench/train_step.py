@@ -21,8 +21,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import subprocess
 import statistics
+import subprocess
 import sys
 import timeit
 from typing import Any
@@ -59,16 +59,8 @@ def parser():
     return p
 
 
-def parts_of(stack: str, overrides: list[str]):
-    changes: dict[str, Any] = {}
-    for item in overrides:
-        name, _, value = item.partition("=")
-        changes[name] = int(value) if name == "checkpointing" else value
-    return STACKS[stack].with_(**changes)
-
-
 def measure(config: LMConfig, stack: str, args, device: torch.device) -> dict[str, Any]:
-    parts = parts_of(stack, args.override)
+    parts = STACKS[stack].with_overrides(args.override)
     model = build_model(config, device)
     step = build_training_step(model, parts)
     x, y = random_batch(config, device)

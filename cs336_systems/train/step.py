@@ -8,7 +8,7 @@ chosen by name in :class:`Parts`, so that the two stacks the benchmarks race dif
 | ``attention`` | any :func:`cs336_systems.attention.get_attention` name: ``triton`` (our operator), ``sdpa``, ``naive`` |
 | ``rmsnorm`` | ``plain`` (``cs336_basics``) or ``fused`` (our Triton kernel, writing the autocast dtype) |
 | ``loss`` | ``plain``: the LM head, then ``F.cross_entropy`` on the full logits; ``fused``: our LM head + cross-entropy, chunked over tokens, which never holds the logits |
-| ``optimizer`` | ``basics`` (``cs336_basics`` AdamW, a Python loop), ``torch_fused`` (``torch.optim.AdamW(fused=True)``) or ``fused`` (our Triton AdamW) |
+| ``optimizer`` | ``basics`` (``cs336_basics`` AdamW, a Python loop), ``torch_fused`` / ``torch_foreach`` (``torch.optim.AdamW(fused=True)`` / ``foreach=True``) or ``fused`` (our Triton AdamW) |
 | ``compile`` | ``none``, ``blocks`` (``torch.compile`` of each Transformer block and of the loss head: compiles one block's graph once, whatever the depth) or ``model`` (the whole forward and loss as one graph) |
 | ``checkpointing`` | activation checkpointing group size (0: off; see ``BasicsTransformerLM.set_activation_checkpointing``) |
 
@@ -40,7 +40,7 @@ from cs336_systems.attention import get_attention
 
 ADAMW_HYPERPARAMETERS = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 COMPILE_MODES = ("none", "blocks", "model")
-OPTIMIZERS = ("basics", "torch_fused", "fused")
+OPTIMIZERS = ("basics", "torch_fused", "torch_foreach", "fused")
 
 
 @dataclass(frozen=True)
@@ -65,6 +65,14 @@ class Parts:
     def with_(self, **changes) -> Parts:
         return replace(self, **changes)
 
+    def with_overrides(self, items: list[str]) -> Parts:
+        """These parts with ``part=value`` changes from a command line (e.g. ``["rmsnorm=plain", "checkpointing=2"]``)."""
+        changes = {}
+        for item in items:
+            name, _, value = item.partition("=")
+            changes[name] = int(value) if name == "checkpointing" else value
+        return self.with_(**changes)
+
 
 STACKS: dict[str, Parts] = {
     "ours": Parts(attention="triton", rmsnorm="fused", loss="fused", optimizer="fused", compile="blocks"),
@@ -77,8 +85,8 @@ def make_optimizer(parameters, name: str) -> torch.optim.Optimizer:
     params = [p for p in parameters if p.requires_grad]
     if name == "basics":
         return AdamW(params, **ADAMW_HYPERPARAMETERS)
-    if name == "torch_fused":
-        return torch.optim.AdamW(params, fused=True, **ADAMW_HYPERPARAMETERS)
+    if name in ("torch_fused", "torch_foreach"):
+        return torch.optim.AdamW(params, **{name.removeprefix("torch_"): True}, **ADAMW_HYPERPARAMETERS)
     if name == "fused":
         from cs336_systems.kernels.adamw import FusedAdamW
 
