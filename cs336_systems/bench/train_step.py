@@ -70,11 +70,9 @@ def measure(config: LMConfig, stack: str, args, device: torch.device) -> dict[st
     first_step_s = timeit.default_timer() - cold
     for _ in range(args.warmup):
         step(x, y)
-    timing.synchronize(device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    seconds = timing.time_calls(lambda: step(x, y), 0, args.steps, device)
-    peak_gb = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
+    with timing.peak_memory(device) as memory:  # the timed steps' peak
+        seconds = timing.time_calls(lambda: step(x, y), 0, args.steps, device)
+    peak_gb = memory.get("peak_gb")
     phases: list[dict[str, float]] = []
     for _ in range(args.phase_steps):
         phases.append({})
