@@ -582,9 +582,10 @@ def test_fsdp_accounting_quick_on_cpu(tmp_path, capsys):
         fsdp_accounting.main(["--help"])
     assert exit_info.value.code == 0 and "--quick" in capsys.readouterr().out
     argv = ["--quick", "--results-dir", str(tmp_path), "--backend", "gloo", "--world-size", "2"]
-    fsdp_accounting.main(argv)
+    fsdp_accounting.main([*argv, "--checkpointing", "0"])
     rows = {row["impl"]: row for row in read_rows(tmp_path / "fsdp_accounting.jsonl")}
     assert list(rows) == ["ddp", "fsdp2", "ours"]
+    assert all(row["checkpointing"] == 0 for row in rows.values())
     for row in rows.values():
         assert row["measure"] == "step" and row["size"] == "tiny" and row["world_size"] == 2 and row["step_ms"] > 0
         assert len(row["step_ms_per_rank"]) == 2
@@ -595,9 +596,15 @@ def test_fsdp_accounting_quick_on_cpu(tmp_path, capsys):
     assert rows["ours"]["local_params"] * 2 - params < 10
     assert rows["ours"]["expected_saving_gb"] == pytest.approx(16 * (params - rows["ours"]["local_params"]) / 1e9)
     assert rows["ours"]["step_ratio_vs_fsdp2"] == pytest.approx(rows["ours"]["step_ms"] / rows["fsdp2"]["step_ms"])
-    fsdp_accounting.main(argv)  # measured already: resumes without starting any rank
+    fsdp_accounting.main([*argv, "--checkpointing", "0"])  # measured already: resumes without starting any rank
     assert len(read_rows(tmp_path / "fsdp_accounting.jsonl")) == 3
     assert "already measured" in capsys.readouterr().err
+    # Checkpointed blocks: a case of its own, compared with FSDP2 checkpointed alike.
+    fsdp_accounting.main([*argv, "--checkpointing", "1", "--impls", "fsdp2", "ours"])
+    checkpointed = {row["impl"]: row for row in read_rows(tmp_path / "fsdp_accounting.jsonl")[3:]}
+    assert list(checkpointed) == ["fsdp2", "ours"] and checkpointed["ours"]["checkpointing"] == 1
+    assert checkpointed["ours"]["step_ratio_vs_fsdp2"] == pytest.approx(
+        checkpointed["ours"]["step_ms"] / checkpointed["fsdp2"]["step_ms"])
 
 
 def _event(cat: str, name: str, ts: float, dur: float, **args) -> dict:

@@ -9,6 +9,10 @@ on every GPU of the machine, one rank per GPU, in bf16, with the same AdamW (``c
   (:class:`LocalShardAdamW`);
 * ``ddp``: our overlapped per-parameter DDP (:class:`DDPIndividualParameters`) under bf16 autocast.
 
+``--checkpointing G ...`` measures each implementation with activation checkpointing of groups of ``G``
+blocks as well (``BasicsTransformerLM.set_activation_checkpointing``; 0: none; default ``0 1``). Every case
+(implementation, checkpointing) runs on freshly spawned ranks.
+
 Per implementation: the median step time (forward, loss, backward, gradient synchronisation, AdamW step;
 the slowest rank's median), the peak allocated memory per rank during the timed steps, and the memory held
 between steps (parameters and AdamW state).
@@ -39,6 +43,7 @@ Without GPUs the tool runs 2 gloo ranks on the CPU with the tiny model, saying s
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from typing import Any
@@ -70,6 +75,8 @@ def parser():
     p.add_argument("--context-length", type=int, default=None, help="default 512 (32 on a CPU)")
     p.add_argument("--batch-per-rank", type=int, default=4, help="sequences per rank (default 4)")
     p.add_argument("--dtype", default="bf16", choices=[d for d in DTYPES if d != "fp32"] + ["fp32"])
+    p.add_argument("--checkpointing", nargs="+", type=int, default=[0, 1], metavar="G",
+                   help="activation checkpointing in groups of G blocks, 0 for none (default: 0 1, both)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--world-size", type=int, default=None, help="ranks when not under torchrun (default: GPUs, or 2)")
@@ -158,9 +165,10 @@ def make_train_step(impl: str, model: nn.Module, optimizer, batch, dtype: torch.
     return step
 
 
-def setup(impl: str, config: LMConfig, dtype: torch.dtype | None, device: torch.device):
+def setup(impl: str, config: LMConfig, dtype: torch.dtype | None, device: torch.device, checkpointing: int = 0):
     torch.manual_seed(0)
     model = build_model(config, device)
+    model.set_activation_checkpointing(checkpointing)
     n_params = sum(p.numel() for p in model.parameters())
     model = wrap(impl, model, dtype, device)
     optimizer_cls = LocalShardAdamW if impl == "fsdp2" else AdamW
@@ -169,10 +177,11 @@ def setup(impl: str, config: LMConfig, dtype: torch.dtype | None, device: torch.
     return model, optimizer, make_train_step(impl, model, optimizer, batch, dtype), n_params
 
 
-def measure(impl: str, config: LMConfig, dtype: torch.dtype | None, device: torch.device, args) -> dict[str, Any]:
+def measure(impl: str, config: LMConfig, dtype: torch.dtype | None, device: torch.device, args,
+            checkpointing: int = 0) -> dict[str, Any]:
     """This rank's median step time and memory for ``impl``."""
     timing.free_memory()
-    model, optimizer, step, n_params = setup(impl, config, dtype, device)
+    model, optimizer, step, n_params = setup(impl, config, dtype, device, checkpointing)
     for _ in range(args.warmup):
         step()
     dist.barrier()
@@ -202,7 +211,9 @@ def _latest(store: result_store.ResultStore, config: dict[str, Any], impl: str) 
 def step_cases(args, world_size: int) -> list[dict[str, Any]]:
     base = dict(measure="step", size=args.size, context_length=args.context_length,
                 batch_per_rank=args.batch_per_rank, world_size=world_size, dtype=args.dtype)
-    return [{**base, "impl": impl} for impl in IMPLS if impl in args.impls]  # DDP, FSDP2, ours: in this order
+    # DDP, FSDP2, ours: in this order, so that ours finds the others' rows for its ratios
+    return [{**base, "checkpointing": group, "impl": impl}
+            for group in args.checkpointing for impl in IMPLS if impl in args.impls]
 
 
 def run_measurements(rank: int, world_size: int, device: torch.device, args) -> None:
@@ -214,7 +225,7 @@ def run_measurements(rank: int, world_size: int, device: torch.device, args) -> 
     rows = []
     for case in pending[0]:
         impl = case["impl"]
-        mine = measure(impl, config, dtype, device, args)
+        mine = measure(impl, config, dtype, device, args, case["checkpointing"])
         everyone: list[dict[str, Any]] = [{} for _ in range(world_size)]
         dist.all_gather_object(everyone, mine)
         if rank != 0:
@@ -434,9 +445,18 @@ def main(argv: list[str] | None = None) -> None:
         print(f"# {world_size} ranks, {backend}; {args.size}, context {args.context_length}, {args.batch_per_rank} "
               f"sequences per rank, {args.dtype}", file=sys.stderr)
         store = result_store.ResultStore(PROBLEM, args.results_dir, args.force)
-        if not store.pending(step_cases(args, world_size)) and not args.trace:
+        pending = store.pending(step_cases(args, world_size))
+        if not pending and not args.trace:
             print("# everything already measured (--force measures again)", file=sys.stderr)
             return
+        # Each case on freshly spawned ranks: no case measures memory or time another one left behind.
+        for case in pending:
+            part = argparse.Namespace(**{**vars(args), "impls": [case["impl"]],
+                                         "checkpointing": [case["checkpointing"]], "trace": None})
+            spawn(worker, world_size, part, backend=backend, timeout_s=args.timeout_s)
+        if not args.trace:
+            return
+        args.impls, args.force = [], False  # the trace alone is left
     spawn(worker, world_size, args, backend=backend, timeout_s=args.timeout_s)
 
 
