@@ -58,6 +58,35 @@ def test_weight_gradient_over_many_rows(dtype):
     check_against_float64(*make_inputs((400, 33), dtype, "cpu"))
 
 
+@pytest.mark.parametrize("prefetch", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("shape", [(1, 768), (6, 768), (67, 768), (37, 80), (1, 1600), (45, 1600)])
+def test_persistent_grid_at_awkward_shapes(shape, dtype, prefetch, monkeypatch):
+    """Here 8 programs of 4-row tiles in each kernel: a single row; fewer tiles than programs (the idle backward
+    programs must write a zero partial row: the partial buffer starts as NaN too); a ragged last tile; programs
+    looping over two or three tiles, some one more than others; rows of 80, 768 and 1600 features (tiles of 128, 1024, 2048). With and
+    without the backward's prefetch of the next tile (off for long rows on a GPU)."""
+    if not prefetch:
+        monkeypatch.setattr(rmsnorm, "PREFETCH_MAX_ROW_BYTES", 0)
+    n_rows = shape[0]
+    assert rmsnorm._multiprocessor_count(None) * rmsnorm.BWD_PROGRAMS_PER_SM == 8 and rmsnorm.INTERPRETER_BLOCK_M == 4
+    check_against_float64(*make_inputs(shape, dtype, "cpu"))
+    # The backward alone, each gradient by itself, against float64, from the forward's saved 1/rms.
+    x, weight, dy = make_inputs(shape, dtype, "cpu")
+    _, rstd = rmsnorm.rmsnorm_forward(x, weight, 1e-5)
+    x64, w64 = x.double().requires_grad_(), weight.double().requires_grad_()
+    test_rmsnorm.rms_norm_float64(x64, w64).backward(dy.double())
+    for compute_dx, compute_dw in [(True, True), (True, False), (False, True)]:
+        dx, dw = rmsnorm.rmsnorm_backward(dy, x, weight, rstd, compute_dx, compute_dw)
+        assert (dx is not None) == compute_dx and (dw is not None) == compute_dw
+        if compute_dx:
+            assert dx.shape == (n_rows, shape[1]) and torch.isfinite(dx).all()
+            torch.testing.assert_close(dx.double(), x64.grad, rtol=2e-3, atol=2e-3 * x64.grad.abs().max().item())
+        if compute_dw:
+            assert dw.dtype == weight.dtype and torch.isfinite(dw).all()
+            torch.testing.assert_close(dw.double(), w64.grad, rtol=2e-3, atol=2e-3 * w64.grad.abs().max().item())
+
+
 def test_mixed_dtypes_as_under_autocast():
     """A bfloat16 input with a float32 gain (and the reverse): output and dx in x's dtype, dw in the gain's."""
     check_against_float64(*make_inputs((7, 48), torch.bfloat16, "cpu", weight_dtype=torch.float32))

@@ -139,10 +139,11 @@ def test_use_fused_rmsnorm_swaps_every_norm_keeping_its_parameter():
         use_fused_rmsnorm(RMSNorm(4))
 
 
-@pytest.mark.parametrize("n_cols", [1, 2560, 8192, 9000])
+@pytest.mark.parametrize("n_cols", [1, 80, 768, 1600, 2560, 8192, 9000])
 def test_every_autotune_candidate_compiles_for_h100_without_spills(n_cols):
     """Ahead-of-time compile for sm_90 (see ``_flash_aot.py``) of the configurations the pruner lets the
-    autotuner try, for each warp count the one with the most elements per thread (the most registers)."""
+    autotuner try, for each warp count the one with the most elements per thread (the most registers), and of
+    the fixed configuration that the operators launch."""
     import triton
 
     from cs336_systems.kernels import rmsnorm
@@ -161,17 +162,22 @@ def test_every_autotune_candidate_compiles_for_h100_without_spills(n_cols):
             for c in candidates:
                 if c.num_warps not in heaviest or c.kwargs["BLOCK_M"] > heaviest[c.num_warps].kwargs["BLOCK_M"]:
                     heaviest[c.num_warps] = c
-            for config in heaviest.values():
+            for config in [*heaviest.values(), rmsnorm.fixed_config(kernel, n_cols, x.element_size())]:
                 meta = dict(BLOCK_N=block_n, SINGLE_TILE=single_tile, **config.kwargs, num_warps=config.num_warps,
                             num_stages=config.num_stages)
                 if kernel == "fwd":
                     args = (x, weight, x, rstd, n_cols, n_cols, 65536, n_cols, 64, 1e-5)
                     compiled = compile_for_gpu(rmsnorm.rmsnorm_fwd_kernel, args, meta)
                 else:
-                    args = (x, x, weight, rstd, x, partial, rstd, n_cols, n_cols, n_cols, 65536, n_cols, 128, 128)
-                    compiled = compile_for_gpu(rmsnorm.rmsnorm_bwd_kernel, args, {**meta, "COMPUTE_DX": True,
-                                                                                     "COMPUTE_DW": True})
+                    args = (x, x, weight, rstd, x, partial, rstd, n_cols, n_cols, n_cols, 65536, n_cols, 128)
+                    prefetch = rmsnorm._prefetch(block_n, single_tile, x.element_size())
+                    compiled = compile_for_gpu(rmsnorm.rmsnorm_bwd_kernel, args, {
+                        **meta, "PREFETCH": prefetch, "COMPUTE_DX": True, "COMPUTE_DW": True})
                 assert resource_usage(compiled).spill_bytes == 0, (kernel, dtype, config)
+    compiled = compile_for_gpu(rmsnorm.rmsnorm_dw_reduce_kernel, (partial, weight, 528, n_cols),
+                               dict(BLOCK_P=rmsnorm.REDUCE_BLOCK_P, BLOCK_C=rmsnorm.REDUCE_BLOCK_C,
+                                    num_warps=rmsnorm.REDUCE_NUM_WARPS))
+    assert resource_usage(compiled).spill_bytes == 0
 
 
 # ---------------------------------------------------------------------------------------------------

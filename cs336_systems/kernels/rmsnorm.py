@@ -15,15 +15,19 @@ Backward, with ``dy`` the output gradient and ``h = dy * g`` (derivation: ``dr/d
 Layout: ``x`` of shape ``(..., N)`` is viewed as ``(n_rows, N)`` (a copy only when that view does not
 exist or the last dimension is strided). Every statistic and accumulation is float32.
 
-* Forward: each program normalises ``BLOCK_M`` rows. A row that fits in one tile
-  (``next_power_of_2(N) <= MAX_BLOCK_N``) is loaded once; a longer row is walked twice in tiles of
-  ``MAX_BLOCK_N`` columns (sum of squares, then normalise and store).
-* Backward: a fixed number of programs (``BWD_PROGRAMS_PER_SM`` per SM), each owning a contiguous
-  range of rows. A program computes ``dx`` for its rows ``BLOCK_M`` at a time and accumulates its partial ``dg`` in
-  float32 registers; the partial sums, shape ``(n_programs, N)``, are added by one small
-  ``sum(dim=0)``. No atomics, so the result does not depend on scheduling, and re-running a launch (as
-  the autotuner does) rewrites the same values. Long rows use a first sweep for ``mean(h * x^)`` per
-  row (kept in a float32 scratch vector), then sweep column tiles, each over the program's rows.
+Both kernels run a persistent grid of a few programs per SM; program ``p`` of ``P`` takes the ``BLOCK_M``-row
+tiles ``p, p + P, p + 2P, ...``, so that the programs in flight read neighbouring rows. For a row that fits in
+one tile (``next_power_of_2(N) <= MAX_BLOCK_N``) a program loads its next tile into registers before it works
+on the current one, so that loads are always in flight (Triton pipelines only loads that feed ``tl.dot``).
+
+* Forward: a row is loaded once (a longer row is walked twice in tiles of ``MAX_BLOCK_N`` columns: sum of
+  squares, then normalise and store).
+* Backward: ``BWD_PROGRAMS_PER_SM`` programs per SM compute ``dx`` tile by tile and accumulate their
+  partial ``dg`` as a float32 ``(BLOCK_M, BLOCK_N)`` register tile, summed over its rows once at the end
+  into one float32 row per program; a small second kernel adds the ``(n_programs, N)`` partials and rounds
+  to the gain's dtype. No atomics, so the result does not depend on scheduling, and re-running a launch (as
+  the autotuner does) rewrites the same values. Long rows use a first sweep for ``mean(h * x^)`` per row
+  (kept in a float32 scratch vector), then sweep column tiles, each over the program's rows.
 
 Launch parameters: on a GPU ``triton.autotune`` picks ``BLOCK_M`` and ``num_warps`` per row length, a
 coarse row count and dtype (``CS336_RMSNORM_AUTOTUNE=0`` or ``AUTOTUNE = False``: a fixed heuristic
@@ -70,15 +74,19 @@ MAX_BLOCK_N = 8192
 """The widest column tile (elements). Rows up to this many features are held whole in registers; longer
 rows are tiled. Tests lower it to exercise the tiled path at small sizes."""
 
+FWD_PROGRAMS_PER_SM = 4
+"""Forward programs per streaming multiprocessor (a persistent grid; fewer when there are fewer tiles)."""
+
 BWD_PROGRAMS_PER_SM = 4
 """Backward programs per streaming multiprocessor. Registers decide how many an SM runs at once: two of the
-heaviest configurations, four or more of the light ones, which need them all to keep enough loads in
-flight; programs beyond that run in a second wave of equal length, which costs nothing. The price of
-more programs is the partial weight gradients (``n_programs x N`` float32, written and read once more):
-at 8192 rows of 768 in bf16 about 5 % of the forward+backward traffic, at 65536 rows under 1 %."""
+heaviest configurations, four or more of the light ones; programs beyond that run in a second wave of equal
+length, which costs nothing. The price of more programs is the partial weight gradients (``n_programs x N``
+float32, written and read once more): at 8192 rows of 768 in bf16 about 5 % of the forward+backward
+traffic, at 65536 rows under 1 %."""
 
-ROWS_PER_PROGRAM_MULTIPLE = 8
-"""A backward program's row range is rounded up to this, so that ``BLOCK_M``-row steps rarely go ragged."""
+PREFETCH_MAX_ROW_BYTES = 16384
+"""The backward prefetches the next tile for rows of up to this many bytes (``BLOCK_N`` times the element
+size): a float32 row of 8192 leaves no registers for a second tile even at 16 warps."""
 
 FILL_OUTPUTS_WITH_NAN: bool = False
 """Tests set this so that outputs start as NaN: an element a kernel fails to write then shows."""
@@ -87,6 +95,19 @@ FILL_OUTPUTS_WITH_NAN: bool = False
 # ---------------------------------------------------------------------------------------------------
 # Kernels
 # ---------------------------------------------------------------------------------------------------
+#
+# Both kernels run a persistent grid: program p takes the BLOCK_M-row tiles p, p + P, p + 2P, ... (P programs),
+# so that the programs in flight at any moment read neighbouring rows. A short row's loop holds the next tile's
+# loads in registers while it computes the current one: Triton's pipeliner leaves loads that feed no tl.dot
+# alone, and without the prefetch every step waits one full memory latency (plus the cross-warp reduction's
+# barriers) with nothing in flight.
+
+
+@triton.jit
+def _load_tile(Ptr, rows, n_rows, stride_row, cols, col_mask):
+    """Rows ``rows`` (BLOCK_M,) of a (n_rows, n_cols) matrix, columns ``cols``, in its own dtype; zeros outside."""
+    mask = (rows < n_rows)[:, None] & col_mask[None, :]
+    return tl.load(Ptr + rows.to(tl.int64)[:, None] * stride_row + cols[None, :], mask=mask, other=0.0)
 
 
 # Row counts vary from call to call: don't compile a variant per value (Triton otherwise specialises integers on
@@ -98,46 +119,53 @@ def rmsnorm_fwd_kernel(
     Y,  # output (n_rows, n_cols), contiguous, X's dtype or the requested one
     Rstd,  # output: 1 / rms per row, float32 (n_rows,)
     stride_x_row, stride_y_row,
-    n_rows, n_cols, rows_key,  # rows_key: coarsened n_rows, read only by the autotuner
+    n_rows, n_cols, rows_key,  # rows_key: coarsened rows per program, read only by the autotuner
     eps,
-    BLOCK_M: tl.constexpr,  # rows per program
+    BLOCK_M: tl.constexpr,  # rows per tile
     BLOCK_N: tl.constexpr,  # columns per tile: next_power_of_2(n_cols), or MAX_BLOCK_N when tiled
     SINGLE_TILE: tl.constexpr,  # n_cols <= BLOCK_N: a row is loaded once
 ):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_mask = rows < n_rows
-    rows = rows.to(tl.int64)  # n_rows * stride may exceed 2^31
+    pid, n_programs = tl.program_id(0), tl.num_programs(0)
+    n_tiles = tl.cdiv(n_rows, BLOCK_M)
+    offs_m = tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
-    X_rows = X + rows[:, None] * stride_x_row  # (BLOCK_M, 1)
-    Y_rows = Y + rows[:, None] * stride_y_row
     if SINGLE_TILE:
         col_mask = cols < n_cols
-        mask = row_mask[:, None] & col_mask[None, :]
-        x = tl.load(X_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)  # (BLOCK_M, BLOCK_N)
-        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)  # (BLOCK_M,)
-        w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
-        y = x * rstd[:, None] * w[None, :]
-        tl.store(Y_rows + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
-    else:
-        sum_sq = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for start in range(0, n_cols, BLOCK_N):
-            offs = start + cols
-            mask = row_mask[:, None] & (offs < n_cols)[None, :]
-            x = tl.load(X_rows + offs[None, :], mask=mask, other=0.0).to(tl.float32)
-            sum_sq += x * x
-        rstd = tl.rsqrt(tl.sum(sum_sq, axis=1) / n_cols + eps)
-        for start in range(0, n_cols, BLOCK_N):
-            offs = start + cols
-            col_mask = offs < n_cols
-            mask = row_mask[:, None] & col_mask[None, :]
-            x = tl.load(X_rows + offs[None, :], mask=mask, other=0.0).to(tl.float32)
-            w = tl.load(W + offs, mask=col_mask, other=0.0).to(tl.float32)
+        mask_n = col_mask[None, :]
+        w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)  # (BLOCK_N,)
+        x_next = _load_tile(X, pid * BLOCK_M + offs_m, n_rows, stride_x_row, cols, col_mask)
+        for tile in range(pid, n_tiles, n_programs):
+            rows = tile * BLOCK_M + offs_m  # (BLOCK_M,)
+            x = x_next.to(tl.float32)  # (BLOCK_M, BLOCK_N)
+            x_next = _load_tile(X, rows + n_programs * BLOCK_M, n_rows, stride_x_row, cols, col_mask)
+            rstd = tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)  # (BLOCK_M,)
             y = x * rstd[:, None] * w[None, :]
-            tl.store(Y_rows + offs[None, :], y.to(Y.dtype.element_ty), mask=mask)
-    tl.store(Rstd + rows, rstd, mask=row_mask)
+            row_mask = rows < n_rows
+            Y_rows = Y + rows.to(tl.int64)[:, None] * stride_y_row
+            tl.store(Y_rows + cols[None, :], y.to(Y.dtype.element_ty), mask=row_mask[:, None] & mask_n)
+            tl.store(Rstd + rows, rstd, mask=row_mask)
+    else:
+        for tile in range(pid, n_tiles, n_programs):
+            rows = tile * BLOCK_M + offs_m
+            row_mask = rows < n_rows
+            sum_sq = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for start in range(0, n_cols, BLOCK_N):
+                offs = start + cols
+                x = _load_tile(X, rows, n_rows, stride_x_row, offs, offs < n_cols).to(tl.float32)
+                sum_sq += x * x
+            rstd = tl.rsqrt(tl.sum(sum_sq, axis=1) / n_cols + eps)
+            Y_rows = Y + rows.to(tl.int64)[:, None] * stride_y_row
+            for start in range(0, n_cols, BLOCK_N):
+                offs = start + cols
+                col_mask = offs < n_cols
+                x = _load_tile(X, rows, n_rows, stride_x_row, offs, col_mask).to(tl.float32)
+                w = tl.load(W + offs, mask=col_mask, other=0.0).to(tl.float32)
+                y = x * rstd[:, None] * w[None, :]
+                tl.store(Y_rows + offs[None, :], y.to(Y.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+            tl.store(Rstd + rows, rstd, mask=row_mask)
 
 
-@triton.jit(do_not_specialize=["n_rows", "rows_per_program", "rows_key"])
+@triton.jit(do_not_specialize=["n_rows", "rows_key"])
 def rmsnorm_bwd_kernel(
     DY,  # output gradient (n_rows, n_cols), unit column stride
     X,  # the forward's input (n_rows, n_cols), unit column stride
@@ -147,16 +175,17 @@ def rmsnorm_bwd_kernel(
     DW_partial,  # output: per program, its rows' sum of dy * x^, float32 (n_programs, n_cols), contiguous
     Coef,  # scratch for long rows: mean(h * x^) / rstd per row, float32 (n_rows,)
     stride_dy_row, stride_x_row, stride_dx_row,
-    n_rows, n_cols, rows_per_program, rows_key,  # rows_key: coarsened rows_per_program, for the autotuner
+    n_rows, n_cols, rows_key,  # rows_key: coarsened rows per program, for the autotuner
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SINGLE_TILE: tl.constexpr,
+    PREFETCH: tl.constexpr,  # a single-tile row: load the next tile while working on this one
     COMPUTE_DX: tl.constexpr,
     COMPUTE_DW: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    row_begin = pid * rows_per_program
-    row_end = tl.minimum(row_begin + rows_per_program, n_rows)
+    pid, n_programs = tl.program_id(0), tl.num_programs(0)
+    n_tiles = tl.cdiv(n_rows, BLOCK_M)
+    offs_m = tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     DW_row = DW_partial + pid.to(tl.int64) * n_cols
     if SINGLE_TILE:
@@ -164,20 +193,33 @@ def rmsnorm_bwd_kernel(
         w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)  # (BLOCK_N,)
         # Summed over rows only once, after the loop: one cross-thread reduction instead of one per step.
         dw = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for start in range(row_begin, row_end, BLOCK_M):
-            rows = start + tl.arange(0, BLOCK_M)
-            row_mask = rows < row_end
-            mask = row_mask[:, None] & col_mask[None, :]
-            rstd = tl.load(Rstd + rows, mask=row_mask, other=0.0)  # (BLOCK_M,)
-            rows = rows.to(tl.int64)
-            x = tl.load(X + rows[:, None] * stride_x_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            dy = tl.load(DY + rows[:, None] * stride_dy_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            x_hat = x * rstd[:, None]
+        if PREFETCH:
+            rows = pid * BLOCK_M + offs_m
+            x_next = _load_tile(X, rows, n_rows, stride_x_row, cols, col_mask)
+            dy_next = _load_tile(DY, rows, n_rows, stride_dy_row, cols, col_mask)
+            rstd_next = tl.load(Rstd + rows, mask=rows < n_rows, other=0.0)
+        for tile in range(pid, n_tiles, n_programs):
+            rows = tile * BLOCK_M + offs_m  # (BLOCK_M,)
+            if PREFETCH:
+                x, dy, rstd = x_next, dy_next, rstd_next
+                # The next tile's loads are in flight while this one is reduced and stored (masked off past the end).
+                next_rows = rows + n_programs * BLOCK_M
+                x_next = _load_tile(X, next_rows, n_rows, stride_x_row, cols, col_mask)
+                dy_next = _load_tile(DY, next_rows, n_rows, stride_dy_row, cols, col_mask)
+                rstd_next = tl.load(Rstd + next_rows, mask=next_rows < n_rows, other=0.0)
+            else:
+                x = _load_tile(X, rows, n_rows, stride_x_row, cols, col_mask)
+                dy = _load_tile(DY, rows, n_rows, stride_dy_row, cols, col_mask)
+                rstd = tl.load(Rstd + rows, mask=rows < n_rows, other=0.0)
+            x, dy = x.to(tl.float32), dy.to(tl.float32)  # (BLOCK_M, BLOCK_N)
+            x_hat = x * rstd[:, None]  # rows past the end: rstd 0, so x^ 0
             if COMPUTE_DX:
                 h = dy * w[None, :]
                 c = tl.sum(h * x_hat, axis=1) / n_cols  # mean(h * x^) per row
                 dx = (h - x_hat * c[:, None]) * rstd[:, None]
-                tl.store(DX + rows[:, None] * stride_dx_row + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+                mask = (rows < n_rows)[:, None] & col_mask[None, :]
+                DX_rows = DX + rows.to(tl.int64)[:, None] * stride_dx_row
+                tl.store(DX_rows + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
             if COMPUTE_DW:
                 dw += dy * x_hat  # masked rows and columns are zeros
         if COMPUTE_DW:
@@ -185,20 +227,18 @@ def rmsnorm_bwd_kernel(
     else:
         # Sweep 1: c = mean(h * x^) / r = r * mean(h * x) per row, so that dx = r * h - r^2 * c * x.
         if COMPUTE_DX:
-            for start in range(row_begin, row_end, BLOCK_M):
-                rows = start + tl.arange(0, BLOCK_M)
-                row_mask = rows < row_end
+            for tile in range(pid, n_tiles, n_programs):
+                rows = tile * BLOCK_M + offs_m
+                row_mask = rows < n_rows
                 rstd = tl.load(Rstd + rows, mask=row_mask, other=0.0)
-                rows64 = rows.to(tl.int64)
                 dot = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
                 for col_start in range(0, n_cols, BLOCK_N):
                     offs = col_start + cols
                     col_mask = offs < n_cols
-                    mask = row_mask[:, None] & col_mask[None, :]
-                    x = tl.load(X + rows64[:, None] * stride_x_row + offs[None, :], mask=mask, other=0.0)
-                    dy = tl.load(DY + rows64[:, None] * stride_dy_row + offs[None, :], mask=mask, other=0.0)
+                    x = _load_tile(X, rows, n_rows, stride_x_row, offs, col_mask).to(tl.float32)
+                    dy = _load_tile(DY, rows, n_rows, stride_dy_row, offs, col_mask).to(tl.float32)
                     w = tl.load(W + offs, mask=col_mask, other=0.0).to(tl.float32)
-                    dot += dy.to(tl.float32) * w[None, :] * x.to(tl.float32)
+                    dot += dy * w[None, :] * x
                 tl.store(Coef + rows, tl.sum(dot, axis=1) * rstd / n_cols, mask=row_mask)
             # The scratch values are read back below by other threads of this program.
             tl.debug_barrier()
@@ -208,22 +248,39 @@ def rmsnorm_bwd_kernel(
             col_mask = offs < n_cols
             w = tl.load(W + offs, mask=col_mask, other=0.0).to(tl.float32)
             dw = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for start in range(row_begin, row_end, BLOCK_M):
-                rows = start + tl.arange(0, BLOCK_M)
-                row_mask = rows < row_end
-                mask = row_mask[:, None] & col_mask[None, :]
+            for tile in range(pid, n_tiles, n_programs):
+                rows = tile * BLOCK_M + offs_m
+                row_mask = rows < n_rows
                 rstd = tl.load(Rstd + rows, mask=row_mask, other=0.0)
-                rows64 = rows.to(tl.int64)
-                x = tl.load(X + rows64[:, None] * stride_x_row + offs[None, :], mask=mask, other=0.0).to(tl.float32)
-                dy = tl.load(DY + rows64[:, None] * stride_dy_row + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+                x = _load_tile(X, rows, n_rows, stride_x_row, offs, col_mask).to(tl.float32)
+                dy = _load_tile(DY, rows, n_rows, stride_dy_row, offs, col_mask).to(tl.float32)
                 if COMPUTE_DX:
                     c = tl.load(Coef + rows, mask=row_mask, other=0.0)
                     dx = (dy * w[None, :] - x * (rstd * c)[:, None]) * rstd[:, None]
-                    tl.store(DX + rows64[:, None] * stride_dx_row + offs[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+                    DX_rows = DX + rows.to(tl.int64)[:, None] * stride_dx_row
+                    tl.store(DX_rows + offs[None, :], dx.to(DX.dtype.element_ty),
+                             mask=row_mask[:, None] & col_mask[None, :])
                 if COMPUTE_DW:
                     dw += dy * x * rstd[:, None]
             if COMPUTE_DW:
                 tl.store(DW_row + offs, tl.sum(dw, axis=0), mask=col_mask)
+
+
+@triton.jit
+def rmsnorm_dw_reduce_kernel(
+    DW_partial,  # per-program partial weight gradients, float32 (n_partials, n_cols), contiguous
+    DW,  # output: their sum over programs (n_cols,), the gain's dtype
+    n_partials, n_cols,
+    BLOCK_P: tl.constexpr,  # partial rows per step
+    BLOCK_C: tl.constexpr,  # columns per program
+):
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_mask = cols < n_cols
+    acc = tl.zeros([BLOCK_P, BLOCK_C], dtype=tl.float32)
+    for start in range(0, n_partials, BLOCK_P):
+        rows = start + tl.arange(0, BLOCK_P)
+        acc += _load_tile(DW_partial, rows, n_partials, n_cols, cols, col_mask)
+    tl.store(DW + cols, tl.sum(acc, axis=0).to(DW.dtype.element_ty), mask=col_mask)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -237,15 +294,19 @@ def _config(block_m: int, num_warps: int, num_stages: int = 1) -> triton.Config:
 
 FWD_CONFIGS = [_config(m, w) for m, w in [(1, 2), (1, 4), (1, 8), (1, 16), (2, 4), (2, 8), (4, 4), (4, 8), (4, 16),
                                           (8, 8), (8, 16), (16, 16)]]
-BWD_CONFIGS = [_config(m, w, s) for m, w, s in [(1, 4, 1), (1, 8, 1), (1, 16, 1), (2, 4, 1), (2, 8, 1), (4, 4, 1),
-                                                (4, 8, 1), (4, 16, 1), (8, 8, 1), (8, 16, 1), (2, 8, 2), (4, 8, 2)]]
+BWD_CONFIGS = [_config(m, w) for m, w in [(1, 4), (1, 8), (1, 16), (2, 4), (2, 8), (4, 4), (4, 8), (4, 16), (8, 8),
+                                          (8, 16)]]
 INTERPRETER_BLOCK_M = 4
 
-# Elements of one tile per thread. At least 16 bytes' worth (one 128-bit load per thread); at most what
-# fits in registers beside the float32 copies without spilling even at 16 warps (128 registers a
-# thread): the backward holds x, dy and a float32 dg accumulator (checked with ptxas for sm_90).
+# The weight-gradient reduction: (n_programs, N) float32 partials to (N,), BLOCK_P x BLOCK_C at a time.
+REDUCE_BLOCK_P, REDUCE_BLOCK_C, REDUCE_NUM_WARPS = 128, 32, 4
+
+# Bytes of one tile (one tensor) per thread. At least 16 (one 128-bit load per thread); at most what fits in
+# registers beside the float32 copies without spilling even at 16 warps (128 registers a thread): the
+# backward holds x and dy, the next tile's x and dy and a float32 dg accumulator; the forward x and the next
+# tile's x (checked with ptxas for sm_90).
 MIN_BYTES_PER_THREAD = 16
-MAX_ELEMENTS_PER_THREAD = {"fwd": 32, "bwd": 16}
+MAX_BYTES_PER_THREAD = {"fwd": 64, "bwd": 32}
 
 
 def _elements_per_thread(config: triton.Config, block_n: int) -> float:
@@ -257,14 +318,19 @@ def _pruner(kernel: str):
 
     def prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
         block_n, element_size = kwargs["BLOCK_N"], named_args["X"].element_size()
-        low, high = MIN_BYTES_PER_THREAD / element_size, MAX_ELEMENTS_PER_THREAD[kernel]
-        # The most rows a program may take: the forward keeps at least two programs per SM, the
-        # backward's programs own rows_per_program rows each. Long (tiled) rows take one at a time.
+        low, high = MIN_BYTES_PER_THREAD / element_size, MAX_BYTES_PER_THREAD[kernel] / element_size
+        # The most rows a tile may take: rows_key is about the rows per program (n_rows over the
+        # persistent grid), so that every program gets a tile. Long (tiled) rows take one at a time.
         max_block_m = max(named_args["rows_key"], 1) if kwargs["SINGLE_TILE"] else 1
         allowed = [c for c in configs if c.kwargs["BLOCK_M"] <= max_block_m]
         fitting = [c for c in allowed if low <= _elements_per_thread(c, block_n) <= high]
-        # Nothing fits (a very short row): the allowed configuration with the fewest idle threads.
-        return fitting or [max(allowed, key=lambda c: min(_elements_per_thread(c, block_n), high))]
+        # Nothing fits (a very short row, or a long row's widest tile in float32): the allowed configuration
+        # nearest the range (the fewest idle threads, or the fewest registers).
+        def excess(c: triton.Config) -> float:
+            elements = _elements_per_thread(c, block_n)
+            return max(low / elements, elements / high)
+
+        return fitting or [min(allowed, key=excess)]
 
     return prune
 
@@ -275,7 +341,7 @@ _plain = {"fwd": rmsnorm_fwd_kernel, "bwd": rmsnorm_bwd_kernel}
 _autotuned = {
     "fwd": triton.autotune(FWD_CONFIGS, key=["n_cols", "rows_key"],
                            prune_configs_by={"early_config_prune": _pruner("fwd")})(rmsnorm_fwd_kernel),
-    "bwd": triton.autotune(BWD_CONFIGS, key=["n_cols", "rows_key", "COMPUTE_DX", "COMPUTE_DW"],
+    "bwd": triton.autotune(BWD_CONFIGS, key=["n_cols", "rows_key", "PREFETCH", "COMPUTE_DX", "COMPUTE_DW"],
                            prune_configs_by={"early_config_prune": _pruner("bwd")})(rmsnorm_bwd_kernel),
 }
 
@@ -286,14 +352,25 @@ def _block_n(n_cols: int) -> tuple[int, bool]:
     return (block_n, True) if block_n <= MAX_BLOCK_N else (MAX_BLOCK_N, False)
 
 
+def _prefetch(block_n: int, single_tile: bool, element_size: int) -> bool:
+    """Whether the backward prefetches the next tile (see ``PREFETCH_MAX_ROW_BYTES``)."""
+    return single_tile and block_n * element_size <= PREFETCH_MAX_ROW_BYTES
+
+
 def fixed_config(kernel: str, n_cols: int, element_size: int) -> triton.Config:
-    """The launch configuration when not autotuning: about 4096 elements a tile and 32 bytes of it a thread."""
+    """The launch configuration when not autotuning: about 4096 elements a tile and 32 bytes of it a thread (the
+    backward of a float32 768-column row: 4 rows, 16 warps; bfloat16: 4 rows, 8 warps)."""
     if RUNNING_IN_INTERPRETER:
         return _config(INTERPRETER_BLOCK_M, 4)
     block_n, single_tile = _block_n(n_cols)
     block_m = max(1, min(16, 4096 // block_n)) if single_tile else 1
     num_warps = min(16, triton.next_power_of_2(max(1, block_m * block_n * element_size // (32 * 32))))
     return _config(block_m, num_warps)
+
+
+def _launcher(kernel, autotune: bool):
+    """``kernel`` itself (eager calls, the interpreter) or wrapped for a traced graph (the operators)."""
+    return kernel if RUNNING_IN_INTERPRETER or autotune else _wrap_triton(kernel)
 
 
 def _launch(kernel: str, grid, args: tuple, meta: dict, n_cols: int, element_size: int, autotune: bool = True) -> None:
@@ -304,7 +381,7 @@ def _launch(kernel: str, grid, args: tuple, meta: dict, n_cols: int, element_siz
         _autotuned[kernel][lambda META: grid(META["BLOCK_M"])](*args, **meta)
         return
     config = fixed_config(kernel, n_cols, element_size)
-    launcher = _plain[kernel] if RUNNING_IN_INTERPRETER or autotune else _wrap_triton(_plain[kernel])
+    launcher = _launcher(_plain[kernel], autotune)
     # Only the tiles, warps and stages: torch.compile refuses num_ctas passed as a launch argument.
     launcher[grid(config.kwargs["BLOCK_M"])](
         *args, **meta, **config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages
@@ -353,11 +430,10 @@ def rmsnorm_forward(
     if n_rows == 0:
         return y, rstd
     block_n, single_tile = _block_n(n_cols)
-    sms = _multiprocessor_count(x.device.index)
-    # The forward's autotuner may only choose BLOCK_M leaving at least two programs per SM.
-    rows_key = _rows_key(triton.cdiv(n_rows, 2 * sms))
-    args = (x, weight, y, rstd, x.stride(0), y.stride(0), n_rows, n_cols, rows_key, eps)
-    _launch("fwd", lambda block_m: (triton.cdiv(n_rows, block_m),), args,
+    max_programs = _multiprocessor_count(x.device.index) * FWD_PROGRAMS_PER_SM
+    args = (x, weight, y, rstd, x.stride(0), y.stride(0), n_rows, n_cols,
+            _rows_key(triton.cdiv(n_rows, max_programs)), eps)
+    _launch("fwd", lambda block_m: (min(triton.cdiv(n_rows, block_m), max_programs),), args,
             dict(BLOCK_N=block_n, SINGLE_TILE=single_tile), n_cols, x.element_size(), autotune)
     return y, rstd
 
@@ -373,18 +449,25 @@ def rmsnorm_backward(
     if n_rows == 0 or not (compute_dx or compute_dw):
         return dx, torch.zeros_like(weight) if compute_dw else None
     block_n, single_tile = _block_n(n_cols)
+    # A fixed grid, whatever BLOCK_M the autotuner picks: the partial buffer is allocated before the launch. A
+    # program left without a tile (BLOCK_M > 1 and few rows) writes a partial row of zeros.
     n_programs = min(_multiprocessor_count(x.device.index) * BWD_PROGRAMS_PER_SM, n_rows)
-    rows_per_program = triton.cdiv(n_rows, n_programs)
-    rows_per_program = triton.cdiv(rows_per_program, ROWS_PER_PROGRAM_MULTIPLE) * ROWS_PER_PROGRAM_MULTIPLE
-    n_programs = triton.cdiv(n_rows, rows_per_program)
-    dw_partial = torch.empty((n_programs, n_cols), dtype=torch.float32, device=x.device) if compute_dw else rstd
+    dw_partial = _new_output((n_programs, n_cols), torch.float32, x.device) if compute_dw else rstd
     coef = torch.empty((n_rows,), dtype=torch.float32, device=x.device) if compute_dx and not single_tile else rstd
     dx_arg = dx if compute_dx else x  # never written when COMPUTE_DX is off
     args = (dy, x, weight, rstd, dx_arg, dw_partial, coef, dy.stride(0), x.stride(0), dx_arg.stride(0),
-            n_rows, n_cols, rows_per_program, _rows_key(rows_per_program))
-    meta = dict(BLOCK_N=block_n, SINGLE_TILE=single_tile, COMPUTE_DX=compute_dx, COMPUTE_DW=compute_dw)
+            n_rows, n_cols, _rows_key(triton.cdiv(n_rows, n_programs)))
+    prefetch = _prefetch(block_n, single_tile, max(x.element_size(), dy.element_size()))
+    meta = dict(BLOCK_N=block_n, SINGLE_TILE=single_tile, PREFETCH=prefetch, COMPUTE_DX=compute_dx,
+                COMPUTE_DW=compute_dw)
     _launch("bwd", lambda block_m: (n_programs,), args, meta, n_cols, x.element_size(), autotune)
-    dw = dw_partial.sum(dim=0).to(weight.dtype) if compute_dw else None
+    if not compute_dw:
+        return dx, None
+    # One small launch that sums the partials and rounds to the gain's dtype (torch would take two: sum, cast).
+    dw = _new_output((n_cols,), weight.dtype, x.device)
+    _launcher(rmsnorm_dw_reduce_kernel, autotune)[(triton.cdiv(n_cols, REDUCE_BLOCK_C),)](
+        dw_partial, dw, n_programs, n_cols, BLOCK_P=REDUCE_BLOCK_P, BLOCK_C=REDUCE_BLOCK_C, num_warps=REDUCE_NUM_WARPS
+    )
     return dx, dw
 
 
