@@ -11,6 +11,7 @@ returns the compiled and FlashAttention variants with the same protocol.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -227,16 +228,20 @@ class BasicsTransformerLM(nn.Module):
         self.ln_final = RMSNorm(d_model, device=device, dtype=dtype)
         self.lm_head = Linear(d_model, vocab_size, device=device, dtype=dtype)
         self.checkpoint_group_size = 0
+        self.checkpoint_context_fn: Callable | None = None
 
-    def set_activation_checkpointing(self, group_size: int) -> None:
+    def set_activation_checkpointing(self, group_size: int, context_fn: Callable | None = None) -> None:
         """Recompute activations in backward, in groups of ``group_size`` consecutive blocks (0: off).
 
         Each group runs under ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``: forward keeps
         only each group's input; backward re-runs the group's forward to rebuild what its gradients need.
+        ``context_fn`` goes to ``checkpoint`` as is: with ``create_selective_checkpoint_contexts`` it keeps the
+        outputs of chosen operations too, so that backward does not run them again.
         """
         if group_size < 0:
             raise ValueError(f"group_size must be >= 0, got {group_size}")
         self.checkpoint_group_size = group_size
+        self.checkpoint_context_fn = context_fn
 
     def set_attention(self, attention_fn: AttentionFn) -> None:
         """Make every block use ``attention_fn(Q, K, V, is_causal) -> O``."""
@@ -259,7 +264,8 @@ class BasicsTransformerLM(nn.Module):
         k = self.checkpoint_group_size
         if k and torch.is_grad_enabled():
             for start in range(0, len(self.layers), k):
-                x = checkpoint(_run_blocks, self.layers[start : start + k], x, use_reentrant=False)
+                options = {"context_fn": self.checkpoint_context_fn} if self.checkpoint_context_fn else {}
+                x = checkpoint(_run_blocks, self.layers[start : start + k], x, use_reentrant=False, **options)
         else:
             x = _run_blocks(self.layers, x)
         return self.ln_final(x)

@@ -11,11 +11,16 @@ chosen by name in :class:`Parts`, so that the two stacks the benchmarks race dif
 | ``optimizer`` | ``basics`` (``cs336_basics`` AdamW, a Python loop), ``torch_fused`` / ``torch_foreach`` (``torch.optim.AdamW(fused=True)`` / ``foreach=True``) or ``fused`` (our Triton AdamW) |
 | ``compile`` | ``none``, ``blocks`` (``torch.compile`` of each Transformer block and of the loss head: compiles one block's graph once, whatever the depth) or ``model`` (the whole forward and loss as one graph) |
 | ``checkpointing`` | activation checkpointing group size (0: off; see ``BasicsTransformerLM.set_activation_checkpointing``) |
+| ``keep_attention`` | checkpointed groups keep each attention call's output (and log-sum-exp): selective checkpointing, so backward recomputes the rest of a block but never the attention itself |
+| ``sharding`` | ``none`` (one process, or any data-parallel wrapper around the step), ``ours`` (our FSDP by blocks) or ``fsdp2`` (``fully_shard`` per block and root); sharded stacks hold fp32 master weights and compute in the step's bf16 dtype (no autocast), gradients reduced in fp32 |
 
 :data:`STACKS` names the two compared stacks: ``ours`` (our attention operator, fused RMSNorm, fused
 cross-entropy, fused AdamW, compiled) and ``torch`` (PyTorch's best for the same model: SDPA, the plain RMSNorm
 and cross-entropy compiled, ``torch.optim.AdamW(fused=True)``). Every stack trains the same function: the model's
-input/output behaviour and the AdamW hyper-parameters are the same.
+input/output behaviour and the AdamW hyper-parameters are the same. :data:`SHARDED_STACKS` names the two stacks
+of the 2026 leaderboard step (one sequence per GPU, every block checkpointed): ``ours`` (our FSDP, attention
+operator with its outputs kept, fused RMSNorm, fused cross-entropy, fused AdamW on the shards) and ``pytorch``
+(FSDP2, SDPA, compiled blocks, ``F.cross_entropy`` on the full logits, ``torch.optim.AdamW(fused=True)``).
 
     step = build_training_step(model, STACKS["ours"])
     loss = step(token_ids, targets)                     # one full training step
@@ -41,6 +46,7 @@ from cs336_systems.attention import get_attention
 ADAMW_HYPERPARAMETERS = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 COMPILE_MODES = ("none", "blocks", "model")
 OPTIMIZERS = ("basics", "torch_fused", "torch_foreach", "fused")
+SHARDINGS = ("none", "ours", "fsdp2")
 
 
 @dataclass(frozen=True)
@@ -53,14 +59,23 @@ class Parts:
     optimizer: str = "torch_fused"
     compile: str = "blocks"
     checkpointing: int = 0
+    keep_attention: bool = False
+    sharding: str = "none"
 
     def __post_init__(self):
         for name, value, allowed in (("rmsnorm", self.rmsnorm, ("plain", "fused")), ("loss", self.loss, ("plain", "fused")),
-                                     ("optimizer", self.optimizer, OPTIMIZERS), ("compile", self.compile, COMPILE_MODES)):
+                                     ("optimizer", self.optimizer, OPTIMIZERS), ("compile", self.compile, COMPILE_MODES),
+                                     ("sharding", self.sharding, SHARDINGS)):
             if value not in allowed:
                 raise ValueError(f"unknown {name} {value!r}; choose one of {', '.join(allowed)}")
         if self.checkpointing < 0:
             raise ValueError(f"checkpointing group size must be >= 0, got {self.checkpointing}")
+        if self.keep_attention and not self.checkpointing:
+            raise ValueError("keep_attention selects what checkpointed blocks keep: it needs checkpointing >= 1")
+        if self.sharding != "none" and self.compile == "model":
+            raise ValueError("a sharded step compiles blocks at most (compile='none' or 'blocks')")
+        if self.sharding == "ours" and self.compile != "none":
+            raise ValueError("our FSDP swaps weight views into the blocks on every call: use compile='none' with it")
 
     def with_(self, **changes) -> Parts:
         return replace(self, **changes)
@@ -70,13 +85,26 @@ class Parts:
         changes = {}
         for item in items:
             name, _, value = item.partition("=")
-            changes[name] = int(value) if name == "checkpointing" else value
+            if name == "checkpointing":
+                changes[name] = int(value)
+            elif name == "keep_attention":
+                changes[name] = value.lower() in ("1", "true", "yes")
+            else:
+                changes[name] = value
         return self.with_(**changes)
 
 
 STACKS: dict[str, Parts] = {
     "ours": Parts(attention="triton", rmsnorm="fused", loss="fused", optimizer="fused", compile="blocks"),
     "torch": Parts(attention="sdpa", rmsnorm="plain", loss="plain", optimizer="torch_fused", compile="blocks"),
+}
+
+
+SHARDED_STACKS: dict[str, Parts] = {
+    "ours": Parts(attention="triton", rmsnorm="fused", loss="fused", optimizer="fused", compile="none",
+                  checkpointing=1, keep_attention=True, sharding="ours"),
+    "pytorch": Parts(attention="sdpa", rmsnorm="plain", loss="plain", optimizer="torch_fused", compile="blocks",
+                     checkpointing=1, sharding="fsdp2"),
 }
 
 
@@ -107,33 +135,99 @@ def fused_loss(hidden: Tensor, lm_head: nn.Module, targets: Int[Tensor, "..."]) 
     return fused_linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), lm_head.weight, targets.reshape(-1))
 
 
+def attention_operations() -> set:
+    """The operators whose outputs ``keep_attention`` keeps: our attention forward and SDPA's fused kernels."""
+    import cs336_systems.attention.flash_triton  # noqa: F401  (registers our operator)
+
+    aten = torch.ops.aten
+    return {
+        torch.ops.cs336_systems.flash_attention_forward.default,
+        aten._scaled_dot_product_flash_attention.default,
+        aten._scaled_dot_product_efficient_attention.default,
+        aten._scaled_dot_product_cudnn_attention.default,
+        aten._scaled_dot_product_flash_attention_for_cpu.default,
+    }
+
+
+def keep_attention_context():
+    """``context_fn`` of a checkpoint that keeps attention outputs and recomputes everything else."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    kept = attention_operations()
+
+    def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        return CheckpointPolicy.MUST_SAVE if op in kept else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
 def apply_parts(model: BasicsTransformerLM, parts: Parts) -> BasicsTransformerLM:
-    """Set ``model``'s attention, norms, checkpointing and (for ``compile="blocks"``) compiled blocks, in place."""
+    """Set ``model``'s attention, norms and checkpointing in place (blocks are compiled by the step, after
+    any sharding)."""
     model.set_attention(get_attention(parts.attention))
     if parts.rmsnorm == "fused":
         from cs336_systems.kernels.rmsnorm import use_fused_rmsnorm
 
         use_fused_rmsnorm(model, autocast_output=True)
-    model.set_activation_checkpointing(parts.checkpointing)
-    if parts.compile == "blocks":
-        for block in model.layers:
-            block.compile()
+    model.set_activation_checkpointing(parts.checkpointing, keep_attention_context if parts.keep_attention else None)
     return model
+
+
+class LanguageModelLoss(nn.Module):
+    """``model``'s mean next-token loss: its final hidden states, then ``head(hidden, model.lm_head, targets)``.
+    One module, so that a sharding wrapper sees the whole step's forward (the fused head reads the LM head's
+    weight without calling the module)."""
+
+    def __init__(self, model: BasicsTransformerLM, head: Callable):
+        super().__init__()
+        self.model, self.head = model, head
+
+    def forward(self, token_ids: Int[Tensor, "batch seq"], targets: Int[Tensor, "batch seq"]) -> Tensor:
+        return self.head(self.model.hidden_states(token_ids), self.model.lm_head, targets)
+
+
+def shard(net: LanguageModelLoss, sharding: str, compute_dtype: torch.dtype | None) -> nn.Module:
+    """``net`` sharded over the default process group: our FSDP by blocks, or FSDP2 per block and root (bf16
+    parameters in compute, fp32 gradient reductions, fp32 master weights)."""
+    model = net.model
+    if sharding == "ours":
+        from cs336_systems.parallel.fsdp import FSDP, default_units
+
+        return FSDP(net, compute_dtype=compute_dtype, units=default_units(model))
+    if sharding == "fsdp2":
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        device_type = next(model.parameters()).device.type
+        mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+        policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+        for block in model.layers:
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+        return fully_shard(net, mesh=mesh, mp_policy=policy)
+    return net
 
 
 class TrainingStep:
     """Forward, loss, backward and optimizer step of ``model`` with ``parts`` (see :func:`build_training_step`)."""
 
     def __init__(self, model: BasicsTransformerLM, parts: Parts, autocast_dtype: torch.dtype | None = torch.bfloat16):
-        self.model, self.parts, self.autocast_dtype = model, parts, autocast_dtype
-        self.optimizer = make_optimizer(model.parameters(), parts.optimizer)
+        self.model, self.parts = model, parts
+        sharded = parts.sharding != "none"
+        # Sharded stacks compute in this dtype from fp32 masters (their gathered weights): no autocast.
+        self.autocast_dtype = None if sharded else autocast_dtype
         head = fused_loss if parts.loss == "fused" else plain_loss
+        if parts.compile == "blocks" and not sharded:
+            head = torch.compile(head)  # the blocks are compiled modules (below); the loss head is one more graph
+        self.net = shard(LanguageModelLoss(model, head), parts.sharding, autocast_dtype)
         if parts.compile == "blocks":
-            head = torch.compile(head)  # the blocks are compiled modules (apply_parts); the loss head is one more graph
+            for block in model.layers:
+                block.compile()
+        self.optimizer = make_optimizer(self.net.parameters(), parts.optimizer)
 
         def forward_loss(token_ids: Tensor, targets: Tensor) -> Tensor:
             with self._autocast(token_ids.device):
-                return head(model.hidden_states(token_ids), model.lm_head, targets)
+                return self.net(token_ids, targets)
 
         self.forward_loss = torch.compile(forward_loss) if parts.compile == "model" else forward_loss
 
@@ -147,9 +241,17 @@ class TrainingStep:
         under ``forward``, ``backward`` and ``optimizer``. Returns the loss (detached)."""
         timed = _phase_timer(token_ids.device, phase_seconds)
         loss = timed("forward", lambda: self.forward_loss(token_ids, targets))
-        timed("backward", loss.backward)
+        timed("backward", self._backward(loss))
         timed("optimizer", self._update)
         return loss.detach()
+
+    def _backward(self, loss: Tensor) -> Callable[[], None]:
+        def backward() -> None:
+            loss.backward()
+            if self.parts.sharding == "ours":
+                self.net.finish_gradient_synchronization()
+
+        return backward
 
     def _update(self) -> None:
         self.optimizer.step()
@@ -174,7 +276,8 @@ def build_training_step(
     model: BasicsTransformerLM, parts: Parts | str, autocast_dtype: torch.dtype | None = torch.bfloat16
 ) -> TrainingStep:
     """``model`` (changed in place: attention, norms, checkpointing, compiled blocks) and its training step.
-    ``parts`` is a :class:`Parts` or a name in :data:`STACKS`."""
+    ``parts`` is a :class:`Parts` or a name in :data:`STACKS`. A sharded ``parts`` needs an initialised default
+    process group, and ``model`` on this rank's device with the same weights on every rank."""
     if isinstance(parts, str):
         if parts not in STACKS:
             raise ValueError(f"unknown stack {parts!r}; choose one of {', '.join(STACKS)}")

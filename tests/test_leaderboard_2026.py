@@ -1,0 +1,61 @@
+"""The course's 2026 leaderboard step (``cs336_systems.bench.leaderboard_2026``): FLOP and memory accounting, the
+sharded stacks' parts, the whole composition on gloo ranks under the Triton interpreter (subprocess), and the
+reduced-size check against one process on 2 GPUs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cs336_systems.bench import leaderboard_2026
+from cs336_systems.train import SHARDED_STACKS, STACKS, Parts
+from tests._flash_checks import run_under_interpreter
+from tests._markers import needs_interpreter_numpy
+
+
+def test_help(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        leaderboard_2026.main(["--help"])
+    assert exit_info.value.code == 0 and "--check" in capsys.readouterr().out
+
+
+def test_step_flops_of_the_official_step():
+    # The issue's accounting: ~2.95 PFLOP of weight matmuls and ~2.1 of causal attention.
+    flops = leaderboard_2026.step_flops(leaderboard_2026.MODEL, leaderboard_2026.BATCH)
+    assert flops == pytest.approx(5.0e15, rel=0.03)
+
+
+def test_memory_budget_fits_and_shards():
+    one = leaderboard_2026.memory_budget(leaderboard_2026.MODEL, "ours", world_size=1)
+    two = leaderboard_2026.memory_budget(leaderboard_2026.MODEL, "ours", world_size=2)
+    assert two["params_gb"] == pytest.approx(one["params_gb"] / 2)
+    assert two["optimizer_state_gb"] == pytest.approx(2 * two["params_gb"])
+    assert 8.0e9 * 4 / 2 / 1e9 < two["params_gb"] < 8.3e9 * 4 / 2 / 1e9  # an 8B model: ~16 GB of fp32 per rank
+    assert two["total_gb"] < 130
+    torch_stack = leaderboard_2026.memory_budget(leaderboard_2026.MODEL, "pytorch", world_size=2)
+    assert torch_stack["saved_activations_gb"] == pytest.approx(two["saved_activations_gb"] / 2)
+
+
+def test_sharded_parts_are_checked():
+    with pytest.raises(ValueError, match="keep_attention"):
+        Parts(keep_attention=True)
+    with pytest.raises(ValueError, match="sharding"):
+        Parts(sharding="zero3")
+    with pytest.raises(ValueError, match="compile='none'"):
+        SHARDED_STACKS["ours"].with_(compile="blocks")
+    with pytest.raises(ValueError, match="sharded"):
+        STACKS["torch"].with_(sharding="fsdp2", compile="model")
+    assert Parts().with_overrides(["keep_attention=true", "checkpointing=2"]).keep_attention
+
+
+@needs_interpreter_numpy
+def test_composition_under_interpreter():
+    run_under_interpreter("_leaderboard_2026_interpreter.py")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_reduced_step_matches_one_process_on_two_gpus(capsys):
+    """2 layers, context 4096, the full vocabulary: both stacks against one process, bf16 tolerance."""
+    leaderboard_2026.main(["--check"])
+    assert "check passed" in capsys.readouterr().err
