@@ -281,7 +281,7 @@ def reference_step(config: dict[str, int], device: torch.device, compute_dtype: 
     model.set_attention(get_attention("sdpa"))
     for module in list(model.modules()):
         if "weight" in module._parameters:
-            parametrize.register_parametrization(module, "weight", CastTo(compute_dtype))
+            parametrize.register_parametrization(module, "weight", CastTo(compute_dtype), unsafe=True)
     optimizer = torch.optim.AdamW(model.parameters(), **ADAMW_HYPERPARAMETERS)
     x, y = batch_of_rank(config, device, 0, 1, batch)
     loss = plain_loss(model.hidden_states(x), model.lm_head, y)
