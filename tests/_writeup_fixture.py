@@ -207,31 +207,47 @@ def all_reduce() -> list[dict]:
     return rows
 
 
+GRAD_BYTES = 7_992_940_800  # the xl model's fp32 gradients
+
+
 def ddp_benchmarking(figures: Path) -> list[dict]:
+    """Every variant in fp32 and bf16, each with the local step of its own launch (``compute_ms``); bf16 local
+    steps differ between launches, as on the GPUs."""
     rows = []
-    cases = [("local", None, 600.0, 0.0, 0.0), ("naive", None, 900.0, 300.0, 300.0),
-             ("flat", None, 800.0, 200.0, 200.0), ("overlap", None, 700.0, 300.0, 60.0),
-             ("torch_ddp", None, 680.0, 250.0, 40.0)]
-    cases += [(f"bucketed_{mb}mb", mb, 650.0 + abs(mb - 100) / 10, 250.0, 30.0) for mb in (1, 10, 100, 1000)]
-    for variant, mb, step, comm, exposed in cases:
-        config = {"variant": variant, "dtype": "fp32", "size": "xl", "world_size": 2}
-        measured = {"bucket_mb": None if mb is None else float(mb), "step_ms": step, "comm_ms": comm,
-                    "exposed_ms": exposed, "compute_ms": step - exposed}
-        if variant in ("naive", "bucketed_100mb"):
-            measured["trace_figure"] = png(figures / f"ddp_overlap_{variant}_fp32.png")
-        rows.append(row("ddp_benchmarking", config, measured, gpus=2, gpu="NVIDIA H200"))
+    calls = {"local": 0, "naive": 435, "flat": 1, "overlap": 435, "torch_ddp": None,
+             "bucketed_1mb": 435, "bucketed_10mb": 339, "bucketed_100mb": 98, "bucketed_1000mb": 8}
+    for dtype, local, scale in (("fp32", 600.0, 1.0), ("bf16", 250.0, 0.5)):
+        cases = [("local", None, 0.0, 0.0), ("naive", None, 300.0, 300.0), ("flat", None, 200.0, 200.0),
+                 ("overlap", None, 60.0, 60.0), ("torch_ddp", None, None, 40.0)]
+        cases += [(f"bucketed_{mb}mb", mb, 20.0, 30.0 + abs(mb - 100) / 10) for mb in (1, 10, 100, 1000)]
+        for i, (variant, mb, comm, exposed) in enumerate(cases):
+            compute = local + (i % 3) * 10.0 * (dtype == "bf16")  # bf16: the local step varies between launches
+            config = {"variant": variant, "dtype": dtype, "size": "xl", "world_size": 2}
+            measured = {"bucket_mb": None if mb is None else float(mb), "step_ms": compute + exposed * scale,
+                        "comm_ms": None if comm is None else comm * scale, "exposed_ms": exposed * scale,
+                        "compute_ms": compute, "n_buckets": calls[variant], "grad_bytes": GRAD_BYTES}
+            if variant in ("naive", "bucketed_100mb"):
+                measured["trace_figure"] = png(figures / f"ddp_overlap_{variant}_{dtype}.png")
+                measured["trace_overlap_share"] = 0.0 if variant == "naive" else 0.9
+                measured["trace_comm_busy_ms"] = 50.0
+            rows.append(row("ddp_benchmarking", config, measured, gpus=2, gpu="NVIDIA H200"))
     return rows
 
 
 def optimizer_state_sharding_accounting() -> list[dict]:
     rows = []
-    for optimizer, state in (("adamw", 16.0), ("sharded", 8.0), ("zero_redundancy", 8.0)):
-        breakdown = {stage: {"parameters": 8.0, "gradients": 8.0 if stage != "after_init" else 0.0,
-                             "optimizer_state": state if stage == "after_step" else 0.0, "activations": 1.0}
-                     for stage in ("after_init", "before_step", "after_step")}
-        rows.append(row("optimizer_state_sharding_accounting", {"optimizer": optimizer, "size": "xl", "world_size": 2},
-                        {"step_ms": 700.0 + state, "peak_gb": 17.0 + state, "memory": breakdown},
-                        gpus=2, gpu="NVIDIA H200"))
+    for dtype, activations in (("fp32", 34.0), ("bf16", 26.0)):
+        for optimizer, state in (("adamw", 16.0), ("sharded", 8.0), ("zero_redundancy", 8.0)):
+            memory = {stage: {"params_gb": 8.0, "grads_gb": 8.0 if stage != "after_init" else 0.0,
+                              "optimizer_state_gb": state if stage != "after_init" else 0.0,
+                              "peak_gb": 16.0 + state + (activations if stage == "before_step" else 0.0)}
+                      for stage in ("after_init", "before_step", "after_step")}
+            rows.append(row("optimizer_state_sharding_accounting",
+                            {"optimizer": optimizer, "dtype": dtype, "size": "xl", "world_size": 2, "ddp": "bucketed_100mb",
+                             "context_length": 512, "batch_size": 4},
+                            {"step_ms": (700.0 if dtype == "fp32" else 300.0) + state, "steps": 5,
+                             "peak_gb": 16.0 + state + activations, "peak_at": "before_step",
+                             "optimizer_state_gb": state, "memory": memory}, gpus=2, gpu="NVIDIA H200"))
     return rows
 
 
@@ -241,16 +257,28 @@ def fsdp_accounting(figures: Path) -> list[dict]:
                                     "world_size": 2, "dtype": dtype, "backend": "nccl"},
                 {"max_abs_diff": 0.0, "bit_exact": True, "passed": True, "steps": 3}, **h200)
             for dtype in ("fp32", "bf16")]
-    for impl, step, peak, state in (("ddp", 350.0, 50.8, 24.5), ("fsdp2", 387.0, 39.3, 20.4), ("ours", 635.0, 39.3, 20.4)):
+    # A row of the earlier FSDP (per Linear layer, before the `checkpointing` key): the writeup leaves it out.
+    old = row("fsdp_accounting", {"measure": "step", "impl": "ours", "size": "xl", "context_length": 512,
+                                  "world_size": 2, "dtype": "bf16", "batch_per_rank": 4},
+              {"step_ms": 999.0, "peak_gb": 99.0, "state_gb": 20.4, "local_params": 999_117_600}, **h200)
+    old["env"] = {**old["env"], "date": "2026-11-21T16:00:00Z"}
+    rows.append(old)
+    cases = [(0, "ddp", 300.0, 50.8, 24.5, 1_998_235_200), (0, "fsdp2", 400.0, 31.1, 12.3, 999_117_600),
+             (0, "ours", 320.0, 30.8, 12.1, 999_117_600), (1, "fsdp2", 660.0, 17.1, 12.3, 999_117_600),
+             (1, "ours", 363.0, 16.9, 12.1, 999_117_600)]
+    for checkpointing, impl, step, peak, state, local in cases:
         rows.append(row("fsdp_accounting", {"measure": "step", "impl": impl, "size": "xl", "context_length": 512,
-                                            "world_size": 2, "dtype": "bf16"},
-                        {"batch_per_rank": 4, "step_ms": step, "peak_gb": peak, "state_gb": state,
-                         "expected_state_gb": 32.0 if impl == "ddp" else 16.0}, **h200))
+                                            "world_size": 2, "dtype": "bf16", "batch_per_rank": 4,
+                                            "checkpointing": checkpointing},
+                        {"step_ms": step, "mean_ms": step * 1.02, "std_ms": step * 0.1, "peak_gb": peak,
+                         "state_gb": state, "params": 1_998_235_200, "local_params": local, "steps": 10,
+                         "expected_state_gb": 16 * local / 1e9}, **h200))
     rows.append(row("fsdp_accounting", {"measure": "timeline", "impl": "ours", "size": "xl", "world_size": 2,
-                                        "dtype": "bf16"},
-                    {"compute_ms": 185.0, "comm_ms": 46.0, "reduce_scatters": 338, "forward_gathers": 338,
-                     "forward_gathers_exposed": 0, "forward_stall_ms": 0.0, "backward_gathers": 337,
-                     "backward_gathers_exposed": 1, "backward_stall_ms": 0.5,
+                                        "dtype": "bf16", "context_length": 512, "batch_per_rank": 4},
+                    {"span_ms": 480.0, "compute_ms": 225.0, "comm_ms": 440.0, "comm_hidden_ms": 200.0,
+                     "comm_exposed_ms": 240.0, "reduce_scatters": 50, "forward_gathers": 50,
+                     "forward_gathers_exposed": 40, "forward_stall_ms": 160.0, "backward_gathers": 48,
+                     "backward_gathers_exposed": 48, "backward_stall_ms": 207.0,
                      "figure": png(figures / "fsdp_timeline.png")}, **h200))
     return rows
 

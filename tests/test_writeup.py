@@ -71,6 +71,19 @@ def test_builds_every_section_from_the_fixture(tmp_path, fixture_results):
     # The cold-start rows name only their GPU; the 12,345-token call is the first of the one-pass backward.
     assert data["flash_cold_start"]["env"] == "NVIDIA H200"
     assert data["flash_cold_start"]["n"]["switch"] == "12,345"
+    # DDP: per dtype, against PyTorch's DDP of the same dtype; the overhead model at the rows' numbers of calls.
+    bucketed = data["ddp_bucketed_benchmarking"]["n"]
+    assert (bucketed["fp32"]["best_mb"], bucketed["fp32"]["best_vs_torch"]) == ("100", f"{630 / 640:.3f}×")
+    assert bucketed["small_calls"] == "435" and bucketed["bf16"]["fit_o_us"] != "–"
+    # Optimizer-state sharding: fp32 and bf16, each against AdamW and ZeRO of its own dtype.
+    sharding = data["optimizer_state_sharding_accounting"]["n"]
+    assert sharding["fp32"]["measured_saving"] == "8.0" and sharding["bf16"]["vs_zero"] == "1.000×"
+    # FSDP: only the rows with a `checkpointing` key (the earlier per-Linear FSDP's row stays out, and out of the
+    # environment line), ratios to FSDP2 checkpointed alike.
+    fsdp = data["fsdp_accounting"]
+    assert (fsdp["n"]["plain"]["vs_fsdp2"], fsdp["n"]["ckpt"]["vs_fsdp2"]) == ("0.80×", f"{363 / 660:.2f}×")
+    assert not any("999.0" in cell for r in fsdp["tables"]["main"]["rows"] for cell in r)
+    assert "2026-11-21" not in fsdp["env"] and fsdp["n"]["has_check"]
 
 
 def test_a_missing_results_file_fails_naming_it(tmp_path, fixture_results, capsys):

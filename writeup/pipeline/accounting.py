@@ -8,6 +8,8 @@ import re
 import statistics
 from typing import Any
 
+from cs336_systems.bench.common import allreduce_fit
+
 FP32, BF16 = 4, 2
 
 
@@ -134,9 +136,14 @@ def communication_accounting(d_model: int = XXL["d_model"], d_ff: int = XXL["d_f
 
 
 def fit_latency_bandwidth(sizes_bytes: list[float], seconds: list[float]) -> tuple[float, float]:
-    """Least-squares ``t = o + size / w``: returns ``(o seconds, w bytes/s)``."""
-    slope, intercept = statistics.linear_regression(sizes_bytes, seconds)
-    return max(intercept, 0.0), 1.0 / slope
+    """``t = o + size / w`` fitted to all-reduce times: returns ``(o seconds, w bytes/s)``.
+
+    The fit of ``cs336_systems.bench.common.allreduce_fit`` (least squares on relative errors, so 1 MB weighs as
+    much as 1 GB), which ``python -m cs336_systems.bench.ddp_overhead_model`` uses too: the writeup and the tool
+    print the same ``o`` and ``w``.
+    """
+    fit = allreduce_fit.fit_latency_bandwidth(sizes_bytes, seconds)
+    return fit.alpha_s, fit.beta_bytes_per_s
 
 
 def ddp_overhead(total_bytes: float, bandwidth: float, per_call: float, n_buckets: float) -> float:

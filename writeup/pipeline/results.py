@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -80,8 +81,10 @@ class Results:
     def path(self, name: str) -> Path:
         return self.results_dir / name
 
-    def rows(self, problem: str, one_device: bool = True) -> list[dict[str, Any]]:
-        """Latest row per configuration of ``<problem>.jsonl``; only the main device's rows if ``one_device``.
+    def rows(self, problem: str, one_device: bool = True,
+             keep: Callable[[list[dict[str, Any]]], list[dict[str, Any]]] | None = None) -> list[dict[str, Any]]:
+        """Latest row per configuration of ``<problem>.jsonl``; only the main device's rows if ``one_device``;
+        only those ``keep`` returns, if given (the rows a section leaves out stay out of its environment line).
 
         Raises :class:`Missing` naming the file when it does not exist.
         """
@@ -89,6 +92,8 @@ class Results:
         if one_device:
             device = main_device(rows)
             rows = [row for row in rows if row.get("device", "") == device]
+        if keep is not None:
+            rows = keep(rows)
         self.used.extend(rows)
         return rows
 

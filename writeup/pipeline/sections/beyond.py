@@ -3,7 +3,6 @@ FlashAttention optimisation log."""
 
 from __future__ import annotations
 
-import math
 import re
 from typing import Any
 

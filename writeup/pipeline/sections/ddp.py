@@ -7,8 +7,9 @@ import math
 from typing import Any
 
 from cs336_basics.model import MODEL_SIZES
+from cs336_systems.bench.ddp_overhead_model import fit_overhead_model
 from pipeline import accounting, figures
-from pipeline.markup import DASH, num, pct, sci_parts, sig, table, times
+from pipeline.markup import DASH, num, pct, sci_parts, sig, span, table, times
 from pipeline.results import Missing
 from pipeline.sections.registry import Output, problem
 
@@ -111,31 +112,46 @@ def naive_ddp(res, out: Output) -> dict[str, Any]:
 # The DDP benchmarks (XL model, 2 GPUs)
 # -----------------------------------------------------------------------------------------------
 
-VARIANT_ORDER = ["naive", "flattened", "overlapped", "bucketed", "torch_ddp"]
+VARIANT_ORDER = ["naive", "flattened", "overlapped", "bucketed", "torch_ddp", "local"]
+DTYPE_ORDER = ["fp32", "bf16"]
 VARIANT_LABEL = {"naive": "naive (per parameter)", "flattened": "flattened (one all-reduce)",
-                 "overlapped": "overlapped (per parameter)", "bucketed": "bucketed", "torch_ddp": "PyTorch DDP"}
+                 "overlapped": "overlapped (per parameter)", "bucketed": "bucketed", "torch_ddp": "PyTorch DDP",
+                 "local": "one GPU alone (no communication)"}
+DDP_FILE = "writeup/results/ddp_benchmarking.jsonl"
+
+# The independent check of the bucketed / PyTorch DDP ratio. scripts/ddp_ratio_check.py times both in its own plain
+# loop on the same ranks, alternating rounds, and prints the ratio of their median steps; it writes no results row,
+# so its printout is transcribed here (the configuration of the ddp_benchmarking rows, bucketed 100 MiB).
+RATIO_CHECK = {"bucket_mb": 100.0, "ratios": {"fp32": 0.992, "bf16": 1.006},
+               "where": "2× NVIDIA H200, commit c043a0f, 2026-11-23"}
 
 
 def variant_of(name: str) -> str:
     name = name.lower()
     for key, fragments in (("torch_ddp", ("torch", "pytorch")), ("flattened", ("flat",)), ("bucketed", ("bucket",)),
-                           ("overlapped", ("overlap", "individual")), ("naive", ("naive",))):
+                           ("overlapped", ("overlap", "individual")), ("naive", ("naive",)), ("local", ("local",))):
         if any(f in name for f in fragments):
             return key
     return name
 
 
+def _order(values: list[str], value: Any) -> int:
+    return values.index(value) if value in values else len(values)
+
+
 def load_ddp(res) -> list[dict[str, Any]]:
-    """Rows ``{variant, dtype, step_ms, comm_ms, exposed_ms}`` (+ ``bucket_size_mb`` from ``bucket_mb``,
-    ``figure`` from ``trace_figure``), ``variant`` normalised to :data:`VARIANT_ORDER`."""
+    """Rows ``{variant, dtype, step_ms, compute_ms, comm_ms, exposed_ms, n_buckets, grad_bytes}`` (+
+    ``bucket_size_mb`` from ``bucket_mb``, ``figure`` from ``trace_figure``), ``variant`` normalised to
+    :data:`VARIANT_ORDER`. Every variant ran on freshly spawned ranks that first timed the step without
+    communication (``local``): ``compute_ms`` is that launch's local step and ``exposed_ms = step_ms - compute_ms``."""
     rows = []
     for row in res.rows("ddp_benchmarking"):
         row = dict(row, variant=variant_of(row["variant"]), bucket_size_mb=row.get("bucket_mb"))
         if row.get("trace_figure"):  # a path on the GPU machine; Output.existing falls back to the figures dir
             row["figure"] = row["trace_figure"]
         rows.append(row)
-    return sorted(rows, key=lambda r: (VARIANT_ORDER.index(r["variant"]) if r["variant"] in VARIANT_ORDER else 99,
-                                       r.get("dtype", ""), r.get("bucket_size_mb") or 0))
+    return sorted(rows, key=lambda r: (_order(VARIANT_ORDER, r["variant"]), _order(DTYPE_ORDER, r.get("dtype")),
+                                       r.get("bucket_size_mb") or 0))
 
 
 def ddp_setup(rows: list[dict[str, Any]]) -> str:
@@ -145,41 +161,69 @@ def ddp_setup(rows: list[dict[str, Any]]) -> str:
     return ", ".join(parts) or "xl model, 2 GPUs"
 
 
+def variant_label(r: dict[str, Any]) -> str:
+    label = VARIANT_LABEL.get(r["variant"], r["variant"])
+    return label + (f", {r['bucket_size_mb']:g} MiB" if r.get("bucket_size_mb") is not None else "")
+
+
+def exposed_of(r: dict[str, Any]) -> float | None:
+    return r.get("exposed_ms") if r.get("exposed_ms") is not None else r.get("comm_ms")
+
+
 def ddp_table(rows: list[dict[str, Any]], caption: str) -> dict[str, Any]:
     body = []
     for r in rows:
-        label = VARIANT_LABEL.get(r["variant"], r["variant"])
-        if r.get("bucket_size_mb") is not None:
-            label += f", {r['bucket_size_mb']:g} MiB"
         if r.get("oom"):
-            body.append([label, r.get("dtype", DASH), "OOM", DASH, DASH, DASH])
+            body.append([variant_label(r), r.get("dtype", DASH), "OOM", DASH, DASH, DASH, DASH])
             continue
-        step, comm, exposed = r.get("step_ms"), r.get("comm_ms"), r.get("exposed_ms")
-        body.append([label, r.get("dtype", DASH), num(step), num(comm), num(exposed),
-                     pct((exposed if exposed is not None else comm) / step if step else None)])
-    return table(["variant", "dtype", "step (ms)", "communication (ms)", "exposed (ms)", "exposed share"], body,
-                 caption, align=["left", "left", "right", "right", "right", "right"])
+        step, exposed = r.get("step_ms"), exposed_of(r)
+        body.append([variant_label(r), r.get("dtype", DASH), num(step), num(r.get("compute_ms")), num(r.get("comm_ms")),
+                     num(exposed), pct(exposed / step if step and exposed is not None else None)])
+    return table(["variant", "dtype", "step (ms)", "local (ms)", "communication (ms)", "exposed (ms)", "exposed share"],
+                 body, caption, align=["left", "left", "right", "right", "right", "right", "right"], size=8)
 
 
-def by_variant(rows: list[dict[str, Any]], variant: str) -> list[dict[str, Any]]:
-    return [r for r in rows if r["variant"] == variant and not r.get("oom")]
+def by_variant(rows: list[dict[str, Any]], variant: str, dtype: str | None = None) -> list[dict[str, Any]]:
+    return [r for r in rows if r["variant"] == variant and not r.get("oom") and (dtype is None or r.get("dtype") == dtype)]
 
 
-def ddp_numbers(rows: list[dict[str, Any]], variant: str) -> dict[str, str]:
-    """Step time and communication share of ``variant`` (its fp32 row if there is one, else its first)."""
-    found = by_variant(rows, variant)
+def ddp_numbers(rows: list[dict[str, Any]], variant: str, dtype: str = "fp32") -> dict[str, Any]:
+    """Step time, communication and its share of ``variant``'s ``dtype`` row (the first, for bucketed)."""
+    found = by_variant(rows, variant, dtype)
     if not found:
-        raise Missing("writeup/results/ddp_benchmarking.jsonl", f"no {variant!r} rows")
-    row = next((r for r in found if r.get("dtype") in ("fp32", "float32")), found[0])
-    exposed = row.get("exposed_ms") if row.get("exposed_ms") is not None else row.get("comm_ms")
+        raise Missing(DDP_FILE, f"no {variant!r} rows in {dtype}")
+    row = found[0]
+    exposed = exposed_of(row)
     return {"step": num(row["step_ms"]), "comm": num(row.get("comm_ms")), "exposed": num(exposed),
+            "local": num(row.get("compute_ms")), "calls": str(row.get("n_buckets") or DASH),
             "share": pct(exposed / row["step_ms"] if exposed is not None else None),
             "comm_share": pct(row["comm_ms"] / row["step_ms"] if row.get("comm_ms") is not None else None),
+            "overlap_share": pct(row.get("trace_overlap_share")), "trace_busy": num(row.get("trace_comm_busy_ms")),
             "dtype": str(row.get("dtype", "")), "_step": row["step_ms"]}
 
 
-CAPTION = ("{setup}: time per training step and time spent communicating gradients (mean over the timed steps); "
-           "exposed: communication not hidden behind the backward pass (after it ends, before the optimizer step).")
+def per_dtype(rows: list[dict[str, Any]], variant: str) -> dict[str, dict[str, Any]]:
+    return {dtype: ddp_numbers(rows, variant, dtype) for dtype in DTYPE_ORDER}
+
+
+def local_spread(rows: list[dict[str, Any]]) -> dict[str, str]:
+    """How much the step without communication (each launch's ``local``) varied between launches, per dtype."""
+    out = {}
+    for dtype in DTYPE_ORDER:
+        local = [r["compute_ms"] for r in rows if r.get("dtype") == dtype and r.get("compute_ms") is not None]
+        out[f"{dtype}_lo"], out[f"{dtype}_hi"] = num(min(local, default=None), 0), num(max(local, default=None), 0)
+    return out
+
+
+def grad_gb(rows: list[dict[str, Any]]) -> str:
+    grad = next((r["grad_bytes"] for r in rows if r.get("grad_bytes")), None)
+    return num(grad / 1e9, 2) if grad else DASH
+
+
+CAPTION = ("{setup}: time per training step (median over the timed steps) and the device time from the end of the "
+           "backward pass to the end of the gradient synchronisation (communication). Every variant runs on freshly "
+           "spawned ranks, which first time the same step without communication (local); exposed = step − local of "
+           "the same launch (PyTorch DDP waits inside backward, so only its exposed time is known).")
 
 
 @problem("naive_ddp_benchmarking")
@@ -187,95 +231,178 @@ def naive_ddp_benchmarking(res, out: Output) -> dict[str, Any]:
     rows = load_ddp(res)
     naive = by_variant(rows, "naive")
     return {"tables": {"main": ddp_table(naive, CAPTION.format(setup=ddp_setup(rows)))},
-            "n": ddp_numbers(rows, "naive")}
+            "n": {**per_dtype(rows, "naive"), **local_spread(rows), "grad_gb": grad_gb(rows)}}
 
 
 @problem("minimal_ddp_flat_benchmarking")
 def minimal_ddp_flat_benchmarking(res, out: Output) -> dict[str, Any]:
     rows = load_ddp(res)
-    naive, flat = ddp_numbers(rows, "naive"), ddp_numbers(rows, "flattened")
+    naive, flat = per_dtype(rows, "naive"), per_dtype(rows, "flattened")
     shown = [r for r in rows if r["variant"] in ("naive", "flattened")]
     return {"tables": {"main": ddp_table(shown, CAPTION.format(setup=ddp_setup(rows)))},
-            "n": {"naive": naive, "flat": flat, "speedup": times(naive["_step"] / flat["_step"])}}
+            "n": {"naive": naive, "flat": flat,
+                  "speedup": {d: times(naive[d]["_step"] / flat[d]["_step"]) for d in DTYPE_ORDER}}}
+
+
+def trace_figures(out: Output, rows: list[dict[str, Any]]) -> list[dict[str, str]]:
+    return [out.existing(r["figure"], f"Profiler timeline of one training step, {variant_label(r)}"
+                         f"{', ' + r['dtype'] if r.get('dtype') else ''}: compute stream above, NCCL below.")
+            for r in rows if r.get("figure")]
 
 
 @problem("ddp_overlap_individual_parameters_benchmarking")
 def ddp_overlap_individual_parameters_benchmarking(res, out: Output) -> dict[str, Any]:
     rows = load_ddp(res)
     shown = [r for r in rows if r["variant"] in ("naive", "flattened", "overlapped", "torch_ddp")]
-    traces = [r for r in rows if r.get("figure") and r["variant"] in ("naive", "flattened", "overlapped")]
-    if not traces:
-        raise Missing("writeup/results/ddp_benchmarking.jsonl", "no profiler-trace figure rows (key 'figure')")
-    figs = [out.existing(r["figure"], f"Profiler timeline of one training step, {VARIANT_LABEL[r['variant']]}"
-                         f"{', ' + r['dtype'] if r.get('dtype') else ''}: compute stream above, NCCL below.")
-            for r in traces]
-    numbers = {v: ddp_numbers(rows, v) for v in ("naive", "flattened", "overlapped")}
-    torch_rows = by_variant(rows, "torch_ddp")
-    return {"tables": {"main": ddp_table(shown, CAPTION.format(setup=ddp_setup(rows)))}, "figures": figs,
-            "n": {**numbers, "has_torch": bool(torch_rows),
-                  "torch": ddp_numbers(rows, "torch_ddp") if torch_rows else {},
-                  "speedup": times(numbers["naive"]["_step"] / numbers["overlapped"]["_step"])}}
+    # The traced steps: naive, and an overlapped variant (bucketed, which overlaps as the per-parameter one does).
+    traced = [r for r in rows if r.get("figure")]
+    naive_traces = [r for r in traced if r["variant"] == "naive"]
+    overlap_traces = [r for r in traced if r["variant"] in ("overlapped", "bucketed")]
+    if not naive_traces or not overlap_traces:
+        raise Missing(DDP_FILE, "profiler-trace figures (key 'trace_figure') of naive and of an overlapped variant")
+    overlap_trace = {d: next((r for r in overlap_traces if r.get("dtype") == d), None) for d in DTYPE_ORDER}
+    numbers = {v: per_dtype(rows, v) for v in ("naive", "flattened", "overlapped", "torch_ddp")}
+    return {"tables": {"main": ddp_table(shown, CAPTION.format(setup=ddp_setup(rows)))},
+            "figures": trace_figures(out, naive_traces + overlap_traces),
+            "n": {**numbers, "torch": numbers["torch_ddp"],
+                  "speedup": {d: times(numbers["naive"][d]["_step"] / numbers["overlapped"][d]["_step"])
+                              for d in DTYPE_ORDER},
+                  "vs_torch": {d: times(numbers["overlapped"][d]["_step"] / numbers["torch_ddp"][d]["_step"])
+                               for d in DTYPE_ORDER},
+                  "naive_overlap": pct(naive_traces[0].get("trace_overlap_share")),
+                  "traced": variant_label(overlap_traces[0]),
+                  "trace": {d: {"overlap": pct(r and r.get("trace_overlap_share")),
+                                "busy": num(r and r.get("trace_comm_busy_ms"))} for d, r in overlap_trace.items()}}}
+
+
+def overhead_fits(bucketed: list[dict[str, Any]], collective: list[dict[str, Any]]) -> dict[str, Any]:
+    """The overhead model's ``o`` and ``w`` from the NCCL all-reduce rows, and the same model fitted to the measured
+    exposed times of each dtype (``n_b`` is each row's number of all-reduce calls, ``s`` its gradient bytes)."""
+    per_call, bandwidth = accounting.fit_latency_bandwidth([r["size_mb"] * 1e6 for r in collective],
+                                                           [r["time_ms"] / 1e3 for r in collective])
+    fitted = {}
+    for dtype in DTYPE_ORDER:
+        series = [r for r in bucketed if r.get("dtype") == dtype and r.get("n_buckets") and exposed_of(r) is not None]
+        try:
+            fitted[dtype] = fit_overhead_model([r["n_buckets"] for r in series], [r["grad_bytes"] for r in series],
+                                               [exposed_of(r) / 1e3 for r in series])
+        except ValueError:  # fewer than two sizes, or an exposed time at or below zero (noise)
+            fitted[dtype] = None
+    return {"per_call": per_call, "bandwidth": bandwidth, "fitted": fitted}
 
 
 @problem("ddp_bucketed_benchmarking")
 def ddp_bucketed_benchmarking(res, out: Output) -> dict[str, Any]:
     rows = load_ddp(res)
     bucketed = [r for r in by_variant(rows, "bucketed") if r.get("bucket_size_mb") is not None]
-    if not bucketed:
-        raise Missing("writeup/results/ddp_benchmarking.jsonl", "no bucketed rows with bucket_size_mb")
+    if not {r.get("dtype") for r in bucketed} >= set(DTYPE_ORDER):
+        raise Missing(DDP_FILE, f"bucketed rows with bucket_mb in {' and '.join(DTYPE_ORDER)}")
+    if any(not r.get("n_buckets") or not r.get("grad_bytes") for r in bucketed):
+        raise Missing(DDP_FILE, "bucketed rows without n_buckets or grad_bytes (the overhead model's n_b and s)")
     reference = [r for r in rows if r["variant"] in ("overlapped", "torch_ddp") and not r.get("oom")]
     tab = ddp_table(bucketed + reference, CAPTION.format(setup=ddp_setup(rows)))
-    dtype = bucketed[0].get("dtype")
-    series = sorted((r for r in bucketed if r.get("dtype") == dtype), key=lambda r: r["bucket_size_mb"])
-    best = min(series, key=lambda r: r["step_ms"])
+    series = {d: sorted((r for r in bucketed if r.get("dtype") == d), key=lambda r: r["bucket_size_mb"])
+              for d in DTYPE_ORDER}
+    torch_ms = {d: ddp_numbers(rows, "torch_ddp", d)["_step"] for d in DTYPE_ORDER}
 
-    # The overhead model's constants: s from the model, w and o fitted on the NCCL all-reduce of the same world size.
+    # The overhead model: s from the rows, o and w fitted on the NCCL all-reduce of the same world size.
     size = rows[0].get("size", "xl")
     world = rows[0].get("world_size", 2)
     params = accounting.parameter_count(vocab_size=10_000, **MODEL_SIZES[size])
-    grad_bytes = params * accounting.FP32
+    grad_bytes = bucketed[0]["grad_bytes"]
     collective = [r for r in load_all_reduce(res) if r["backend"] == "nccl" and r["world_size"] == world]
     if len(collective) < 2:
         raise Missing("writeup/results/distributed_communication_single_node.jsonl",
                       f"NCCL rows for {world} processes (the overhead model's bandwidth and latency)")
-    per_call, bandwidth = accounting.fit_latency_bandwidth([r["size_mb"] * 1e6 for r in collective],
-                                                           [r["time_ms"] / 1e3 for r in collective])
+    fits = overhead_fits(bucketed, collective)
+    per_call, bandwidth, fitted = fits["per_call"], fits["bandwidth"], fits["fitted"]
     optimum = accounting.optimal_bucket(grad_bytes, bandwidth, per_call)
-    fig, axes = figures.new(5.0, 2.6)
-    ax = axes[0]
-    ax.plot([r["bucket_size_mb"] for r in series], [r["step_ms"] for r in series], marker="o", label="measured step")
-    for r in reference:
-        if r.get("dtype") == dtype:
-            ax.axhline(r["step_ms"], ls=":", color="gray")
-            ax.annotate(VARIANT_LABEL.get(r["variant"], r["variant"]), (series[0]["bucket_size_mb"], r["step_ms"]),
-                        fontsize=7, color="gray", va="bottom")
-    ax.axvline(optimum["bucket_bytes"] / 2**20, color="k", ls="--", lw=0.8, label="model optimum b*")
-    ax.set_xscale("log")
-    ax.set_xticks([r["bucket_size_mb"] for r in series])
-    ax.set_xticklabels([f"{r['bucket_size_mb']:g}" for r in series])
-    ax.minorticks_off()
-    ax.set_xlabel("bucket size (MiB)")
-    ax.set_ylabel("step (ms)")
-    ax.legend(fontsize=7)
-    figure = out.save(fig, "ddp_bucketed", f"Step time against bucket size ({dtype}), with the overhead model's "
-                      "optimum.")
-    model_overheads = {r["bucket_size_mb"]: accounting.ddp_overhead(
-        grad_bytes, bandwidth, per_call, max(1.0, grad_bytes / (r["bucket_size_mb"] * 2**20))) for r in series}
+    model_ms = lambda n_b: accounting.ddp_overhead(grad_bytes, bandwidth, per_call, n_b) * 1e3
+    sizes = sorted({r["bucket_size_mb"] for r in bucketed})
+
+    fig, axes = figures.new(6.5, 2.7, ncols=2)
+    colors = {"fp32": "C0", "bf16": "C1"}
+    for dtype, pts in series.items():
+        mb = [r["bucket_size_mb"] for r in pts]
+        axes[0].plot(mb, [r["step_ms"] / torch_ms[dtype] for r in pts], marker="o", color=colors[dtype], label=dtype)
+        axes[1].plot(mb, [exposed_of(r) for r in pts], marker="o", color=colors[dtype], label=f"measured, {dtype}")
+        if fitted[dtype] is not None:
+            axes[1].plot(mb, [fitted[dtype].overhead_s(r["grad_bytes"], r["n_buckets"]) * 1e3 for r in pts], ls=":",
+                         color=colors[dtype], label=f"model fitted, {dtype}")
+    model_pts = series[DTYPE_ORDER[0]]
+    axes[1].plot([r["bucket_size_mb"] for r in model_pts], [model_ms(r["n_buckets"]) for r in model_pts], ls="--",
+                 color="k", marker="x", label="model, all-reduce fit")
+    axes[0].axhline(1.0, ls=":", color="gray")
+    axes[0].annotate("PyTorch DDP", (sizes[0], 1.0), fontsize=7, color="gray", va="bottom")
+    axes[1].axvline(optimum["bucket_bytes"] / 2**20, color="k", ls="-", lw=0.6)
+    axes[1].annotate("b*", (optimum["bucket_bytes"] / 2**20, 0), fontsize=7, va="bottom", ha="left")
+    for ax, label in zip(axes, ("step / PyTorch DDP step", "exposed communication (ms)")):
+        ax.set_xscale("log")
+        ax.set_xticks(sizes)
+        ax.set_xticklabels([f"{s:g}" for s in sizes])
+        ax.minorticks_off()
+        ax.set_xlabel("bucket size (MiB)")
+        ax.set_ylabel(label)
+    axes[0].legend(fontsize=7)
+    axes[1].legend(fontsize=6)
+    figure = out.save(fig, "ddp_bucketed", "Bucketed DDP against bucket size: step time relative to PyTorch's DDP "
+                      "of the same dtype (left); exposed communication measured, predicted by the overhead model from "
+                      "the all-reduce fit at the measured number of buckets, and the model fitted to the measured times "
+                      "(right); b*: the model's optimum.")
+
+    model_rows = []
+    for mb in sizes:
+        at = {d: next((r for r in series[d] if r["bucket_size_mb"] == mb), None) for d in DTYPE_ORDER}
+        calls = next(r["n_buckets"] for r in at.values() if r)
+        cells = [f"{mb:g}", str(calls), num(grad_bytes / (mb * 2**20), 0), num(model_ms(calls), 1)]
+        for d in DTYPE_ORDER:
+            r = at[d]
+            cells += [num(r and exposed_of(r), 1),
+                      num(fitted[d].overhead_s(r["grad_bytes"], r["n_buckets"]) * 1e3, 1) if r and fitted[d] else DASH]
+        model_rows.append(cells)
+    model_table = table([["", "", "", "", *[span(f"exposed, {d} (ms)", 2) for d in DTYPE_ORDER]],
+                         ["bucket (MiB)", "calls n_b", "s / bucket", "model (ms)",
+                          *[c for _ in DTYPE_ORDER for c in ("measured", "fitted")]]],
+                        model_rows, "The overhead model against the measured exposed communication: the number of "
+                        "all-reduce calls per step (a tensor larger than the cap is a bucket of its own, so it is not "
+                        "s / bucket size), the model's overhead with o and w from the all-reduce fit, and the model "
+                        "fitted to each dtype's measured times.", size=8)
+
+    def dtype_numbers(dtype: str) -> dict[str, str]:
+        pts = series[dtype]
+        best, worst = min(pts, key=lambda r: r["step_ms"]), max(pts, key=lambda r: r["step_ms"])
+        check = next((r for r in pts if r["bucket_size_mb"] == RATIO_CHECK["bucket_mb"]), None)
+        cli = check["step_ms"] / torch_ms[dtype] if check else None
+        loop = RATIO_CHECK["ratios"].get(dtype)
+        f = fitted[dtype]
+        usable = f is not None and f.per_call_s > 0 and math.isfinite(f.bandwidth_bytes_per_s)
+        return {
+            "best_mb": f"{best['bucket_size_mb']:g}", "best_ms": num(best["step_ms"]),
+            "best_exposed": num(exposed_of(best)), "best_share": pct(exposed_of(best) / best["step_ms"]),
+            "best_vs_torch": times(best["step_ms"] / torch_ms[dtype], 3), "torch_ms": num(torch_ms[dtype]),
+            "worst_mb": f"{worst['bucket_size_mb']:g}", "worst_ms": num(worst["step_ms"]),
+            "spread": pct(worst["step_ms"] / best["step_ms"] - 1),
+            "steps": ", ".join(f"{r['bucket_size_mb']:g} MiB: {num(r['step_ms'])} ms" for r in pts),
+            "cli_ratio": num(cli, 3), "loop_ratio": num(loop, 3),
+            "agree": bool(cli and loop and abs(loop / cli - 1) <= 0.05),
+            "fit_o_us": num(f.per_call_s * 1e6, 0) if f else DASH,
+            "fit_w_gbs": num(f.bandwidth_bytes_per_s / 1e9, 1) if usable else DASH,
+            "fit_b_mb": num(f.optimal_bucket_bytes(grad_bytes) / 2**20, 0) if usable else DASH,
+            "w_over_fit": num(bandwidth / f.bandwidth_bytes_per_s, 0) if usable else DASH,
+        }
+
+    smallest = series[DTYPE_ORDER[0]][0]
     n = {
-        "best_mb": f"{best['bucket_size_mb']:g}", "best_ms": num(best["step_ms"]), "dtype": str(dtype),
-        "worst_mb": f"{max(series, key=lambda r: r['step_ms'])['bucket_size_mb']:g}",
-        "worst_ms": num(max(r["step_ms"] for r in series)),
+        **{d: dtype_numbers(d) for d in DTYPE_ORDER}, **local_spread(rows),
+        "check_mb": f"{RATIO_CHECK['bucket_mb']:g}", "check_where": RATIO_CHECK["where"],
         "size": size, "params": f"{params / 1e9:.3f}", "s_gb": num(grad_bytes / 1e9, 2), "world": str(world),
         "w_gbs": num(bandwidth / 1e9, 1), "o_us": num(per_call * 1e6, 0),
         "n_star": num(optimum["n_buckets"], 1), "b_star_mb": num(optimum["bucket_bytes"] / 2**20, 0),
-        "overhead_ms": num(optimum["overhead"] * 1e3, 1),
-        "model_rows": ", ".join(f"{mb:g} MiB: {num(t * 1e3, 1)} ms" for mb, t in model_overheads.items()),
-        "one_bucket_ms": num(accounting.ddp_overhead(grad_bytes, bandwidth, per_call, 1) * 1e3, 1),
+        "overhead_ms": num(optimum["overhead"] * 1e3, 1), "one_bucket_ms": num(model_ms(1), 1),
+        "small_mb": f"{smallest['bucket_size_mb']:g}", "small_calls": str(smallest["n_buckets"]),
+        "small_naive": num(grad_bytes / (smallest["bucket_size_mb"] * 2**20), 0),
     }
-    traces = [out.existing(r["figure"], f"Profiler timeline of one training step, bucketed "
-                           f"{r['bucket_size_mb']:g} MiB, {r.get('dtype')}: compute stream above, NCCL below.")
-              for r in bucketed if r.get("figure")]
-    return {"tables": {"main": tab}, "figures": {"main": figure}, "traces": traces, "n": n}
+    return {"tables": {"main": tab, "model": model_table}, "figures": {"main": figure}, "n": n}
 
 
 # -----------------------------------------------------------------------------------------------
