@@ -65,7 +65,8 @@ from cs336_systems.parallel.fsdp import FSDP
 
 PROBLEM = "fsdp_accounting"
 IMPLS = ("ddp", "fsdp2", "ours")  # DDP first: the others' measured saving is against it
-BYTES_PER_PARAM = 16  # fp32 weight, gradient, and AdamW's two moments
+BYTES_PER_PARAM = 16  # fp32 weight, gradient, and AdamW's two moments: what the peak holds per parameter
+STATE_BYTES_PER_PARAM = 12  # between steps: the weight and the moments (zero_grad(set_to_none=True) freed the gradient)
 
 
 def parser():
@@ -197,7 +198,7 @@ def measure(impl: str, config: LMConfig, dtype: torch.dtype | None, device: torc
 
 def expected(n_params: int, local_params: int) -> dict[str, float]:
     return {
-        "expected_state_gb": BYTES_PER_PARAM * local_params / 1e9,  # weights, gradients, AdamW moments
+        "expected_state_gb": STATE_BYTES_PER_PARAM * local_params / 1e9,  # held between steps, like state_gb
         "expected_saving_gb": BYTES_PER_PARAM * (n_params - local_params) / 1e9,
     }
 
