@@ -57,7 +57,7 @@ def test_builds_every_section_from_the_fixture(tmp_path, fixture_results):
     assert "NVIDIA H100 80GB HBM3" in data["benchmarking_script"]["env"]
     assert "2026-11-22" in data["benchmarking_script"]["env"]
     for figure in ("warmup_study.png", "pytorch_attention.png", "all_reduce.png", "ddp_bucketed.png",
-                   "train_step_ratio.png"):
+                   "train_step_ratio.png", "leaderboard_2026_profile.png"):
         assert (tmp_path / "figures" / figure).exists()
     # The fast training step: ours at 1.2x torch everywhere; the small model's torch rows from an earlier run.
     step = data["train_step"]["n"]
@@ -84,6 +84,22 @@ def test_builds_every_section_from_the_fixture(tmp_path, fixture_results):
     assert (fsdp["n"]["plain"]["vs_fsdp2"], fsdp["n"]["ckpt"]["vs_fsdp2"]) == ("0.80×", f"{363 / 660:.2f}×")
     assert not any("999.0" in cell for r in fsdp["tables"]["main"]["rows"] for cell in r)
     assert "2026-11-21" not in fsdp["env"] and fsdp["n"]["has_check"]
+    # The 2026 leaderboard step: the official rows only (the 4-layer trial stays out), ours 7.5 s against 6.0 s;
+    # the memory budget from memory_budget of the rows' configuration; the profile's three variants.
+    lb = data["leaderboard_2026"]
+    assert (lb["n"]["ratio"], lb["n"]["ours_s"]) == ("1.25×", "7.50") and not lb["n"]["milestone_met"]
+    assert lb["n"]["peak_met"] and lb["n"]["cold_met"] and lb["n"]["pflop"] == "5.04"
+    assert (lb["n"]["weights_pflop"], lb["n"]["attention_pflop"]) == ("2.95", "2.09")
+    assert [r[0] for r in lb["tables"]["main"]["rows"]] == ["ours", "pytorch"]
+    memory = {r[0]: r[1:] for r in lb["tables"]["memory"]["rows"]}
+    assert memory["predicted peak"] == ["75.4", "97.7"] and memory["measured peak"] == ["81.0", "93.0"]
+    assert memory["loss head (transient)"] == ["5.0", "39.8"] and lb["n"]["ours_error"] == "+5.6"
+    assert lb["tables"]["profile"]["header"][0] == ["GPU ms", "ours", "pytorch", "ours with SDPA attention"]
+    assert (lb["n"]["p_bwd_ratio"], lb["n"]["sdpa_ratio"]) == (f"{360 / 190:.2f}×", f"{860 / 880:.2f}×")
+    assert (lb["n"]["ours_bwd_kernel"], lb["n"]["cudnn_bwd_kernel"]) == ("355", "188")
+    assert lb["n"]["bwd_gap_covers_wall_gap"] and lb["n"]["sdpa_faster"]
+    assert "2x NVIDIA H200" in lb["env"] and "2026-11-23" in lb["env"] and "commit 0123456" in lb["env"]
+    assert "2026-11-22" in lb["env"]  # the step's rows (fixture env) and the profile's (its own date)
 
 
 def test_a_missing_results_file_fails_naming_it(tmp_path, fixture_results, capsys):

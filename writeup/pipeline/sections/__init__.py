@@ -3,7 +3,15 @@
 Importing this package imports every section module, which fills :data:`SECTIONS`.
 """
 
-from pipeline.sections import beyond, ddp, flash, sharding, single_gpu, train_step  # noqa: F401  (they register sections)
+from pipeline.sections import (  # noqa: F401  (they register sections)
+    beyond,
+    ddp,
+    flash,
+    leaderboard_2026,
+    sharding,
+    single_gpu,
+    train_step,
+)
 from pipeline.sections.registry import SECTIONS, Output, problem
 
 __all__ = ["SECTIONS", "Output", "problem"]

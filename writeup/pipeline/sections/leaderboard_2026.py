@@ -1,0 +1,284 @@
+"""The 2026 leaderboard step (issue 20): one training step of the 8B model on two GPUs, both stacks of
+``cs336_systems.train.SHARDED_STACKS`` (``leaderboard_2026``), its predicted memory budget, and one profiled step
+of each stack at fewer layers (``leaderboard_2026_profile``, written by ``scripts/leaderboard_2026_profile.py``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cs336_systems.bench.leaderboard_2026 import MODEL, memory_budget, step_flops
+from pipeline import accounting, figures
+from pipeline.markup import DASH, num, pct, sig, table, times
+from pipeline.results import Missing
+from pipeline.sections.registry import Output, problem
+from pipeline.sections.train_step import PART_NAMES
+
+STACKS = ("ours", "pytorch")
+# Issue 20's targets for our stack: the step at most 5.0 s and at most 0.85x PyTorch's (the milestone before that:
+# at most as slow as PyTorch's), the peak memory per GPU at most 130 GB, a run from empty caches within 10 minutes.
+GOALS = {"step_s": 5.0, "ratio": 0.85, "milestone_ratio": 1.0, "peak_gb": 130.0, "cold_s": 600.0}
+
+# The parts the leaderboard stacks add to those of the single-GPU step (cs336_systems/train/step.py).
+LB_PART_NAMES = {
+    **PART_NAMES,
+    ("compile", "none"): "none (our kernels run as they are)",
+    ("compile", "blocks"): "each block",
+    ("checkpointing", 1): "every block",
+    ("keep_attention", True): "yes: attention output and log-sum-exp",
+    ("keep_attention", False): "no: backward recomputes the whole block",
+    ("sharding", "ours"): "our FSDP by blocks",
+    ("sharding", "fsdp2"): "FSDP2 fully_shard per block",
+}
+
+# The GPU-time categories of the profile (scripts/leaderboard_2026_profile.py), in the order the writeup shows them.
+CATEGORIES = {
+    "matmul": "matmuls", "attention_backward": "attention backward", "attention_forward": "attention forward",
+    "other": "other kernels", "collectives": "collectives", "cross_entropy": "cross-entropy",
+    "optimizer": "optimizer", "rmsnorm": "RMSNorm",
+}
+OVERRIDE_NAMES = {"attention=sdpa": "SDPA attention"}
+
+# The rows of the memory table: (key of memory_budget, label).
+BUDGET = [("params_gb", "fp32 master parameters (shard)"), ("optimizer_state_gb", "AdamW moments (fp32, shard)"),
+          ("grads_gb", "fp32 gradients (shard)"), ("saved_activations_gb", "saved activations (all blocks)"),
+          ("block_recompute_gb", "one block's recomputation (transient)"),
+          ("loss_head_gb", "loss head (transient)")]
+
+
+def attention_flops(config: dict[str, int], batch: int) -> float:
+    """The causal attention share of :func:`step_flops` (its docstring: forward ``4·b·s²·d/2`` per layer, the
+    backward counted 2.5x the forward)."""
+    seq = config["context_length"]
+    return 3.5 * config["num_layers"] * 4 * batch * seq * seq * config["d_model"] / 2
+
+
+def load_steps(res) -> dict[str, dict[str, Any]]:
+    """The official rows (``official``: the course's do_bench timing) of ``leaderboard_2026.jsonl``, by stack."""
+    rows = res.rows("leaderboard_2026", keep=lambda rows: [r for r in rows if r.get("official")
+                                                          and r.get("stack") in STACKS])
+    latest: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        if r["stack"] not in latest or r["env"]["date"] >= latest[r["stack"]]["env"]["date"]:
+            latest[r["stack"]] = r
+    if set(latest) != set(STACKS):
+        raise Missing("writeup/results/leaderboard_2026.jsonl", "no official row of each stack")
+    return latest
+
+
+def _with_env(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The profile script prints device, date and commit at the top level; the environment line reads ``env``."""
+    return [{**r, "env": r.get("env") or {k: r.get(k) for k in ("device", "date", "commit")}} for r in rows]
+
+
+def variant_name(r: dict[str, Any]) -> str:
+    parts = r.get("parts") or []
+    return r["stack"] + (" with " + ", ".join(OVERRIDE_NAMES.get(p, p) for p in parts) if parts else "")
+
+
+def load_profile(res) -> dict[str, dict[str, Any]]:
+    """The latest profiled step of each variant (stack and overrides) in ``leaderboard_2026_profile.jsonl``:
+    the two stacks as defined first, then the variants."""
+    rows = res.rows("leaderboard_2026_profile", keep=_with_env)
+    latest: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        name = variant_name(r)
+        if name not in latest or r.get("date", "") >= latest[name].get("date", ""):
+            latest[name] = r
+    if not all(stack in latest for stack in STACKS):
+        raise Missing("writeup/results/leaderboard_2026_profile.jsonl", "no profiled step of each stack")
+    return dict(sorted(latest.items(), key=lambda item: (bool(item[1].get("parts")), STACKS.index(item[1]["stack"])
+                                                         if item[1]["stack"] in STACKS else len(STACKS), item[0])))
+
+
+def config_of(r: dict[str, Any]) -> dict[str, int]:
+    return {**MODEL, "num_layers": r["num_layers"], "context_length": r["context_length"]}
+
+
+def _stacks_table(steps) -> dict[str, Any]:
+    parts = {s: steps[s].get("parts") or {} for s in STACKS}
+    names = list(dict.fromkeys([*parts["ours"], *parts["pytorch"]]))
+    body = [[name, *[LB_PART_NAMES.get((name, parts[s].get(name)), str(parts[s].get(name, DASH))) for s in STACKS]]
+            for name in names]
+    return table(["part", *STACKS], body, "The two stacks, part by part, as the rows record them (parts). Both "
+                 "compute in bf16 from fp32 master weights, reduce gradients in fp32 and checkpoint every block.",
+                 align=["left", "left", "left"], size=8)
+
+
+def _main_table(steps) -> dict[str, Any]:
+    body = []
+    for s in STACKS:
+        r = steps[s]
+        body.append([s, num(r["step_ms"], 1), times(r["step_ms"] / steps["pytorch"]["step_ms"], 3),
+                     pct(r.get("mfu"), 1), num(r.get("matmul_tflops"), 0), num(r.get("peak_gb_per_rank"), 1),
+                     num(r.get("first_step_s"), 1), num(r.get("cold_total_s"), 1)])
+    header = ["stack", "step (ms)", "÷ pytorch", "MFU", "matmul TFLOP/s", "peak GB per GPU", "first step (s)",
+              "cold run (s)"]
+    r = steps["ours"]
+    return table(header, body,
+                 f"The official step: {r['num_layers']} layers, context {r['context_length']:,}, batch "
+                 f"{r['batch_size']} on {r['world_size']} GPUs, timed with do_bench (rep {r['rep_ms']:,.0f} ms, "
+                 f"warm-up {r['warmup_ms']:,.0f} ms; its mean), each stack in its own freshly spawned ranks. MFU: "
+                 "the step's matmul FLOPs over the bf16 matmul rate measured in the same run (matmul TFLOP/s, per "
+                 "GPU). Peak: the most memory allocated on a GPU. First step: its compilation included. Cold run: "
+                 "from launch to the last timed step, with empty Triton and Inductor caches.", size=8)
+
+
+def _memory_table(steps, budgets) -> dict[str, Any]:
+    layers = steps["ours"]["num_layers"]
+    body = [[label.replace("all blocks", f"{layers} blocks"), *[num(budgets[s][key], 1) for s in STACKS]]
+            for key, label in BUDGET]
+    body.append(["predicted peak", *[num(budgets[s]["peak_gb"], 1) for s in STACKS]])
+    body.append(["measured peak", *[num(steps[s]["peak_gb_per_rank"], 1) for s in STACKS]])
+    return table(["GB per GPU", *STACKS], body,
+                 "The memory budget of one GPU as cs336_systems.bench.leaderboard_2026.memory_budget predicts it, "
+                 "and the peak measured. Masters and moments are always held; the saved activations from forward to "
+                 "each block's backward; the gradients build up during backward as the activations drain. The "
+                 "predicted peak is the larger of the start of backward (all saved activations and the larger "
+                 "transient) and its end (all gradients and a block's recomputation), over masters and moments.",
+                 size=8)
+
+
+def _categories(profile) -> list[str]:
+    present = {c for r in profile.values() for c in r["gpu_ms"]}
+    return [c for c in CATEGORIES if c in present] + sorted(present - set(CATEGORIES))
+
+
+def _profile_table(profile) -> dict[str, Any]:
+    names = list(profile)
+    body = [[CATEGORIES.get(c, c), *[num(r["gpu_ms"].get(c), 1) for r in profile.values()]]
+            for c in _categories(profile)]
+    body.append(["sum of the kernels", *[num(sum(r["gpu_ms"].values()), 1) for r in profile.values()]])
+    body.append(["step (wall)", *[num(r["wall_ms"], 0) for r in profile.values()]])
+    r = profile["ours"]
+    return table(["GPU ms", *names], body,
+                 f"One profiled step at {r['layers']} layers (context {r['context_length']:,}, one sequence per GPU, "
+                 "2 GPUs), after warm-up steps: the summed GPU time of the kernels of each category on rank 0 "
+                 "(torch.profiler), and the step's wall time. The collectives run beside the computation, so the "
+                 "kernels may add up to more than the wall time. A dash: no kernel of the category (PyTorch's RMSNorm "
+                 "runs inside the compiled blocks' kernels, counted as other).", size=8)
+
+
+def _profile_figure(out: Output, profile) -> dict[str, str]:
+    categories = _categories(profile)
+    fig, axes = figures.new(6.5, 2.6)
+    ax = axes[0]
+    width = 0.8 / len(profile)
+    for i, (name, r) in enumerate(profile.items()):
+        xs = [x + (i - (len(profile) - 1) / 2) * width for x in range(len(categories))]
+        values = [r["gpu_ms"].get(c, 0.0) for c in categories]
+        bars = ax.bar(xs, values, width, label=f"{name} (step {r['wall_ms']:,.0f} ms)")
+        ax.bar_label(bars, [f"{v:.0f}" if v >= 1 else "" for v in values], fontsize=5.5, padding=1)
+    ax.set_xticks(range(len(categories)))
+    ax.set_xticklabels([CATEGORIES.get(c, c).replace(" ", "\n", 1) for c in categories], fontsize=7)
+    ax.set_ylabel("GPU ms (rank 0)")
+    figures.legend_below(fig, ax, ncol=len(profile))
+    r = profile["ours"]
+    return out.save(fig, "leaderboard_2026_profile",
+                    f"GPU kernel time by category of one {r['layers']}-layer step (rank 0), per stack; the legend "
+                    "gives each step's wall time.")
+
+
+def signed(x: float, digits: int = 1) -> str:
+    """``+4.7`` or ``−5.4`` (a minus sign, not a hyphen)."""
+    return f"{x:+.{digits}f}".replace("-", "−")
+
+
+def top_kernel(r: dict[str, Any], *keys: str) -> float | None:
+    """The time of the slowest kernel in the row's ``top_kernels`` whose name holds one of ``keys``."""
+    times_ms = [ms for name, ms in (r.get("top_kernels") or {}).items() if any(k in name for k in keys)]
+    return max(times_ms) if times_ms else None
+
+
+@problem("leaderboard_2026")
+def leaderboard_2026(res, out: Output) -> dict[str, Any]:
+    steps = load_steps(res)
+    profile = load_profile(res)
+    ours, torch = steps["ours"], steps["pytorch"]
+    config = config_of(ours)
+    batch, world = ours["batch_size"], ours["world_size"]
+    total = step_flops(config, batch)
+    if abs(total - ours["flops"]) > 1e-6 * total:
+        raise ValueError(f"the row's flops {ours['flops']:.4g} are not step_flops of its configuration {total:.4g}")
+    attention = attention_flops(config, batch)
+    budgets = {s: memory_budget(config_of(steps[s]), s, world_size=steps[s]["world_size"],
+                                per_rank_batch=steps[s]["batch_size"] // steps[s]["world_size"]) for s in STACKS}
+    ratio = ours["step_ms"] / torch["step_ms"]
+    peak = max(ours.get("peak_gb_ranks") or [ours["peak_gb_per_rank"]])
+
+    p_ours, p_torch = profile["ours"], profile["pytorch"]
+    variants = {name: r for name, r in profile.items() if r.get("parts")}
+    sdpa = next((r for r in variants.values() if r["stack"] == "ours" and r["parts"] == ["attention=sdpa"]), None)
+
+    def gpu(r, category):
+        return r["gpu_ms"].get(category, 0.0)
+
+    bwd_gap = gpu(p_ours, "attention_backward") - gpu(p_torch, "attention_backward")
+    wall_gap = p_ours["wall_ms"] - p_torch["wall_ms"]
+    ours_bwd_kernel = top_kernel(p_ours, "attn_bwd")
+    cudnn_bwd_kernel = top_kernel(p_torch, "bprop")
+    layers_note = p_ours["layers"]
+
+    def budget_phase(s):
+        b = budgets[s]
+        start = b["saved_activations_gb"] + max(b["loss_head_gb"], b["block_recompute_gb"])
+        end = b["grads_gb"] + b["block_recompute_gb"]
+        return "the start of backward" if start >= end else "the end of backward"
+
+    n = {
+        "params_b": num(accounting.parameter_count(**config) / 1e9, 2),
+        "vocab": f"{config['vocab_size']:,}", "d_model": f"{config['d_model']:,}", "d_ff": f"{config['d_ff']:,}",
+        "layers": str(config["num_layers"]), "heads": str(config["num_heads"]),
+        "d_head": str(config["d_model"] // config["num_heads"]),
+        "batch": str(batch), "world": str(world), "context": f"{config['context_length']:,}",
+        "bench_call": f"triton.testing.do_bench(train_step, rep={ours['rep_ms']:_.0f}, "
+                      f"warmup={ours['warmup_ms']:_.0f})",
+        "pflop": num(total / 1e15, 2), "weights_pflop": num((total - attention) / 1e15, 2),
+        "attention_pflop": num(attention / 1e15, 2),
+        "ours_ms": num(ours["step_ms"], 1), "torch_ms": num(torch["step_ms"], 1),
+        "ours_s": num(ours["step_ms"] / 1e3, 2), "ratio": times(ratio, 2),
+        "ours_mfu": pct(ours.get("mfu"), 1), "torch_mfu": pct(torch.get("mfu"), 1),
+        "goal_s": num(GOALS["step_s"], 1), "goal_ratio": times(GOALS["ratio"], 2),
+        "milestone_ratio": times(GOALS["milestone_ratio"], 1),
+        "step_goal_met": ours["step_ms"] / 1e3 <= GOALS["step_s"] and ratio <= GOALS["ratio"],
+        "milestone_met": ratio <= GOALS["milestone_ratio"],
+        "goal_peak": num(GOALS["peak_gb"], 0), "peak_met": peak <= GOALS["peak_gb"],
+        "ours_peak": num(peak, 1), "torch_peak": num(torch["peak_gb_per_rank"], 1),
+        "goal_cold_min": num(GOALS["cold_s"] / 60, 0), "cold_met": ours["cold_total_s"] <= GOALS["cold_s"],
+        "ours_cold": num(ours["cold_total_s"], 1), "torch_cold": num(torch["cold_total_s"], 1),
+        "ours_first": num(ours["first_step_s"], 1), "torch_first": num(torch["first_step_s"], 1),
+        # the memory budget
+        "ours_predicted": num(budgets["ours"]["peak_gb"], 1), "torch_predicted": num(budgets["pytorch"]["peak_gb"], 1),
+        "ours_peak_at": budget_phase("ours"), "torch_peak_at": budget_phase("pytorch"),
+        "torch_loss_head": num(budgets["pytorch"]["loss_head_gb"], 1),
+        "ours_loss_head": num(budgets["ours"]["loss_head_gb"], 1),
+        "ours_error": signed(peak - budgets["ours"]["peak_gb"]),
+        "torch_error": signed(torch["peak_gb_per_rank"] - budgets["pytorch"]["peak_gb"]),
+        "ours_saved": num(budgets["ours"]["saved_activations_gb"], 1),
+        "torch_saved": num(budgets["pytorch"]["saved_activations_gb"], 1),
+        # the profile
+        "p_layers": str(layers_note),
+        "p_ours_wall": num(p_ours["wall_ms"], 0), "p_torch_wall": num(p_torch["wall_ms"], 0),
+        "p_ratio": times(p_ours["wall_ms"] / p_torch["wall_ms"], 2), "p_wall_gap": num(wall_gap, 0),
+        "p_ours_bwd": num(gpu(p_ours, "attention_backward"), 1),
+        "p_torch_bwd": num(gpu(p_torch, "attention_backward"), 1),
+        "p_bwd_ratio": times(gpu(p_ours, "attention_backward") / gpu(p_torch, "attention_backward"), 2),
+        "p_bwd_gap": num(bwd_gap, 0), "bwd_gap_covers_wall_gap": bwd_gap >= wall_gap,
+        "has_kernels": bool(ours_bwd_kernel and cudnn_bwd_kernel),
+        "ours_bwd_kernel": num(ours_bwd_kernel, 0), "cudnn_bwd_kernel": num(cudnn_bwd_kernel, 0),
+        "p_ours_fwd": num(gpu(p_ours, "attention_forward"), 1),
+        "p_torch_fwd": num(gpu(p_torch, "attention_forward"), 1),
+        "p_ours_ce": num(gpu(p_ours, "cross_entropy"), 1), "p_torch_ce": num(gpu(p_torch, "cross_entropy"), 1),
+        "p_ours_other": num(gpu(p_ours, "other"), 1), "p_torch_other": num(gpu(p_torch, "other"), 1),
+        "has_sdpa": sdpa is not None,
+    }
+    if sdpa is not None:
+        n.update({
+            "sdpa_wall": num(sdpa["wall_ms"], 0), "sdpa_ratio": times(sdpa["wall_ms"] / p_torch["wall_ms"], 2),
+            "sdpa_bwd": num(gpu(sdpa, "attention_backward"), 1), "sdpa_fwd": num(gpu(sdpa, "attention_forward"), 1),
+            "sdpa_fwd_ratio": sig(gpu(p_torch, "attention_forward") / gpu(sdpa, "attention_forward"), 2),
+            "sdpa_other": num(gpu(sdpa, "other"), 1), "sdpa_ce": num(gpu(sdpa, "cross_entropy"), 1),
+            "sdpa_faster": sdpa["wall_ms"] < p_torch["wall_ms"],
+        })
+    return {"tables": {"stacks": _stacks_table(steps), "main": _main_table(steps),
+                       "memory": _memory_table(steps, budgets), "profile": _profile_table(profile)},
+            "figures": {"profile": _profile_figure(out, profile)}, "n": n}
