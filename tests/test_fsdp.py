@@ -30,7 +30,6 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.utils import parametrize
 from torch.utils.checkpoint import checkpoint
 
 from cs336_basics.model import BasicsTransformerLM, Embedding, Linear, RMSNorm
@@ -38,7 +37,7 @@ from cs336_basics.nn_utils import cross_entropy
 from cs336_basics.optimizer import AdamW
 from cs336_systems.bench import fsdp_accounting
 from cs336_systems.bench.common import timeline
-from cs336_systems.bench.common.lm import TINY, VOCAB_SIZE, LMConfig
+from cs336_systems.bench.common.lm import TINY, VOCAB_SIZE, LMConfig, master_name, read_weights_in
 from cs336_systems.parallel import fsdp as fsdp_module
 from cs336_systems.parallel.distributed import spawn
 from cs336_systems.parallel.fsdp import FSDP
@@ -294,30 +293,15 @@ def check_reduce_scatter_fallback(rank: int, world_size: int, device: torch.devi
         fsdp_module._NATIVE_MEAN_REDUCE_SCATTER.update(saved)
 
 
-class CastTo(nn.Module):
-    """Parametrization: the parameter read in forward is the fp32 master cast to ``dtype``."""
-
-    def __init__(self, dtype: torch.dtype):
-        super().__init__()
-        self.dtype = dtype
-
-    def forward(self, weight: torch.Tensor) -> torch.Tensor:
-        return weight.to(self.dtype)
-
-
 def mixed_precision_reference(seed: int, device: torch.device, dtype: torch.dtype) -> nn.Module:
     """The non-parallel mixed-precision model: every parameter (norm gains too) cast to ``dtype`` for forward
     and backward, fp32 master weights and gradients."""
-    model = build(SmallNet, seed, device)
-    for unit in model.modules():
-        if isinstance(unit, (Linear, Embedding, RMSNorm)):
-            parametrize.register_parametrization(unit, "weight", CastTo(dtype), unsafe=True)
-    return model
+    return read_weights_in(build(SmallNet, seed, device), dtype)
 
 
 def master_weights(model: nn.Module):
     """The reference's fp32 master weights under the plain model's names."""
-    return [(name.replace(".parametrizations.weight.original", ".weight"), p) for name, p in model.named_parameters()]
+    return [(master_name(name), p) for name, p in model.named_parameters()]
 
 
 def check_mixed_precision(rank: int, world_size: int, device: torch.device) -> None:

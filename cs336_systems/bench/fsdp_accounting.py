@@ -52,13 +52,21 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd.profiler import record_function
-from torch.nn.utils import parametrize
 
-from cs336_basics.model import Embedding, Linear, RMSNorm
 from cs336_basics.nn_utils import cross_entropy
 from cs336_basics.optimizer import AdamW
 from cs336_systems.bench.common import cli, result_store, timeline, timing
-from cs336_systems.bench.common.lm import DTYPES, SIZES, VOCAB_SIZE, LMConfig, autocast, build_model, random_batch
+from cs336_systems.bench.common.lm import (
+    DTYPES,
+    SIZES,
+    VOCAB_SIZE,
+    LMConfig,
+    autocast,
+    build_model,
+    master_name,
+    random_batch,
+    read_weights_in,
+)
 from cs336_systems.parallel.ddp import DDPIndividualParameters
 from cs336_systems.parallel.distributed import cleanup, init_from_env, spawn
 from cs336_systems.parallel.fsdp import FSDP
@@ -305,17 +313,6 @@ def run_trace(rank: int, world_size: int, device: torch.device, args) -> None:
 # ---------------------------------------------------------------------------------------------------
 
 
-class CastTo(nn.Module):
-    """Parametrization of the reference: the weight read in forward is the fp32 master cast to ``dtype``."""
-
-    def __init__(self, dtype: torch.dtype):
-        super().__init__()
-        self.dtype = dtype
-
-    def forward(self, weight: torch.Tensor) -> torch.Tensor:
-        return weight.to(self.dtype)
-
-
 def check_against_one_process(rank: int, world_size: int, device: torch.device, dtype: torch.dtype | None,
                               steps: int = 3) -> dict[str, Any]:
     """Train the tiny LM with FSDP and one process side by side; the largest weight difference at the end."""
@@ -325,12 +322,10 @@ def check_against_one_process(rank: int, world_size: int, device: torch.device, 
     torch.manual_seed(0)
     reference = build_model(config, device)
     if dtype is not None:
-        for unit in reference.modules():
-            if isinstance(unit, (Linear, Embedding, RMSNorm)):  # FSDP casts every parameter, norm gains too
-                parametrize.register_parametrization(unit, "weight", CastTo(dtype), unsafe=True)
+        read_weights_in(reference, dtype)  # FSDP casts every parameter, norm gains too
     optimizer = AdamW(fsdp.parameters(), lr=1e-3, weight_decay=0.01)
     reference_optimizer = AdamW(reference.parameters(), lr=1e-3, weight_decay=0.01)
-    expected_params = {name.replace(".parametrizations.weight.original", ".weight"): p
+    expected_params = {master_name(name): p
                        for name, p in reference.named_parameters()}
     generator = torch.Generator().manual_seed(1)
     local = config.batch_size // world_size

@@ -44,12 +44,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
-from torch.nn.utils import parametrize
 
 from cs336_basics.model import BasicsTransformerLM
 from cs336_systems.bench.common import cli, result_store, timing
 from cs336_systems.bench.common import distributed_launch as dl
+from cs336_systems.bench.common.lm import master_name, read_weights_in
 from cs336_systems.train import SHARDED_STACKS, build_training_step
 from cs336_systems.train.step import ADAMW_HYPERPARAMETERS
 
@@ -265,17 +264,6 @@ def case_of(args, stack: str, config: dict[str, int], world_size: int) -> dict[s
 # ---------------------------------------------------------------------------------------------------
 
 
-class CastTo(nn.Module):
-    """Parametrization of the reference: a weight read in forward is its fp32 master cast to ``dtype``."""
-
-    def __init__(self, dtype: torch.dtype):
-        super().__init__()
-        self.dtype = dtype
-
-    def forward(self, weight: torch.Tensor) -> torch.Tensor:
-        return weight.to(self.dtype)
-
-
 def reference_step(config: dict[str, int], device: torch.device, compute_dtype: torch.dtype, batch: int):
     """One process, the whole batch: the plain model (SDPA, plain norms and loss, ``torch.optim.AdamW``) with
     fp32 masters read in ``compute_dtype``. Returns the loss and the parameters after one step."""
@@ -286,16 +274,13 @@ def reference_step(config: dict[str, int], device: torch.device, compute_dtype: 
     from cs336_systems.attention import get_attention
 
     model.set_attention(get_attention("sdpa"))
-    for module in list(model.modules()):
-        if "weight" in module._parameters:
-            parametrize.register_parametrization(module, "weight", CastTo(compute_dtype), unsafe=True)
+    read_weights_in(model, compute_dtype)
     optimizer = torch.optim.AdamW(model.parameters(), **ADAMW_HYPERPARAMETERS)
     x, y = batch_of_rank(config, device, 0, 1, batch)
     loss = plain_loss(model.hidden_states(x), model.lm_head, y)
     loss.backward()
     optimizer.step()
-    params = {name.replace(".parametrizations.weight.original", ".weight"): p.detach()
-              for name, p in model.named_parameters()}
+    params = {master_name(name): p.detach() for name, p in model.named_parameters()}
     return loss.item(), params
 
 

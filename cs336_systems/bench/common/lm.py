@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from cs336_basics.model import MODEL_SIZES, BasicsTransformerLM
 from cs336_basics.nn_utils import cross_entropy
@@ -200,3 +201,30 @@ def add_flops(result: dict[str, Any], config: LMConfig, mode: str, peak_tflops: 
     result["peak_tflops"] = peak_tflops
     if peak_tflops and not result.get("oom"):
         result["mfu"] = total / (result["median_ms"] / 1e3) / (peak_tflops * 1e12)
+
+
+class CastTo(nn.Module):
+    """Parametrization: a weight read in forward is its fp32 master cast to ``dtype``."""
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        self.dtype = dtype
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight.to(self.dtype)
+
+
+def read_weights_in(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """``model`` (changed in place) computing with every ``weight`` (norm gains too) cast to ``dtype`` from its fp32
+    master: the one-process reference of a mixed-precision sharded step. ``master_name`` maps the parameters'
+    names back to the plain model's."""
+    for module in list(model.modules()):
+        if "weight" in module._parameters:
+            parametrize.register_parametrization(module, "weight", CastTo(dtype), unsafe=True)
+    return model
+
+
+def master_name(name: str) -> str:
+    """The plain model's name of a parameter of :func:`read_weights_in`'s model."""
+    return name.replace(".parametrizations.weight.original", ".weight")
+
