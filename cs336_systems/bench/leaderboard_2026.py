@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from cs336_basics.model import BasicsTransformerLM
-from cs336_systems.bench.common import cli, result_store, timing
+from cs336_systems.bench.common import cli, flops, result_store, timing
 from cs336_systems.bench.common import distributed_launch as dl
 from cs336_systems.bench.common.lm import master_name, read_weights_in
 from cs336_systems.train import SHARDED_STACKS, build_training_step
@@ -84,12 +84,18 @@ def model_config(args, on_gpu: bool) -> dict[str, int]:
     return config
 
 
+def step_flop_parts(config: dict[str, int], batch: int) -> dict[str, float]:
+    """Matmul FLOPs of one training step by part (module docstring): weights 3x their forward, causal attention
+    3.5x (FlashAttention's backward runs five matmuls to the forward's two)."""
+    weights, attention = flops.lm_forward_flop_parts(config["vocab_size"], config["d_model"], config["d_ff"],
+                                                     config["num_layers"], batch, config["context_length"],
+                                                     causal_attention=True)
+    return {"weights": 3 * weights, "attention": 3.5 * attention}
+
+
 def step_flops(config: dict[str, int], batch: int) -> float:
-    """Matmul FLOPs of one training step (module docstring)."""
-    d, tokens, seq = config["d_model"], batch * config["context_length"], config["context_length"]
-    weights = 2 * tokens * (config["num_layers"] * (4 * d * d + 3 * d * config["d_ff"]) + config["vocab_size"] * d)
-    causal_attention = config["num_layers"] * 4 * batch * seq * seq * d / 2
-    return 3 * weights + 3.5 * causal_attention
+    """Matmul FLOPs of one training step (:func:`step_flop_parts`, summed)."""
+    return sum(step_flop_parts(config, batch).values())
 
 
 def memory_budget(config: dict[str, int], stack: str, world_size: int, per_rank_batch: int = 1) -> dict[str, float]:
@@ -181,8 +187,8 @@ def run_stack(rank: int, world_size: int, args, stack: str, launched_at: float) 
         return
     step_ms = max(r["step_ms"] for r in everyone)
     rates = [r["matmul_tflops"] for r in everyone if r["matmul_tflops"]]
-    flops = step_flops(config, BATCH)
-    mfu = flops / (step_ms / 1e3) / (world_size * min(rates) * 1e12) if rates else None
+    step_flop_count = step_flops(config, BATCH)
+    mfu = step_flop_count / (step_ms / 1e3) / (world_size * min(rates) * 1e12) if rates else None
     store = result_store.ResultStore(PROBLEM, args.results_dir, args.force)
     case = case_of(args, stack, config, world_size)
     result = {
@@ -194,7 +200,7 @@ def run_stack(rank: int, world_size: int, args, stack: str, launched_at: float) 
         "cold_total_s": cold_total_s,
         "cold_caches": not args.warm,
         "mfu": mfu,
-        "flops": flops,
+        "flops": step_flop_count,
         "matmul_tflops": min(rates) if rates else None,
         "param_dtype": "fp32 (master)",
         "compute_dtype": str(compute_dtype).removeprefix("torch."),
@@ -204,14 +210,10 @@ def run_stack(rank: int, world_size: int, args, stack: str, launched_at: float) 
         "predicted_memory": memory_budget(config, stack, world_size, BATCH // world_size),
         "loss_after_timing": loss.item() / world_size,
     }
-    other = [r for r in store.rows() if r.get("stack") == "pytorch" and all(
-        r.get(k) == v for k, v in case.items() if k != "stack") and r.get("device") == store.env["device"]]
-    if stack == "ours" and other:
-        result["ours_over_pytorch"] = step_ms / other[-1]["step_ms"]
-    ours = [r for r in store.rows() if r.get("stack") == "ours" and all(
-        r.get(k) == v for k, v in case.items() if k != "stack") and r.get("device") == store.env["device"]]
-    if stack == "pytorch" and ours:  # measured after ours
-        result["ours_over_pytorch"] = ours[-1]["step_ms"] / step_ms
+    other = newest_row(store, case, "pytorch" if stack == "ours" else "ours")
+    if other is not None:  # whichever stack ran second carries the ratio
+        ours_ms, pytorch_ms = (step_ms, other["step_ms"]) if stack == "ours" else (other["step_ms"], step_ms)
+        result["ours_over_pytorch"] = ours_ms / pytorch_ms
     row = store.add(case, result)
     cli.print_table([row], ["stack", "step_ms", "peak_gb_per_rank", "first_step_s", "cold_total_s", "mfu",
                             "ours_over_pytorch"], digits=3)
@@ -250,6 +252,13 @@ def do_bench_on_ranks(fn, warmup_ms: float, rep_ms: float, device: torch.device)
     torch.cuda.synchronize(device)
     times = [s.elapsed_time(e) for s, e in zip(starts, ends)]
     return sum(times) / len(times)
+
+
+def newest_row(store: result_store.ResultStore, case: dict[str, Any], stack: str) -> dict[str, Any] | None:
+    """The newest row of ``stack`` with ``case``'s configuration on this device."""
+    rows = [r for r in store.rows() if r.get("stack") == stack and r.get("device") == store.env["device"]
+            and all(r.get(k) == v for k, v in case.items() if k != "stack")]
+    return rows[-1] if rows else None
 
 
 def case_of(args, stack: str, config: dict[str, int], world_size: int) -> dict[str, Any]:

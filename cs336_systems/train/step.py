@@ -30,6 +30,7 @@ operator with its outputs kept, fused RMSNorm, fused cross-entropy, fused AdamW 
 from __future__ import annotations
 
 import contextlib
+import functools
 import timeit
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -135,18 +136,19 @@ def fused_loss(hidden: Tensor, lm_head: nn.Module, targets: Int[Tensor, "..."]) 
     return fused_linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), lm_head.weight, targets.reshape(-1))
 
 
-def attention_operations() -> set:
+@functools.cache
+def attention_operations() -> frozenset:
     """The operators whose outputs ``keep_attention`` keeps: our attention forward and SDPA's fused kernels."""
     import cs336_systems.attention.flash_triton  # noqa: F401  (registers our operator)
 
     aten = torch.ops.aten
-    return {
+    return frozenset({
         torch.ops.cs336_systems.flash_attention_forward.default,
         aten._scaled_dot_product_flash_attention.default,
         aten._scaled_dot_product_efficient_attention.default,
         aten._scaled_dot_product_cudnn_attention.default,
         aten._scaled_dot_product_flash_attention_for_cpu.default,
-    }
+    })
 
 
 def keep_attention_context():

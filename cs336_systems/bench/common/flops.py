@@ -15,10 +15,18 @@ def lm_forward_flops(
     attention term counts it all unless ``causal_attention`` (a kernel that skips masked tiles: half).
     Element-wise work (norms, softmax, RoPE, SiLU) is left out: it is a few percent at most.
     """
+    weights, attention = lm_forward_flop_parts(vocab_size, d_model, d_ff, num_layers, batch, seq, causal_attention)
+    return weights + attention
+
+
+def lm_forward_flop_parts(
+    vocab_size: int, d_model: int, d_ff: int, num_layers: int, batch: int, seq: int, causal_attention: bool = False
+) -> tuple[float, float]:
+    """:func:`lm_forward_flops` split into (weight matmuls, attention matmuls)."""
     tokens = batch * seq
     weights = 2 * tokens * (num_layers * (4 * d_model**2 + 3 * d_model * d_ff) + vocab_size * d_model)
     attention = num_layers * 4 * batch * seq**2 * d_model
-    return weights + (attention / 2 if causal_attention else attention)
+    return weights, (attention / 2 if causal_attention else attention)
 
 
 # Backward costs two matmuls per forward matmul (gradients of inputs and of weights).

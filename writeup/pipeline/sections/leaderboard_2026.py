@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from cs336_systems.bench.leaderboard_2026 import MODEL, memory_budget, step_flops
+from cs336_systems.bench.leaderboard_2026 import MODEL, memory_budget, step_flop_parts, step_flops
 from pipeline import accounting, figures
 from pipeline.markup import DASH, num, pct, sig, table, times
 from pipeline.results import Missing
@@ -43,13 +43,6 @@ BUDGET = [("params_gb", "fp32 master parameters (shard)"), ("optimizer_state_gb"
           ("grads_gb", "fp32 gradients (shard)"), ("saved_activations_gb", "saved activations (all blocks)"),
           ("block_recompute_gb", "one block's recomputation (transient)"),
           ("loss_head_gb", "loss head (transient)")]
-
-
-def attention_flops(config: dict[str, int], batch: int) -> float:
-    """The causal attention share of :func:`step_flops` (its docstring: forward ``4·b·s²·d/2`` per layer, the
-    backward counted 2.5x the forward)."""
-    seq = config["context_length"]
-    return 3.5 * config["num_layers"] * 4 * batch * seq * seq * config["d_model"] / 2
 
 
 def load_steps(res) -> dict[str, dict[str, Any]]:
@@ -199,7 +192,7 @@ def leaderboard_2026(res, out: Output) -> dict[str, Any]:
     total = step_flops(config, batch)
     if abs(total - ours["flops"]) > 1e-6 * total:
         raise ValueError(f"the row's flops {ours['flops']:.4g} are not step_flops of its configuration {total:.4g}")
-    attention = attention_flops(config, batch)
+    attention = step_flop_parts(config, batch)["attention"]
     budgets = {s: memory_budget(config_of(steps[s]), s, world_size=steps[s]["world_size"],
                                 per_rank_batch=steps[s]["batch_size"] // steps[s]["world_size"]) for s in STACKS}
     ratio = ours["step_ms"] / torch["step_ms"]
