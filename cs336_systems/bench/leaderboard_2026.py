@@ -24,8 +24,8 @@ backward runs five matmuls to the forward's two) against the bf16 matmul rate me
 ``--check`` trains 2 layers at context 4096 with the full vocabulary for one step on the ranks and compares the
 loss and every parameter with one process running the plain model (SDPA, plain RMSNorm and cross-entropy,
 ``torch.optim.AdamW``) on the whole batch with the same precision (fp32 masters read in bf16); it exits non-zero
-on a mismatch. Without GPUs the tool runs 2 gloo ranks with a tiny model in fp32 (our Triton kernels then need
-``TRITON_INTERPRET=1``).
+on a mismatch. Without GPUs the tool runs 2 gloo ranks with a tiny model in fp32, our Triton kernels through the
+interpreter (it sets ``TRITON_INTERPRET=1`` for the ranks it spawns; under torchrun, set it yourself).
 
     python -m cs336_systems.bench.leaderboard_2026                         # both stacks, official timing
     python -m cs336_systems.bench.leaderboard_2026 --stacks ours --rep-ms 3000 --warmup-ms 1000 --num-layers 4
@@ -359,6 +359,10 @@ def main(argv: list[str] | None = None) -> None:
     if dl.is_rank0_process():
         cli.announce(torch.device("cuda" if on_gpu else "cpu"), args.quick)
         print(f"# {world_size} ranks, {backend}: {reason}", file=sys.stderr)
+    if not on_gpu and os.environ.get("TRITON_INTERPRET") != "1" and not dl.under_torchrun():
+        # Our Triton kernels run on CPU ranks only through the interpreter, read when the ranks import them.
+        os.environ["TRITON_INTERPRET"] = "1"
+        print("# CPU ranks: TRITON_INTERPRET=1 for our Triton kernels", file=sys.stderr)
     if args.check:
         with tempfile.TemporaryDirectory() as folder:
             out = os.path.join(folder, "check.json")
