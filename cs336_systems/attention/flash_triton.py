@@ -34,6 +34,7 @@ from jaxtyping import Float
 from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from cs336_systems.attention import flash_hopper
 from cs336_systems.attention import flash_triton_kernels as kernels
 from cs336_systems.attention.reference import check_attention_inputs
 
@@ -322,7 +323,8 @@ def flash_attention_backward(
     n_heads = Q.shape[1] if Q.dim() == 4 else 1
     batch_heads, (n_queries, head_dim), n_keys = Q.shape[0] * n_heads, Q.shape[-2:], K.shape[-2]
 
-    dq_mode = _dq_mode(Q.dtype, batch_heads, n_keys, head_dim)
+    hopper = not kernels.RUNNING_IN_INTERPRETER and flash_hopper.runs_on(Q)
+    dq_mode = "hopper" if hopper else _dq_mode(Q.dtype, batch_heads, n_keys, head_dim)
     Delta = _new_output((batch_heads, n_queries), torch.float32, Q.device)
     # dS K summed over key tiles; the delta kernel zeroes it (one pass only).
     DQ_acc = torch.empty((batch_heads, n_queries, head_dim), dtype=torch.float32, device=Q.device) if dq_mode != "none" else None
@@ -334,6 +336,11 @@ def flash_attention_backward(
     dK = _new_output(K.shape, K.dtype, K.device)
     dV = _new_output(V.shape, V.dtype, V.device)
     sm_scale = sm_scale or 1.0 / math.sqrt(head_dim)
+    if hopper:
+        flash_hopper.backward_dkdv_dq(Q, K, V, dO, L, Delta, dK, dV, DQ_acc, is_causal, sm_scale)
+        _launch("dq_convert", n_queries, "BLOCK_M", batch_heads,
+                (DQ_acc, dQ, *_strides(dQ), n_heads, n_queries, sm_scale), dict(HEAD_DIM=head_dim))
+        return dQ, dK, dV
     dq_acc_desc = None
     if dq_mode == "tma":  # the block shape is the configuration's (set before each launch)
         dq_acc_desc = TensorDescriptor(DQ_acc, list(DQ_acc.shape), list(DQ_acc.stride()), [1, 16, head_dim])

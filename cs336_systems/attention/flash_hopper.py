@@ -1,0 +1,339 @@
+"""FlashAttention backward on Hopper (sm_90) in Gluon: the dK/dV sweep with dQ by bulk reductions, written
+with Hopper's own instructions (issue 21; SPEC section 3).
+
+One program holds ``BLOCK_N`` keys (K and V in shared memory, dK and dV accumulating in registers) and sweeps
+the query blocks that see them, ``BLOCK_M`` queries at a time. Per step, five matmuls on the tensor cores
+(asynchronous ``wgmma``): S^T = K Q^T and dP^T = V dO^T from shared memory; dV += P^T dO and dK += dS^T Q with
+P^T and dS^T straight from registers; dQ_j = dS K from a shared-memory copy of dS^T. dQ_j is added into a
+float32 buffer by the copy engine's bulk reduction (``cp.reduce.async.bulk``), issued from shared memory so that
+the warps go on at once. Q and dO blocks stream in through a ring of shared-memory stages filled by the copy
+engine (TMA) and guarded by mbarriers.
+
+Warp roles (``gl.warp_specialize``): the default partition, two warpgroups, computes (each warpgroup owns 64 of
+the 128 keys); a one-warp worker partition issues the TMA loads and waits on "free" barriers before refilling a
+stage, so that loads run ahead of the math by ``STAGES`` blocks.
+
+The Triton kernels (``flash_triton_kernels.py``) stay the portable path: other GPUs, float32, the CPU
+interpreter. ``flash_triton`` picks this one on compute capability 9.x for 16-bit inputs, or as
+``CS336_FLASH_KERNELS`` (``auto``, ``gluon``, ``triton``) says.
+
+Tensor views. TMA descriptors need a unit stride along ``d`` and 16-byte aligned other strides. A 4-D tensor
+``(batch, heads, seq, d)`` is seen as 3-D in one of two ways, without copying: ``(batch * heads, seq, d)`` when
+the batch stride is ``heads`` head strides (contiguous tensors), or ``(batch, seq, heads * d)`` when the head
+stride is ``d`` (a ``(batch, seq, heads, d)`` tensor transposed, as attention layers make them); anything else is
+copied. The kernel addresses a block at ``[b * heads + h, m, 0]`` or ``[b, m, h * d]`` accordingly.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+from jaxtyping import Float
+from torch import Tensor
+from triton._C.libtriton import ir
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+KERNELS: str = os.environ.get("CS336_FLASH_KERNELS", "auto")
+"""Which backward runs on a GPU: "auto" (this one on Hopper for float16/bfloat16, else Triton), "gluon" (this one,
+an error where it cannot run) or "triton"."""
+
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
+BLOCK_N = 128  # keys held per program (64 per consumer warpgroup)
+LOG2_E = gl.constexpr(1.4426950408889634)
+
+
+@builtin
+def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """Add the shared-memory block ``src`` into global memory at ``coord`` by the copy engine
+    (``cp.reduce.async.bulk.tensor ... .add``); completion as for ``tma.async_copy_shared_to_global``."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
+
+@gluon.jit
+def _block_coord(b, h, m, n_heads, HEAD_DIM: gl.constexpr, HEADS_IN_COLUMNS: gl.constexpr):
+    """The descriptor coordinate of rows ``m ..`` of head ``h`` of batch ``b`` (see the module docstring)."""
+    if HEADS_IN_COLUMNS:
+        return [b, m, h * HEAD_DIM]
+    else:
+        return [b * n_heads + h, m, 0]
+
+
+@gluon.jit
+def _load_partition(q_desc, do_desc, q_ring, do_ring, ready, free, b, h, n_heads, query_start, n_steps,
+                    BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                    Q_COLUMNS: gl.constexpr, DO_COLUMNS: gl.constexpr):
+    """Worker partition: stream Q and dO blocks into the ring, ``STAGES`` ahead of the consumers."""
+    for j in range(n_steps):
+        s = j % STAGES
+        # The consumers release a stage once per use; the first STAGES fills need no wait.
+        mbarrier.wait(free.index(s), ((j // STAGES) & 1) ^ 1, pred=j >= STAGES)
+        mbarrier.expect(ready.index(s), 2 * BLOCK_M * HEAD_DIM * q_desc.dtype.primitive_bitwidth // 8)
+        m = query_start + j * BLOCK_M
+        tma.async_copy_global_to_shared(q_desc, _block_coord(b, h, m, n_heads, HEAD_DIM, Q_COLUMNS), ready.index(s),
+                                        q_ring.index(s))
+        tma.async_copy_global_to_shared(do_desc, _block_coord(b, h, m, n_heads, HEAD_DIM, DO_COLUMNS),
+                                        ready.index(s), do_ring.index(s))
+
+
+@gluon.jit
+def _step(dk, dv, j, k_smem, v_smem, q_ring, do_ring, p_smem, ds_smem, dq_smem, ready, free, dq_desc,
+          L_row, Delta_row, bh, start_n, query_start, n_queries, qk_scale,
+          s_layout: gl.constexpr, dq_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+          HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, MASKED: gl.constexpr):
+    """Query block ``j`` of the sweep: accumulate its share of dK and dV, and add its dQ rows by TMA."""
+    s = j % STAGES
+    m = query_start + j * BLOCK_M
+    offs_m = m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+    in_bounds = offs_m < n_queries
+    lse = gl.load(L_row + offs_m, mask=in_bounds, other=0.0) * LOG2_E
+    delta = gl.load(Delta_row + offs_m, mask=in_bounds, other=0.0)
+    q = q_ring.index(s)
+    do = do_ring.index(s)
+    mbarrier.wait(ready.index(s), (j // STAGES) & 1)
+
+    zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    scores = warpgroup_mma(q, k_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    dp = warpgroup_mma(do, v_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    scores = warpgroup_mma_wait(1, deps=[scores])
+    p = gl.exp2(scores * qk_scale - lse[:, None])
+    if MASKED:
+        visible = in_bounds[:, None]
+        if IS_CAUSAL:
+            offs_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            visible = visible & (offs_m[:, None] >= offs_n[None, :])
+        p = gl.where(visible, p, 0.0)
+    p_smem.store(p.to(q.dtype))
+    dp = warpgroup_mma_wait(0, deps=[dp])
+    ds = p * (dp - delta[:, None])
+    ds_smem.store(ds.to(q.dtype))
+    fence_async_shared()
+    gl.thread_barrier()  # dQ_j = dS K reads both warpgroups' columns of dS
+
+    zero_dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout)
+    dq = warpgroup_mma(ds_smem, k_smem, zero_dq, use_acc=False, is_async=True)
+    dv = warpgroup_mma(p_smem.permute((1, 0)), do, dv, is_async=True)
+    dk = warpgroup_mma(ds_smem.permute((1, 0)), q, dk, is_async=True)
+    dq = warpgroup_mma_wait(2, deps=[dq])
+    tma.store_wait(0)  # the previous block's reduction has read dq_smem
+    gl.thread_barrier()
+    dq_smem.store(dq)
+    fence_async_shared()
+    gl.thread_barrier()
+    _tma_reduce_add(dq_desc, [bh, m, 0], dq_smem.reshape([1, BLOCK_M, HEAD_DIM]))
+    dv, dk = warpgroup_mma_wait(0, deps=[dv, dk])
+    mbarrier.arrive(free.index(s))
+    gl.thread_barrier()  # p_smem and ds_smem are rewritten next step
+    return dk, dv
+
+
+@gluon.jit
+def _compute_partition(k_smem, v_smem, q_ring, do_ring, p_smem, ds_smem, dq_smem, ready, free, kv_ready, dq_desc,
+                       L, Delta, bh, start_n, query_start, n_steps, n_queries, qk_scale,
+                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                       STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    """Default partition (two warpgroups, each owning 64 of the keys): five matmuls per query block; returns dK
+    (without the 1/sqrt(d)) and dV, float32 (BLOCK_N, HEAD_DIM)."""
+    # S = Q K^T (BLOCK_M, BLOCK_N): warpgroup w computes the columns of its keys. The query-wise logsumexp and
+    # Delta are then two values per thread.
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                       instr_shape=[16, BLOCK_N // 2, 16])
+    # dK, dV (BLOCK_N, HEAD_DIM): warpgroup w accumulates the rows of its keys.
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
+                                                         instr_shape=[16, HEAD_DIM, 16])
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                        instr_shape=[16, HEAD_DIM // 2, 16])
+    dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
+    dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
+    L_row = L + bh.to(gl.int64) * n_queries
+    Delta_row = Delta + bh.to(gl.int64) * n_queries
+
+    mbarrier.wait(kv_ready, 0)
+    for j in range(n_steps):
+        dk, dv = _step(dk, dv, j, k_smem, v_smem, q_ring, do_ring, p_smem, ds_smem, dq_smem, ready, free, dq_desc,
+                       L_row, Delta_row, bh, start_n, query_start, n_queries, qk_scale,
+                       s_layout, dq_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, True)
+    tma.store_wait(0)
+    return dk, dv
+
+
+@gluon.jit(do_not_specialize=["n_heads", "n_queries", "n_keys"])
+def attn_bwd_hopper_kernel(
+    q_desc, k_desc, v_desc, do_desc,  # 3-D views of Q, K, V, dO, blocks (1, BLOCK_M or BLOCK_N, HEAD_DIM)
+    dk_desc, dv_desc,  # contiguous (batch * heads, n_keys, HEAD_DIM) outputs, blocks (1, BLOCK_N, HEAD_DIM)
+    dq_desc,  # float32 (batch * heads, n_queries, HEAD_DIM), zeroed, blocks (1, BLOCK_M, HEAD_DIM)
+    L, Delta,  # float32 (batch * heads, n_queries): natural-log logsumexp and rowsum(O * dO)
+    n_heads, n_queries, n_keys,
+    sm_scale, qk_scale,  # 1 / sqrt(d) and log2(e) / sqrt(d)
+    HEAD_DIM: gl.constexpr,
+    IS_CAUSAL: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+    Q_COLUMNS: gl.constexpr, K_COLUMNS: gl.constexpr, V_COLUMNS: gl.constexpr, DO_COLUMNS: gl.constexpr,
+):
+    """Program ``(i, bh)``: dK and dV of keys ``i * BLOCK_N ..`` of batch-head ``bh``, and their share of dQ."""
+    dtype: gl.constexpr = q_desc.dtype
+    start_n = gl.program_id(0) * BLOCK_N
+    bh = gl.program_id(1)
+    b = bh // n_heads
+    h = bh % n_heads
+    if IS_CAUSAL:
+        query_start = gl.minimum(start_n // BLOCK_M * BLOCK_M, n_queries)
+    else:
+        query_start = 0
+    n_steps = gl.cdiv(n_queries - query_start, BLOCK_M)
+
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
+    s_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
+    dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], gl.float32)
+    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], kv_layout)
+    q_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_layout)
+    do_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_layout)
+    p_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], s_layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], s_layout)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, HEAD_DIM], dq_layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(free.index(s), count=1)
+    mbarrier.init(kv_ready, count=1)
+    fence_async_shared()
+
+    mbarrier.expect(kv_ready, 2 * BLOCK_N * HEAD_DIM * dtype.primitive_bitwidth // 8)
+    tma.async_copy_global_to_shared(k_desc, _block_coord(b, h, start_n, n_heads, HEAD_DIM, K_COLUMNS), kv_ready,
+                                    k_smem)
+    tma.async_copy_global_to_shared(v_desc, _block_coord(b, h, start_n, n_heads, HEAD_DIM, V_COLUMNS), kv_ready,
+                                    v_smem)
+
+    dk, dv = gl.warp_specialize(
+        [
+            (_compute_partition, (k_smem, v_smem, q_ring, do_ring, p_smem, ds_smem, dq_smem, ready, free, kv_ready, dq_desc,
+                                  L, Delta, bh, start_n, query_start, n_steps, n_queries, qk_scale,
+                                  BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL)),
+            (_load_partition, (q_desc, do_desc, q_ring, do_ring, ready, free, b, h, n_heads, query_start, n_steps,
+                               BLOCK_M, HEAD_DIM, STAGES, Q_COLUMNS, DO_COLUMNS)),
+        ],
+        [1],
+        [24],
+    )
+
+    # K and V are no longer read: their buffers stage dK and dV for the copy engine.
+    gl.thread_barrier()
+    k_smem.store((dk * sm_scale).to(dtype))
+    v_smem.store(dv.to(dtype))
+    fence_async_shared()
+    gl.thread_barrier()
+    tma.async_copy_shared_to_global(dk_desc, [bh, start_n, 0], k_smem)
+    tma.async_copy_shared_to_global(dv_desc, [bh, start_n, 0], v_smem)
+    tma.store_wait(0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Host side
+# ---------------------------------------------------------------------------------------------------
+
+_GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}
+
+
+def block_m(head_dim: int) -> int:
+    """Queries per step of the sweep."""
+    return 64
+
+
+def stages(head_dim: int) -> int:
+    """Depth of the Q/dO ring."""
+    return 2
+
+
+def runs_on(Q: Tensor) -> bool:
+    """Whether the Hopper backward runs for these inputs (see :data:`KERNELS`). Raises where ``gluon`` is forced
+    but cannot run."""
+    if KERNELS not in ("auto", "gluon", "triton"):
+        raise ValueError(f"CS336_FLASH_KERNELS must be auto, gluon or triton, not {KERNELS!r}")
+    if KERNELS == "triton":
+        return False
+    reason = None
+    if Q.device.type != "cuda":
+        reason = f"tensors on {Q.device}"
+    elif torch.cuda.get_device_capability(Q.device)[0] != 9:
+        reason = f"compute capability {torch.cuda.get_device_capability(Q.device)} (needs 9.x, Hopper)"
+    elif Q.dtype not in (torch.float16, torch.bfloat16):
+        reason = f"dtype {Q.dtype} (needs float16 or bfloat16)"
+    elif Q.shape[-1] not in SUPPORTED_HEAD_DIMS:
+        reason = f"head dim {Q.shape[-1]} (needs one of {SUPPORTED_HEAD_DIMS})"
+    if reason is not None and KERNELS == "gluon":
+        raise ValueError(f"CS336_FLASH_KERNELS=gluon, but the Hopper backward cannot run: {reason}")
+    return reason is None
+
+
+def tma_view(x: Float[Tensor, "batch *heads seq d"]) -> tuple[Float[Tensor, "rows seq cols"], bool]:
+    """A 3-D view of ``x`` that a TMA descriptor can address, and whether the heads are in its columns (see the
+    module docstring); a contiguous copy when neither view exists."""
+    if x.dim() == 3:
+        x = x.unsqueeze(1)
+    batch, heads, seq, d = x.shape
+
+    def aligned(t: Tensor) -> bool:
+        return t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
+
+    if x.stride(-1) == 1:
+        stride_b, stride_h, stride_s, _ = x.stride()
+        if heads == 1 or batch == 1 or stride_b == heads * stride_h:
+            view = x.as_strided((batch * heads, seq, d), (stride_h if heads > 1 else stride_b, stride_s, 1))
+            if aligned(view):
+                return view, False
+        if stride_h == d:
+            view = x.as_strided((batch, seq, heads * d), (stride_b, stride_s, 1))
+            if aligned(view):
+                return view, True
+    return x.contiguous().view(batch * heads, seq, d), False
+
+
+def _descriptor(view: Tensor, rows: int, head_dim: int) -> TensorDescriptor:
+    block = [1, rows, head_dim]
+    layout = gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[view.dtype])
+    return TensorDescriptor(view, list(view.shape), list(view.stride()), block, layout)
+
+
+def backward_dkdv_dq(
+    Q: Float[Tensor, "batch *heads q d"], K: Float[Tensor, "batch *heads k d"], V: Float[Tensor, "batch *heads k d"],
+    dO: Float[Tensor, "batch *heads q d"], L: Float[Tensor, "batch_heads q"], Delta: Float[Tensor, "batch_heads q"],
+    dK: Float[Tensor, "batch *heads k d"], dV: Float[Tensor, "batch *heads k d"],
+    DQ_acc: Float[Tensor, "batch_heads q d"], is_causal: bool, sm_scale: float,
+) -> None:
+    """Write dK (scaled by ``sm_scale``) and dV, and add dS K (unscaled) into the zeroed float32 ``DQ_acc``.
+    ``dK`` and ``dV`` are contiguous; ``L`` is the forward's natural-log logsumexp."""
+    n_heads = Q.shape[1] if Q.dim() == 4 else 1
+    batch_heads, (n_queries, head_dim), n_keys = Q.shape[0] * n_heads, Q.shape[-2:], K.shape[-2]
+    rows_m = block_m(head_dim)
+    (q, q_columns), (k, k_columns), (v, v_columns), (do, do_columns) = (tma_view(x) for x in (Q, K, V, dO))
+    grid = (triton.cdiv(n_keys, BLOCK_N), batch_heads)
+    attn_bwd_hopper_kernel[grid](
+        _descriptor(q, rows_m, head_dim), _descriptor(k, BLOCK_N, head_dim), _descriptor(v, BLOCK_N, head_dim),
+        _descriptor(do, rows_m, head_dim),
+        _descriptor(dK.view(batch_heads, n_keys, head_dim), BLOCK_N, head_dim),
+        _descriptor(dV.view(batch_heads, n_keys, head_dim), BLOCK_N, head_dim),
+        _descriptor(DQ_acc, rows_m, head_dim),
+        L, Delta, n_heads, n_queries, n_keys, sm_scale, sm_scale * math.log2(math.e),
+        HEAD_DIM=head_dim, IS_CAUSAL=is_causal, BLOCK_M=rows_m, BLOCK_N=BLOCK_N, STAGES=stages(head_dim),
+        Q_COLUMNS=q_columns, K_COLUMNS=k_columns, V_COLUMNS=v_columns, DO_COLUMNS=do_columns,
+        num_warps=8,
+    )
