@@ -90,11 +90,36 @@ def _load_partition(q_desc, do_desc, q_ring, do_ring, ready, free, b, h, n_heads
 
 
 @gluon.jit
-def _step(dk, dv, j, k_smem, v_smem, q_ring, do_ring, p_smem, ds_smem, dq_smem, ready, free, dq_desc,
-          L_row, Delta_row, bh, start_n, query_start, n_queries, qk_scale,
+def _issue_scores(j, n_steps, q_ring, do_ring, k_smem, v_smem, ready,
+                  s_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """Start S_j = Q_j K^T and dP_j = dO_j V^T on the tensor cores once block ``j`` has landed. Past the last
+    block (``j == n_steps``) it recomputes the last one instead of waiting for a block that never comes, so that
+    every step of the loop finds two matmuls in flight."""
+    j_valid = gl.maximum(gl.minimum(j, n_steps - 1), 0)
+    s = j_valid % STAGES
+    mbarrier.wait(ready.index(s), (j_valid // STAGES) & 1, pred=j < n_steps)
+    zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    scores = warpgroup_mma(q_ring.index(s), k_smem.permute((1, 0)), zero, use_acc=False, is_async=True)
+    dp = warpgroup_mma(do_ring.index(s), v_smem.permute((1, 0)), zero, use_acc=False, is_async=True)
+    return scores, dp
+
+
+@gluon.jit
+def _step(dk, dv, scores, dp, j, n_steps, k_smem, v_smem, q_ring, do_ring, p_smem, ds_smem, dq_smem, ready, free,
+          dq_desc, L_row, Delta_row, bh, start_n, query_start, n_queries, qk_scale,
           s_layout: gl.constexpr, dq_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
           HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, MASKED: gl.constexpr):
-    """Query block ``j`` of the sweep: accumulate its share of dK and dV, and add its dQ rows by TMA."""
+    """Query block ``j`` of the sweep, whose S and dP matmuls are in flight: accumulate its share of dK and dV,
+    add its dQ rows by TMA, and start block ``j + 1``'s S and dP before finishing this one's dQ, dK and dV.
+
+    The single-tile buffers (``(1, rows, cols)``) are indexed by ``j >> 30``, always 0, which the compiler cannot
+    prove: the matmuls' shared-memory descriptors are then recomputed each step (a few uniform integer adds)
+    instead of being hoisted out of the loop, where the 40-odd 64-bit values spilled to local memory."""
+    zero = j >> 30
+    k_smem = k_smem.index(zero)
+    v_smem = v_smem.index(zero)
+    p_smem = p_smem.index(zero)
+    ds_smem = ds_smem.index(zero)
     s = j % STAGES
     m = query_start + j * BLOCK_M
     offs_m = m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
@@ -103,11 +128,7 @@ def _step(dk, dv, j, k_smem, v_smem, q_ring, do_ring, p_smem, ds_smem, dq_smem, 
     delta = gl.load(Delta_row + offs_m, mask=in_bounds, other=0.0)
     q = q_ring.index(s)
     do = do_ring.index(s)
-    mbarrier.wait(ready.index(s), (j // STAGES) & 1)
 
-    zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    scores = warpgroup_mma(q, k_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-    dp = warpgroup_mma(do, v_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)
     scores = warpgroup_mma_wait(1, deps=[scores])
     p = gl.exp2(scores * qk_scale - lse[:, None])
     if MASKED:
@@ -122,6 +143,9 @@ def _step(dk, dv, j, k_smem, v_smem, q_ring, do_ring, p_smem, ds_smem, dq_smem, 
     ds_smem.store(ds.to(q.dtype))
     fence_async_shared()
     gl.thread_barrier()  # dQ_j = dS K reads both warpgroups' columns of dS
+    # Past this barrier both warpgroups have waited for block j - 1's last matmuls (dV and dK): its stage is free.
+    # (Releasing it here, behind a barrier the step needs anyway, saves the one an arrive would bring.)
+    mbarrier.arrive(free.index((j + STAGES - 1) % STAGES), pred=j > 0)
 
     zero_dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout)
     dq = warpgroup_mma(ds_smem, k_smem, zero_dq, use_acc=False, is_async=True)
@@ -129,15 +153,19 @@ def _step(dk, dv, j, k_smem, v_smem, q_ring, do_ring, p_smem, ds_smem, dq_smem, 
     dk = warpgroup_mma(ds_smem.permute((1, 0)), q, dk, is_async=True)
     dq = warpgroup_mma_wait(2, deps=[dq])
     tma.store_wait(0)  # the previous block's reduction has read dq_smem
+    # Also orders this step's dS reads (every warpgroup's dQ matmul is done) before next step's dS writes.
     gl.thread_barrier()
     dq_smem.store(dq)
     fence_async_shared()
     gl.thread_barrier()
     _tma_reduce_add(dq_desc, [bh, m, 0], dq_smem.reshape([1, BLOCK_M, HEAD_DIM]))
-    dv, dk = warpgroup_mma_wait(0, deps=[dv, dk])
-    mbarrier.arrive(free.index(s))
-    gl.thread_barrier()  # p_smem and ds_smem are rewritten next step
-    return dk, dv
+    # Queued behind dV and dK (issued after dQ's epilogue, so that their accumulators and dQ's are never all
+    # live at once: that would spill).
+    scores, dp = _issue_scores(j + 1, n_steps, q_ring, do_ring, k_smem, v_smem, ready, s_layout, BLOCK_M, BLOCK_N,
+                               STAGES)
+    # Each warpgroup reads back only its own keys' columns of P and dS: no barrier before they are rewritten.
+    dv, dk = warpgroup_mma_wait(2, deps=[dv, dk])
+    return dk, dv, scores, dp
 
 
 @gluon.jit
@@ -162,10 +190,14 @@ def _compute_partition(k_smem, v_smem, q_ring, do_ring, p_smem, ds_smem, dq_smem
     Delta_row = Delta + bh.to(gl.int64) * n_queries
 
     mbarrier.wait(kv_ready, 0)
+    scores, dp = _issue_scores(0, n_steps, q_ring, do_ring, k_smem.index(0), v_smem.index(0), ready, s_layout, BLOCK_M,
+                               BLOCK_N, STAGES)
     for j in range(n_steps):
-        dk, dv = _step(dk, dv, j, k_smem, v_smem, q_ring, do_ring, p_smem, ds_smem, dq_smem, ready, free, dq_desc,
-                       L_row, Delta_row, bh, start_n, query_start, n_queries, qk_scale,
-                       s_layout, dq_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL, True)
+        dk, dv, scores, dp = _step(dk, dv, scores, dp, j, n_steps, k_smem, v_smem, q_ring, do_ring, p_smem, ds_smem,
+                                   dq_smem, ready, free, dq_desc, L_row, Delta_row, bh, start_n, query_start,
+                                   n_queries, qk_scale, s_layout, dq_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
+                                   IS_CAUSAL, True)
+    warpgroup_mma_wait(0, deps=[scores, dp])
     tma.store_wait(0)
     return dk, dv
 
@@ -201,12 +233,12 @@ def attn_bwd_hopper_kernel(
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
     s_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
     dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], gl.float32)
-    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], kv_layout)
-    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], kv_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, HEAD_DIM], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, HEAD_DIM], kv_layout)
     q_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_layout)
     do_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_layout)
-    p_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], s_layout)
-    ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], s_layout)
+    p_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_M, BLOCK_N], s_layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_M, BLOCK_N], s_layout)
     dq_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, HEAD_DIM], dq_layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -219,9 +251,9 @@ def attn_bwd_hopper_kernel(
 
     mbarrier.expect(kv_ready, 2 * BLOCK_N * HEAD_DIM * dtype.primitive_bitwidth // 8)
     tma.async_copy_global_to_shared(k_desc, _block_coord(b, h, start_n, n_heads, HEAD_DIM, K_COLUMNS), kv_ready,
-                                    k_smem)
+                                    k_smem.index(0))
     tma.async_copy_global_to_shared(v_desc, _block_coord(b, h, start_n, n_heads, HEAD_DIM, V_COLUMNS), kv_ready,
-                                    v_smem)
+                                    v_smem.index(0))
 
     dk, dv = gl.warp_specialize(
         [
@@ -237,12 +269,12 @@ def attn_bwd_hopper_kernel(
 
     # K and V are no longer read: their buffers stage dK and dV for the copy engine.
     gl.thread_barrier()
-    k_smem.store((dk * sm_scale).to(dtype))
-    v_smem.store(dv.to(dtype))
+    k_smem.index(0).store((dk * sm_scale).to(dtype))
+    v_smem.index(0).store(dv.to(dtype))
     fence_async_shared()
     gl.thread_barrier()
-    tma.async_copy_shared_to_global(dk_desc, [bh, start_n, 0], k_smem)
-    tma.async_copy_shared_to_global(dv_desc, [bh, start_n, 0], v_smem)
+    tma.async_copy_shared_to_global(dk_desc, [bh, start_n, 0], k_smem.index(0))
+    tma.async_copy_shared_to_global(dv_desc, [bh, start_n, 0], v_smem.index(0))
     tma.store_wait(0)
 
 
@@ -255,12 +287,12 @@ _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.floa
 
 def block_m(head_dim: int) -> int:
     """Queries per step of the sweep."""
-    return 64
+    return int(os.environ.get("CS336_HOPPER_BLOCK_M", 64))
 
 
 def stages(head_dim: int) -> int:
     """Depth of the Q/dO ring."""
-    return 2
+    return int(os.environ.get("CS336_HOPPER_STAGES", 2))
 
 
 def runs_on(Q: Tensor) -> bool:
