@@ -1,4 +1,4 @@
-"""Compile ``@triton.jit`` kernels for a GPU on a machine without one (ahead of time, down to a cubin
+"""Compile ``@triton.jit`` (and ``@gluon.jit``) kernels for a GPU on a machine without one (ahead of time, down to a cubin
 through the ptxas that ships with Triton), and read their register, spill and shared-memory use.
 
 The CPU interpreter runs kernels as NumPy, so it cannot see what only the compiler checks (globals
@@ -51,6 +51,8 @@ def compile_for_gpu(jit_function, args: tuple, kwargs: dict, capability: int = 9
     binder = create_function_from_signature(jit_function.signature, jit_function.params, backend)
     bound_args, specialization, options = binder(*args, **kwargs)
     options, signature, constexprs, attrs = jit_function._pack_args(backend, kwargs, bound_args, specialization, options)
+    if jit_function.is_gluon():
+        from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
     return triton.compile(ASTSource(jit_function, signature, constexprs, attrs), target=target, options=options.__dict__)
 
 

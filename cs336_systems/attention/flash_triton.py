@@ -323,7 +323,8 @@ def flash_attention_backward(
     n_heads = Q.shape[1] if Q.dim() == 4 else 1
     batch_heads, (n_queries, head_dim), n_keys = Q.shape[0] * n_heads, Q.shape[-2:], K.shape[-2]
 
-    hopper = not kernels.RUNNING_IN_INTERPRETER and flash_hopper.runs_on(Q)
+    hopper = not kernels.RUNNING_IN_INTERPRETER and flash_hopper.runs_on(
+        Q, batch_heads * triton.cdiv(n_keys, flash_hopper.BLOCK_N))
     dq_mode = "hopper" if hopper else _dq_mode(Q.dtype, batch_heads, n_keys, head_dim)
     Delta = _new_output((batch_heads, n_queries), torch.float32, Q.device)
     # dS K summed over key tiles; the delta kernel zeroes it (one pass only).

@@ -1,0 +1,143 @@
+"""The Hopper backward in Gluon (``cs336_systems/attention/flash_hopper.py``).
+
+On a machine without a GPU: the kernel compiles for sm_90 down to a cubin (Triton's own ptxas) at every
+supported head dim with no register spills and within the shared memory of a block; the TMA views of
+Q/K/V/dO address the right elements without copying where they can; the choice between this backward and the
+Triton one follows ``CS336_FLASH_KERNELS`` and refuses to force an impossible one. Its numerics are checked on
+an H200 by the GPU grid of ``test_flash_attention_triton.py``, which runs it by default on Hopper, and by
+``test_hopper_and_triton_backwards_agree_gpu`` below.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from cs336_systems.attention import flash_hopper
+from tests._flash_aot import compile_for_gpu, nvidia_toolchain_available, resource_usage
+
+HOPPER_SHARED_MEMORY = 227 * 1024  # bytes a block may use on an H100/H200
+
+
+def _launch_on_cpu_tensors(batch, heads, n_queries, n_keys, d, dtype, is_causal):
+    shape_q = (batch, heads, n_queries, d)
+    shape_k = (batch, heads, n_keys, d)
+    Q, dO = torch.empty(shape_q, dtype=dtype), torch.empty(shape_q, dtype=dtype)
+    K, V, dK, dV = (torch.empty(shape_k, dtype=dtype) for _ in range(4))
+    L, Delta = (torch.empty(batch * heads, n_queries) for _ in range(2))
+    DQ_acc = torch.empty(batch * heads, n_queries, d)
+    return flash_hopper.launch_arguments(Q, K, V, dO, L, Delta, dK, dV, DQ_acc, is_causal, 1 / math.sqrt(d))
+
+
+@pytest.mark.parametrize("d, dtype, is_causal", [(128, torch.bfloat16, True), (64, torch.float16, False),
+                                                 (32, torch.bfloat16, False), (16, torch.float16, True)])
+def test_compiles_for_sm90_without_spills(d, dtype, is_causal):
+    if not nvidia_toolchain_available():
+        pytest.skip("this Triton has no NVIDIA backend or ptxas")
+    grid, args, kwargs = _launch_on_cpu_tensors(2, 3, 1000, 777, d, dtype, is_causal)
+    assert grid == (math.ceil(777 / flash_hopper.BLOCK_N), 6)
+    compiled = compile_for_gpu(flash_hopper.attn_bwd_hopper_kernel, args, kwargs)
+    usage = resource_usage(compiled)
+    assert usage.spill_bytes == 0, usage
+    assert usage.shared_bytes <= HOPPER_SHARED_MEMORY, usage
+    ptx = compiled.asm["ptx"]
+    # The point of this kernel: Hopper's asynchronous matmuls, copy engine and register reallocation.
+    for instruction in ("wgmma.mma_async", "cp.async.bulk.tensor", "cp.reduce.async.bulk.tensor", "setmaxnreg"):
+        assert instruction in ptx, instruction
+
+
+def _heads(view: torch.Tensor, heads_in_columns: bool, batch: int, heads: int, d: int) -> torch.Tensor:
+    """Read the view back as (batch, heads, seq, d) the way the kernel addresses it."""
+    if heads_in_columns:
+        return view.unflatten(2, (heads, d)).transpose(1, 2)
+    return view.unflatten(0, (batch, heads))
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "three_d", "one_head", "strided_d", "odd_stride"])
+def test_tma_view_addresses_every_head(layout):
+    batch, heads, seq, d = 2, 3, 5, 16
+    base = torch.randn(batch, seq, heads, 2 * d)
+    if layout == "contiguous":
+        x = torch.randn(batch, heads, seq, d)
+    elif layout == "transposed":  # what attention layers make: (batch, seq, heads, d) -> (batch, heads, seq, d)
+        x = base[..., :d].contiguous().transpose(1, 2)
+    elif layout == "three_d":
+        x = torch.randn(batch * heads, seq, d)
+    elif layout == "one_head":
+        x = torch.randn(batch, 1, seq, d)[:, :, 1:]
+    elif layout == "strided_d":  # the head dim is not unit-stride: needs a copy
+        x = torch.randn(batch, heads, seq, 2 * d)[..., ::2]
+    else:  # rows 9 elements apart: not 16-byte aligned, needs a copy
+        x = torch.randn(batch, heads, seq, 9)[..., :8]
+    view, heads_in_columns = flash_hopper.tma_view(x)
+    x4 = x if x.dim() == 4 else x.unsqueeze(1)
+    b, h, s, dd = x4.shape
+    assert view.dim() == 3 and view.stride(-1) == 1
+    assert view.data_ptr() % 16 == 0 and all(st * view.element_size() % 16 == 0 for st in view.stride()[:-1])
+    torch.testing.assert_close(_heads(view, heads_in_columns, b, h, dd), x4, rtol=0, atol=0)
+    shares_storage = view.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+    assert shares_storage == (layout in ("contiguous", "transposed", "three_d", "one_head"))
+    assert heads_in_columns == (layout == "transposed")
+
+
+def test_kernel_choice_follows_the_environment(monkeypatch):
+    Q = torch.empty(1, 2, 16, 64, dtype=torch.bfloat16)
+    for kernels in ("auto", "triton"):
+        monkeypatch.setattr(flash_hopper, "KERNELS", kernels)
+        assert not flash_hopper.runs_on(Q, 10**6)  # CPU tensors: the Triton path
+    monkeypatch.setattr(flash_hopper, "KERNELS", "gluon")
+    with pytest.raises(ValueError, match="cannot run: tensors on cpu"):
+        flash_hopper.runs_on(Q, 10**6)
+    monkeypatch.setattr(flash_hopper, "KERNELS", "cudnn")
+    with pytest.raises(ValueError, match="auto, gluon or triton"):
+        flash_hopper.runs_on(Q, 10**6)
+
+
+def _hopper_gpu() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper_gpu(), reason="needs a Hopper GPU")
+def test_kernel_choice_on_hopper_gpu(monkeypatch):
+    monkeypatch.setattr(flash_hopper, "KERNELS", "auto")
+    Q = torch.empty(1, 2, 16, 64, dtype=torch.bfloat16, device="cuda")
+    assert flash_hopper.runs_on(Q, flash_hopper.MIN_KEY_TILES)
+    assert not flash_hopper.runs_on(Q, flash_hopper.MIN_KEY_TILES - 1)  # too few programs: Triton
+    assert not flash_hopper.runs_on(Q.float(), 10**6)
+    monkeypatch.setattr(flash_hopper, "KERNELS", "gluon")
+    assert flash_hopper.runs_on(Q, 1)
+    with pytest.raises(ValueError, match="float32"):
+        flash_hopper.runs_on(Q.float(), 10**6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper_gpu(), reason="needs a Hopper GPU")
+@pytest.mark.parametrize("d", [16, 32, 64, 128])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_hopper_and_triton_backwards_agree_gpu(monkeypatch, d, layout):
+    """Forced Gluon and forced Triton backwards against float64, at a length with many key tiles and a ragged
+    end, for the two TMA views; gradients NaN-poisoned so that unwritten rows show."""
+    from cs336_systems.attention import flash_triton
+
+    monkeypatch.setattr(flash_triton, "FILL_OUTPUTS_WITH_NAN", True)
+    torch.manual_seed(d)
+    batch, heads, seq = 2, 4, 1000 + d
+    if layout == "contiguous":
+        Q, K, V = (torch.randn(batch, heads, seq, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    else:
+        Q, K, V = (torch.randn(batch, seq, heads, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+                   for _ in range(3))
+    dO = torch.randn(batch, heads, seq, d, device="cuda", dtype=torch.bfloat16)
+    leaves = [x.detach().double().requires_grad_() for x in (Q, K, V)]
+    torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=True).backward(dO.double())
+    reference = [x.grad for x in leaves]
+    for kernels in ("gluon", "triton"):
+        monkeypatch.setattr(flash_hopper, "KERNELS", kernels)
+        inputs = [x.detach().requires_grad_() for x in (Q, K, V)]
+        flash_triton.flash_attention(*inputs, True).backward(dO)
+        for name, x, expected in zip("QKV", inputs, reference):
+            error = ((x.grad.double() - expected).norm() / expected.norm()).item()
+            assert error < 1e-2, f"{kernels}: d{name} relative error {error:.2e}"
