@@ -142,9 +142,11 @@ def _step(dk, dv, scores, dp, j, n_steps, k_smem, v_smem, q_ring, do_ring, p_sme
     ds = p * (dp - delta[:, None])
     ds_smem.store(ds.to(q.dtype))
     fence_async_shared()
-    gl.thread_barrier()  # dQ_j = dS K reads both warpgroups' columns of dS
-    # Past this barrier both warpgroups have waited for block j - 1's last matmuls (dV and dK): its stage is free.
-    # (Releasing it here, behind a barrier the step needs anyway, saves the one an arrive would bring.)
+    dq_buffer = dq_smem.index(j % 2)
+    tma.store_wait(1)  # the reduction of block j - 2, from the same buffer, has read it
+    # One barrier for three orders: dQ_j = dS K reads both warpgroups' columns of dS; dq_buffer is free for every
+    # thread; both warpgroups have waited for block j - 1's last matmuls (dV, dK), so that its stage is free.
+    gl.thread_barrier()
     mbarrier.arrive(free.index((j + STAGES - 1) % STAGES), pred=j > 0)
 
     zero_dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout)
@@ -152,13 +154,11 @@ def _step(dk, dv, scores, dp, j, n_steps, k_smem, v_smem, q_ring, do_ring, p_sme
     dv = warpgroup_mma(p_smem.permute((1, 0)), do, dv, is_async=True)
     dk = warpgroup_mma(ds_smem.permute((1, 0)), q, dk, is_async=True)
     dq = warpgroup_mma_wait(2, deps=[dq])
-    tma.store_wait(0)  # the previous block's reduction has read dq_smem
+    dq_buffer.store(dq)
+    fence_async_shared()
     # Also orders this step's dS reads (every warpgroup's dQ matmul is done) before next step's dS writes.
     gl.thread_barrier()
-    dq_smem.store(dq)
-    fence_async_shared()
-    gl.thread_barrier()
-    _tma_reduce_add(dq_desc, [bh, m, 0], dq_smem.reshape([1, BLOCK_M, HEAD_DIM]))
+    _tma_reduce_add(dq_desc, [bh, m, 0], dq_buffer.reshape([1, BLOCK_M, HEAD_DIM]))
     # Queued behind dV and dK (issued after dQ's epilogue, so that their accumulators and dQ's are never all
     # live at once: that would spill).
     scores, dp = _issue_scores(j + 1, n_steps, q_ring, do_ring, k_smem, v_smem, ready, s_layout, BLOCK_M, BLOCK_N,
@@ -239,7 +239,7 @@ def attn_bwd_hopper_kernel(
     do_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_layout)
     p_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_M, BLOCK_N], s_layout)
     ds_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_M, BLOCK_N], s_layout)
-    dq_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, HEAD_DIM], dq_layout)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM], dq_layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
