@@ -26,6 +26,7 @@ copied. The kernel addresses a block at ``[b * heads + h, m, 0]`` or ``[b, m, h 
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -301,6 +302,11 @@ Triton two-pass backward parallelises over query tiles too. Measured on an H200 
 tiles): 1.05 ms here against 0.74 (Triton)."""
 
 
+@functools.cache
+def _capability(device_index: int | None) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
 def runs_on(Q: Tensor, n_key_tiles: int) -> bool:
     """Whether the backward of these inputs runs here (see :data:`KERNELS`; ``n_key_tiles`` is
     ``batch * heads * cdiv(n_keys, BLOCK_N)``). Raises where ``CS336_FLASH_KERNELS=gluon`` forces it but it
@@ -312,8 +318,8 @@ def runs_on(Q: Tensor, n_key_tiles: int) -> bool:
     reason = None
     if Q.device.type != "cuda":
         reason = f"tensors on {Q.device}"
-    elif torch.cuda.get_device_capability(Q.device)[0] != 9:
-        reason = f"compute capability {torch.cuda.get_device_capability(Q.device)} (needs 9.x, Hopper)"
+    elif _capability(Q.device.index)[0] != 9:
+        reason = f"compute capability {_capability(Q.device.index)} (needs 9.x, Hopper)"
     elif Q.dtype not in (torch.float16, torch.bfloat16):
         reason = f"dtype {Q.dtype} (needs float16 or bfloat16)"
     elif Q.shape[-1] not in SUPPORTED_HEAD_DIMS:
