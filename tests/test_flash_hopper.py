@@ -1,11 +1,11 @@
-"""The Hopper backward in Gluon (``cs336_systems/attention/flash_hopper.py``).
+"""The Hopper kernels in Gluon (``cs336_systems/attention/flash_hopper.py``).
 
-On a machine without a GPU: the kernel compiles for sm_90 down to a cubin (Triton's own ptxas) at every
-supported head dim with no register spills and within the shared memory of a block; the TMA views of
+On a machine without a GPU: the kernels compile for sm_90 down to a cubin (Triton's own ptxas) at the
+supported head dims with no register spills and within the shared memory of a block; the TMA views of
 Q/K/V/dO address the right elements without copying where they can; the choice between this backward and the
 Triton one follows ``CS336_FLASH_KERNELS`` and refuses to force an impossible one. Its numerics are checked on
 an H200 by the GPU grid of ``test_flash_attention_triton.py``, which runs it by default on Hopper, and by
-``test_hopper_and_triton_backwards_agree_gpu`` below.
+``test_hopper_and_triton_kernels_agree_gpu`` below.
 """
 
 from __future__ import annotations
@@ -48,6 +48,23 @@ def test_compiles_for_sm90_without_spills(d, dtype, is_causal):
         assert instruction in ptx, instruction
 
 
+@pytest.mark.parametrize("d, dtype, is_causal", [(128, torch.bfloat16, True), (64, torch.float16, False),
+                                                 (16, torch.bfloat16, True)])
+def test_forward_compiles_for_sm90_without_spills(d, dtype, is_causal):
+    if not nvidia_toolchain_available():
+        pytest.skip("this Triton has no NVIDIA backend or ptxas")
+    Q, K, V, O = (torch.empty(2, 3, 1000, d, dtype=dtype) for _ in range(4))
+    L = torch.empty(6, 1000)
+    grid, args, kwargs = flash_hopper.forward_launch_arguments(Q, K, V, O, L, is_causal, 1 / math.sqrt(d))
+    assert grid == (math.ceil(1000 / (2 * flash_hopper.FORWARD_ROWS)), 6)
+    compiled = compile_for_gpu(flash_hopper.attn_fwd_hopper_kernel, args, kwargs)
+    usage = resource_usage(compiled)
+    assert usage.spill_bytes == 0, usage
+    assert usage.shared_bytes <= HOPPER_SHARED_MEMORY, usage
+    for instruction in ("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg"):
+        assert instruction in compiled.asm["ptx"], instruction
+
+
 def _heads(view: torch.Tensor, heads_in_columns: bool, batch: int, heads: int, d: int) -> torch.Tensor:
     """Read the view back as (batch, heads, seq, d) the way the kernel addresses it."""
     if heads_in_columns:
@@ -86,13 +103,17 @@ def test_kernel_choice_follows_the_environment(monkeypatch):
     Q = torch.empty(1, 2, 16, 64, dtype=torch.bfloat16)
     for kernels in ("auto", "triton"):
         monkeypatch.setattr(flash_hopper, "KERNELS", kernels)
-        assert not flash_hopper.runs_on(Q, 10**6)  # CPU tensors: the Triton path
-    monkeypatch.setattr(flash_hopper, "KERNELS", "gluon")
-    with pytest.raises(ValueError, match="cannot run: tensors on cpu"):
-        flash_hopper.runs_on(Q, 10**6)
+        for part in ("forward", "backward"):
+            assert not flash_hopper.runs_on(Q, 10**6, part)  # CPU tensors: the Triton path
+    monkeypatch.setattr(flash_hopper, "KERNELS", "gluon-backward")
+    assert not flash_hopper.runs_on(Q, 10**6, "forward")
+    for kernels in ("gluon", "gluon-backward"):
+        monkeypatch.setattr(flash_hopper, "KERNELS", kernels)
+        with pytest.raises(ValueError, match="backward cannot run: tensors on cpu"):
+            flash_hopper.runs_on(Q, 10**6, "backward")
     monkeypatch.setattr(flash_hopper, "KERNELS", "cudnn")
-    with pytest.raises(ValueError, match="auto, gluon or triton"):
-        flash_hopper.runs_on(Q, 10**6)
+    with pytest.raises(ValueError, match="auto, gluon, gluon-backward or triton"):
+        flash_hopper.runs_on(Q, 10**6, "forward")
 
 
 def _hopper_gpu() -> bool:
@@ -104,21 +125,22 @@ def _hopper_gpu() -> bool:
 def test_kernel_choice_on_hopper_gpu(monkeypatch):
     monkeypatch.setattr(flash_hopper, "KERNELS", "auto")
     Q = torch.empty(1, 2, 16, 64, dtype=torch.bfloat16, device="cuda")
-    assert flash_hopper.runs_on(Q, flash_hopper.MIN_KEY_TILES)
-    assert not flash_hopper.runs_on(Q, flash_hopper.MIN_KEY_TILES - 1)  # too few programs: Triton
-    assert not flash_hopper.runs_on(Q.float(), 10**6)
+    for part in ("forward", "backward"):
+        assert flash_hopper.runs_on(Q, flash_hopper.MIN_PROGRAMS, part)
+        assert not flash_hopper.runs_on(Q, flash_hopper.MIN_PROGRAMS - 1, part)  # too few programs: Triton
+        assert not flash_hopper.runs_on(Q.float(), 10**6, part)
     monkeypatch.setattr(flash_hopper, "KERNELS", "gluon")
-    assert flash_hopper.runs_on(Q, 1)
+    assert flash_hopper.runs_on(Q, 1, "forward")
     with pytest.raises(ValueError, match="float32"):
-        flash_hopper.runs_on(Q.float(), 10**6)
+        flash_hopper.runs_on(Q.float(), 10**6, "backward")
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper_gpu(), reason="needs a Hopper GPU")
 @pytest.mark.parametrize("d", [16, 32, 64, 128])
 @pytest.mark.parametrize("layout", ["contiguous", "transposed"])
-def test_hopper_and_triton_backwards_agree_gpu(monkeypatch, d, layout):
-    """Forced Gluon and forced Triton backwards against float64, at a length with many key tiles and a ragged
+def test_hopper_and_triton_kernels_agree_gpu(monkeypatch, d, layout):
+    """Forced Gluon and forced Triton forwards and backwards against float64, at a length with many key tiles and a ragged
     end, for the two TMA views; gradients NaN-poisoned so that unwritten rows show."""
     from cs336_systems.attention import flash_triton
 
@@ -134,10 +156,14 @@ def test_hopper_and_triton_backwards_agree_gpu(monkeypatch, d, layout):
     leaves = [x.detach().double().requires_grad_() for x in (Q, K, V)]
     torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=True).backward(dO.double())
     reference = [x.grad for x in leaves]
+    expected_output = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=True).detach()
     for kernels in ("gluon", "triton"):
         monkeypatch.setattr(flash_hopper, "KERNELS", kernels)
         inputs = [x.detach().requires_grad_() for x in (Q, K, V)]
-        flash_triton.flash_attention(*inputs, True).backward(dO)
-        for name, x, expected in zip("QKV", inputs, reference):
-            error = ((x.grad.double() - expected).norm() / expected.norm()).item()
-            assert error < 1e-2, f"{kernels}: d{name} relative error {error:.2e}"
+        output = flash_triton.flash_attention(*inputs, True)
+        output.backward(dO)
+        results = [("O", output.detach(), expected_output)] + [
+            (f"d{name}", x.grad, expected) for name, x, expected in zip("QKV", inputs, reference)]
+        for name, value, expected in results:
+            error = ((value.double() - expected).norm() / expected.norm()).item()
+            assert error < 1e-2, f"{kernels}: {name} relative error {error:.2e}"

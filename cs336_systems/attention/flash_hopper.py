@@ -48,12 +48,15 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 KERNELS: str = os.environ.get("CS336_FLASH_KERNELS", "auto")
-"""Which backward runs on a GPU: "auto" (this one on Hopper for float16/bfloat16, else Triton), "gluon" (this one,
-an error where it cannot run) or "triton"."""
+"""Which kernels run on a GPU: "auto" (these on Hopper for float16/bfloat16 inputs with enough programs to fill
+the GPU, else Triton), "gluon" (these, an error where they cannot run), "gluon-backward" (this backward with the
+Triton forward) or "triton"."""
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
-BLOCK_N = 128  # keys held per program (64 per consumer warpgroup)
+BLOCK_N = 128  # keys held per backward program (64 per consumer warpgroup), keys per forward step
+FORWARD_ROWS = 64  # queries per forward consumer warpgroup (two per program)
 LOG2_E = gl.constexpr(1.4426950408889634)
+LN_2 = gl.constexpr(0.6931471805599453)
 
 
 @builtin
@@ -280,6 +283,181 @@ def attn_bwd_hopper_kernel(
 
 
 # ---------------------------------------------------------------------------------------------------
+# Forward
+# ---------------------------------------------------------------------------------------------------
+# A program holds 128 queries: two consumer warpgroups of 64 rows each, each its own partition, so that they
+# drift apart: while one runs its softmax on the CUDA cores, the other's matmuls run on the tensor cores (the
+# effect FlashAttention-3 gets by ping-pong scheduling). A one-warp partition streams K and V blocks through a
+# ring; a stage is refilled once both warpgroups have released it (an mbarrier of count 2).
+
+
+@gluon.jit
+def _fwd_load_partition(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, kv_ready, kv_free,
+                        b, h, n_heads, start_m, n_blocks,
+                        BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                        Q_COLUMNS: gl.constexpr, K_COLUMNS: gl.constexpr, V_COLUMNS: gl.constexpr):
+    mbarrier.expect(q_ready, 2 * q_smem.index(0).numel * q_desc.dtype.primitive_bitwidth // 8)
+    for w in gl.static_range(2):
+        rows = q_smem.index(w).shape[0]
+        tma.async_copy_global_to_shared(q_desc, _block_coord(b, h, start_m + w * rows, n_heads, HEAD_DIM, Q_COLUMNS),
+                                        q_ready, q_smem.index(w))
+    for j in range(n_blocks):
+        s = j % STAGES
+        mbarrier.wait(kv_free.index(s), ((j // STAGES) & 1) ^ 1, pred=j >= STAGES)
+        mbarrier.expect(kv_ready.index(s), 2 * BLOCK_N * HEAD_DIM * k_desc.dtype.primitive_bitwidth // 8)
+        n = j * BLOCK_N
+        tma.async_copy_global_to_shared(k_desc, _block_coord(b, h, n, n_heads, HEAD_DIM, K_COLUMNS), kv_ready.index(s),
+                                        k_ring.index(s))
+        tma.async_copy_global_to_shared(v_desc, _block_coord(b, h, n, n_heads, HEAD_DIM, V_COLUMNS), kv_ready.index(s),
+                                        v_ring.index(s))
+
+
+@gluon.jit
+def _fwd_issue_scores(j, n_blocks, q, k_ring, kv_ready, s_layout: gl.constexpr, ROWS: gl.constexpr,
+                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """Start S_j = Q K_j^T once block ``j`` has landed (past the last block: the last one again, unwaited)."""
+    j_valid = gl.maximum(gl.minimum(j, n_blocks - 1), 0)
+    s = j_valid % STAGES
+    mbarrier.wait(kv_ready.index(s), (j_valid // STAGES) & 1, pred=j < n_blocks)
+    zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+    return warpgroup_mma(q, k_ring.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _fwd_step(acc, row_sum, row_max, scores, j, n_blocks, q, k_ring, v_ring, kv_ready, kv_free, offs_m, n_keys,
+              qk_scale, s_layout: gl.constexpr, o_layout: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+              STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, MASKED: gl.constexpr):
+    """Key block ``j``, whose S is in flight: online softmax, then P V_j, with S_(j+1) started behind it."""
+    s = j % STAGES
+    scores = warpgroup_mma_wait(0, deps=[scores])
+    if MASKED:
+        offs_n = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        visible = offs_n[None, :] < n_keys
+        if IS_CAUSAL:
+            visible = visible & (offs_m[:, None] >= offs_n[None, :])
+        scores = gl.where(visible, scores, -1.0e30)
+    # Base 2, maximum over unscaled scores (qk_scale > 0): the scale joins the exponent in one FMA per score.
+    new_row_max = gl.maximum(row_max, gl.max(scores, 1) * qk_scale)
+    p = gl.exp2(scores * qk_scale - new_row_max[:, None])
+    rescale = gl.exp2(row_max - new_row_max)
+    row_sum = row_sum * rescale + gl.sum(p, 1)
+    acc = acc * gl.convert_layout(rescale, gl.SliceLayout(1, o_layout))[:, None]
+    p_op = gl.convert_layout(p.to(q.dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
+    acc = warpgroup_mma(p_op, v_ring.index(s), acc, is_async=True)
+    scores = _fwd_issue_scores(j + 1, n_blocks, q, k_ring, kv_ready, s_layout, ROWS, BLOCK_N, STAGES)
+    acc = warpgroup_mma_wait(1, deps=[acc])
+    # This warpgroup is done with stage s (K_j long since, V_j now): one arrive from it, after its own barrier.
+    mbarrier.arrive(kv_free.index(s))
+    return acc, row_sum, new_row_max, scores
+
+
+@gluon.jit
+def _fwd_consumer(w, q_smem, k_ring, v_ring, q_ready, kv_ready, kv_free, o_desc, L, bh, start_m, n_blocks, n_full,
+                  n_queries, n_keys, qk_scale,
+                  ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                  IS_CAUSAL: gl.constexpr):
+    """Warpgroup ``w``: rows ``start_m + w * ROWS ..`` of O (through the copy engine) and L."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    q = q_smem.index(w)
+    first_row = start_m + w * ROWS
+    offs_m = first_row + gl.arange(0, ROWS, layout=row_layout)
+    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
+    row_sum = gl.zeros([ROWS], gl.float32, row_layout)
+    row_max = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
+
+    mbarrier.wait(q_ready, 0)
+    scores = _fwd_issue_scores(0, n_blocks, q, k_ring, kv_ready, s_layout, ROWS, BLOCK_N, STAGES)
+    for j in range(0, n_full):
+        acc, row_sum, row_max, scores = _fwd_step(acc, row_sum, row_max, scores, j, n_blocks, q, k_ring, v_ring,
+                                                  kv_ready, kv_free, offs_m, n_keys, qk_scale, s_layout, o_layout,
+                                                  ROWS, BLOCK_N, STAGES, IS_CAUSAL, False)
+    for j in range(n_full, n_blocks):
+        acc, row_sum, row_max, scores = _fwd_step(acc, row_sum, row_max, scores, j, n_blocks, q, k_ring, v_ring,
+                                                  kv_ready, kv_free, offs_m, n_keys, qk_scale, s_layout, o_layout,
+                                                  ROWS, BLOCK_N, STAGES, IS_CAUSAL, True)
+    acc = warpgroup_mma_wait(0, deps=[acc, scores])[0]
+
+    L_row = L + bh.to(gl.int64) * n_queries
+    gl.store(L_row + offs_m, (row_max + gl.log2(row_sum)) * LN_2, mask=offs_m < n_queries)
+    out = acc / gl.convert_layout(row_sum, gl.SliceLayout(1, o_layout))[:, None]
+    q.store(out.to(q.dtype))  # Q is no longer read: its buffer stages O for the copy engine
+    fence_async_shared()
+    gl.thread_barrier()
+    tma.async_copy_shared_to_global(o_desc, [bh, first_row, 0], q)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _fwd_consumer_1(q_smem, k_ring, v_ring, q_ready, kv_ready, kv_free, o_desc, L, bh, start_m, n_blocks, n_full,
+                    n_queries, n_keys, qk_scale, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                    STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    _fwd_consumer(1, q_smem, k_ring, v_ring, q_ready, kv_ready, kv_free, o_desc, L, bh, start_m, n_blocks, n_full,
+                  n_queries, n_keys, qk_scale, ROWS, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL)
+
+
+@gluon.jit(do_not_specialize=["n_heads", "n_queries", "n_keys"])
+def attn_fwd_hopper_kernel(
+    q_desc, k_desc, v_desc,  # 3-D views of Q, K, V, blocks (1, ROWS or BLOCK_N, HEAD_DIM)
+    o_desc,  # contiguous (batch * heads, n_queries, HEAD_DIM) output, blocks (1, ROWS, HEAD_DIM)
+    L,  # float32 (batch * heads, n_queries) output: natural-log logsumexp
+    n_heads, n_queries, n_keys,
+    qk_scale,  # log2(e) / sqrt(d)
+    HEAD_DIM: gl.constexpr,
+    IS_CAUSAL: gl.constexpr,
+    ROWS: gl.constexpr,  # queries per consumer warpgroup (the program holds 2 * ROWS)
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+    Q_COLUMNS: gl.constexpr, K_COLUMNS: gl.constexpr, V_COLUMNS: gl.constexpr,
+):
+    """Program ``(i, bh)``: O and L of the queries of tile ``n_tiles - 1 - i`` (heavy causal tiles first)."""
+    dtype: gl.constexpr = q_desc.dtype
+    start_m = (gl.num_programs(0) - 1 - gl.program_id(0)) * (2 * ROWS)
+    bh = gl.program_id(1)
+    b = bh // n_heads
+    h = bh % n_heads
+    n_blocks = gl.cdiv(n_keys, BLOCK_N)
+    if IS_CAUSAL:
+        # Keys past the tile's last query are invisible; blocks reaching past its first query need the mask.
+        n_blocks = gl.minimum(n_blocks, gl.cdiv(start_m + 2 * ROWS, BLOCK_N))
+        n_full = gl.minimum(start_m // BLOCK_N, n_keys // BLOCK_N)
+    else:
+        n_full = n_keys // BLOCK_N
+    n_full = gl.minimum(n_full, n_blocks)
+
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM], dtype)
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+    q_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_DIM], q_layout)
+    k_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
+    v_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_ready, count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(kv_ready.index(s), count=1)
+        mbarrier.init(kv_free.index(s), count=2)  # one arrive per consumer warpgroup
+    fence_async_shared()
+
+    gl.warp_specialize(
+        [
+            (_fwd_consumer, (0, q_smem, k_ring, v_ring, q_ready, kv_ready, kv_free, o_desc, L, bh, start_m, n_blocks,
+                             n_full, n_queries, n_keys, qk_scale, ROWS, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL)),
+            (_fwd_consumer_1, (q_smem, k_ring, v_ring, q_ready, kv_ready, kv_free, o_desc, L, bh, start_m, n_blocks,
+                               n_full, n_queries, n_keys, qk_scale, ROWS, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL)),
+            (_fwd_load_partition, (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, kv_ready, kv_free,
+                                   b, h, n_heads, start_m, n_blocks, BLOCK_N, HEAD_DIM, STAGES,
+                                   Q_COLUMNS, K_COLUMNS, V_COLUMNS)),
+        ],
+        [4, 1],
+        [240, 24],
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
 # Host side
 # ---------------------------------------------------------------------------------------------------
 
@@ -295,11 +473,11 @@ def block_m(head_dim: int) -> int:
 STAGES = 2
 """Depth of the Q/dO ring (3 measured no faster at d = 64; at d = 128 it does not fit in shared memory)."""
 
-MIN_KEY_TILES = 256
-"""Below this many key tiles in all (``batch * heads * cdiv(n_keys, BLOCK_N)``), "auto" keeps the Triton
-backward: one program per key tile leaves SMs idle, the longest (first) tile sweeping every query alone; the
-Triton two-pass backward parallelises over query tiles too. Measured on an H200 at 16384 x 64, one head (128
-tiles): 1.05 ms here against 0.74 (Triton)."""
+MIN_PROGRAMS = 256
+"""Below this many programs (``batch * heads * cdiv(n_keys or n_queries, 128)``), "auto" keeps the Triton
+kernels: one program per 128 keys (backward) or queries (forward) leaves SMs idle, the longest sweeping alone;
+the Triton two-pass backward parallelises over query tiles too. Measured on an H200 at 16384 x 64, one head (128
+key tiles): this backward 1.05 ms against 0.74 (Triton)."""
 
 
 @functools.cache
@@ -307,13 +485,13 @@ def _capability(device_index: int | None) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device_index)
 
 
-def runs_on(Q: Tensor, n_key_tiles: int) -> bool:
-    """Whether the backward of these inputs runs here (see :data:`KERNELS`; ``n_key_tiles`` is
-    ``batch * heads * cdiv(n_keys, BLOCK_N)``). Raises where ``CS336_FLASH_KERNELS=gluon`` forces it but it
-    cannot run."""
-    if KERNELS not in ("auto", "gluon", "triton"):
-        raise ValueError(f"CS336_FLASH_KERNELS must be auto, gluon or triton, not {KERNELS!r}")
-    if KERNELS == "triton":
+def runs_on(Q: Tensor, n_programs: int, part: str) -> bool:
+    """Whether ``part`` ("forward" or "backward") of attention on these inputs runs here (see :data:`KERNELS`);
+    ``n_programs`` is ``batch * heads`` times the query tiles (forward) or key tiles (backward) of 128. Raises
+    where ``CS336_FLASH_KERNELS`` forces this path but it cannot run."""
+    if KERNELS not in ("auto", "gluon", "gluon-backward", "triton"):
+        raise ValueError(f"CS336_FLASH_KERNELS must be auto, gluon, gluon-backward or triton, not {KERNELS!r}")
+    if KERNELS == "triton" or (KERNELS == "gluon-backward" and part == "forward"):
         return False
     reason = None
     if Q.device.type != "cuda":
@@ -324,9 +502,9 @@ def runs_on(Q: Tensor, n_key_tiles: int) -> bool:
         reason = f"dtype {Q.dtype} (needs float16 or bfloat16)"
     elif Q.shape[-1] not in SUPPORTED_HEAD_DIMS:
         reason = f"head dim {Q.shape[-1]} (needs one of {SUPPORTED_HEAD_DIMS})"
-    if reason is not None and KERNELS == "gluon":
-        raise ValueError(f"CS336_FLASH_KERNELS=gluon, but the Hopper backward cannot run: {reason}")
-    return reason is None and (KERNELS == "gluon" or n_key_tiles >= MIN_KEY_TILES)
+    if reason is not None and KERNELS != "auto":
+        raise ValueError(f"CS336_FLASH_KERNELS={KERNELS}, but the Hopper {part} cannot run: {reason}")
+    return reason is None and (KERNELS != "auto" or n_programs >= MIN_PROGRAMS)
 
 
 def tma_view(x: Float[Tensor, "batch *heads seq d"]) -> tuple[Float[Tensor, "rows seq cols"], bool]:
@@ -356,6 +534,35 @@ def _descriptor(view: Tensor, rows: int, head_dim: int) -> TensorDescriptor:
     block = [1, rows, head_dim]
     layout = gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[view.dtype])
     return TensorDescriptor(view, list(view.shape), list(view.stride()), block, layout)
+
+
+def forward_launch_arguments(
+    Q: Float[Tensor, "batch *heads q d"], K: Float[Tensor, "batch *heads k d"], V: Float[Tensor, "batch *heads k d"],
+    O: Float[Tensor, "batch *heads q d"], L: Float[Tensor, "batch_heads q"], is_causal: bool, sm_scale: float,
+) -> tuple[tuple[int, int], tuple, dict]:
+    """``(grid, args, kwargs)`` of the launch ``attn_fwd_hopper_kernel[grid](*args, **kwargs)`` that
+    :func:`forward` makes."""
+    n_heads = Q.shape[1] if Q.dim() == 4 else 1
+    batch_heads, (n_queries, head_dim), n_keys = Q.shape[0] * n_heads, Q.shape[-2:], K.shape[-2]
+    (q, q_columns), (k, k_columns), (v, v_columns) = (tma_view(x) for x in (Q, K, V))
+    grid = (triton.cdiv(n_queries, 2 * FORWARD_ROWS), batch_heads)
+    args = (
+        _descriptor(q, FORWARD_ROWS, head_dim), _descriptor(k, BLOCK_N, head_dim), _descriptor(v, BLOCK_N, head_dim),
+        _descriptor(O.view(batch_heads, n_queries, head_dim), FORWARD_ROWS, head_dim),
+        L, n_heads, n_queries, n_keys, sm_scale * math.log2(math.e),
+    )
+    kwargs = dict(HEAD_DIM=head_dim, IS_CAUSAL=is_causal, ROWS=FORWARD_ROWS, BLOCK_N=BLOCK_N, STAGES=STAGES,
+                  Q_COLUMNS=q_columns, K_COLUMNS=k_columns, V_COLUMNS=v_columns, num_warps=4)
+    return grid, args, kwargs
+
+
+def forward(
+    Q: Float[Tensor, "batch *heads q d"], K: Float[Tensor, "batch *heads k d"], V: Float[Tensor, "batch *heads k d"],
+    O: Float[Tensor, "batch *heads q d"], L: Float[Tensor, "batch_heads q"], is_causal: bool, sm_scale: float,
+) -> None:
+    """Write O (contiguous, Q's shape and dtype) and the natural-log logsumexp L."""
+    grid, args, kwargs = forward_launch_arguments(Q, K, V, O, L, is_causal, sm_scale)
+    attn_fwd_hopper_kernel[grid](*args, **kwargs)
 
 
 def launch_arguments(

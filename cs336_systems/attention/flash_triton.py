@@ -302,6 +302,10 @@ def flash_attention_forward(
     O = _new_output(Q.shape, Q.dtype, Q.device)
     L = _new_output((batch_heads, n_queries), torch.float32, Q.device)
     sm_scale = sm_scale or 1.0 / math.sqrt(head_dim)
+    if not kernels.RUNNING_IN_INTERPRETER and flash_hopper.runs_on(
+            Q, batch_heads * triton.cdiv(n_queries, 2 * flash_hopper.FORWARD_ROWS), "forward"):
+        flash_hopper.forward(Q, K, V, O, L, is_causal, sm_scale)
+        return O, L.view(Q.shape[:-1])
     args = (
         Q, K, V, O, L,
         *_strides(Q), *_strides(K), *_strides(V), *_strides(O),
@@ -324,7 +328,7 @@ def flash_attention_backward(
     batch_heads, (n_queries, head_dim), n_keys = Q.shape[0] * n_heads, Q.shape[-2:], K.shape[-2]
 
     hopper = not kernels.RUNNING_IN_INTERPRETER and flash_hopper.runs_on(
-        Q, batch_heads * triton.cdiv(n_keys, flash_hopper.BLOCK_N))
+        Q, batch_heads * triton.cdiv(n_keys, flash_hopper.BLOCK_N), "backward")
     dq_mode = "hopper" if hopper else _dq_mode(Q.dtype, batch_heads, n_keys, head_dim)
     Delta = _new_output((batch_heads, n_queries), torch.float32, Q.device)
     # dS K summed over key tiles; the delta kernel zeroes it (one pass only).
