@@ -411,13 +411,13 @@ def first_call_graph_breaks(compiled_fn: AttentionFn, q: Tensor, k: Tensor, v: T
 
 
 def our_kernel_names() -> set[str]:
-    """Names of the Triton kernels in our attention modules (autotuner wrappers unwrapped)."""
+    """Names of the Triton and Gluon kernels in our attention modules (autotuner wrappers unwrapped)."""
     import triton
 
-    from cs336_systems.attention import flash_triton, flash_triton_kernels
+    from cs336_systems.attention import flash_hopper, flash_triton, flash_triton_kernels
 
     names = set()
-    for module in (flash_triton_kernels, flash_triton):
+    for module in (flash_triton_kernels, flash_triton, flash_hopper):
         for obj in vars(module).values():
             while isinstance(obj, triton.runtime.KernelInterface) and not isinstance(obj, triton.runtime.JITFunction):
                 obj = obj.fn
