@@ -187,10 +187,42 @@ PROBE = ("(16, 16384, 64): ours fwd 1.5 bwd 4.6 fb 6.1 (1.35x)  baseline fwd 1.5
 
 
 def flash_probe(results: Path) -> None:
-    """Plain-text outputs of scripts/flash_probe.py, one per optimisation step (no flash_optimisation_log.jsonl)."""
+    """Plain-text outputs of scripts/flash_probe.py, one per step of the earlier history (before the log)."""
     (results / "flash_probe").mkdir(parents=True, exist_ok=True)
     for name, ours, base in (("step1_fused_backward", 6.5, 6.2), ("step2_autotune_cache", 6.25, 6.29)):
         (results / "flash_probe" / f"{name}.txt").write_text(PROBE.format(ours=ours, base=base))
+
+
+def flash_log_point(seq_len: int, d_head: int, ours: float, cudnn: float, fa2: float) -> dict[str, Any]:
+    return {"seq_len": seq_len, "d_head": d_head, "ours_fwd_ms": ours / 4, "ours_bwd_ms": ours * 3 / 4,
+            "ours_fwd_bwd_ms": ours, "sdpa_cudnn_fwd_bwd_ms": cudnn, "sdpa_flash_fwd_bwd_ms": fa2,
+            "ratio_vs_cudnn": ours / cudnn, "ratio_vs_fa2": ours / fa2}
+
+
+def flash_log_step(step: str, hypothesis: str, decision: str, ours: float, bwd_scale: float) -> dict:
+    """A measured step as ``python -m cs336_systems.bench.flash_log`` writes it (H200, the leaderboard shape
+    and two sweep points)."""
+    board = {"ours_fwd_bwd_ms": ours, "ours_fwd_ms": ours / 4, "sdpa_cudnn_fwd_bwd_ms": 4.5, "sdpa_cudnn_fwd_ms": 1.3,
+             "ratio_vs_cudnn": ours / 4.5, "verified": True, "graph_breaks": 0, "graph_breaks_after_first_call": 0,
+             "graph_break_reasons": [], "our_kernels": ["attn_fwd_kernel", "attn_bwd_kernel"],
+             "foreign_attention_kernels": [], "matches_sdpa": True}
+    points = [flash_log_point(16384, 64, 0.8, 0.5, 0.9), flash_log_point(65536, 128, 12.0 * bwd_scale, 7.2, 12.5)]
+    return row("flash_optimisation_log", {"step": step},
+               {"hypothesis": hypothesis, "decision": decision, "note": "", "commit": "0123456", "dirty": False,
+                "leaderboard": board, "points": points, "leaderboard_rep_ms": 2000, "point_rep_ms": 100},
+               gpu="NVIDIA H200")
+
+
+def flash_optimisation_log() -> list[dict]:
+    """Two measured steps and a later ``--set-decision`` row (run on a machine without a GPU) for the second."""
+    decided = {"run": "20261123T060000Z-fedcba", "problem": "flash_optimisation_log", "step": "gluon-backward",
+               "decision": "kept", "note": "the d=128 backward won a third", "config_keys": ["step"],
+               "device": "cpu (x86_64)", "env": {**env(), "device": "cpu (x86_64)", "gpu_name": None, "gpu_count": 0,
+                                                  "date": "2026-11-23T06:00:00Z"}}
+    return [flash_log_step("triton-baseline", "The Triton backward as it stood", "baseline", 6.0, 1.0),
+            flash_log_step("gluon-backward", "A Gluon backward on Hopper should cut the d=128 backward", "pending",
+                           5.4, 0.75),
+            decided]
 
 
 def all_reduce() -> list[dict]:
@@ -446,6 +478,7 @@ def write_fixture(results: Path, figures: Path) -> None:
         "gradient_checkpointing": gradient_checkpointing(),
         "flash_benchmarking": flash_benchmarking(),
         "leaderboard": leaderboard(),
+        "flash_optimisation_log": flash_optimisation_log(),
         "distributed_communication_single_node": all_reduce(),
         "ddp_benchmarking": ddp_benchmarking(figures),
         "optimizer_state_sharding_accounting": optimizer_state_sharding_accounting(),

@@ -7,12 +7,14 @@ import importlib.util
 import json
 import math
 import re
+import shutil
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests._writeup_fixture import write_fixture
+from tests._writeup_fixture import flash_probe, write_fixture
+from tests._writeup_fixture import leaderboard as fixture_leaderboard
 
 WRITEUP = Path(__file__).resolve().parents[1] / "writeup"
 
@@ -28,8 +30,8 @@ def _load_build():
 pytest.importorskip("typst", reason="the writeup is typeset by the typst package (installed by uv sync)")
 build = _load_build()
 from pipeline import accounting
-from pipeline.results import environment_line, latest_per_config
-from pipeline.sections import SECTIONS
+from pipeline.results import Missing, Results, environment_line, latest_per_config
+from pipeline.sections import SECTIONS, Output
 
 
 def run_build(tmp_path: Path, results: Path, *extra: str) -> int:
@@ -100,6 +102,23 @@ def test_builds_every_section_from_the_fixture(tmp_path, fixture_results):
     assert lb["n"]["bwd_gap_covers_wall_gap"] and lb["n"]["sdpa_faster"]
     assert "2x NVIDIA H200" in lb["env"] and "2026-11-23" in lb["env"] and "commit 0123456" in lb["env"]
     assert "2026-11-22" in lb["env"]  # the step's rows (fixture env) and the profile's (its own date)
+    # The FlashAttention optimisation log: measured steps in file order, the --set-decision row's decision and
+    # note merged into its step (and left out of the environment line), then the earlier probe history.
+    flash = data["flash_optimisation_log"]
+    log = flash["tables"]["log"]
+    assert log["header"][1][5:] == ["16384×64", "65536×128", "65536×128"]
+    assert log["rows"] == [["triton-baseline", "baseline", "6.00", "4.50", "1.33×", "1.60×", "1.67×", "9.00"],
+                           ["gluon-backward", "kept", "5.40", "4.50", "1.20×", "1.60×", "1.25×", "6.75"]]
+    steps = flash["n"]["log_steps"]
+    assert [(st["step"], st["decision"]) for st in steps] == [("triton-baseline", "baseline"), ("gluon-backward", "kept")]
+    assert steps[1]["note"] == "the d=128 backward won a third." and steps[0]["where"] == "measured at 0123456"
+    summary = flash["n"]["log_summary"]
+    assert "NVIDIA H200" in summary and "from 1.33× (6.00 ms against 4.50 ms)" in summary and "to 1.20×" in summary
+    assert "from 9.00 ms to 6.75 ms" in summary
+    assert "NVIDIA H200" in flash["env"] and "H100" in flash["env"] and "cpu" not in flash["env"]
+    assert flash["n"]["has_history"] and "NVIDIA H100 80GB HBM3" in flash["n"]["history_intro"]
+    assert [r[1] for r in flash["tables"]["history"]["rows"]] == ["step1 fused backward", "step2 autotune cache"]
+    assert len(flash["listings"]) == 2
 
 
 def test_a_missing_results_file_fails_naming_it(tmp_path, fixture_results, capsys):
@@ -120,6 +139,29 @@ def test_a_missing_results_file_fails_naming_it(tmp_path, fixture_results, capsy
     assert data["allow_missing"] is True
     assert "leaderboard.jsonl" in data["sections"]["leaderboard"]["missing"]
     assert "missing" not in data["sections"]["benchmarking_script"]
+
+
+def test_the_optimisation_log_and_the_probe_history_each_build_alone(tmp_path):
+    results = tmp_path / "results"
+    write_fixture(results, tmp_path / "row-figures")
+    section, out = SECTIONS["flash_optimisation_log"], Output(tmp_path / "figures", tmp_path / "build")
+    log = results / "flash_optimisation_log.jsonl"
+    rows = log.read_text()
+    shutil.rmtree(results / "flash_probe")
+    (results / "leaderboard.jsonl").unlink()  # only the history reads it
+    alone = section(Results(results), out)
+    assert alone["n"]["has_log"] and not alone["n"]["has_history"] and list(alone["tables"]) == ["log"]
+    log.unlink()
+    with pytest.raises(Missing, match="flash_optimisation_log.jsonl"):
+        section(Results(results), out)
+    flash_probe(results)
+    (results / "leaderboard.jsonl").write_text("".join(json.dumps(r) + "\n" for r in fixture_leaderboard()))
+    alone = section(Results(results), out)
+    assert alone["n"]["has_history"] and not alone["n"]["has_log"] and list(alone["tables"]) == ["history"]
+    assert alone["n"]["history_intro"].startswith("The kernel was tuned in earlier sessions")
+    log.write_text(rows.splitlines()[-1] + "\n")  # only a --set-decision row
+    with pytest.raises(Missing, match="no measured step"):
+        section(Results(results), out)
 
 
 def test_a_figure_named_by_a_row_must_exist(tmp_path, capsys):

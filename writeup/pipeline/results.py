@@ -97,6 +97,18 @@ class Results:
         self.used.extend(rows)
         return rows
 
+    def log_rows(self, problem: str, measured: Callable[[dict[str, Any]], bool] = lambda row: True
+                 ) -> list[dict[str, Any]]:
+        """Every row of ``<problem>.jsonl`` in file order, all devices: a log, whose later rows amend earlier
+        ones of the same configuration (the section merges them) instead of replacing them. Only the rows
+        ``measured`` accepts go into the environment line.
+
+        Raises :class:`Missing` naming the file when it does not exist.
+        """
+        rows = read_jsonl(self.path(f"{problem}.jsonl"))
+        self.used.extend(row for row in rows if measured(row))
+        return rows
+
     def json(self, name: str) -> Any:
         """A JSON results file other than rows (e.g. the GPU test run's error summary)."""
         path = self.path(name)

@@ -6,8 +6,10 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from cs336_systems.bench import flash_log
 from pipeline import figures
 from pipeline.markup import DASH, num, span, spread, table, times
+from pipeline.results import Missing, display_path
 from pipeline.sections.registry import Output, problem
 
 OURS = ("triton", "ours", "fused")
@@ -95,18 +97,21 @@ def rmsnorm(res, out: Output) -> dict[str, Any]:
 
 
 def load_optimisation_log(res) -> tuple[list[dict[str, Any]], list[tuple[str, str]], list[dict[str, Any]]]:
-    """The log rows if ``flash_optimisation_log.jsonl`` exists, else the probe outputs
-    (``flash_probe/*.txt``, plain text of ``scripts/flash_probe.py``, one per step) and the leaderboard rows."""
-    if res.path("flash_optimisation_log.jsonl").exists():
-        return res.rows("flash_optimisation_log"), [], []
+    """The log rows of ``flash_optimisation_log.jsonl`` (``cs336_systems.bench.flash_log``: measured steps and
+    ``--set-decision`` rows, every row in file order), and the earlier history: the probe outputs
+    (``flash_probe/*.txt``, plain text of ``scripts/flash_probe.py``, one per step) with the leaderboard rows.
+    Either part may be absent, not both (``Missing`` then names the log)."""
+    rows = (res.log_rows(flash_log.PROBLEM, measured=lambda row: "leaderboard" in row)
+            if res.path(f"{flash_log.PROBLEM}.jsonl").exists() else [])
+    if rows and not any("leaderboard" in row for row in rows):
+        raise Missing(display_path(res.path(f"{flash_log.PROBLEM}.jsonl")), "no measured step, only decisions")
     probes = sorted(res.path("flash_probe").glob("*.txt")) if res.path("flash_probe").is_dir() else []
-    if not probes:
-        res.rows("flash_optimisation_log")  # raises Missing naming the file
+    if not rows and not probes:
+        res.rows(flash_log.PROBLEM)  # raises Missing naming the file
     texts = [(p.stem, res.text(f"flash_probe/{p.name}")) for p in probes]
-    return [], texts, res.rows("leaderboard")
+    return rows, texts, res.rows("leaderboard") if probes else []
 
 
-TIMINGS = ("fwd_ms", "bwd_ms", "fwd_bwd_ms")
 PROBE_LINE = re.compile(r"^leaderboard (\w+): ([\d.]+) ms")
 
 
@@ -139,33 +144,113 @@ def _probe_summary(texts: list[tuple[str, str]], board: list[dict[str, Any]]) ->
                + (f"After the last step, ours takes {num(last['ours'], 3)} ms on the leaderboard shape against "
                   f"{num(last['baseline'], 3)} ms for the baseline. " if last.get("ours") else "") + final)
     return {"tables": {"main": tab}, "listings": [{"name": n, "text": t} for n, t in texts],
-            "n": {"summary": summary, "steps": str(len(steps)), "mode": "probe"}}
+            "n": {"summary": summary, "steps": str(len(steps)),
+                  "device": ((ours.get("env") or {}).get("gpu_name") or ours.get("device")) if ours else None}}
+
+
+def _point_name(point: tuple[int, int]) -> str:
+    return f"{point[0]}×{point[1]}"
+
+
+def _log_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The log (``flash_log``'s rows): one table line per measured step in file order with its latest decision
+    (``flash_log.latest_decisions``: a ``--set-decision`` row overrides), the hypothesis and notes of each step,
+    and the first and last step compared."""
+    decisions = flash_log.latest_decisions(rows)
+    measured = [r for r in rows if "leaderboard" in r]
+    points = list(dict.fromkeys((p["seq_len"], p["d_head"]) for r in measured for p in r["points"]))
+    bwd_point = max(points, key=lambda p: (p[1], p[0]), default=None)  # the largest head dim's longest sequence
+
+    def by_point(row: dict[str, Any]) -> dict[tuple[int, int], dict[str, Any]]:
+        return {(p["seq_len"], p["d_head"]): p for p in row["points"]}
+
+    body = []
+    for r in measured:
+        board, at = r["leaderboard"], by_point(r)
+        ours = num(board.get("ours_fwd_bwd_ms"), 2)
+        body.append([r["step"], decisions.get(r["step"], "pending"),
+                     ours if board.get("verified") is not False else f"{ours} (not verified)",
+                     num(board.get("sdpa_cudnn_fwd_bwd_ms"), 2), times(board.get("ratio_vs_cudnn")),
+                     *[times(at.get(p, {}).get("ratio_vs_cudnn")) for p in points],
+                     *([num(at.get(bwd_point, {}).get("ours_bwd_ms"), 2)] if bwd_point else [])])
+    header = [["", "", span("leaderboard shape", 3), span("ours / cuDNN, N × d", len(points)),
+               *(["ours bwd (ms)"] if bwd_point else [])],
+              ["step", "decision", "ours (ms)", "cuDNN (ms)", "ours/cuDNN", *map(_point_name, points),
+               *([_point_name(bwd_point)] if bwd_point else [])]]
+    tab = table(header, body,
+                "The FlashAttention optimisation log (cs336_systems.bench.flash_log), one line per measured step "
+                "in the order measured, with its latest decision: forward + backward on the leaderboard shape "
+                "(ours and SDPA cuDNN), ours / cuDNN forward + backward at each point of the sweep (causal, bf16, "
+                "sequence length N × head dim d)"
+                + (f", and our backward alone at {_point_name(bwd_point)}." if bwd_point else "."),
+                align=["left", "left", *["right"] * (3 + len(points) + bool(bwd_point))], size=7)
+
+    steps: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        step = steps.setdefault(r["step"], {"step": r["step"], "decision": decisions.get(r["step"], "pending"),
+                                            "hypothesis": [], "note": [], "commits": []})
+        for key in ("hypothesis", "note"):
+            if r.get(key) and r[key] not in step[key]:
+                step[key].append(r[key])
+        if "leaderboard" in r and r.get("commit"):
+            where = r["commit"] + (" with uncommitted changes" if r.get("dirty") else "")
+            if where not in step["commits"]:
+                step["commits"].append(where)
+    def sentences(texts: list[str]) -> str:
+        return " ".join(t if t.rstrip().endswith((".", "!", "?")) else t.rstrip() + "." for t in texts)
+
+    listed = [{"step": s["step"], "decision": s["decision"],
+               "where": f"measured at {', '.join(s['commits'])}" if s["commits"] else "",
+               "hypothesis": sentences(s["hypothesis"]), "note": sentences(s["note"])} for s in steps.values()]
+
+    first, last = measured[0], measured[-1]
+    devices = ", ".join(dict.fromkeys((r.get("env") or {}).get("gpu_name") or r.get("device", "an unknown device")
+                                      for r in measured))
+
+    def board_text(row: dict[str, Any]) -> str:
+        board = row["leaderboard"]
+        return (f"{times(board.get('ratio_vs_cudnn'))} ({num(board.get('ours_fwd_bwd_ms'), 2)} ms against "
+                f"{num(board.get('sdpa_cudnn_fwd_bwd_ms'), 2)} ms)")
+
+    def bwd_ms(row: dict[str, Any]) -> str:
+        return num(by_point(row).get(bwd_point, {}).get("ours_bwd_ms"), 2)
+
+    verified = [r for r in measured if r["leaderboard"].get("verified")]
+    checks = ("every step passed the leaderboard's checks (one graph, our kernels, matches SDPA)"
+              if len(verified) == len(measured) else
+              f"{len(verified)} of {len(measured)} steps passed the leaderboard's checks")
+    if len(measured) == 1:
+        summary = (f"One step ({first['step']}) was measured on {devices}; {checks}. On the leaderboard shape, ours "
+                   f"takes {board_text(first)} the time of SDPA's cuDNN backend.")
+    else:
+        summary = (f"{len(measured)} steps were measured, on {devices}; {checks}. On the leaderboard shape, ours / "
+                   f"cuDNN went from {board_text(first)} at the first step, {first['step']} "
+                   f"({decisions.get(first['step'], 'pending')}), to {board_text(last)} at the last, {last['step']} "
+                   f"({decisions.get(last['step'], 'pending')})"
+                   + (f"; our backward alone at {_point_name(bwd_point)} from {bwd_ms(first)} ms to "
+                      f"{bwd_ms(last)} ms." if bwd_point else "."))
+    return {"table": tab, "steps": listed, "summary": summary, "n_steps": str(len(measured))}
 
 
 @problem("flash_optimisation_log")
 def flash_optimisation_log(res, out: Output) -> dict[str, Any]:
+    """The optimisation log (current) and, after it, the earlier history of probe outputs; either may be absent."""
     rows, texts, board = load_optimisation_log(res)
-    if not rows:
-        return _probe_summary(texts, board)
-    if any("step" in r for r in rows):
-        rows = sorted(rows, key=lambda r: r.get("step", 0))
-    timings = [k for k in TIMINGS if any(r.get(k) is not None for r in rows)]
-    label = next((k for k in ("change", "description", "name", "step") if any(r.get(k) for r in rows)), None)
-    first = rows[0]
-    body = []
-    for i, r in enumerate(rows):
-        main = r.get("fwd_bwd_ms") or r.get(timings[-1]) if timings else None
-        base = first.get("fwd_bwd_ms") or first.get(timings[-1]) if timings else None
-        body.append([str(r.get("step", i + 1)), str(r.get(label, "")) if label else DASH,
-                     *[num(r.get(k), 3) for k in timings],
-                     times(base / main) if main and base else DASH])
-    tab = table(["#", "change", *[k.removesuffix("_ms").replace("_", "+") + " (ms)" for k in timings], "vs first"],
-                body, "FlashAttention-2 on the leaderboard shape, one change at a time: latency after each change "
-                "and the speed-up over the first version.", align=["right", "left", *["right"] * (len(timings) + 1)],
-                size=8)
-    last = rows[-1]
-    key = "fwd_bwd_ms" if "fwd_bwd_ms" in timings else (timings[-1] if timings else None)
-    return {"tables": {"main": tab}, "n": {
-        "first": num(first.get(key), 2) if key else DASH, "last": num(last.get(key), 2) if key else DASH,
-        "total": times(first[key] / last[key]) if key and first.get(key) and last.get(key) else DASH,
-        "steps": str(len(rows)), "mode": "log"}, "listings": []}
+    tables: dict[str, Any] = {}
+    n: dict[str, Any] = {"has_log": bool(rows), "has_history": bool(texts)}
+    listings: list[dict[str, str]] = []
+    if rows:
+        log = _log_summary(rows)
+        tables["log"] = log.pop("table")
+        n.update({f"log_{key}": value for key, value in log.items()})
+    if texts:
+        history = _probe_summary(texts, board)
+        tables["history"] = history["tables"]["main"]
+        listings = history["listings"]
+        n.update({f"history_{key}": value for key, value in history["n"].items()})
+        device = history["n"]["device"]
+        n["history_intro"] = (("The earlier history, before this log: the kernel was tuned" if rows
+                               else "The kernel was tuned") + " in earlier sessions"
+                              + (f" on the {device}, the GPU of the final leaderboard run quoted below" if device else "")
+                              + ", each step timed by scripts/flash_probe.py, which printed plain text.")
+    return {"tables": tables, "listings": listings, "n": n}
