@@ -99,7 +99,8 @@ def rmsnorm(res, out: Output) -> dict[str, Any]:
 def load_optimisation_log(res) -> tuple[list[dict[str, Any]], list[tuple[str, str]], list[dict[str, Any]]]:
     """The log rows of ``flash_optimisation_log.jsonl`` (``cs336_systems.bench.flash_log``: measured steps and
     ``--set-decision`` rows, every row in file order), and the earlier history: the probe outputs
-    (``flash_probe/*.txt``, plain text of ``scripts/flash_probe.py``, one per step) with the leaderboard rows.
+    (``flash_probe/*.txt``, plain text of ``scripts/flash_probe.py``, one per step) with the leaderboard run that
+    closed it (the last before the log's first step).
     Either part may be absent, not both (``Missing`` then names the log)."""
     rows = (res.log_rows(flash_log.PROBLEM, measured=lambda row: "leaderboard" in row)
             if res.path(f"{flash_log.PROBLEM}.jsonl").exists() else [])
@@ -109,7 +110,13 @@ def load_optimisation_log(res) -> tuple[list[dict[str, Any]], list[tuple[str, st
     if not rows and not probes:
         res.rows(flash_log.PROBLEM)  # raises Missing naming the file
     texts = [(p.stem, res.text(f"flash_probe/{p.name}")) for p in probes]
-    return rows, texts, res.rows("leaderboard") if probes else []
+    board = res.log_rows("leaderboard", measured=lambda row: False) if probes else []
+    if rows:  # the history ends where the log starts: its leaderboard is the last run before the first logged step
+        board = [r for r in board if r.get("run", "") < rows[0].get("run", "")]
+    latest = max((r.get("run", "") for r in board), default=None)
+    board = [r for r in board if r.get("run") == latest]
+    res.used.extend(board)
+    return rows, texts, board
 
 
 PROBE_LINE = re.compile(r"^leaderboard (\w+): ([\d.]+) ms")
