@@ -497,8 +497,8 @@ def write_fixture(results: Path, figures: Path) -> None:
         with (results / f"{problem}.jsonl").open("w") as file:
             file.writelines(json.dumps(r) + "\n" for r in rows)
     flash_probe(results)
-    (results / "h100-tests").mkdir(exist_ok=True)
-    (results / "h100-tests" / "flash_attention_triton_errors.json").write_text(json.dumps(flash_errors()))
+    (results / "h200-tests").mkdir(exist_ok=True)
+    (results / "h200-tests" / "flash_attention_triton_errors.json").write_text(json.dumps(flash_errors()))
     (results / "h200x2-tests").mkdir(exist_ok=True)
     (results / "h200x2-tests" / "toy_training.log").write_text(
         "backend: nccl (2 GPUs, one per rank); world size 2; batch 32\n"

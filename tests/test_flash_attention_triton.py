@@ -272,6 +272,24 @@ def test_matches_float64_reference_gpu(fixed_tiles_poisoned_outputs, precision, 
         _check_against_float64(precision, batch, heads, n_queries, n_keys, d, is_causal)
 
 
+def _hopper_gpu() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper_gpu(), reason="needs a Hopper GPU")
+@pytest.mark.parametrize("precision, batch, heads, n_queries, n_keys, d, is_causal",
+                         [case for case in _grid() if case[0] in ("fp16", "bf16")])
+def test_hopper_kernels_match_float64_reference_gpu(fixed_tiles_poisoned_outputs, monkeypatch, precision, batch,
+                                                    heads, n_queries, n_keys, d, is_causal):
+    """The 16-bit cases of the grid with the Hopper (Gluon) forward and backward forced, whatever the size
+    ("auto" leaves the small ones to the Triton kernels)."""
+    from cs336_systems.attention import flash_hopper
+
+    monkeypatch.setattr(flash_hopper, "KERNELS", "gluon")
+    _check_against_float64(precision, batch, heads, n_queries, n_keys, d, is_causal)
+
+
 def _check_against_float64(precision, batch, heads, n_queries, n_keys, d, is_causal):
     dtype = DTYPES[precision]
     Q, K, V = make_qkv(batch, heads, n_queries, n_keys, d, dtype, "cuda")

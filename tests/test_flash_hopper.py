@@ -126,8 +126,8 @@ def test_kernel_choice_on_hopper_gpu(monkeypatch):
     monkeypatch.setattr(flash_hopper, "KERNELS", "auto")
     Q = torch.empty(1, 2, 16, 64, dtype=torch.bfloat16, device="cuda")
     for part in ("forward", "backward"):
-        assert flash_hopper.runs_on(Q, flash_hopper.MIN_PROGRAMS, part)
-        assert not flash_hopper.runs_on(Q, flash_hopper.MIN_PROGRAMS - 1, part)  # too few programs: Triton
+        assert flash_hopper.runs_on(Q, flash_hopper.MIN_PROGRAMS[part], part)
+        assert not flash_hopper.runs_on(Q, flash_hopper.MIN_PROGRAMS[part] - 1, part)  # too few programs: Triton
         assert not flash_hopper.runs_on(Q.float(), 10**6, part)
     monkeypatch.setattr(flash_hopper, "KERNELS", "gluon")
     assert flash_hopper.runs_on(Q, 1, "forward")

@@ -10,7 +10,7 @@ from pipeline.markup import DASH, num, sci, span, table, times
 from pipeline.results import Missing
 from pipeline.sections.registry import Output, problem
 
-ERRORS_FILE = "h100-tests/flash_attention_triton_errors.json"  # written by scripts/device_tests.sh
+ERRORS_FILE = "h200-tests/flash_attention_triton_errors.json"  # written by scripts/device_tests.sh (Hopper kernels)
 PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
 
 
@@ -27,7 +27,8 @@ def accuracy_table(res, tensors: list[str], what: str) -> tuple[dict, dict]:
             body.append([precision if tensor == tensors[0] else "", tensor, str(summary["cases"]),
                          sci(worst["relative_error"]), sci(worst["max_abs_error"]), num(worst["max_ratio_to_torch"], 2),
                          worst["case"]])
-    caption = (f"{what} of the Triton kernels against a float64 reference on {errors['device']}: the worst relative "
+    caption = (f"{what} of our kernels against a float64 reference on {errors['device']} (fp16 and bf16 on the Hopper "
+               "kernels, fp32 and TF32 on the Triton ones): the worst relative "
                "error over the test cases, its absolute error, its ratio to PyTorch's own error at the same precision, "
                "and the case (batch x heads x queries x keys).")
     tab = table(["precision", "tensor", "cases", "relative error", "abs. error", "÷ PyTorch's", "worst case"], body,
