@@ -94,154 +94,123 @@ def _load_partition(q_desc, do_desc, q_ring, do_ring, ready, free, b, h, n_heads
 
 
 @gluon.jit
-def _bwd_issue_scores(j, n_steps, q_ring, do_ring, k_half, v_half, ready, s_layout: gl.constexpr,
-                      BLOCK_M: gl.constexpr, HALF: gl.constexpr, STAGES: gl.constexpr):
-    """Start S_j = Q_j K_w^T and dP_j = dO_j V_w^T (this warpgroup's keys) once block ``j`` has landed. Past the
-    last block it recomputes the last one instead of waiting for a block that never comes."""
+def _issue_scores(j, n_steps, q_ring, do_ring, k_smem, v_smem, ready,
+                  s_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """Start S_j = Q_j K^T and dP_j = dO_j V^T on the tensor cores once block ``j`` has landed. Past the last
+    block (``j == n_steps``) it recomputes the last one instead of waiting for a block that never comes, so that
+    every step of the loop finds two matmuls in flight."""
     j_valid = gl.maximum(gl.minimum(j, n_steps - 1), 0)
     s = j_valid % STAGES
     mbarrier.wait(ready.index(s), (j_valid // STAGES) & 1, pred=j < n_steps)
-    zero = gl.zeros([BLOCK_M, HALF], gl.float32, s_layout)
-    scores = warpgroup_mma(q_ring.index(s), k_half.permute((1, 0)), zero, use_acc=False, is_async=True)
-    dp = warpgroup_mma(do_ring.index(s), v_half.permute((1, 0)), zero, use_acc=False, is_async=True)
+    zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    scores = warpgroup_mma(q_ring.index(s), k_smem.permute((1, 0)), zero, use_acc=False, is_async=True)
+    dp = warpgroup_mma(do_ring.index(s), v_smem.permute((1, 0)), zero, use_acc=False, is_async=True)
     return scores, dp
 
 
 @gluon.jit
-def _bwd_dq(j, k_smem, ds_smem, dq_own, ds_ready, ds_free, dq_desc, bh, query_start,
-            dq_layout: gl.constexpr, W: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-            HEAD_DIM: gl.constexpr, ROW_SPLIT: gl.constexpr):
-    """This warpgroup's part of dQ_j = dS_j K (query rows 64w.. when ROW_SPLIT, else head-dim columns), once both
-    warpgroups have written their keys' columns of dS_j; then its bulk reduction into the float32 buffer."""
-    b = j % 2
-    ds_buffer = ds_smem.index(b)
-    mbarrier.wait(ds_ready.index(b), (j // 2) & 1)
-    if ROW_SPLIT:
-        zero = gl.zeros([64, HEAD_DIM], gl.float32, dq_layout)
-        dq = warpgroup_mma(ds_buffer.slice(W * 64, 64, dim=0), k_smem, zero, use_acc=False, is_async=True)
-    else:
-        zero = gl.zeros([BLOCK_M, HEAD_DIM // 2], gl.float32, dq_layout)
-        dq = warpgroup_mma(ds_buffer, k_smem.slice(W * (HEAD_DIM // 2), HEAD_DIM // 2, dim=1), zero, use_acc=False,
-                           is_async=True)
-    dq = warpgroup_mma_wait(0, deps=[dq])
-    mbarrier.arrive(ds_free.index(b))  # this warpgroup has read dS_j
-    tma.store_wait(0)  # its previous reduction has read dq_own
-    gl.thread_barrier()
-    dq_own.store(dq)
-    fence_async_shared()
-    gl.thread_barrier()
+def _step(dk, dv, scores, dp, j, n_steps, k_smem, v_smem, q_ring, do_ring, p_smem, ds_smem, dq_smem, ready, free,
+          dq_desc, L_row, Delta_row, bh, start_n, query_start, n_queries, qk_scale,
+          s_layout: gl.constexpr, dq_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+          HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, MASKED: gl.constexpr):
+    """Query block ``j`` of the sweep, whose S and dP matmuls are in flight: accumulate its share of dK and dV,
+    add its dQ rows by TMA, and start block ``j + 1``'s S and dP before finishing this one's dQ, dK and dV.
+
+    The single-tile buffers (``(1, rows, cols)``) are indexed by ``j >> 30``, always 0, which the compiler cannot
+    prove: the matmuls' shared-memory descriptors are then recomputed each step (a few uniform integer adds)
+    instead of being hoisted out of the loop, where the 40-odd 64-bit values spilled to local memory."""
+    zero = j >> 30
+    k_smem = k_smem.index(zero)
+    v_smem = v_smem.index(zero)
+    p_smem = p_smem.index(zero)
+    ds_smem = ds_smem.index(zero)
+    s = j % STAGES
     m = query_start + j * BLOCK_M
-    if ROW_SPLIT:
-        _tma_reduce_add(dq_desc, [bh, m + W * 64, 0], dq_own.reshape([1, 64, HEAD_DIM]))
-    else:
-        _tma_reduce_add(dq_desc, [bh, m, W * (HEAD_DIM // 2)], dq_own.reshape([1, BLOCK_M, HEAD_DIM // 2]))
+    offs_m = m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+    in_bounds = offs_m < n_queries
+    lse = gl.load(L_row + offs_m, mask=in_bounds, other=0.0) * LOG2_E
+    delta = gl.load(Delta_row + offs_m, mask=in_bounds, other=0.0)
+    q = q_ring.index(s)
+    do = do_ring.index(s)
 
-
-@gluon.jit
-def _bwd_consumer(W: gl.constexpr, k_smem, v_smem, q_ring, do_ring, p_smem, ds_smem, dq_smem,
-                  ready, free, kv_ready, ds_ready, ds_free, dq_desc, dK, dV,
-                  L, Delta, bh, start_n, query_start, n_steps, n_queries, n_keys, sm_scale, qk_scale,
-                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                  STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):
-    """Warpgroup ``W`` (its own partition): dK and dV of keys ``start_n + 64 W ..`` over every query block that
-    sees them, and its part of each block's dQ, computed one step late so that it never waits for the other
-    warpgroup's dS of the current step: the two drift apart, one's softmax under the other's matmuls."""
-    HALF: gl.constexpr = BLOCK_N // 2
-    ROW_SPLIT: gl.constexpr = BLOCK_M == 128
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HALF, 16])
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, HEAD_DIM, 16])
-    if ROW_SPLIT:
-        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                            instr_shape=[16, HEAD_DIM, 16])
-    else:
-        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                            instr_shape=[16, HEAD_DIM // 2, 16])
-    first_key = start_n + W * HALF
-    offs_n = first_key + gl.arange(0, HALF, layout=gl.SliceLayout(0, s_layout))
-    L_row = L + bh.to(gl.int64) * n_queries
-    Delta_row = Delta + bh.to(gl.int64) * n_queries
-    dk = gl.zeros([HALF, HEAD_DIM], gl.float32, acc_layout)
-    dv = gl.zeros([HALF, HEAD_DIM], gl.float32, acc_layout)
-
-    mbarrier.wait(kv_ready, 0)
-    scores, dp = _bwd_issue_scores(0, n_steps, q_ring, do_ring, k_smem.index(0).slice(W * HALF, HALF, dim=0),
-                                   v_smem.index(0).slice(W * HALF, HALF, dim=0), ready, s_layout, BLOCK_M, HALF,
-                                   STAGES)
-    for j in range(n_steps):
-        # Buffers indexed by j >> 30, always 0, which the compiler cannot prove: the matmuls' shared-memory
-        # descriptors are recomputed each step (a few uniform integer adds) instead of being hoisted out of the
-        # loop, where they spill.
-        zero = j >> 30
-        k_tile = k_smem.index(zero)
-        k_half = k_tile.slice(W * HALF, HALF, dim=0)
-        v_half = v_smem.index(zero).slice(W * HALF, HALF, dim=0)
-        p_own = p_smem.index(W + zero)
-        dq_own = dq_smem.index(W + zero)
-        s = j % STAGES
-        m = query_start + j * BLOCK_M
-        offs_m = m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-        in_bounds = offs_m < n_queries
-        lse = gl.load(L_row + offs_m, mask=in_bounds, other=0.0) * LOG2_E
-        delta = gl.load(Delta_row + offs_m, mask=in_bounds, other=0.0)
-        q = q_ring.index(s)
-        do = do_ring.index(s)
-
-        scores = warpgroup_mma_wait(1, deps=[scores])
-        p = gl.exp2(scores * qk_scale - lse[:, None])
+    scores = warpgroup_mma_wait(1, deps=[scores])
+    p = gl.exp2(scores * qk_scale - lse[:, None])
+    if MASKED:
         visible = in_bounds[:, None]
         if IS_CAUSAL:
+            offs_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
             visible = visible & (offs_m[:, None] >= offs_n[None, :])
         p = gl.where(visible, p, 0.0)
-        p_own.store(p.to(q.dtype))
-        dp = warpgroup_mma_wait(0, deps=[dp])
-        ds = (p * (dp - delta[:, None])).to(q.dtype)
-        ds_half = ds_smem.index(j % 2).slice(W * HALF, HALF, dim=1)
-        # Both warpgroups have read this buffer's dS_(j-2) (their dQ_(j-2)).
-        mbarrier.wait(ds_free.index(j % 2), ((j // 2) & 1) ^ 1, pred=j >= 2)
-        ds_half.store(ds)
-        fence_async_shared()
-        mbarrier.arrive(ds_ready.index(j % 2))
-        dv = warpgroup_mma(p_own.permute((1, 0)), do, dv, is_async=True)
-        dk = warpgroup_mma(ds_half.permute((1, 0)), q, dk, is_async=True)
-        dv, dk = warpgroup_mma_wait(0, deps=[dv, dk])
-        mbarrier.arrive(free.index(s))  # this warpgroup is done with block j's stage
-        if j > 0:
-            _bwd_dq(j - 1, k_tile, ds_smem, dq_own, ds_ready, ds_free, dq_desc, bh, query_start, dq_layout, W,
-                    BLOCK_M, BLOCK_N, HEAD_DIM, ROW_SPLIT)
-        scores, dp = _bwd_issue_scores(j + 1, n_steps, q_ring, do_ring, k_half, v_half, ready, s_layout, BLOCK_M,
-                                       HALF, STAGES)
-    warpgroup_mma_wait(0, deps=[scores, dp])
-    if n_steps > 0:
-        _bwd_dq(n_steps - 1, k_smem.index(0), ds_smem, dq_smem.index(W), ds_ready, ds_free, dq_desc, bh, query_start, dq_layout, W,
-                BLOCK_M, BLOCK_N, HEAD_DIM, ROW_SPLIT)
-    tma.store_wait(0)
+    p_smem.store(p.to(q.dtype))
+    dp = warpgroup_mma_wait(0, deps=[dp])
+    ds = p * (dp - delta[:, None])
+    ds_smem.store(ds.to(q.dtype))
+    fence_async_shared()
+    dq_buffer = dq_smem.index(j % 2)
+    tma.store_wait(1)  # the reduction of block j - 2, from the same buffer, has read it
+    # One barrier for three orders: dQ_j = dS K reads both warpgroups' columns of dS; dq_buffer is free for every
+    # thread; both warpgroups have waited for block j - 1's last matmuls (dV, dK), so that its stage is free.
+    gl.thread_barrier()
+    mbarrier.arrive(free.index((j + STAGES - 1) % STAGES), pred=j > 0)
 
-    # dK and dV rows of this warpgroup's keys, straight from registers (K and V may still be read by the other).
-    offs_key = first_key + gl.arange(0, HALF, layout=gl.SliceLayout(1, acc_layout))
-    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
-    rows = (bh.to(gl.int64) * n_keys + offs_key[:, None]) * HEAD_DIM + offs_d[None, :]
-    in_range = offs_key[:, None] < n_keys
-    gl.store(dK + rows, (dk * sm_scale).to(dK.dtype.element_ty), mask=in_range)
-    gl.store(dV + rows, dv.to(dV.dtype.element_ty), mask=in_range)
+    zero_dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout)
+    dq = warpgroup_mma(ds_smem, k_smem, zero_dq, use_acc=False, is_async=True)
+    dv = warpgroup_mma(p_smem.permute((1, 0)), do, dv, is_async=True)
+    dk = warpgroup_mma(ds_smem.permute((1, 0)), q, dk, is_async=True)
+    dq = warpgroup_mma_wait(2, deps=[dq])
+    dq_buffer.store(dq)
+    fence_async_shared()
+    # Also orders this step's dS reads (every warpgroup's dQ matmul is done) before next step's dS writes.
+    gl.thread_barrier()
+    _tma_reduce_add(dq_desc, [bh, m, 0], dq_buffer.reshape([1, BLOCK_M, HEAD_DIM]))
+    # Queued behind dV and dK (issued after dQ's epilogue, so that their accumulators and dQ's are never all
+    # live at once: that would spill).
+    scores, dp = _issue_scores(j + 1, n_steps, q_ring, do_ring, k_smem, v_smem, ready, s_layout, BLOCK_M, BLOCK_N,
+                               STAGES)
+    # Each warpgroup reads back only its own keys' columns of P and dS: no barrier before they are rewritten.
+    dv, dk = warpgroup_mma_wait(2, deps=[dv, dk])
+    return dk, dv, scores, dp
 
 
 @gluon.jit
-def _bwd_consumer_1(k_smem, v_smem, q_ring, do_ring, p_smem, ds_smem, dq_smem, ready, free, kv_ready, ds_ready,
-                    ds_free, dq_desc, dK, dV, L, Delta, bh, start_n, query_start, n_steps, n_queries, n_keys,
-                    sm_scale, qk_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                    STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):
-    _bwd_consumer(1, k_smem, v_smem, q_ring, do_ring, p_smem, ds_smem, dq_smem, ready, free, kv_ready, ds_ready,
-                  ds_free, dq_desc, dK, dV, L, Delta, bh, start_n, query_start, n_steps, n_queries, n_keys, sm_scale,
-                  qk_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL)
+def _compute_partition(k_smem, v_smem, q_ring, do_ring, p_smem, ds_smem, dq_smem, ready, free, kv_ready, dq_desc,
+                       L, Delta, bh, start_n, query_start, n_steps, n_queries, qk_scale,
+                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                       STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    """Default partition (two warpgroups, each owning 64 of the keys): five matmuls per query block; returns dK
+    (without the 1/sqrt(d)) and dV, float32 (BLOCK_N, HEAD_DIM)."""
+    # S = Q K^T (BLOCK_M, BLOCK_N): warpgroup w computes the columns of its keys. The query-wise logsumexp and
+    # Delta are then two values per thread.
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                       instr_shape=[16, BLOCK_N // 2, 16])
+    # dK, dV (BLOCK_N, HEAD_DIM): warpgroup w accumulates the rows of its keys.
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
+                                                         instr_shape=[16, HEAD_DIM, 16])
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                        instr_shape=[16, HEAD_DIM // 2, 16])
+    dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
+    dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
+    L_row = L + bh.to(gl.int64) * n_queries
+    Delta_row = Delta + bh.to(gl.int64) * n_queries
+
+    mbarrier.wait(kv_ready, 0)
+    scores, dp = _issue_scores(0, n_steps, q_ring, do_ring, k_smem.index(0), v_smem.index(0), ready, s_layout, BLOCK_M,
+                               BLOCK_N, STAGES)
+    for j in range(n_steps):
+        dk, dv, scores, dp = _step(dk, dv, scores, dp, j, n_steps, k_smem, v_smem, q_ring, do_ring, p_smem, ds_smem,
+                                   dq_smem, ready, free, dq_desc, L_row, Delta_row, bh, start_n, query_start,
+                                   n_queries, qk_scale, s_layout, dq_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
+                                   IS_CAUSAL, True)
+    warpgroup_mma_wait(0, deps=[scores, dp])
+    tma.store_wait(0)
+    return dk, dv
 
 
 @gluon.jit(do_not_specialize=["n_heads", "n_queries", "n_keys"])
 def attn_bwd_hopper_kernel(
     q_desc, k_desc, v_desc, do_desc,  # 3-D views of Q, K, V, dO, blocks (1, BLOCK_M or BLOCK_N, HEAD_DIM)
-    dK, dV,  # contiguous (batch * heads, n_keys, HEAD_DIM) outputs
-    dq_desc,  # float32 (batch * heads, n_queries, HEAD_DIM), zeroed; blocks (1, 64, HEAD_DIM) or (1, BLOCK_M, d/2)
+    dk_desc, dv_desc,  # contiguous (batch * heads, n_keys, HEAD_DIM) outputs, blocks (1, BLOCK_N, HEAD_DIM)
+    dq_desc,  # float32 (batch * heads, n_queries, HEAD_DIM), zeroed, blocks (1, BLOCK_M, HEAD_DIM)
     L, Delta,  # float32 (batch * heads, n_queries): natural-log logsumexp and rowsum(O * dO)
     n_heads, n_queries, n_keys,
     sm_scale, qk_scale,  # 1 / sqrt(d) and log2(e) / sqrt(d)
@@ -266,31 +235,21 @@ def attn_bwd_hopper_kernel(
 
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
-    p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N // 2], dtype)
-    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
+    s_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
+    dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], gl.float32)
     k_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, HEAD_DIM], kv_layout)
     v_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, HEAD_DIM], kv_layout)
     q_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_layout)
     do_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_layout)
-    p_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N // 2], p_layout)  # one per warpgroup
-    ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N], ds_layout)  # two steps, both warpgroups
-    if BLOCK_M == 128:
-        dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, HEAD_DIM], gl.float32)
-        dq_smem = gl.allocate_shared_memory(gl.float32, [2, 64, HEAD_DIM], dq_layout)
-    else:
-        dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM // 2], gl.float32)
-        dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM // 2], dq_layout)
+    p_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_M, BLOCK_N], s_layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_M, BLOCK_N], s_layout)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM], dq_layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(free.index(s), count=2)  # one arrive per consumer warpgroup
-    for s in gl.static_range(2):
-        mbarrier.init(ds_ready.index(s), count=2)
-        mbarrier.init(ds_free.index(s), count=2)
+        mbarrier.init(free.index(s), count=1)
     mbarrier.init(kv_ready, count=1)
     fence_async_shared()
 
@@ -300,20 +259,27 @@ def attn_bwd_hopper_kernel(
     tma.async_copy_global_to_shared(v_desc, _block_coord(b, h, start_n, n_heads, HEAD_DIM, V_COLUMNS), kv_ready,
                                     v_smem.index(0))
 
-    gl.warp_specialize(
+    dk, dv = gl.warp_specialize(
         [
-            (_bwd_consumer, (0, k_smem, v_smem, q_ring, do_ring, p_smem, ds_smem, dq_smem, ready, free, kv_ready,
-                             ds_ready, ds_free, dq_desc, dK, dV, L, Delta, bh, start_n, query_start, n_steps,
-                             n_queries, n_keys, sm_scale, qk_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL)),
-            (_bwd_consumer_1, (k_smem, v_smem, q_ring, do_ring, p_smem, ds_smem, dq_smem, ready, free, kv_ready,
-                               ds_ready, ds_free, dq_desc, dK, dV, L, Delta, bh, start_n, query_start, n_steps,
-                               n_queries, n_keys, sm_scale, qk_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL)),
+            (_compute_partition, (k_smem, v_smem, q_ring, do_ring, p_smem, ds_smem, dq_smem, ready, free, kv_ready, dq_desc,
+                                  L, Delta, bh, start_n, query_start, n_steps, n_queries, qk_scale,
+                                  BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL)),
             (_load_partition, (q_desc, do_desc, q_ring, do_ring, ready, free, b, h, n_heads, query_start, n_steps,
                                BLOCK_M, HEAD_DIM, STAGES, Q_COLUMNS, DO_COLUMNS)),
         ],
-        [4, 1],
-        [240, 24],
+        [1],
+        [24],
     )
+
+    # K and V are no longer read: their buffers stage dK and dV for the copy engine.
+    gl.thread_barrier()
+    k_smem.index(0).store((dk * sm_scale).to(dtype))
+    v_smem.index(0).store(dv.to(dtype))
+    fence_async_shared()
+    gl.thread_barrier()
+    tma.async_copy_shared_to_global(dk_desc, [bh, start_n, 0], k_smem.index(0))
+    tma.async_copy_shared_to_global(dv_desc, [bh, start_n, 0], v_smem.index(0))
+    tma.store_wait(0)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -616,12 +582,13 @@ def launch_arguments(
     args = (
         _descriptor(q, rows_m, head_dim), _descriptor(k, BLOCK_N, head_dim), _descriptor(v, BLOCK_N, head_dim),
         _descriptor(do, rows_m, head_dim),
-        dK, dV,
-        _descriptor(DQ_acc, 64, head_dim) if rows_m == 128 else _descriptor(DQ_acc, rows_m, head_dim // 2),
+        _descriptor(dK.view(batch_heads, n_keys, head_dim), BLOCK_N, head_dim),
+        _descriptor(dV.view(batch_heads, n_keys, head_dim), BLOCK_N, head_dim),
+        _descriptor(DQ_acc, rows_m, head_dim),
         L, Delta, n_heads, n_queries, n_keys, sm_scale, sm_scale * math.log2(math.e),
     )
     kwargs = dict(HEAD_DIM=head_dim, IS_CAUSAL=is_causal, BLOCK_M=rows_m, BLOCK_N=BLOCK_N, STAGES=STAGES,
-                  Q_COLUMNS=q_columns, K_COLUMNS=k_columns, V_COLUMNS=v_columns, DO_COLUMNS=do_columns, num_warps=4)
+                  Q_COLUMNS=q_columns, K_COLUMNS=k_columns, V_COLUMNS=v_columns, DO_COLUMNS=do_columns, num_warps=8)
     return grid, args, kwargs
 
 
