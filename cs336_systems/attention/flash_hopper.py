@@ -473,12 +473,13 @@ def block_m(head_dim: int) -> int:
 STAGES = 2
 """Depth of the Q/dO ring (3 measured no faster at d = 64; at d = 128 it does not fit in shared memory)."""
 
-MIN_PROGRAMS = {"forward": 128, "backward": 256}
+MIN_PROGRAMS = {"forward": 256, "backward": 256}
 """Below this many programs (``batch * heads * cdiv(n_queries or n_keys, 128)``), "auto" keeps the Triton
 kernels: one program per 128 queries (forward) or keys (backward) leaves SMs idle, the longest sweeping alone;
-the Triton two-pass backward parallelises over query tiles too. Measured on an H200, one head, bf16, causal: at
-16384 x 64 (128 programs) the Hopper backward takes 1.27 ms against 0.57 (Triton) and the Hopper forward 0.195
-against 0.209; at 8192 (64 programs) the Hopper forward loses (0.17 against 0.11 ms at d = 64)."""
+the Triton two-pass backward parallelises over query tiles too. Measured on an H200, one head of 16384, bf16,
+causal (128 programs): the Hopper backward 1.27 ms against 0.57 (Triton) at d = 64; the Hopper forward won in
+one scratch loop (0.195 against 0.209 ms) but lost in the optimisation log's (0.47 against 0.21): left to
+Triton."""
 
 
 @functools.cache
