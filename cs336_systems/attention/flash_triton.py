@@ -19,6 +19,10 @@ Launch parameters:
 * under ``TRITON_INTERPRET=1`` (CPU), one small configuration with unequal tiles, so that the tests
   exercise every masking path at small sizes in seconds.
 
+On Hopper GPUs (compute capability 9.x), fp16 and bf16 inputs with enough work run the Gluon kernels of
+``flash_hopper.py`` instead, behind the same functions and operators (``CS336_FLASH_KERNELS`` chooses; see
+:data:`flash_hopper.KERNELS`); everything below is the portable path.
+
 Requires the environment variable to be set before this module is first imported: ``@triton.jit``
 decides at definition time whether it builds GPU kernels or interpreter functions.
 """
