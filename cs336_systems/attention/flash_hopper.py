@@ -1,21 +1,24 @@
-"""FlashAttention backward on Hopper (sm_90) in Gluon: the dK/dV sweep with dQ by bulk reductions, written
-with Hopper's own instructions (issue 21; SPEC section 3).
+"""FlashAttention on Hopper (sm_90) in Gluon: a forward and a backward written with Hopper's own machinery
+(issue 21; SPEC section 3), behind the same operators as the Triton kernels.
 
-One program holds ``BLOCK_N`` keys (K and V in shared memory, dK and dV accumulating in registers) and sweeps
-the query blocks that see them, ``BLOCK_M`` queries at a time. Per step, five matmuls on the tensor cores
-(asynchronous ``wgmma``): S^T = K Q^T and dP^T = V dO^T from shared memory; dV += P^T dO and dK += dS^T Q with
-P^T and dS^T straight from registers; dQ_j = dS K from a shared-memory copy of dS^T. dQ_j is added into a
-float32 buffer by the copy engine's bulk reduction (``cp.reduce.async.bulk``), issued from shared memory so that
-the warps go on at once. Q and dO blocks stream in through a ring of shared-memory stages filled by the copy
-engine (TMA) and guarded by mbarriers.
+Both are warp-specialised (``gl.warp_specialize``): a one-warp worker partition streams tiles through the copy
+engine (TMA) into a ring of shared-memory stages guarded by mbarriers, refilling a stage once the consumers have
+released it, while consumer warpgroups (their registers raised by ``setmaxnreg``) run asynchronous ``wgmma``.
 
-Warp roles (``gl.warp_specialize``): the default partition, two warpgroups, computes (each warpgroup owns 64 of
-the 128 keys); a one-warp worker partition issues the TMA loads and waits on "free" barriers before refilling a
-stage, so that loads run ahead of the math by ``STAGES`` blocks.
+Backward. One program holds ``BLOCK_N`` = 128 keys (K and V in shared memory, dK and dV accumulating in
+registers, 64 keys per consumer warpgroup) and sweeps the query blocks that see them, ``BLOCK_M`` queries at a
+time. Per step, five matmuls: S = Q K^T and dP = dO V^T from shared memory; P and dS written to shared memory for
+dV += P^T dO and dK += dS^T Q; dQ_j = dS K, added into a float32 buffer by the copy engine's bulk reduction
+(``cp.reduce.async.bulk``) from a double-buffered staging tile, so that the warps go on at once. The next
+block's S and dP are issued behind dV and dK; three CTA-wide barriers per step order the shared buffers.
 
-The Triton kernels (``flash_triton_kernels.py``) stay the portable path: other GPUs, float32, the CPU
-interpreter. ``flash_triton`` picks this one on compute capability 9.x for 16-bit inputs, or as
-``CS336_FLASH_KERNELS`` (``auto``, ``gluon``, ``triton``) says.
+Forward. One program holds 128 queries, 64 per consumer warpgroup, each warpgroup its own partition: they meet
+only at the K/V ring's barriers, so that they drift apart and one's softmax runs while the other's matmuls
+occupy the tensor cores. S_(j+1) = Q K_(j+1)^T is issued behind P V_j; P goes to ``wgmma`` from registers.
+
+The Triton kernels (``flash_triton_kernels.py``) stay the portable path: other GPUs, float32, small problems, the
+CPU interpreter. ``flash_triton`` picks these on compute capability 9.x for 16-bit inputs with enough programs
+(:data:`MIN_PROGRAMS`), or as ``CS336_FLASH_KERNELS`` (:data:`KERNELS`) says.
 
 Tensor views. TMA descriptors need a unit stride along ``d`` and 16-byte aligned other strides. A 4-D tensor
 ``(batch, heads, seq, d)`` is seen as 3-D in one of two ways, without copying: ``(batch * heads, seq, d)`` when
@@ -465,9 +468,9 @@ _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.floa
 
 
 def block_m(head_dim: int) -> int:
-    """Queries per step of the sweep: 128 up to d = 64 (the accumulators leave room; measured on an H200, 3 %
+    """Queries per backward step: 128 up to d = 64 (the accumulators leave room; measured on an H200, 3 %
     faster than 64 at the leaderboard shape), 64 at d = 128 (more spills registers)."""
-    return int(os.environ.get("CS336_HOPPER_BLOCK_M", 128 if head_dim <= 64 else 64))
+    return 128 if head_dim <= 64 else 64
 
 
 STAGES = 2
