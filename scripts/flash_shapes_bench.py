@@ -1,0 +1,57 @@
+"""Forward, backward and forward + backward of our attention operator or of SDPA's cuDNN backend at a few
+shapes that matter beyond the batch-1, one-head sweep: the 8B leaderboard step's attention (batch 1, 32 heads,
+32,768 x 128), one head of 65,536, 16 heads of 16,384 (bf16, causal, ``triton.testing.do_bench``).
+
+Run each provider in its own process (the kernels' choice is read from ``CS336_FLASH_KERNELS`` at import)::
+
+    python scripts/flash_shapes_bench.py sdpa
+    python scripts/flash_shapes_bench.py ours                             # the Hopper kernels on an H100/H200
+    CS336_FLASH_KERNELS=triton python scripts/flash_shapes_bench.py ours  # the portable Triton kernels
+
+Prints one JSON line per shape: provider, kernels, shape, fwd_ms, bwd_ms (fwd+bwd minus fwd), fwd_bwd_ms.
+"""
+
+import argparse
+import json
+import os
+
+import torch
+import torch.nn.functional as F
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+SHAPES = [(1, 32, 32768, 128), (1, 1, 65536, 128), (1, 16, 16384, 128), (1, 1, 65536, 64), (16, 1, 16384, 64)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("provider", choices=["ours", "sdpa"])
+    parser.add_argument("--head-dim", type=int, choices=[64, 128], help="only the shapes of this head dim")
+    args = parser.parse_args()
+    from cs336_systems.attention.flash_triton import flash_attention
+
+    for shape in [s for s in SHAPES if args.head_dim in (None, s[-1])]:
+        q, k, v = (torch.randn(*shape, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        grad = torch.randn_like(q)
+        if args.provider == "sdpa":
+            def forward():
+                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            def forward():
+                return flash_attention(q, k, v, True)
+
+        def forward_backward():
+            forward().backward(grad)
+
+        forward_backward()
+        torch.cuda.synchronize()
+        fwd = triton.testing.do_bench(forward, warmup=100, rep=300)
+        both = triton.testing.do_bench(forward_backward, warmup=100, rep=600, grad_to_none=[q, k, v])
+        print(json.dumps({"provider": args.provider, "kernels": os.environ.get("CS336_FLASH_KERNELS", "auto"),
+                          "shape": shape, "fwd_ms": round(fwd, 4), "bwd_ms": round(both - fwd, 4),
+                          "fwd_bwd_ms": round(both, 4), "device": torch.cuda.get_device_name()}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
