@@ -55,6 +55,10 @@ def test_builds_every_section_from_the_fixture(tmp_path, fixture_results):
     assert not [name for name, section in data.items() if "missing" in section]
     # Numbers come from the rows: the leaderboard's fastest SDPA backend is cuDNN at 8 ms against our 10 ms.
     assert data["leaderboard"]["n"]["best_ms"] == "8.00" and data["leaderboard"]["n"]["ours"] == "10.00"
+    hopper = data["flash_benchmarking"]["n"]["hopper"]
+    assert (hopper["n_checked"], hopper["n_met"], hopper["missed"]) == ("2", "1", "16,384×128 (1.20×)")
+    assert hopper["fa2_all"] and "NVIDIA H200" in hopper["device"]
+    assert "NVIDIA H100 80GB HBM3" in data["flash_benchmarking"]["env"]  # the main sweep stays on the H100
     # Every measured section states where and when its rows were measured.
     assert "NVIDIA H100 80GB HBM3" in data["benchmarking_script"]["env"]
     assert "2026-11-22" in data["benchmarking_script"]["env"]
