@@ -186,7 +186,7 @@ def _hopper_sweep(res, main_device: str) -> dict[str, Any] | None:
 # leaderboard
 # -----------------------------------------------------------------------------------------------
 
-LEADERBOARD_LABELS = {"ours": "ours (Triton FlashAttention-2)", "sdpa_cudnn": "SDPA, cuDNN backend",
+LEADERBOARD_LABELS = {"ours": "ours (FlashAttention-2 operator)", "sdpa_cudnn": "SDPA, cuDNN backend",
                       "sdpa_flash": "SDPA, FlashAttention backend", "sdpa_efficient": "SDPA, memory-efficient backend"}
 
 
