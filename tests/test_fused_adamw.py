@@ -58,9 +58,10 @@ def make_params(shapes, dtype: torch.dtype, device, misaligned: bool = False) ->
 
 def random_gradient(p: Tensor, dtype: torch.dtype | None = None) -> Tensor:
     """A gradient like ``p`` with values about N(0, 1) and no exact zeros. One group of :data:`GROUPS` has
-    ``eps = 0``: an element whose gradient is exactly 0 from the first step on has both moments 0 and updates by
-    0 / 0, NaN in the plain AdamW as in ours. CUDA's ``randn`` does return exact zeros (585 in 5.4e9 samples on an H200,
-    one in 9e6), the likely cause of a NaN in the H200 run of the state-dict round trip (largest eps = 0 parameter)."""
+    ``eps = 0``: an element whose gradient is exactly 0 from the first step on has both moments 0 and updates
+    by 0 / 0, NaN in the plain AdamW as in ours. CUDA's ``randn`` does return exact zeros (585 in 5.4e9 samples
+    on an H200, one in 9e6): the likely cause of a NaN in the H200 run of the state-dict round trip (in its
+    largest eps = 0 parameter)."""
     g = torch.randn_like(p, dtype=torch.float32)
     return torch.where(g == 0, torch.ones_like(g), g).to(dtype or p.dtype)
 
