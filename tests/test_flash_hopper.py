@@ -140,8 +140,8 @@ def test_kernel_choice_on_hopper_gpu(monkeypatch):
 @pytest.mark.parametrize("d", [16, 32, 64, 128])
 @pytest.mark.parametrize("layout", ["contiguous", "transposed"])
 def test_hopper_and_triton_kernels_agree_gpu(monkeypatch, d, layout):
-    """Forced Gluon and forced Triton forwards and backwards against float64, at a length with many key tiles and a ragged
-    end, for the two TMA views; gradients NaN-poisoned so that unwritten rows show."""
+    """Forced Gluon and forced Triton forwards and backwards against float64, at a length with many key tiles and
+    a ragged end, for the two TMA views; gradients NaN-poisoned so that unwritten rows show."""
     from cs336_systems.attention import flash_triton
 
     monkeypatch.setattr(flash_triton, "FILL_OUTPUTS_WITH_NAN", True)

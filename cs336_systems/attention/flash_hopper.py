@@ -264,8 +264,8 @@ def attn_bwd_hopper_kernel(
 
     dk, dv = gl.warp_specialize(
         [
-            (_compute_partition, (k_smem, v_smem, q_ring, do_ring, p_smem, ds_smem, dq_smem, ready, free, kv_ready, dq_desc,
-                                  L, Delta, bh, start_n, query_start, n_steps, n_queries, qk_scale,
+            (_compute_partition, (k_smem, v_smem, q_ring, do_ring, p_smem, ds_smem, dq_smem, ready, free, kv_ready,
+                                  dq_desc, L, Delta, bh, start_n, query_start, n_steps, n_queries, qk_scale,
                                   BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL)),
             (_load_partition, (q_desc, do_desc, q_ring, do_ring, ready, free, b, h, n_heads, query_start, n_steps,
                                BLOCK_M, HEAD_DIM, STAGES, Q_COLUMNS, DO_COLUMNS)),
