@@ -80,10 +80,14 @@ def _block_coord(b, h, m, n_heads, HEAD_DIM: gl.constexpr, HEADS_IN_COLUMNS: gl.
 
 
 @gluon.jit
-def _load_partition(q_desc, do_desc, q_ring, do_ring, ready, free, b, h, n_heads, query_start, n_steps,
+def _load_partition(q_desc, do_desc, q_ring, do_ring, lse_ring, delta_ring, ready, free, L_row, Delta_row,
+                    b, h, n_heads, query_start, n_steps, n_queries,
                     BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                     Q_COLUMNS: gl.constexpr, DO_COLUMNS: gl.constexpr):
-    """Worker partition: stream Q and dO blocks into the ring, ``STAGES`` ahead of the consumers."""
+    """Worker partition: stream Q and dO blocks (copy engine) and their rows' base-2 logsumexp and Delta (plain
+    loads, stored to shared memory) into the ring, ``STAGES`` ahead of the consumers. A stage is ready after two
+    arrivals: the copy engine's bytes and this warp's stores."""
+    row_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
     for j in range(n_steps):
         s = j % STAGES
         # The consumers release a stage once per use; the first STAGES fills need no wait.
@@ -94,6 +98,11 @@ def _load_partition(q_desc, do_desc, q_ring, do_ring, ready, free, b, h, n_heads
                                         q_ring.index(s))
         tma.async_copy_global_to_shared(do_desc, _block_coord(b, h, m, n_heads, HEAD_DIM, DO_COLUMNS),
                                         ready.index(s), do_ring.index(s))
+        offs_m = m + gl.arange(0, BLOCK_M, layout=row_layout)
+        in_bounds = offs_m < n_queries
+        lse_ring.index(s).store(gl.load(L_row + offs_m, mask=in_bounds, other=0.0) * LOG2_E)
+        delta_ring.index(s).store(gl.load(Delta_row + offs_m, mask=in_bounds, other=0.0))
+        mbarrier.arrive(ready.index(s))
 
 
 @gluon.jit
@@ -112,8 +121,8 @@ def _issue_scores(j, n_steps, q_ring, do_ring, k_smem, v_smem, ready,
 
 
 @gluon.jit
-def _step(dk, dv, scores, dp, j, n_steps, k_smem, v_smem, q_ring, do_ring, p_smem, ds_smem, dq_smem, ready, free,
-          dq_desc, L_row, Delta_row, bh, start_n, query_start, n_queries, qk_scale,
+def _step(dk, dv, scores, dp, j, n_steps, k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring, p_smem, ds_smem,
+          dq_smem, ready, free, dq_desc, bh, start_n, query_start, n_queries, qk_scale,
           s_layout: gl.constexpr, dq_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
           HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, MASKED: gl.constexpr):
     """Query block ``j`` of the sweep, whose S and dP matmuls are in flight: accumulate its share of dK and dV,
@@ -131,8 +140,8 @@ def _step(dk, dv, scores, dp, j, n_steps, k_smem, v_smem, q_ring, do_ring, p_sme
     m = query_start + j * BLOCK_M
     offs_m = m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
     in_bounds = offs_m < n_queries
-    lse = gl.load(L_row + offs_m, mask=in_bounds, other=0.0) * LOG2_E
-    delta = gl.load(Delta_row + offs_m, mask=in_bounds, other=0.0)
+    lse = lse_ring.index(s).load(gl.SliceLayout(1, s_layout))
+    delta = delta_ring.index(s).load(gl.SliceLayout(1, s_layout))
     q = q_ring.index(s)
     do = do_ring.index(s)
 
@@ -176,8 +185,8 @@ def _step(dk, dv, scores, dp, j, n_steps, k_smem, v_smem, q_ring, do_ring, p_sme
 
 
 @gluon.jit
-def _compute_partition(k_smem, v_smem, q_ring, do_ring, p_smem, ds_smem, dq_smem, ready, free, kv_ready, dq_desc,
-                       L, Delta, bh, start_n, query_start, n_steps, n_queries, qk_scale,
+def _compute_partition(k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring, p_smem, ds_smem, dq_smem, ready, free,
+                       kv_ready, dq_desc, bh, start_n, query_start, n_steps, n_queries, qk_scale,
                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                        STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):
     """Default partition (two warpgroups, each owning 64 of the keys): five matmuls per query block; returns dK
@@ -193,16 +202,13 @@ def _compute_partition(k_smem, v_smem, q_ring, do_ring, p_smem, ds_smem, dq_smem
                                                         instr_shape=[16, HEAD_DIM // 2, 16])
     dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
     dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
-    L_row = L + bh.to(gl.int64) * n_queries
-    Delta_row = Delta + bh.to(gl.int64) * n_queries
-
     mbarrier.wait(kv_ready, 0)
     scores, dp = _issue_scores(0, n_steps, q_ring, do_ring, k_smem.index(0), v_smem.index(0), ready, s_layout, BLOCK_M,
                                BLOCK_N, STAGES)
     for j in range(n_steps):
-        dk, dv, scores, dp = _step(dk, dv, scores, dp, j, n_steps, k_smem, v_smem, q_ring, do_ring, p_smem, ds_smem,
-                                   dq_smem, ready, free, dq_desc, L_row, Delta_row, bh, start_n, query_start,
-                                   n_queries, qk_scale, s_layout, dq_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
+        dk, dv, scores, dp = _step(dk, dv, scores, dp, j, n_steps, k_smem, v_smem, q_ring, do_ring, lse_ring,
+                                   delta_ring, p_smem, ds_smem, dq_smem, ready, free, dq_desc, bh, start_n,
+                                   query_start, n_queries, qk_scale, s_layout, dq_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
                                    IS_CAUSAL, True)
     warpgroup_mma_wait(0, deps=[scores, dp])
     tma.store_wait(0)
@@ -247,11 +253,14 @@ def attn_bwd_hopper_kernel(
     p_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_M, BLOCK_N], s_layout)
     ds_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_M, BLOCK_N], s_layout)
     dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM], dq_layout)
+    row_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+    lse_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_layout)
+    delta_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(ready.index(s), count=2)  # the copy engine's bytes (with the expect) and the loader's stores
         mbarrier.init(free.index(s), count=1)
     mbarrier.init(kv_ready, count=1)
     fence_async_shared()
@@ -264,10 +273,12 @@ def attn_bwd_hopper_kernel(
 
     dk, dv = gl.warp_specialize(
         [
-            (_compute_partition, (k_smem, v_smem, q_ring, do_ring, p_smem, ds_smem, dq_smem, ready, free, kv_ready,
-                                  dq_desc, L, Delta, bh, start_n, query_start, n_steps, n_queries, qk_scale,
-                                  BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL)),
-            (_load_partition, (q_desc, do_desc, q_ring, do_ring, ready, free, b, h, n_heads, query_start, n_steps,
+            (_compute_partition, (k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring, p_smem, ds_smem, dq_smem,
+                                  ready, free, kv_ready, dq_desc, bh, start_n, query_start, n_steps, n_queries,
+                                  qk_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL)),
+            (_load_partition, (q_desc, do_desc, q_ring, do_ring, lse_ring, delta_ring, ready, free,
+                               L + bh.to(gl.int64) * n_queries, Delta + bh.to(gl.int64) * n_queries,
+                               b, h, n_heads, query_start, n_steps, n_queries,
                                BLOCK_M, HEAD_DIM, STAGES, Q_COLUMNS, DO_COLUMNS)),
         ],
         [1],
