@@ -7,8 +7,9 @@ released it, while consumer warpgroups (their registers raised by ``setmaxnreg``
 
 Backward. One program holds ``BLOCK_N`` = 128 keys (K and V in shared memory, dK and dV accumulating in
 registers, 64 keys per consumer warpgroup) and sweeps the query blocks that see them, ``BLOCK_M`` queries at a
-time; the loader also stores each block's base-2 logsumexp and Delta into the ring. Per step, five matmuls: S = Q K^T and dP = dO V^T from shared memory; P and dS written to shared memory for
-dV += P^T dO and dK += dS^T Q; dQ_j = dS K, added into a float32 buffer by the copy engine's bulk reduction
+time; the loader also stores each block's base-2 logsumexp and Delta into the ring. Per step, five matmuls:
+S = Q K^T and dP = dO V^T from shared memory; P and dS written to shared memory for dV += P^T dO and
+dK += dS^T Q; dQ_j = dS K, added into a float32 buffer by the copy engine's bulk reduction
 (``cp.reduce.async.bulk``) from a double-buffered staging tile, so that the warps go on at once. The next
 block's S and dP are issued behind dV and dK; three CTA-wide barriers per step order the shared buffers.
 
