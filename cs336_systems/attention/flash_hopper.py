@@ -209,8 +209,8 @@ def _compute_partition(k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring, p_
     for j in range(n_steps):
         dk, dv, scores, dp = _step(dk, dv, scores, dp, j, n_steps, k_smem, v_smem, q_ring, do_ring, lse_ring,
                                    delta_ring, p_smem, ds_smem, dq_smem, ready, free, dq_desc, bh, start_n,
-                                   query_start, n_queries, qk_scale, s_layout, dq_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
-                                   IS_CAUSAL, True)
+                                   query_start, n_queries, qk_scale, s_layout, dq_layout, BLOCK_M, BLOCK_N,
+                                   HEAD_DIM, STAGES, IS_CAUSAL, True)
     warpgroup_mma_wait(0, deps=[scores, dp])
     tma.store_wait(0)
     return dk, dv
