@@ -125,7 +125,7 @@ def _issue_scores(j, n_steps, q_ring, do_ring, k_smem, v_smem, ready,
 def _step(dk, dv, scores, dp, j, n_steps, k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring, p_smem, ds_smem,
           dq_smem, ready, free, dq_desc, bh, start_n, query_start, n_queries, qk_scale,
           s_layout: gl.constexpr, dq_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-          HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, MASKED: gl.constexpr):
+          HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):
     """Query block ``j`` of the sweep, whose S and dP matmuls are in flight: accumulate its share of dK and dV,
     add its dQ rows by TMA, and start block ``j + 1``'s S and dP before finishing this one's dQ, dK and dV.
 
@@ -148,12 +148,13 @@ def _step(dk, dv, scores, dp, j, n_steps, k_smem, v_smem, q_ring, do_ring, lse_r
 
     scores = warpgroup_mma_wait(1, deps=[scores])
     p = gl.exp2(scores * qk_scale - lse[:, None])
-    if MASKED:
-        visible = in_bounds[:, None]
-        if IS_CAUSAL:
-            offs_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-            visible = visible & (offs_m[:, None] >= offs_n[None, :])
-        p = gl.where(visible, p, 0.0)
+    # Every step is masked: a three-loop split into masked and unmasked steps (as the Triton kernels do) compiled
+    # to more spills than it saved.
+    visible = in_bounds[:, None]
+    if IS_CAUSAL:
+        offs_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        visible = visible & (offs_m[:, None] >= offs_n[None, :])
+    p = gl.where(visible, p, 0.0)
     p_smem.store(p.to(q.dtype))
     dp = warpgroup_mma_wait(0, deps=[dp])
     ds = p * (dp - delta[:, None])
@@ -210,7 +211,7 @@ def _compute_partition(k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring, p_
         dk, dv, scores, dp = _step(dk, dv, scores, dp, j, n_steps, k_smem, v_smem, q_ring, do_ring, lse_ring,
                                    delta_ring, p_smem, ds_smem, dq_smem, ready, free, dq_desc, bh, start_n,
                                    query_start, n_queries, qk_scale, s_layout, dq_layout, BLOCK_M, BLOCK_N,
-                                   HEAD_DIM, STAGES, IS_CAUSAL, True)
+                                   HEAD_DIM, STAGES, IS_CAUSAL)
     warpgroup_mma_wait(0, deps=[scores, dp])
     tma.store_wait(0)
     return dk, dv
