@@ -51,6 +51,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from cs336_systems.attention.flash_triton_kernels import LN_2, LOG2_E
+
 KERNELS: str = os.environ.get("CS336_FLASH_KERNELS", "auto")
 """Which kernels run on a GPU: "auto" (these on Hopper for float16/bfloat16 inputs with enough programs to fill
 the GPU, else Triton), "gluon" (these, an error where they cannot run), "gluon-backward" (this backward with the
@@ -59,8 +61,6 @@ Triton forward) or "triton"."""
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
 BLOCK_N = 128  # keys held per backward program (64 per consumer warpgroup), keys per forward step
 FORWARD_ROWS = 64  # queries per forward consumer warpgroup (two per program)
-LOG2_E = gl.constexpr(1.4426950408889634)
-LN_2 = gl.constexpr(0.6931471805599453)
 
 
 @builtin
@@ -107,14 +107,22 @@ def _load_partition(q_desc, do_desc, q_ring, do_ring, lse_ring, delta_ring, read
 
 
 @gluon.jit
+def _landed_stage(j, n_blocks, ready, STAGES: gl.constexpr):
+    """The ring stage of block ``j`` once it has landed. Past the last block (``j == n_blocks``) the last block's
+    stage, unwaited: the caller recomputes that block instead of waiting for one that never comes, so that every
+    step of its loop finds the next matmuls in flight."""
+    j_valid = gl.maximum(gl.minimum(j, n_blocks - 1), 0)
+    s = j_valid % STAGES
+    mbarrier.wait(ready.index(s), (j_valid // STAGES) & 1, pred=j < n_blocks)
+    return s
+
+
+@gluon.jit
 def _issue_scores(j, n_steps, q_ring, do_ring, k_smem, v_smem, ready,
                   s_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """Start S_j = Q_j K^T and dP_j = dO_j V^T on the tensor cores once block ``j`` has landed. Past the last
-    block (``j == n_steps``) it recomputes the last one instead of waiting for a block that never comes, so that
-    every step of the loop finds two matmuls in flight."""
-    j_valid = gl.maximum(gl.minimum(j, n_steps - 1), 0)
-    s = j_valid % STAGES
-    mbarrier.wait(ready.index(s), (j_valid // STAGES) & 1, pred=j < n_steps)
+    """Start S_j = Q_j K^T and dP_j = dO_j V^T on the tensor cores once block ``j`` has landed (see
+    :func:`_landed_stage` past the last block)."""
+    s = _landed_stage(j, n_steps, ready, STAGES)
     zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     scores = warpgroup_mma(q_ring.index(s), k_smem.permute((1, 0)), zero, use_acc=False, is_async=True)
     dp = warpgroup_mma(do_ring.index(s), v_smem.permute((1, 0)), zero, use_acc=False, is_async=True)
@@ -331,10 +339,8 @@ def _fwd_load_partition(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready,
 @gluon.jit
 def _fwd_issue_scores(j, n_blocks, q, k_ring, kv_ready, s_layout: gl.constexpr, ROWS: gl.constexpr,
                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """Start S_j = Q K_j^T once block ``j`` has landed (past the last block: the last one again, unwaited)."""
-    j_valid = gl.maximum(gl.minimum(j, n_blocks - 1), 0)
-    s = j_valid % STAGES
-    mbarrier.wait(kv_ready.index(s), (j_valid // STAGES) & 1, pred=j < n_blocks)
+    """Start S_j = Q K_j^T once block ``j`` has landed (see :func:`_landed_stage` past the last block)."""
+    s = _landed_stage(j, n_blocks, kv_ready, STAGES)
     zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
     return warpgroup_mma(q, k_ring.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
 
