@@ -1,5 +1,5 @@
-"""Compile ``@triton.jit`` (and ``@gluon.jit``) kernels for a GPU on a machine without one (ahead of time, down to a cubin
-through the ptxas that ships with Triton), and read their register, spill and shared-memory use.
+"""Compile ``@triton.jit`` (and ``@gluon.jit``) kernels for a GPU on a machine without one (ahead of time, down
+to a cubin through the ptxas that ships with Triton), and read their register, spill and shared-memory use.
 
 The CPU interpreter runs kernels as NumPy, so it cannot see what only the compiler checks (globals
 that are not ``tl.constexpr``, layouts, shared-memory and register limits); this can. It uses

@@ -44,6 +44,11 @@ def run_reference(Q: Tensor, K: Tensor, V: Tensor, is_causal: bool, dO: Tensor, 
     return {"O": O.detach(), "L": L.detach(), "dQ": Q.grad, "dK": K.grad, "dV": V.grad}
 
 
+def hopper_gpu() -> bool:
+    """Whether a Hopper GPU (compute capability 9.x), where the Gluon kernels run, is here."""
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
 def relative_error(value: Tensor, reference: Tensor) -> float:
     """||value - reference|| / ||reference|| in float64; the absolute error where the reference is 0."""
     difference = (value.double() - reference.double()).norm().item()

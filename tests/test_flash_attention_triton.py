@@ -42,6 +42,7 @@ from tests import adapters
 from tests._flash_checks import (
     QUANTITIES,
     assert_lm_matches_naive,
+    hopper_gpu,
     make_qkv,
     relative_error,
     run_function,
@@ -272,12 +273,8 @@ def test_matches_float64_reference_gpu(fixed_tiles_poisoned_outputs, precision, 
         _check_against_float64(precision, batch, heads, n_queries, n_keys, d, is_causal)
 
 
-def _hopper_gpu() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
-
-
 @pytest.mark.gpu
-@pytest.mark.skipif(not _hopper_gpu(), reason="needs a Hopper GPU")
+@pytest.mark.skipif(not hopper_gpu(), reason="needs a Hopper GPU")
 @pytest.mark.parametrize("precision, batch, heads, n_queries, n_keys, d, is_causal",
                          [case for case in _grid() if case[0] in ("fp16", "bf16")])
 def test_hopper_kernels_match_float64_reference_gpu(fixed_tiles_poisoned_outputs, monkeypatch, precision, batch,

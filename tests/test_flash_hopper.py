@@ -17,6 +17,7 @@ import torch
 
 from cs336_systems.attention import flash_hopper
 from tests._flash_aot import compile_for_gpu, nvidia_toolchain_available, resource_usage
+from tests._flash_checks import hopper_gpu, relative_error
 
 HOPPER_SHARED_MEMORY = 227 * 1024  # bytes a block may use on an H100/H200
 
@@ -116,12 +117,8 @@ def test_kernel_choice_follows_the_environment(monkeypatch):
         flash_hopper.runs_on(Q, 10**6, "forward")
 
 
-def _hopper_gpu() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
-
-
 @pytest.mark.gpu
-@pytest.mark.skipif(not _hopper_gpu(), reason="needs a Hopper GPU")
+@pytest.mark.skipif(not hopper_gpu(), reason="needs a Hopper GPU")
 def test_kernel_choice_on_hopper_gpu(monkeypatch):
     monkeypatch.setattr(flash_hopper, "KERNELS", "auto")
     Q = torch.empty(1, 2, 16, 64, dtype=torch.bfloat16, device="cuda")
@@ -136,7 +133,7 @@ def test_kernel_choice_on_hopper_gpu(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _hopper_gpu(), reason="needs a Hopper GPU")
+@pytest.mark.skipif(not hopper_gpu(), reason="needs a Hopper GPU")
 @pytest.mark.parametrize("d", [16, 32, 64, 128])
 @pytest.mark.parametrize("layout", ["contiguous", "transposed"])
 def test_hopper_and_triton_kernels_agree_gpu(monkeypatch, d, layout):
@@ -154,9 +151,10 @@ def test_hopper_and_triton_kernels_agree_gpu(monkeypatch, d, layout):
                    for _ in range(3))
     dO = torch.randn(batch, heads, seq, d, device="cuda", dtype=torch.bfloat16)
     leaves = [x.detach().double().requires_grad_() for x in (Q, K, V)]
-    torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=True).backward(dO.double())
+    reference_output = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=True)
+    reference_output.backward(dO.double())
     reference = [x.grad for x in leaves]
-    expected_output = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=True).detach()
+    expected_output = reference_output.detach()
     for kernels in ("gluon", "triton"):
         monkeypatch.setattr(flash_hopper, "KERNELS", kernels)
         inputs = [x.detach().requires_grad_() for x in (Q, K, V)]
@@ -165,5 +163,5 @@ def test_hopper_and_triton_kernels_agree_gpu(monkeypatch, d, layout):
         results = [("O", output.detach(), expected_output)] + [
             (f"d{name}", x.grad, expected) for name, x, expected in zip("QKV", inputs, reference)]
         for name, value, expected in results:
-            error = ((value.double() - expected).norm() / expected.norm()).item()
+            error = relative_error(value, expected)
             assert error < 1e-2, f"{kernels}: {name} relative error {error:.2e}"
