@@ -150,9 +150,9 @@ HOPPER_GOAL_LENGTH, HOPPER_GOAL_RATIO = 16384, 1.10
 def _hopper_sweep(res, main_device: str) -> dict[str, Any] | None:
     """The bf16 re-run on another device (the H200, after the Hopper kernels), ours against SDPA's cuDNN and FA2
     backends, if there is one: a table of d 64 and 128 and the issue's goal check."""
-    rows = [r for r in res.rows("flash_benchmarking", one_device=False, keep=lambda rows: [
+    rows = res.rows("flash_benchmarking", one_device=False, keep=lambda rows: [
         r for r in rows if r.get("device", "") != main_device and r.get("dtype") == "bf16"
-        and r.get("provider") in ("ours", "sdpa_cudnn", "sdpa_flash") and r.get("d_head") in (64, 128)])]
+        and r.get("provider") in ("ours", "sdpa_cudnn", "sdpa_flash") and r.get("d_head") in (64, 128)])
     index = {(r["provider"], r["seq_len"], r["d_head"]): r for r in rows}
     points = sorted({(r["seq_len"], r["d_head"]) for r in rows if r["provider"] == "ours" and r.get("fwd_bwd_ms")})
     if not points:
