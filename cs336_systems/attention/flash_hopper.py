@@ -18,8 +18,8 @@ only at the K/V ring's barriers, so that they drift apart and one's softmax runs
 occupy the tensor cores. S_(j+1) = Q K_(j+1)^T is issued behind P V_j; P goes to ``wgmma`` from registers.
 
 The Triton kernels (``flash_triton_kernels.py``) stay the portable path: other GPUs, float32, small problems, the
-CPU interpreter. ``flash_triton`` picks these on compute capability 9.x for 16-bit inputs with enough programs
-(:data:`MIN_PROGRAMS`), or as ``CS336_FLASH_KERNELS`` (:data:`KERNELS`) says.
+CPU interpreter. ``flash_triton`` picks these as :data:`cs336_systems.attention.config.FLASH_CONFIG` says (by
+default on compute capability 9.x for 16-bit inputs with enough programs to fill the GPU).
 
 Tensor views. TMA descriptors need a unit stride along ``d`` and 16-byte aligned other strides. A 4-D tensor
 ``(batch, heads, seq, d)`` is seen as 3-D in one of two ways, without copying: ``(batch * heads, seq, d)`` when
@@ -30,9 +30,8 @@ copied. The kernel addresses a block at ``[b * heads + h, m, 0]`` or ``[b, m, h 
 
 from __future__ import annotations
 
-import functools
 import math
-import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -52,13 +51,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from cs336_systems.attention.flash_triton_kernels import LN_2, LOG2_E
+from cs336_systems.kernels.launch import DescriptorArg, Launcher
 
-KERNELS: str = os.environ.get("CS336_FLASH_KERNELS", "auto")
-"""Which kernels run on a GPU: "auto" (these on Hopper for float16/bfloat16 inputs with enough programs to fill
-the GPU, else Triton), "gluon" (these, an error where they cannot run), "gluon-backward" (this backward with the
-Triton forward) or "triton"."""
-
-SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
 BLOCK_N = 128  # keys held per backward program (64 per consumer warpgroup), keys per forward step
 FORWARD_ROWS = 64  # queries per forward consumer warpgroup (two per program)
 
@@ -482,6 +476,9 @@ def attn_fwd_hopper_kernel(
 # ---------------------------------------------------------------------------------------------------
 # Host side
 # ---------------------------------------------------------------------------------------------------
+# A call's launch is planned once per (device, dtype, shapes, strides, alignment, causal): the 3-D views the
+# descriptors address and the grid. Later calls with the same key rebuild only what holds the tensors' addresses
+# (DescriptorArg) and launch the compiled kernel directly (cs336_systems.kernels.launch.Launcher).
 
 _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}
 
@@ -494,41 +491,6 @@ def block_m(head_dim: int) -> int:
 
 STAGES = 2
 """Depth of the Q/dO ring (3 measured no faster at d = 64; at d = 128 it does not fit in shared memory)."""
-
-MIN_PROGRAMS = {"forward": 256, "backward": 256}
-"""Below this many programs (``batch * heads * cdiv(n_queries or n_keys, 128)``), "auto" keeps the Triton
-kernels: one program per 128 queries (forward) or keys (backward) leaves SMs idle, the longest sweeping alone;
-the Triton two-pass backward parallelises over query tiles too. Measured on an H200, one head of 16384, bf16,
-causal (128 programs): the Hopper backward 1.27 ms against 0.57 (Triton) at d = 64; the Hopper forward won in
-one scratch loop (0.195 against 0.209 ms) but lost in the optimisation log's (0.47 against 0.21): left to
-Triton."""
-
-
-@functools.cache
-def _capability(device_index: int | None) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device_index)
-
-
-def runs_on(Q: Tensor, n_programs: int, part: str) -> bool:
-    """Whether ``part`` ("forward" or "backward") of attention on these inputs runs here (see :data:`KERNELS`);
-    ``n_programs`` is ``batch * heads`` times the query tiles (forward) or key tiles (backward) of 128. Raises
-    where ``CS336_FLASH_KERNELS`` forces this path but it cannot run."""
-    if KERNELS not in ("auto", "gluon", "gluon-backward", "triton"):
-        raise ValueError(f"CS336_FLASH_KERNELS must be auto, gluon, gluon-backward or triton, not {KERNELS!r}")
-    if KERNELS == "triton" or (KERNELS == "gluon-backward" and part == "forward"):
-        return False
-    reason = None
-    if Q.device.type != "cuda":
-        reason = f"tensors on {Q.device}"
-    elif _capability(Q.device.index)[0] != 9:
-        reason = f"compute capability {_capability(Q.device.index)} (needs 9.x, Hopper)"
-    elif Q.dtype not in (torch.float16, torch.bfloat16):
-        reason = f"dtype {Q.dtype} (needs float16 or bfloat16)"
-    elif Q.shape[-1] not in SUPPORTED_HEAD_DIMS:
-        reason = f"head dim {Q.shape[-1]} (needs one of {SUPPORTED_HEAD_DIMS})"
-    if reason is not None and KERNELS != "auto":
-        raise ValueError(f"CS336_FLASH_KERNELS={KERNELS}, but the Hopper {part} cannot run: {reason}")
-    return reason is None and (KERNELS != "auto" or n_programs >= MIN_PROGRAMS[part])
 
 
 def tma_view(x: Float[Tensor, "batch *heads seq d"]) -> tuple[Float[Tensor, "rows seq cols"], bool]:
@@ -560,14 +522,18 @@ def _descriptor(view: Tensor, rows: int, head_dim: int) -> TensorDescriptor:
     return TensorDescriptor(view, list(view.shape), list(view.stride()), block, layout)
 
 
+def _sizes(Q: Tensor, K: Tensor) -> tuple[int, int, int, int, int]:
+    """(heads, batch * heads, n_queries, n_keys, d)."""
+    n_heads = Q.shape[1] if Q.dim() == 4 else 1
+    return n_heads, Q.shape[0] * n_heads, Q.shape[-2], K.shape[-2], Q.shape[-1]
+
+
 def forward_launch_arguments(
     Q: Float[Tensor, "batch *heads q d"], K: Float[Tensor, "batch *heads k d"], V: Float[Tensor, "batch *heads k d"],
-    O: Float[Tensor, "batch *heads q d"], L: Float[Tensor, "batch_heads q"], is_causal: bool, sm_scale: float,
+    O: Float[Tensor, "batch *heads q d"], L: Float[Tensor, "batch *heads q"], is_causal: bool, sm_scale: float,
 ) -> tuple[tuple[int, int], tuple, dict]:
-    """``(grid, args, kwargs)`` of the launch ``attn_fwd_hopper_kernel[grid](*args, **kwargs)`` that
-    :func:`forward` makes."""
-    n_heads = Q.shape[1] if Q.dim() == 4 else 1
-    batch_heads, (n_queries, head_dim), n_keys = Q.shape[0] * n_heads, Q.shape[-2:], K.shape[-2]
+    """``(grid, args, kwargs)`` of the launch ``attn_fwd_hopper_kernel[grid](*args, **kwargs)``."""
+    n_heads, batch_heads, n_queries, n_keys, head_dim = _sizes(Q, K)
     (q, q_columns), (k, k_columns), (v, v_columns) = (tma_view(x) for x in (Q, K, V))
     grid = (triton.cdiv(n_queries, 2 * FORWARD_ROWS), batch_heads)
     args = (
@@ -580,25 +546,14 @@ def forward_launch_arguments(
     return grid, args, kwargs
 
 
-def forward(
+def backward_launch_arguments(
     Q: Float[Tensor, "batch *heads q d"], K: Float[Tensor, "batch *heads k d"], V: Float[Tensor, "batch *heads k d"],
-    O: Float[Tensor, "batch *heads q d"], L: Float[Tensor, "batch_heads q"], is_causal: bool, sm_scale: float,
-) -> None:
-    """Write O (contiguous, Q's shape and dtype) and the natural-log logsumexp L."""
-    grid, args, kwargs = forward_launch_arguments(Q, K, V, O, L, is_causal, sm_scale)
-    attn_fwd_hopper_kernel[grid](*args, **kwargs)
-
-
-def launch_arguments(
-    Q: Float[Tensor, "batch *heads q d"], K: Float[Tensor, "batch *heads k d"], V: Float[Tensor, "batch *heads k d"],
-    dO: Float[Tensor, "batch *heads q d"], L: Float[Tensor, "batch_heads q"], Delta: Float[Tensor, "batch_heads q"],
+    dO: Float[Tensor, "batch *heads q d"], L: Float[Tensor, "batch *heads q"], Delta: Float[Tensor, "batch_heads q"],
     dK: Float[Tensor, "batch *heads k d"], dV: Float[Tensor, "batch *heads k d"],
     DQ_acc: Float[Tensor, "batch_heads q d"], is_causal: bool, sm_scale: float,
 ) -> tuple[tuple[int, int], tuple, dict]:
-    """``(grid, args, kwargs)`` of the launch ``attn_bwd_hopper_kernel[grid](*args, **kwargs)`` that
-    :func:`backward_dkdv_dq` makes."""
-    n_heads = Q.shape[1] if Q.dim() == 4 else 1
-    batch_heads, (n_queries, head_dim), n_keys = Q.shape[0] * n_heads, Q.shape[-2:], K.shape[-2]
+    """``(grid, args, kwargs)`` of the launch ``attn_bwd_hopper_kernel[grid](*args, **kwargs)``."""
+    n_heads, batch_heads, n_queries, n_keys, head_dim = _sizes(Q, K)
     rows_m = block_m(head_dim)
     (q, q_columns), (k, k_columns), (v, v_columns), (do, do_columns) = (tma_view(x) for x in (Q, K, V, dO))
     grid = (triton.cdiv(n_keys, BLOCK_N), batch_heads)
@@ -615,13 +570,72 @@ def launch_arguments(
     return grid, args, kwargs
 
 
-def backward_dkdv_dq(
+class _Plan(NamedTuple):
+    """A planned launch: its grid, and per descriptor argument the tensor's position among the call's tensors,
+    whether it must be copied (no TMA view of it exists), and the view's shape and strides."""
+
+    grid: tuple[int, int]
+    descriptors: tuple[tuple[int, bool, tuple[int, ...], tuple[int, ...]], ...]
+
+
+def _plan(grid: tuple[int, int], args: tuple, tensors: tuple[Tensor, ...]) -> _Plan:
+    """The plan of a launch whose descriptor arguments view ``tensors``, in order."""
+    descriptors = [arg for arg in args if isinstance(arg, TensorDescriptor)]
+    return _Plan(grid, tuple((index, d.base.data_ptr() != t.data_ptr(), tuple(d.shape), tuple(d.strides))
+                             for index, (d, t) in enumerate(zip(descriptors, tensors, strict=True))))
+
+
+def _launch(launcher: Launcher, plans: dict, key: tuple, tensors: tuple[Tensor, ...], scalars: tuple,
+            arguments) -> None:
+    """Launch through ``launcher``: planned (the short path) or, the first time for ``key``, planned now from
+    ``arguments()`` (``(grid, args, kwargs)``)."""
+    plan = plans.get(key)
+    if plan is None or not launcher.compiled(key):
+        grid, args, kwargs = arguments()
+        num_warps = kwargs.pop("num_warps")
+        launcher(key, grid, args, kwargs, num_warps=num_warps)
+        plans[key] = _plan(grid, args, tensors)
+        return
+    descriptors = tuple(
+        DescriptorArg(tensors[index].contiguous() if copied else tensors[index], shape, strides)
+        for index, copied, shape, strides in plan.descriptors
+    )
+    launcher(key, plan.grid, (*descriptors, *scalars), {})
+
+
+_FORWARD = Launcher(attn_fwd_hopper_kernel)
+_BACKWARD = Launcher(attn_bwd_hopper_kernel)
+_forward_plans: dict[tuple, _Plan] = {}
+_backward_plans: dict[tuple, _Plan] = {}
+
+
+def _layout_key(x: Tensor) -> tuple:
+    return x.shape, x.stride(), x.data_ptr() % 16 == 0
+
+
+def forward(
     Q: Float[Tensor, "batch *heads q d"], K: Float[Tensor, "batch *heads k d"], V: Float[Tensor, "batch *heads k d"],
-    dO: Float[Tensor, "batch *heads q d"], L: Float[Tensor, "batch_heads q"], Delta: Float[Tensor, "batch_heads q"],
+    O: Float[Tensor, "batch *heads q d"], L: Float[Tensor, "batch *heads q"], is_causal: bool, sm_scale: float,
+) -> None:
+    """Write O (contiguous, Q's shape and dtype) and the natural-log logsumexp L (contiguous, float32)."""
+    n_heads, _, n_queries, n_keys, _ = _sizes(Q, K)
+    key = (Q.device.index, Q.dtype, is_causal, _layout_key(Q), _layout_key(K), _layout_key(V), L.data_ptr() % 16)
+    _launch(_FORWARD, _forward_plans, key, (Q, K, V, O),
+            (L, n_heads, n_queries, n_keys, sm_scale * math.log2(math.e)),
+            lambda: forward_launch_arguments(Q, K, V, O, L, is_causal, sm_scale))
+
+
+def backward(
+    Q: Float[Tensor, "batch *heads q d"], K: Float[Tensor, "batch *heads k d"], V: Float[Tensor, "batch *heads k d"],
+    dO: Float[Tensor, "batch *heads q d"], L: Float[Tensor, "batch *heads q"], Delta: Float[Tensor, "batch_heads q"],
     dK: Float[Tensor, "batch *heads k d"], dV: Float[Tensor, "batch *heads k d"],
     DQ_acc: Float[Tensor, "batch_heads q d"], is_causal: bool, sm_scale: float,
 ) -> None:
     """Write dK (scaled by ``sm_scale``) and dV, and add dS K (unscaled) into the zeroed float32 ``DQ_acc``.
     ``dK`` and ``dV`` are contiguous; ``L`` is the forward's natural-log logsumexp, ``Delta`` rowsum(O * dO)."""
-    grid, args, kwargs = launch_arguments(Q, K, V, dO, L, Delta, dK, dV, DQ_acc, is_causal, sm_scale)
-    attn_bwd_hopper_kernel[grid](*args, **kwargs)
+    n_heads, _, n_queries, n_keys, _ = _sizes(Q, K)
+    key = (Q.device.index, Q.dtype, is_causal, _layout_key(Q), _layout_key(K), _layout_key(V), _layout_key(dO),
+           L.data_ptr() % 16, Delta.data_ptr() % 16)
+    _launch(_BACKWARD, _backward_plans, key, (Q, K, V, dO, dK, dV, DQ_acc),
+            (L, Delta, n_heads, n_queries, n_keys, sm_scale, sm_scale * math.log2(math.e)),
+            lambda: backward_launch_arguments(Q, K, V, dO, L, Delta, dK, dV, DQ_acc, is_causal, sm_scale))

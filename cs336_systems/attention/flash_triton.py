@@ -1,63 +1,64 @@
-"""FlashAttention-2 in Triton (SPEC sections 3.2-3.4): input checks, launch parameters, the launch
-wrappers and the ``torch.autograd.Function``. The kernels are in ``flash_triton_kernels.py``.
+"""FlashAttention-2 in Triton (SPEC sections 3.2-3.4): input checks, launch parameters, the launch code, the
+PyTorch operators and the ``torch.autograd.Function``. The kernels are in ``flash_triton_kernels.py`` (portable)
+and ``flash_hopper.py`` (Gluon, Hopper GPUs).
 
     O = FlashAttention2Triton.apply(Q, K, V, is_causal)       # or flash_attention(Q, K, V, is_causal)
 
 Q is ``(batch, n_queries, d)`` and K, V are ``(batch, n_keys, d)``, or all four-dimensional
 ``(batch, heads, seq, d)``; any lengths (``n_queries != n_keys`` allowed, the causal rule being
-``i >= j`` on absolute indices), ``d`` in 16, 32, 64, 128, dtype float16, bfloat16 or float32 (float32
-matmuls use TF32 exactly when PyTorch's may: ``torch.backends.cuda.matmul.allow_tf32 = True`` or
-``torch.set_float32_matmul_precision("high")``).
+``i >= j`` on absolute indices), ``d`` in 16, 32, 64, 128 (other multiples of 8 up to 128 zero-padded), dtype
+float16, bfloat16 or float32 (float32 matmuls use TF32 exactly when PyTorch's may:
+``torch.backends.cuda.matmul.allow_tf32 = True`` or ``torch.set_float32_matmul_precision("high")``).
 Inputs may be non-contiguous; a copy is made only when the last dimension is strided.
 
-Launch parameters:
+Which kernels run is :data:`cs336_systems.attention.config.FLASH_CONFIG`: on Hopper GPUs, 16-bit inputs with
+enough work run the Gluon kernels; everything else the portable Triton kernels: a forward, then a backward of
+two launches (Delta = rowsum(O * dO); then one kernel whose program ``i`` computes dK and dV of key tile ``i``
+and dQ of query tile ``i``, recomputing P for each: no atomics, deterministic).
 
-* on a GPU, one fixed configuration per dtype and head dim (:func:`fixed_config`, from autotuner timings),
-  which compiles each kernel once and never again at a new length; ``CS336_FLASH_AUTOTUNE=1`` (or
-  ``AUTOTUNE = True`` here) lets ``triton.autotune`` pick the tiles per (coarsened lengths, head dim,
-  causal, dtype) instead, which costs tens of seconds of compiling and timing per new length bucket;
-* under ``TRITON_INTERPRET=1`` (CPU), one small configuration with unequal tiles, so that the tests
-  exercise every masking path at small sizes in seconds.
+Launch parameters of the Triton kernels: on a GPU, fixed tiles per dtype and head dim (:func:`fixed_config`, from
+autotuner timings), compiled once per (dtype, head dim, causal) whatever the lengths; ``FlashConfig.autotune``
+lets ``triton.autotune`` pick them per length bucket instead. Under ``TRITON_INTERPRET=1`` (CPU), one small
+configuration with unequal tiles, so that the tests exercise every masking path at small sizes in seconds.
 
-On Hopper GPUs (compute capability 9.x), fp16 and bf16 inputs with enough work run the Gluon kernels of
-``flash_hopper.py`` instead, behind the same functions and operators (``CS336_FLASH_KERNELS`` chooses; see
-:data:`flash_hopper.KERNELS`); everything below is the portable path.
-
-Requires the environment variable to be set before this module is first imported: ``@triton.jit``
-decides at definition time whether it builds GPU kernels or interpreter functions.
+Host cost. Eager calls go from the autograd Function straight to the launch code (no operator dispatch); the
+launch code caches what a call's launches need under the call's shapes, strides and dtype, and launches through
+:class:`cs336_systems.kernels.launch.Launcher` (no per-call argument binding by Triton). Input checks run once,
+in the Function's forward. Under ``torch.compile`` (or a dispatch mode such as selective checkpointing) the
+Function calls the same code through two operators, ``cs336_systems::flash_attention_forward`` and
+``_backward``, which Inductor calls as opaque kernels: no graph break, and CUDA graphs capture them.
 """
 
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 from jaxtyping import Float
 from torch import Tensor
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from cs336_systems.attention import flash_hopper
 from cs336_systems.attention import flash_triton_kernels as kernels
+from cs336_systems.attention.config import FLASH_CONFIG, runs_hopper
 from cs336_systems.attention.reference import check_attention_inputs
+from cs336_systems.kernels.launch import (
+    FLOAT_DTYPES,
+    RUNNING_IN_INTERPRETER,
+    Launcher,
+    aligned,
+    check_device,
+    new_output,
+    unit_last_stride,
+)
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_GRID_Y = 65535  # CUDA's limit on the second grid dimension, which runs over batch * heads
-
-AUTOTUNE: bool = os.environ.get("CS336_FLASH_AUTOTUNE", "0") == "1"
-"""Autotune the tiles on a GPU (``CS336_FLASH_AUTOTUNE=1``), or use :func:`fixed_config` (default): fixed
-tiles per dtype and head dim compile each kernel once per (dtype, head dim, causal), whatever the lengths, so a
-cold first call costs one compilation of each kernel it launches, and none at a new sequence length."""
-
-FILL_OUTPUTS_WITH_NAN: bool = False
-"""Tests set this so that outputs start as NaN instead of uninitialised memory: an element a kernel
-fails to write then shows."""
+HOPPER_TILE = 128  # queries (forward) or keys (backward) per Hopper program: the unit of the program count
 
 
 # ---------------------------------------------------------------------------------------------------
-# Launch parameters
+# Launch parameters of the Triton kernels
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -71,76 +72,25 @@ def _bwd_config(tile: int, slice_: int, num_warps: int, num_stages: int) -> trit
     return triton.Config({"TILE": tile, "SLICE": slice_}, num_warps=num_warps, num_stages=num_stages)
 
 
-# The forward holds a query tile and sweeps key tiles. The backward holds a large tile (keys for
-# dK/dV, then queries for dQ) and sweeps small slices, which keeps its two float32 accumulators in
-# registers. Float32 gets smaller tiles: without TF32, tl.dot runs on the FMA units and larger tiles
-# spill registers (checked by compiling for sm_90 with ptxas).
+# The forward holds a query tile and sweeps key tiles. The backward holds a large tile (keys for dK/dV, then
+# queries for dQ) and sweeps small slices, which keeps its two float32 accumulators in registers. Float32 gets
+# smaller tiles: without TF32, tl.dot runs on the FMA units and larger tiles spill registers (checked by compiling
+# for sm_90 with ptxas).
 AUTOTUNE_CONFIGS = {
     "fwd": {
         "16-bit": [_config(128, 64, 4, 3), _config(128, 64, 8, 3), _config(128, 128, 8, 3), _config(128, 32, 4, 4),
                    _config(128, 64, 4, 4), _config(128, 128, 8, 4), _config(64, 64, 4, 3), _config(64, 32, 4, 2)],
         "32-bit": [_config(32, 16, 4, 2), _config(32, 16, 8, 2), _config(32, 32, 4, 2), _config(64, 16, 8, 2)],
     },
-    # The backward parts run as two launches at head dims up to 64 and as one above (see
-    # FUSED_BACKWARD_MIN_HEAD_DIM); TILE is the held tile, SLICE the swept one.
-    "bwd_dkdv": {
-        "16-bit": [_bwd_config(64, 32, 4, 4), _bwd_config(64, 32, 4, 3), _bwd_config(128, 64, 8, 3),
-                   _bwd_config(128, 64, 8, 4), _bwd_config(128, 32, 8, 3), _bwd_config(128, 32, 4, 5),
-                   _bwd_config(64, 64, 4, 3), _bwd_config(64, 16, 4, 2)],
-        "32-bit": [_bwd_config(32, 16, 4, 1), _bwd_config(32, 16, 8, 1), _bwd_config(32, 32, 8, 1)],
-    },
-    "bwd_dq": {
-        "16-bit": [_bwd_config(64, 64, 4, 4), _bwd_config(64, 64, 4, 3), _bwd_config(128, 32, 8, 3),
-                   _bwd_config(128, 64, 8, 3), _bwd_config(128, 32, 4, 5), _bwd_config(64, 32, 4, 2)],
-        "32-bit": [_bwd_config(32, 16, 4, 1), _bwd_config(32, 16, 8, 1), _bwd_config(32, 32, 8, 1)],
-    },
-    "bwd_both": {
+    "bwd": {
         "16-bit": [_bwd_config(128, 64, 8, 3), _bwd_config(128, 32, 8, 3), _bwd_config(128, 32, 8, 4),
                    _bwd_config(64, 64, 4, 2), _bwd_config(64, 64, 4, 3), _bwd_config(64, 32, 4, 3),
                    _bwd_config(64, 32, 8, 2), _bwd_config(64, 16, 4, 3)],
         "32-bit": [_bwd_config(32, 16, 4, 1), _bwd_config(32, 16, 8, 1), _bwd_config(32, 32, 8, 1)],
     },
 }
-
-
-def _set_dq_descriptor_block(nargs: dict) -> None:
-    """The dQ accumulator's descriptor moves blocks of one step: (1, SLICE, HEAD_DIM)."""
-    if nargs["dq_acc_desc"] is not None:
-        nargs["dq_acc_desc"].block_shape = [1, nargs["SLICE"], nargs["HEAD_DIM"]]
-
-
-def _one_pass_config(tile: int, slice_: int, num_warps: int, num_stages: int) -> triton.Config:
-    """A one-pass backward configuration: TILE keys held, SLICE queries per step (and per dQ reduction)."""
-    return triton.Config({"TILE": tile, "SLICE": slice_}, num_warps=num_warps, num_stages=num_stages,
-                         pre_hook=_set_dq_descriptor_block)
-
-
-AUTOTUNE_CONFIGS["bwd_one_pass"] = {
-    "16-bit": [_one_pass_config(128, 64, 8, 2), _one_pass_config(128, 64, 8, 3), _one_pass_config(128, 64, 8, 4),
-               _one_pass_config(64, 64, 4, 3), _one_pass_config(128, 32, 8, 3), _one_pass_config(64, 32, 4, 3)],
-    "32-bit": [_one_pass_config(32, 16, 4, 1), _one_pass_config(32, 16, 8, 1), _one_pass_config(32, 32, 8, 1)],
-}
-BACKWARD: str = os.environ.get("CS336_FLASH_BACKWARD", "auto")
-"""How the backward computes dQ (the "auto" choice was measured on an H100, bf16, causal):
-
-* "one_pass": one sweep over the queries per key tile computes dK and dV and adds each step's dS K into a
-  float32 dQ accumulator, by element-wise atomics (head dims up to 64) or by the copy engine's bulk
-  reductions through a tensor descriptor (d = 128; the CPU interpreter has none and runs atomics). Five
-  matmuls per tile instead of seven; 4-8 % faster than "two_pass" once there are enough key tiles to fill
-  the GPU, slower below (one program per key tile, the first one sweeping every query).
-* "two_pass": a second sweep, over the keys per query tile, recomputes P and dP for dQ: no atomics, and
-  the results are deterministic;
-* "auto": "one_pass" for 16-bit inputs with at least ONE_PASS_MIN_KEY_TILES key tiles of 128 in all, else
-  "two_pass".
-"""
-ONE_PASS_MIN_KEY_TILES = 256
-FUSED_BACKWARD_MIN_HEAD_DIM = 128
-"""Head dims from which the two-pass backward runs its two parts in one launch ("bwd_both"): measured on an
-H100 (bf16, causal), one launch was 5-25 % faster at d = 128 and 3-4 % slower at d = 64."""
-_BWD_PARTS = {"bwd_dkdv": "dkdv", "bwd_dq": "dq", "bwd_both": "both", "bwd_one_pass": "dkdv"}
-INTERPRETER_CONFIGS = {"fwd": _config(32, 16, 4, 1), **dict.fromkeys(_BWD_PARTS, _bwd_config(32, 16, 4, 1)),
-                       "bwd_one_pass": _one_pass_config(32, 16, 4, 1)}
-DELTA_BLOCK_M = 64
+INTERPRETER_CONFIGS = {"fwd": _config(32, 16, 4, 1), "bwd": _bwd_config(32, 16, 4, 1)}
+DELTA_CONFIG = triton.Config({"BLOCK_M": 64}, num_warps=4, num_stages=1)  # also the dQ conversion's
 
 SHARED_MEMORY_BUDGET = 200 * 1024  # bytes; an H100 has 227 KiB per block, leave room for the compiler's own
 
@@ -166,74 +116,74 @@ def _pruner(kernel: str):
         head_dim, element_size = kwargs["HEAD_DIM"], named_args["Q"].element_size()
         meant_for_this_precision = AUTOTUNE_CONFIGS[kernel][_precision_class(element_size)]
         candidates = [c for c in configs if c in meant_for_this_precision]
-        fitting = [c for c in candidates if _shared_memory_estimate(kernel, c, head_dim, element_size) <= SHARED_MEMORY_BUDGET]
+        fitting = [c for c in candidates
+                   if _shared_memory_estimate(kernel, c, head_dim, element_size) <= SHARED_MEMORY_BUDGET]
         return fitting or [min(candidates, key=lambda c: _shared_memory_estimate(kernel, c, head_dim, element_size))]
 
     return prune
 
 
-# Coarsened lengths (next power of two) bound how often the autotuner runs; the dtype of the tensor
-# arguments is part of every key automatically.
+_PLAIN = {"fwd": kernels.attn_fwd_kernel, "bwd": kernels.attn_bwd_kernel}
+_PARALLEL_BLOCK = {"fwd": "BLOCK_M", "bwd": "TILE"}
+# Coarsened lengths (next power of two) bound how often the autotuner runs; the dtype of the tensor arguments
+# is part of every key automatically.
 _AUTOTUNE_KEY = ["n_queries_key", "n_keys_key", "HEAD_DIM", "IS_CAUSAL", "DOT_PRECISION"]
-_plain = {"fwd": kernels.attn_fwd_kernel, "delta": kernels.attn_bwd_delta_kernel, "dq_convert": kernels.attn_bwd_dq_convert_kernel,
-          **dict.fromkeys(_BWD_PARTS, kernels.attn_bwd_kernel)}
-_length_key_positions = {name: tuple(_plain[name].arg_names.index(arg) for arg in _AUTOTUNE_KEY[:2])
-                         for name in AUTOTUNE_CONFIGS}
-"""Where each autotuned kernel's coarsened lengths are among its arguments."""
-_autotuned = {
-    name: triton.autotune(
-        [config for group in AUTOTUNE_CONFIGS[name].values() for config in group],
-        key=_AUTOTUNE_KEY,
-        prune_configs_by={"early_config_prune": _pruner(name)},
-        # The one-pass backward adds into DQ_acc: every timed run must start from zeros.
-        reset_to_zero=["DQ_acc"] if name == "bwd_one_pass" else None,
-    )(_plain[name])
-    for name in AUTOTUNE_CONFIGS
+_AUTOTUNED = {
+    name: triton.autotune([c for group in AUTOTUNE_CONFIGS[name].values() for c in group], key=_AUTOTUNE_KEY,
+                          prune_configs_by={"early_config_prune": _pruner(name)})(_PLAIN[name])
+    for name in _PLAIN
 }
+_LAUNCHERS = {name: Launcher(fn) for name, fn in _PLAIN.items()}
+_DELTA = Launcher(kernels.attn_bwd_delta_kernel)
+_DQ_CONVERT = Launcher(kernels.attn_bwd_dq_convert_kernel)
 
 
 def fixed_config(kernel: str, dtype: torch.dtype, head_dim: int) -> triton.Config:
-    """The configuration of ``kernel`` ("fwd", "bwd_dkdv", "bwd_dq", "bwd_both", "bwd_one_pass", "delta" or
-    "dq_convert") when not autotuning: the fastest in the autotuner's H100 timings at 16384 tokens (bf16,
-    causal) among those with no register spills at any head dim (checked with ptxas for sm_90)."""
-    if kernel in ("delta", "dq_convert"):
-        return triton.Config({"BLOCK_M": DELTA_BLOCK_M}, num_warps=4, num_stages=1)
-    if kernels.RUNNING_IN_INTERPRETER:
+    """The configuration of ``kernel`` ("fwd" or "bwd") when not autotuning: the fastest in the autotuner's H100
+    timings at 16384 tokens (bf16, causal) among those with no register spills at any head dim (checked with
+    ptxas for sm_90)."""
+    if RUNNING_IN_INTERPRETER:
         return INTERPRETER_CONFIGS[kernel]
-    make = _one_pass_config if kernel == "bwd_one_pass" else _bwd_config
     if dtype == torch.float32:
         num_warps = 4 if head_dim <= 64 else 8
-        return _config(32, 16, num_warps, 2) if kernel == "fwd" else make(32, 16, num_warps, 1)
+        return _config(32, 16, num_warps, 2) if kernel == "fwd" else _bwd_config(32, 16, num_warps, 1)
     if kernel == "fwd":
         return _config(128, 64, 8, 3)
-    if kernel == "bwd_dq":
-        return make(64, 64, 4, 3)
-    return make(128, 64, 8, 3) if head_dim <= 64 else make(128, 32, 8, 3)
+    return _bwd_config(128, 64, 8, 3) if head_dim <= 64 else _bwd_config(128, 32, 8, 3)
 
 
 _chosen: dict[tuple, triton.Config] = {}
-"""The autotuner's choice per (kernel, autotune key): later launches skip the autotuner's own per-call
-work (binding every argument to compute its key), which costs tens of microseconds of host time."""
+"""The autotuner's choice per (kernel, autotune key)."""
 
-def _launch(kernel: str, n_parallel: int, parallel_block: str, batch_heads: int, args: tuple, meta: dict) -> None:
-    """Run ``kernel`` on the grid ``(cdiv(n_parallel, parallel_block), batch * heads)``, autotuned or
-    with :func:`fixed_config`. ``args[0]`` is Q (or O) and ``meta`` holds the constexprs but the tiles."""
-    if kernel in _autotuned and AUTOTUNE and not kernels.RUNNING_IN_INTERPRETER:
-        n_queries_at, n_keys_at = _length_key_positions[kernel]
-        key = (kernel, args[0].dtype, args[n_queries_at], args[n_keys_at], *meta.values())
-        config = _chosen.get(key)
-        if config is None:
-            autotuner = _autotuned[kernel]
-            autotuner[lambda META: (triton.cdiv(n_parallel, META[parallel_block]), batch_heads)](*args, **meta)
-            _chosen[key] = autotuner.best_config
-            return
-    else:
-        config = fixed_config(kernel, args[0].dtype, meta["HEAD_DIM"])
-    if config.pre_hook is not None:
-        config.pre_hook({**dict(zip(_plain[kernel].arg_names, args)), **meta, **config.kwargs})
-    grid = (triton.cdiv(n_parallel, config.kwargs[parallel_block]), batch_heads)
+
+def _tiles(kernel: str, dtype: torch.dtype, head_dim: int, autotune_key: tuple, args: tuple, meta: dict,
+           n_parallel: int, batch_heads: int) -> triton.Config | None:
+    """The configuration to launch ``kernel`` with: fixed, or the autotuner's choice for this key (None when the
+    autotuner has just run, and launched, for it)."""
+    if not FLASH_CONFIG.get().autotune or RUNNING_IN_INTERPRETER:
+        return fixed_config(kernel, dtype, head_dim)
+    key = (kernel, dtype, *autotune_key, *meta.values())
+    if key not in _chosen:
+        block = _PARALLEL_BLOCK[kernel]
+        _AUTOTUNED[kernel][lambda META: (triton.cdiv(n_parallel, META[block]), batch_heads)](*args, **meta)
+        _chosen[key] = _AUTOTUNED[kernel].best_config
+        return None
+    return _chosen[key]
+
+
+def _launch(kernel: str, n_parallel: int, batch_heads: int, signature: tuple, args: tuple, meta: dict,
+            autotune_key: tuple) -> None:
+    """Run ``kernel`` on the grid ``(cdiv(n_parallel, tile), batch * heads)``; ``signature`` holds what its
+    compilation depends on beyond ``meta`` (dtype, strides, alignment)."""
+    dtype, head_dim = signature[0], meta["HEAD_DIM"]
+    config = _tiles(kernel, dtype, head_dim, autotune_key, args, meta, n_parallel, batch_heads)
+    if config is None:
+        return
+    grid = (triton.cdiv(n_parallel, config.kwargs[_PARALLEL_BLOCK[kernel]]), batch_heads)
+    key = (signature, *meta.values(), *config.kwargs.values(), config.num_warps, config.num_stages)
     # Only the tiles, warps and stages: torch.compile refuses num_ctas passed as a launch argument.
-    _plain[kernel][grid](*args, **meta, **config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
+    _LAUNCHERS[kernel](key, grid, args, {**meta, **config.kwargs}, num_warps=config.num_warps,
+                       num_stages=config.num_stages)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -253,35 +203,6 @@ def _length_key(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-# ---------------------------------------------------------------------------------------------------
-# Launch wrappers
-# ---------------------------------------------------------------------------------------------------
-
-
-def _check_triton_inputs(Q: Tensor, K: Tensor, V: Tensor) -> None:
-    check_attention_inputs(Q, K, V)
-    if Q.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"unsupported dtype {Q.dtype}: the Triton kernels take float16, bfloat16 or float32")
-    if Q.shape[-1] > max(SUPPORTED_HEAD_DIMS) or Q.shape[-1] % 8:
-        raise ValueError(
-            f"unsupported head dimension d={Q.shape[-1]}: the Triton kernels run d in {SUPPORTED_HEAD_DIMS}, and "
-            f"other multiples of 8 up to {max(SUPPORTED_HEAD_DIMS)} zero-padded to the next of those"
-        )
-    if Q.device.type != "cuda" and not kernels.RUNNING_IN_INTERPRETER:
-        raise ValueError(
-            f"the Triton kernels need CUDA tensors, got tensors on {Q.device}; to run them on the CPU through the "
-            "Triton interpreter, set TRITON_INTERPRET=1 before cs336_systems.attention.flash_triton_kernels is imported"
-        )
-    batch_heads = math.prod(Q.shape[:-2])
-    if batch_heads > MAX_GRID_Y:
-        raise ValueError(f"batch * heads = {batch_heads} exceeds the grid limit {MAX_GRID_Y}")
-
-
-def _unit_last_stride(x: Tensor) -> Tensor:
-    """The kernels address the head dimension with stride 1; copy only when it is not."""
-    return x if x.stride(-1) == 1 else x.contiguous()
-
-
 def _strides(x: Tensor) -> tuple[int, int, int]:
     """(batch, head, sequence) strides, with head stride 0 for 3-D tensors."""
     if x.dim() == 3:
@@ -289,27 +210,37 @@ def _strides(x: Tensor) -> tuple[int, int, int]:
     return x.stride(0), x.stride(1), x.stride(2)
 
 
-def _new_output(shape, dtype: torch.dtype, device: torch.device) -> Tensor:
-    if FILL_OUTPUTS_WITH_NAN:
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
-    return torch.empty(shape, dtype=dtype, device=device)
+# ---------------------------------------------------------------------------------------------------
+# Launch code: inputs checked by the caller, with unit stride along d and a supported d
+# ---------------------------------------------------------------------------------------------------
+
+
+def _sizes(Q: Tensor, K: Tensor) -> tuple[int, int, int, int, int]:
+    """(heads, batch * heads, n_queries, n_keys, d)."""
+    n_heads = Q.shape[1] if Q.dim() == 4 else 1
+    return n_heads, Q.shape[0] * n_heads, Q.shape[-2], K.shape[-2], Q.shape[-1]
+
+
+def _uses_hopper(Q: Tensor, batch_heads: int, n_tiles: int, part: str) -> bool:
+    if RUNNING_IN_INTERPRETER:
+        return False
+    config = FLASH_CONFIG.get()
+    return runs_hopper(config, Q.device, Q.dtype, Q.shape[-1], part,
+                       batch_heads * n_tiles >= config.hopper_min_programs)
 
 
 def flash_attention_forward(
     Q: Float[Tensor, "batch *heads q d"], K: Float[Tensor, "batch *heads k d"], V: Float[Tensor, "batch *heads k d"],
     is_causal: bool, sm_scale: float | None = None,
 ) -> tuple[Float[Tensor, "batch *heads q d"], Float[Tensor, "batch *heads q"]]:
-    """``O`` (Q's shape and dtype) and the natural-log logsumexp ``L`` (float32). Inputs are checked by
-    the caller and have unit stride along ``d``."""
-    n_heads = Q.shape[1] if Q.dim() == 4 else 1
-    batch_heads, (n_queries, head_dim), n_keys = Q.shape[0] * n_heads, Q.shape[-2:], K.shape[-2]
-    O = _new_output(Q.shape, Q.dtype, Q.device)
-    L = _new_output((batch_heads, n_queries), torch.float32, Q.device)
+    """``O`` (Q's shape and dtype, contiguous) and the natural-log logsumexp ``L`` (float32)."""
+    n_heads, batch_heads, n_queries, n_keys, head_dim = _sizes(Q, K)
+    O = new_output(Q.shape, Q.dtype, Q.device)
+    L = new_output(Q.shape[:-1], torch.float32, Q.device)
     sm_scale = sm_scale or 1.0 / math.sqrt(head_dim)
-    if not kernels.RUNNING_IN_INTERPRETER and flash_hopper.runs_on(
-            Q, batch_heads * triton.cdiv(n_queries, 2 * flash_hopper.FORWARD_ROWS), "forward"):
+    if _uses_hopper(Q, batch_heads, -(-n_queries // HOPPER_TILE), "forward"):
         flash_hopper.forward(Q, K, V, O, L, is_causal, sm_scale)
-        return O, L.view(Q.shape[:-1])
+        return O, L
     args = (
         Q, K, V, O, L,
         *_strides(Q), *_strides(K), *_strides(V), *_strides(O),
@@ -317,8 +248,10 @@ def flash_attention_forward(
         sm_scale * math.log2(math.e),
     )
     meta = dict(HEAD_DIM=head_dim, IS_CAUSAL=is_causal, DOT_PRECISION=_dot_precision(Q.dtype))
-    _launch("fwd", n_queries, "BLOCK_M", batch_heads, args, meta)
-    return O, L.view(Q.shape[:-1])
+    # Triton specialises the strides (and the pointers' alignment); O's follow from Q's shape.
+    signature = (Q.dtype, Q.shape, K.shape, Q.stride(), K.stride(), V.stride(), aligned(Q, K, V))
+    _launch("fwd", n_queries, batch_heads, signature, args, meta, (args[-3], args[-2]))
+    return O, L
 
 
 def flash_attention_backward(
@@ -326,135 +259,125 @@ def flash_attention_backward(
     O: Float[Tensor, "batch *heads q d"], L: Float[Tensor, "batch *heads q"], dO: Float[Tensor, "batch *heads q d"],
     is_causal: bool, sm_scale: float | None = None,
 ) -> tuple[Float[Tensor, "batch *heads q d"], Float[Tensor, "batch *heads k d"], Float[Tensor, "batch *heads k d"]]:
-    """``dQ, dK, dV`` (in the inputs' dtype) from the saved forward state and the output gradient."""
-    dO = _unit_last_stride(dO.to(O.dtype))  # o.sum().backward() sends an expanded, all-stride-0 dO
-    n_heads = Q.shape[1] if Q.dim() == 4 else 1
-    batch_heads, (n_queries, head_dim), n_keys = Q.shape[0] * n_heads, Q.shape[-2:], K.shape[-2]
-
-    hopper = not kernels.RUNNING_IN_INTERPRETER and flash_hopper.runs_on(
-        Q, batch_heads * triton.cdiv(n_keys, flash_hopper.BLOCK_N), "backward")
-    dq_mode = "hopper" if hopper else _dq_mode(Q.dtype, batch_heads, n_keys, head_dim)
-    Delta = _new_output((batch_heads, n_queries), torch.float32, Q.device)
-    # dS K summed over key tiles; the delta kernel zeroes it (one pass only).
-    DQ_acc = torch.empty((batch_heads, n_queries, head_dim), dtype=torch.float32, device=Q.device) if dq_mode != "none" else None
-    _launch("delta", n_queries, "BLOCK_M", batch_heads,
-            (O, dO, Delta, *_strides(O), *_strides(dO), n_heads, n_queries, DQ_acc),
-            dict(HEAD_DIM=head_dim, ZERO_DQ_ACC=DQ_acc is not None))
-
-    dQ = _new_output(Q.shape, Q.dtype, Q.device)
-    dK = _new_output(K.shape, K.dtype, K.device)
-    dV = _new_output(V.shape, V.dtype, V.device)
+    """``dQ, dK, dV`` (in the inputs' dtype, contiguous) from the saved forward state and the output gradient.
+    ``O`` and ``L`` are the forward's (contiguous)."""
+    dO = unit_last_stride(dO if dO.dtype == O.dtype else dO.to(O.dtype))  # o.sum().backward() sends stride 0
+    n_heads, batch_heads, n_queries, n_keys, head_dim = _sizes(Q, K)
     sm_scale = sm_scale or 1.0 / math.sqrt(head_dim)
+    hopper = _uses_hopper(Q, batch_heads, -(-n_keys // HOPPER_TILE), "backward")
+    Delta = new_output((batch_heads, n_queries), torch.float32, Q.device)
+    # The Hopper backward adds dS K over key tiles into a float32 buffer, which the delta kernel zeroes.
+    DQ_acc = torch.empty((batch_heads, n_queries, head_dim), dtype=torch.float32, device=Q.device) if hopper else L
+    delta_grid = (-(-n_queries // DELTA_CONFIG.kwargs["BLOCK_M"]), batch_heads)
+    _DELTA((O.dtype, O.shape, O.stride(), dO.stride(), aligned(O, dO), hopper), delta_grid,
+           (O, dO, Delta, *_strides(O), *_strides(dO), n_heads, n_queries, DQ_acc),
+           dict(HEAD_DIM=head_dim, ZERO_DQ_ACC=hopper, **DELTA_CONFIG.kwargs), num_warps=DELTA_CONFIG.num_warps)
+    dQ = new_output(Q.shape, Q.dtype, Q.device)
+    dK = new_output(K.shape, K.dtype, K.device)
+    dV = new_output(V.shape, V.dtype, V.device)
     if hopper:
-        flash_hopper.backward_dkdv_dq(Q, K, V, dO, L, Delta, dK, dV, DQ_acc, is_causal, sm_scale)
-        _launch("dq_convert", n_queries, "BLOCK_M", batch_heads,
-                (DQ_acc, dQ, *_strides(dQ), n_heads, n_queries, sm_scale), dict(HEAD_DIM=head_dim))
+        flash_hopper.backward(Q, K, V, dO, L, Delta, dK, dV, DQ_acc, is_causal, sm_scale)
+        _DQ_CONVERT((dQ.dtype, dQ.shape), delta_grid, (DQ_acc, dQ, *_strides(dQ), n_heads, n_queries, sm_scale),
+                    dict(HEAD_DIM=head_dim, **DELTA_CONFIG.kwargs), num_warps=DELTA_CONFIG.num_warps)
         return dQ, dK, dV
-    dq_acc_desc = None
-    if dq_mode == "tma":  # the block shape is the configuration's (set before each launch)
-        dq_acc_desc = TensorDescriptor(DQ_acc, list(DQ_acc.shape), list(DQ_acc.stride()), [1, 16, head_dim])
     args = (
-        Q, K, V, dO, L, Delta, dQ, dK, dV, DQ_acc, dq_acc_desc,
+        Q, K, V, dO, L, Delta, dQ, dK, dV,
         *_strides(Q), *_strides(K), *_strides(V), *_strides(dO), *_strides(dQ), *_strides(dK), *_strides(dV),
         n_heads, n_queries, n_keys, _length_key(n_queries), _length_key(n_keys), sm_scale, sm_scale * math.log2(math.e),
     )
     meta = dict(HEAD_DIM=head_dim, IS_CAUSAL=is_causal, DOT_PRECISION=_dot_precision(Q.dtype))
-    if dq_mode != "none":
-        _launch("bwd_one_pass", n_keys, "TILE", batch_heads, args, {**meta, "PART": "dkdv", "DQ_MODE": dq_mode})
-        _launch("dq_convert", n_queries, "BLOCK_M", batch_heads,
-                (DQ_acc, dQ, *_strides(dQ), n_heads, n_queries, sm_scale), dict(HEAD_DIM=head_dim))
-    elif head_dim >= FUSED_BACKWARD_MIN_HEAD_DIM:
-        _launch("bwd_both", max(n_queries, n_keys), "TILE", batch_heads, args, {**meta, "PART": "both", "DQ_MODE": "none"})
-    else:
-        _launch("bwd_dkdv", n_keys, "TILE", batch_heads, args, {**meta, "PART": "dkdv", "DQ_MODE": "none"})
-        _launch("bwd_dq", n_queries, "TILE", batch_heads, args, {**meta, "PART": "dq", "DQ_MODE": "none"})
+    signature = (Q.dtype, Q.shape, K.shape, Q.stride(), K.stride(), V.stride(), dO.stride(), aligned(Q, K, V, dO))
+    _launch("bwd", max(n_queries, n_keys), batch_heads, signature, args, meta, (args[-5], args[-4]))
     return dQ, dK, dV
 
 
-def _dq_mode(dtype: torch.dtype, batch_heads: int, n_keys: int, head_dim: int) -> str:
-    """DQ_MODE of the backward kernel: "none" for the two-pass backward, else how the one pass adds into
-    the dQ accumulator (see :data:`BACKWARD`)."""
-    if BACKWARD not in ("auto", "one_pass", "two_pass"):
-        raise ValueError(f"CS336_FLASH_BACKWARD / BACKWARD must be auto, one_pass or two_pass, not {BACKWARD!r}")
-    one_pass = BACKWARD == "one_pass" or (
-        BACKWARD == "auto" and dtype != torch.float32 and batch_heads * triton.cdiv(n_keys, 128) >= ONE_PASS_MIN_KEY_TILES
-    )
-    if not one_pass:
-        return "none"
-    return "tma" if head_dim >= 128 and not kernels.RUNNING_IN_INTERPRETER else "atomics"
-
-
 # ---------------------------------------------------------------------------------------------------
-# PyTorch operators, the autograd Function and the functional entry point
+# Head dims between the kernels' run zero-padded (zero features change no score or output)
 # ---------------------------------------------------------------------------------------------------
-# The forward and the backward are operators (torch.library.custom_op), so torch.compile traces any model
-# or function that calls them without a graph break (Inductor calls them as opaque kernels), CUDA graphs
-# capture them, and eager calls go through the dispatcher once. Both run on any device: on the CPU only
-# under the Triton interpreter (the launch code raises otherwise).
 
 
 def _padded_head_dim(head_dim: int) -> int:
     return min(d for d in SUPPORTED_HEAD_DIMS if d >= head_dim)
 
 
-def _pad_head_dim(x: Tensor, head_dim: int) -> Tensor:
-    """``x`` with zeros appended along ``d`` up to ``head_dim`` (zero features change no score or output),
-    else ``x`` with a unit stride along ``d``."""
+def _pad(x: Tensor, head_dim: int) -> Tensor:
+    """``x`` with zeros appended along ``d`` up to ``head_dim``, else ``x`` with a unit stride along ``d``."""
     if x.shape[-1] == head_dim:
-        return _unit_last_stride(x)
+        return unit_last_stride(x)
     return torch.nn.functional.pad(x, (0, head_dim - x.shape[-1]))
 
 
-@torch.library.custom_op("cs336_systems::flash_attention_forward", mutates_args=())
-def flash_attention_forward_op(Q: Tensor, K: Tensor, V: Tensor, is_causal: bool) -> tuple[Tensor, Tensor]:
-    """``(O, L)`` of :func:`flash_attention_forward` (inputs of any strides and any supported ``d``; checked by
-    the caller). A head dim between the kernels' runs padded, with the scale of the true one."""
+def attention_forward(Q: Tensor, K: Tensor, V: Tensor, is_causal: bool) -> tuple[Tensor, Tensor]:
+    """``(O, L)`` for inputs of any strides and any supported ``d`` (checked by the caller)."""
     head_dim = Q.shape[-1]
+    if head_dim in SUPPORTED_HEAD_DIMS:
+        return flash_attention_forward(unit_last_stride(Q), unit_last_stride(K), unit_last_stride(V), is_causal)
     padded = _padded_head_dim(head_dim)
-    Q, K, V = (_pad_head_dim(x, padded) for x in (Q, K, V))
-    O, L = flash_attention_forward(Q, K, V, is_causal, 1.0 / math.sqrt(head_dim))
-    return (O if padded == head_dim else O[..., :head_dim].contiguous()), L
+    O, L = flash_attention_forward(_pad(Q, padded), _pad(K, padded), _pad(V, padded), is_causal,
+                                   1.0 / math.sqrt(head_dim))
+    return O[..., :head_dim].contiguous(), L
 
 
-@flash_attention_forward_op.register_fake
+def attention_backward(Q: Tensor, K: Tensor, V: Tensor, O: Tensor, L: Tensor, dO: Tensor,
+                       is_causal: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dQ, dK, dV)`` of :func:`attention_forward`'s inputs."""
+    head_dim = Q.shape[-1]
+    if head_dim in SUPPORTED_HEAD_DIMS:
+        return flash_attention_backward(unit_last_stride(Q), unit_last_stride(K), unit_last_stride(V), O, L, dO,
+                                        is_causal)
+    padded = _padded_head_dim(head_dim)
+    Q, K, V, O, dO = (_pad(x, padded) for x in (Q, K, V, O, dO.to(O.dtype)))
+    dQ, dK, dV = flash_attention_backward(Q, K, V, O, L, dO, is_causal, 1.0 / math.sqrt(head_dim))
+    return tuple(g[..., :head_dim].contiguous() for g in (dQ, dK, dV))
+
+
+# ---------------------------------------------------------------------------------------------------
+# PyTorch operators (for torch.compile and dispatch modes), the autograd Function, the functional entry point
+# ---------------------------------------------------------------------------------------------------
+
+_LIBRARY = torch.library.Library("cs336_systems", "FRAGMENT")
+_LIBRARY.define("flash_attention_forward(Tensor Q, Tensor K, Tensor V, bool is_causal) -> (Tensor, Tensor)")
+_LIBRARY.define("flash_attention_backward(Tensor Q, Tensor K, Tensor V, Tensor O, Tensor L, Tensor dO, "
+                "bool is_causal) -> (Tensor, Tensor, Tensor)")
+# Registered straight with the dispatcher (not custom_op, whose Python wrappers cost tens of microseconds a call).
+# The CPU kernels serve the Triton interpreter; elsewhere the launch code raises on CPU tensors.
+for _device_key in ("CUDA", "CPU"):
+    _LIBRARY.impl("flash_attention_forward", attention_forward, _device_key)
+    _LIBRARY.impl("flash_attention_backward", attention_backward, _device_key)
+
+
+@torch.library.register_fake("cs336_systems::flash_attention_forward")
 def _(Q: Tensor, K: Tensor, V: Tensor, is_causal: bool) -> tuple[Tensor, Tensor]:
     return Q.new_empty(Q.shape), Q.new_empty(Q.shape[:-1], dtype=torch.float32)
 
 
-@torch.library.custom_op("cs336_systems::flash_attention_backward", mutates_args=())
-def flash_attention_backward_op(
-    Q: Tensor, K: Tensor, V: Tensor, O: Tensor, L: Tensor, dO: Tensor, is_causal: bool
-) -> tuple[Tensor, Tensor, Tensor]:
-    """``(dQ, dK, dV)`` of :func:`flash_attention_backward` (padded like the forward)."""
-    head_dim = Q.shape[-1]
-    padded = _padded_head_dim(head_dim)
-    Q, K, V, O, dO = (_pad_head_dim(x, padded) for x in (Q, K, V, O, dO.to(O.dtype)))
-    dQ, dK, dV = flash_attention_backward(Q, K, V, O, L, dO, is_causal, 1.0 / math.sqrt(head_dim))
-    if padded == head_dim:
-        return dQ, dK, dV
-    return tuple(g[..., :head_dim].contiguous() for g in (dQ, dK, dV))
-
-
-@flash_attention_backward_op.register_fake
-def _(Q: Tensor, K: Tensor, V: Tensor, O: Tensor, L: Tensor, dO: Tensor, is_causal: bool) -> tuple[Tensor, Tensor, Tensor]:
+@torch.library.register_fake("cs336_systems::flash_attention_backward")
+def _(Q: Tensor, K: Tensor, V: Tensor, O: Tensor, L: Tensor, dO: Tensor, is_causal: bool) -> tuple[Tensor, ...]:
     return Q.new_empty(Q.shape), K.new_empty(K.shape), V.new_empty(V.shape)
 
 
-def _save_for_backward(ctx, inputs: tuple, output: tuple[Tensor, Tensor]) -> None:
-    Q, K, V, is_causal = inputs
-    O, L = output
-    ctx.save_for_backward(Q, K, V, O, L)
-    ctx.is_causal = is_causal
-    ctx.mark_non_differentiable(L)
+def _through_operators() -> bool:
+    """Whether to call the operators instead of the launch code: while torch.compile traces, and under a dispatch
+    mode (selective checkpointing keeps the forward operator's outputs by name)."""
+    return torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
 
 
-def _forward_op_backward(ctx, dO: Tensor, dL: Tensor | None):
-    Q, K, V, O, L = ctx.saved_tensors
-    dQ, dK, dV = flash_attention_backward_op(Q, K, V, O, L, dO, ctx.is_causal)
-    return dQ, dK, dV, None
-
-
-flash_attention_forward_op.register_autograd(_forward_op_backward, setup_context=_save_for_backward)
+def check_inputs(Q: Tensor, K: Tensor, V: Tensor, is_causal: bool) -> None:
+    """Raise a clear error for inputs our attention does not take."""
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal must be a bool, got {is_causal!r} ({type(is_causal).__name__})")
+    check_attention_inputs(Q, K, V)
+    if Q.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"unsupported dtype {Q.dtype}: the Triton kernels take float16, bfloat16 or float32")
+    if Q.shape[-1] > max(SUPPORTED_HEAD_DIMS) or Q.shape[-1] % 8:
+        raise ValueError(
+            f"unsupported head dimension d={Q.shape[-1]}: the Triton kernels run d in {SUPPORTED_HEAD_DIMS}, and "
+            f"other multiples of 8 up to {max(SUPPORTED_HEAD_DIMS)} zero-padded to the next of those"
+        )
+    check_device(Q, "the Triton kernels", "cs336_systems.attention.flash_triton_kernels")
+    batch_heads = math.prod(Q.shape[:-2])
+    if batch_heads > MAX_GRID_Y:
+        raise ValueError(f"batch * heads = {batch_heads} exceeds the grid limit {MAX_GRID_Y}")
 
 
 class FlashAttention2Triton(torch.autograd.Function):
@@ -467,24 +390,27 @@ class FlashAttention2Triton(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, Q: Tensor, K: Tensor, V: Tensor, is_causal: bool = False) -> Tensor:
-        _check_triton_inputs(Q, K, V)
-        O, L = flash_attention_forward_op(Q, K, V, bool(is_causal))
+        check_inputs(Q, K, V, is_causal)
+        if _through_operators():
+            O, L = torch.ops.cs336_systems.flash_attention_forward.default(Q, K, V, is_causal)
+        else:
+            O, L = attention_forward(Q, K, V, is_causal)
         ctx.save_for_backward(Q, K, V, O, L)
-        ctx.is_causal = bool(is_causal)
+        ctx.is_causal = is_causal
         return O
 
     @staticmethod
     def backward(ctx, dO: Tensor):
-        Q, K, V, O, L = ctx.saved_tensors
-        dQ, dK, dV = flash_attention_backward_op(Q, K, V, O, L, dO, ctx.is_causal)
-        return dQ, dK, dV, None
+        if _through_operators():
+            grads = torch.ops.cs336_systems.flash_attention_backward.default(*ctx.saved_tensors, dO, ctx.is_causal)
+        else:
+            grads = attention_backward(*ctx.saved_tensors, dO, ctx.is_causal)
+        return *grads, None
 
 
 def flash_attention(
     Q: Float[Tensor, "batch *heads q d"], K: Float[Tensor, "batch *heads k d"], V: Float[Tensor, "batch *heads k d"],
     is_causal: bool = False,
 ) -> Float[Tensor, "batch *heads q d"]:
-    """FlashAttention-2 with the model's attention protocol: the forward operator, differentiated through its
-    registered autograd formula (the backward operator). Same results as :class:`FlashAttention2Triton`."""
-    _check_triton_inputs(Q, K, V)
-    return flash_attention_forward_op(Q, K, V, bool(is_causal))[0]
+    """FlashAttention-2 with the model's attention protocol ``fn(Q, K, V, is_causal) -> O``."""
+    return FlashAttention2Triton.apply(Q, K, V, is_causal)

@@ -16,13 +16,11 @@ Speed-ups, each visible in the code:
 * Each sweep is split into tiles that need no mask (full, below the diagonal) and the few that do
   (crossing the diagonal, or ragged at the end of the sequence), chosen by constexpr flags
   (``MASKED``, ``MASK_CAUSAL``, ``MASK_ROWS``) so that the common loop carries no mask arithmetic.
-* Two backwards (``flash_triton.BACKWARD`` chooses). One pass (``DQ_MODE`` "atomics" or "tma"): a
-  program holds a key tile, accumulates its dK and dV in registers over every query that sees it, and
-  adds each step's dS K into a zeroed float32 dQ buffer, by atomics or by the copy engine's bulk
-  reductions; 5 matmuls per tile; a small kernel scales and casts the buffer into dQ. Two passes
-  (``DQ_MODE`` "none"): the dK/dV sweep, and a dQ sweep over key tiles per query tile, which recomputes
-  P and dP (7 matmuls per tile) but needs no atomics; as two launches (``PART`` "dkdv" then "dq") or,
-  under a causal mask where key tile ``i`` and query tile ``i`` balance, one ("both").
+* The backward is two sweeps in one launch: program ``i`` holds key tile ``i`` and sweeps the queries that see
+  it for dK and dV, then holds query tile ``i`` and sweeps the keys it sees for dQ, recomputing P and dP
+  (7 matmuls per tile instead of 5) so that no atomics are needed and the result is deterministic. Under a
+  causal mask key tile ``i`` and query tile ``i`` balance, so every program does the same work. (The one-pass
+  backward, dQ added by atomics or the copy engine's reductions, lost its measurements: optimisation log.)
 * The forward runs its query tiles last-first: the heavy ones start early, the light ones fill the tail;
   it takes each row's maximum over unscaled scores, so that the scale joins the exponent's argument in
   one fused multiply-add per score.
@@ -43,9 +41,6 @@ LN_2 = tl.constexpr(0.6931471805599453)  # ln(2): ln(x) = log2(x) * LN_2
 MASKED_SCORE = tl.constexpr(-1.0e30)
 """Unscaled score given to invisible keys in the forward. Finite, so that a row whose first tile were
 fully invisible would still rescale to the right answer instead of producing ``-inf - -inf = nan``."""
-
-RUNNING_IN_INTERPRETER: bool = triton.knobs.runtime.interpret
-"""Whether ``@triton.jit`` below built interpreter functions (``TRITON_INTERPRET=1`` at import)."""
 
 # Sizes vary from call to call: don't compile a variant per size (Triton otherwise specialises
 # integers on divisibility by 16 and on equality to 1). The autotune keys are coarsened lengths that
@@ -180,7 +175,7 @@ def attn_bwd_delta_kernel(
     stride_ob, stride_oh, stride_om,
     stride_dob, stride_doh, stride_dom,
     n_heads, n_queries,
-    DQ_acc,  # float32 (batch * heads, n_queries, HEAD_DIM) to zero when ZERO_DQ_ACC
+    DQ_acc,  # float32 (batch * heads, n_queries, HEAD_DIM) to zero when ZERO_DQ_ACC (for the Hopper backward)
     HEAD_DIM: tl.constexpr,
     ZERO_DQ_ACC: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -230,29 +225,6 @@ def attn_bwd_dq_convert_kernel(
 
 
 @triton.jit
-def _accumulate_dq(
-    ds_t,  # dS^T of one step, (BLOCK_N, BLOCK_M) in the inputs' dtype
-    k,  # the key tile, (BLOCK_N, HEAD_DIM)
-    DQ_acc, dq_acc_desc, off_bh, start_m, n_queries,
-    DOT_PRECISION: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    DQ_MODE: tl.constexpr,
-):
-    """Add this key tile's share of dQ, dS K (without the 1/sqrt(d)), to the float32 accumulator rows
-    ``start_m .. start_m + BLOCK_M``: by one bulk reduction of the tile through the copy engine ("tma",
-    out-of-range rows dropped by the descriptor), or by element-wise atomics ("atomics")."""
-    dq = tl.dot(tl.trans(ds_t), k, input_precision=DOT_PRECISION)  # (BLOCK_M, HEAD_DIM)
-    if DQ_MODE == "tma":
-        dq_acc_desc.atomic_add([off_bh, start_m, 0], tl.expand_dims(dq, 0))
-    else:
-        offs_m = start_m + tl.arange(0, BLOCK_M)
-        rows = DQ_acc + (off_bh.to(tl.int64) * n_queries + offs_m[:, None]) * HEAD_DIM
-        pointers = rows + tl.arange(0, HEAD_DIM)[None, :]
-        tl.atomic_add(pointers, dq, mask=offs_m[:, None] < n_queries, sem="relaxed")
-
-
-@triton.jit
 def _attn_bwd_dkdv_sweep(
     dk, dv,  # accumulators, float32 (BLOCK_N, HEAD_DIM)
     k, v,  # this program's key/value tile, (BLOCK_N, HEAD_DIM)
@@ -262,13 +234,11 @@ def _attn_bwd_dkdv_sweep(
     query_start, query_stop,  # sweep query tiles from query_start (a multiple of BLOCK_M) up to query_stop
     n_queries,
     qk_scale,
-    DQ_acc, dq_acc_desc, off_bh,  # the float32 dQ accumulator, when DQ_MODE is not "none"
     MASK_CAUSAL: tl.constexpr,  # tiles crossing the diagonal
     MASK_ROWS: tl.constexpr,  # tiles that may extend past n_queries
     DOT_PRECISION: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
-    DQ_MODE: tl.constexpr,  # "none", or add dS K of each step into the accumulator by "tma" or "atomics"
 ):
     Q_block = tl.make_block_ptr(Q_ptr, shape=(n_queries, HEAD_DIM), strides=(stride_qm, 1),
                                 offsets=(query_start, 0), block_shape=(BLOCK_M, HEAD_DIM), order=(1, 0))
@@ -301,9 +271,6 @@ def _attn_bwd_dkdv_sweep(
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M)
         ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
         dk = tl.dot(ds_t, q, dk, input_precision=DOT_PRECISION)
-        if DQ_MODE != "none":
-            _accumulate_dq(ds_t, k, DQ_acc, dq_acc_desc, off_bh, start_m, n_queries,
-                           DOT_PRECISION, HEAD_DIM, BLOCK_M, DQ_MODE)
         Q_block = tl.advance(Q_block, (BLOCK_M, 0))
         dO_block = tl.advance(dO_block, (BLOCK_M, 0))
     return dk, dv
@@ -357,13 +324,11 @@ def _attn_bwd_dkdv_tile(
     start_n,  # the key tile's first key
     n_queries, n_keys,
     sm_scale, qk_scale,
-    DQ_acc, dq_acc_desc, off_bh,
     HEAD_DIM: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,  # query slice swept
     BLOCK_N: tl.constexpr,  # key tile held
-    DQ_MODE: tl.constexpr,
 ):
     """dK and dV of the keys ``start_n .. start_n + BLOCK_N``, sweeping every query that sees them."""
     K_block = tl.make_block_ptr(K_ptr, shape=(n_keys, HEAD_DIM), strides=(stride_kn, 1), offsets=(start_n, 0),
@@ -383,18 +348,18 @@ def _attn_bwd_dkdv_tile(
         diagonal_start = start_n // BLOCK_M * BLOCK_M
         diagonal_stop = tl.minimum(tl.cdiv(start_n + BLOCK_N - 1, BLOCK_M) * BLOCK_M, n_queries)
         dk, dv = _attn_bwd_dkdv_sweep(dk, dv, k, v, offs_n, Q_ptr, dO_ptr, L_ptr, Delta_ptr, stride_qm, stride_dom,
-                                      diagonal_start, diagonal_stop, n_queries, qk_scale, DQ_acc, dq_acc_desc, off_bh,
-                                      True, True, DOT_PRECISION, HEAD_DIM, BLOCK_M, DQ_MODE)
+                                      diagonal_start, diagonal_stop, n_queries, qk_scale,
+                                      True, True, DOT_PRECISION, HEAD_DIM, BLOCK_M)
     else:
         diagonal_stop = 0
     # diagonal_stop is a multiple of BLOCK_M unless it was clipped to n_queries, which ends the sweep.
     full_slices_end = tl.maximum(n_queries // BLOCK_M * BLOCK_M, diagonal_stop)
     dk, dv = _attn_bwd_dkdv_sweep(dk, dv, k, v, offs_n, Q_ptr, dO_ptr, L_ptr, Delta_ptr, stride_qm, stride_dom,
-                                  diagonal_stop, full_slices_end, n_queries, qk_scale, DQ_acc, dq_acc_desc, off_bh,
-                                  False, False, DOT_PRECISION, HEAD_DIM, BLOCK_M, DQ_MODE)
+                                  diagonal_stop, full_slices_end, n_queries, qk_scale,
+                                  False, False, DOT_PRECISION, HEAD_DIM, BLOCK_M)
     dk, dv = _attn_bwd_dkdv_sweep(dk, dv, k, v, offs_n, Q_ptr, dO_ptr, L_ptr, Delta_ptr, stride_qm, stride_dom,
-                                  full_slices_end, n_queries, n_queries, qk_scale, DQ_acc, dq_acc_desc, off_bh,
-                                  False, True, DOT_PRECISION, HEAD_DIM, BLOCK_M, DQ_MODE)
+                                  full_slices_end, n_queries, n_queries, qk_scale,
+                                  False, True, DOT_PRECISION, HEAD_DIM, BLOCK_M)
 
     dK_block = tl.make_block_ptr(dK_ptr, shape=(n_keys, HEAD_DIM), strides=(stride_dkn, 1), offsets=(start_n, 0),
                                  block_shape=(BLOCK_N, HEAD_DIM), order=(1, 0))
@@ -457,8 +422,6 @@ def attn_bwd_kernel(
     Q, K, V, dO,  # inputs: (batch, heads, n_queries | n_keys, HEAD_DIM) through the strides below
     L, Delta,  # float32 (batch * heads, n_queries): logsumexp (natural log) and rowsum(O * dO)
     dQ, dK, dV,  # outputs, like Q, K and V
-    DQ_acc,  # float32 (batch * heads, n_queries, HEAD_DIM), zeroed: dS K summed over key tiles (DQ_MODE "atomics")
-    dq_acc_desc,  # a tensor descriptor of DQ_acc with blocks (1, SLICE, HEAD_DIM) (DQ_MODE "tma"), else None
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -475,17 +438,13 @@ def attn_bwd_kernel(
     DOT_PRECISION: tl.constexpr,
     TILE: tl.constexpr,  # keys (dK/dV part) and queries (dQ part) held by the program
     SLICE: tl.constexpr,  # queries (dK/dV part) and keys (dQ part) per step of the sweeps
-    PART: tl.constexpr,  # "dkdv", "dq" or "both"
-    DQ_MODE: tl.constexpr,  # "none", or (PART "dkdv") also accumulate dQ into DQ_acc by "tma" or "atomics"
 ):
-    """Program ``i`` computes dK and dV of key tile ``i`` (``PART`` "dkdv"), dQ of query tile ``i``
-    ("dq"), or both, one after the other ("both").
+    """Program ``i`` computes dK and dV of key tile ``i``, then dQ of query tile ``i`` (the grid covers the longer
+    of the two sequences).
 
-    "both": under a causal mask key tile ``i`` sees the queries from ``i * TILE`` on and query tile ``i``
-    the keys up to ``(i + 1) * TILE``, so every program does the same work, in one launch; but the
-    program must hold the registers of both parts. Two launches ("dkdv", then "dq") let each part
-    pick its own tiles. The held tile is large and the swept slice small, which keeps the two
-    float32 accumulators of the dK/dV part in registers.
+    Under a causal mask key tile ``i`` sees the queries from ``i * TILE`` on and query tile ``i`` the keys up to
+    ``(i + 1) * TILE``, so every program does the same work. The held tile is large and the swept slice small,
+    which keeps the two float32 accumulators of the dK/dV part in registers.
     """
     tile_start = tl.program_id(0) * TILE
     off_bh = tl.program_id(1)
@@ -498,14 +457,13 @@ def attn_bwd_kernel(
     L_ptr = L + off_bh.to(tl.int64) * n_queries
     Delta_ptr = Delta + off_bh.to(tl.int64) * n_queries
 
-    if PART != "dq" and tile_start < n_keys:
+    if tile_start < n_keys:
         _attn_bwd_dkdv_tile(Q_ptr, K_ptr, V_ptr, dO_ptr, L_ptr, Delta_ptr,
                             dK + off_b * stride_dkb + off_h * stride_dkh, dV + off_b * stride_dvb + off_h * stride_dvh,
                             stride_qm, stride_kn, stride_vn, stride_dom, stride_dkn, stride_dvn,
                             tile_start, n_queries, n_keys, sm_scale, qk_scale,
-                            DQ_acc, dq_acc_desc, off_bh,
-                            HEAD_DIM, IS_CAUSAL, DOT_PRECISION, SLICE, TILE, DQ_MODE)
-    if PART != "dkdv" and tile_start < n_queries:
+                            HEAD_DIM, IS_CAUSAL, DOT_PRECISION, SLICE, TILE)
+    if tile_start < n_queries:
         _attn_bwd_dq_tile(Q_ptr, K_ptr, V_ptr, dO_ptr, L_ptr, Delta_ptr, dQ + off_b * stride_dqb + off_h * stride_dqh,
                           stride_qm, stride_kn, stride_vn, stride_dom, stride_dqm,
                           tile_start, n_queries, n_keys, sm_scale, qk_scale,
