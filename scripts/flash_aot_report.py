@@ -3,7 +3,7 @@ for an H100 (sm_90) through Triton's own ptxas and report, per configuration, re
 memory and the SASS instructions that matter (tensor-core HGMMA, MUFU.EX2, atomics and bulk reductions,
 local-memory LDL/STL).
 
-    python scripts/flash_aot_report.py [--kernels bwd_one_pass bwd_dkdv ...] [--head-dim 64] [--causal]
+    python scripts/flash_aot_report.py [--kernels fwd bwd delta] [--head-dim 64] [--causal]
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from cs336_systems.attention import flash_triton  # noqa: E402
+from cs336_systems.attention.config import FLASH_CONFIG  # noqa: E402
 from tests._flash_aot import _tool, compile_for_gpu, resource_usage  # noqa: E402
 
 SASS_PATTERNS = {"HGMMA": r"\bHGMMA\b", "HMMA": r"\bHMMA\b", "EX2": r"MUFU\.EX2", "RED": r"\bRED\b|\bATOM",
@@ -28,14 +29,16 @@ SASS_PATTERNS = {"HGMMA": r"\bHGMMA\b", "HMMA": r"\bHMMA\b", "EX2": r"MUFU\.EX2"
 def captured_launches(dtype: torch.dtype, head_dim: int, is_causal: bool) -> list[tuple[str, tuple, dict]]:
     """(kernel, args, meta) of one forward and backward at a small size, without running anything."""
     launches = []
-    original = flash_triton._launch
-    flash_triton._launch = lambda kernel, n, block, bh, args, meta: launches.append((kernel, args, meta))
+    original = flash_triton._launch, flash_triton._DELTA
+    flash_triton._launch = lambda kernel, n, bh, signature, args, meta, key: launches.append((kernel, args, meta))
+    flash_triton._DELTA = lambda key, grid, args, meta, **options: launches.append(("delta", args, meta))
     try:
         q, k, v = (torch.randn(2, 3, 256, head_dim).to(dtype) for _ in range(3))
-        O, L = flash_triton.flash_attention_forward(q, k, v, is_causal)
-        flash_triton.flash_attention_backward(q, k, v, O, L, torch.randn_like(O), is_causal)
+        with FLASH_CONFIG.use(kernels="triton"):
+            O, L = flash_triton.flash_attention_forward(q, k, v, is_causal)
+            flash_triton.flash_attention_backward(q, k, v, O, L, torch.randn_like(O), is_causal)
     finally:
-        flash_triton._launch = original
+        flash_triton._launch, flash_triton._DELTA = original
     return launches
 
 
@@ -59,18 +62,16 @@ def main() -> None:
     for kernel, launch_args, meta in captured_launches(dtype, args.head_dim, not args.not_causal):
         if args.kernels and kernel not in args.kernels:
             continue
-        if kernel in flash_triton._autotuned:
-            autotuner = flash_triton._autotuned[kernel]
+        if kernel in flash_triton._AUTOTUNED:
+            autotuner = flash_triton._AUTOTUNED[kernel]
             configs = autotuner.early_config_prune(autotuner.configs, {"Q": launch_args[0]}, **meta)
+            function = flash_triton._PLAIN[kernel]
         else:
-            configs = [flash_triton.fixed_config(kernel, dtype, args.head_dim)]
+            configs, function = [flash_triton.DELTA_CONFIG], flash_triton.kernels.attn_bwd_delta_kernel
+            meta = {k: v for k, v in meta.items() if k not in flash_triton.DELTA_CONFIG.kwargs}
         for config in configs:
-            call_args = list(launch_args)
-            if config.pre_hook is not None:
-                names = flash_triton._plain[kernel].arg_names
-                config.pre_hook({**dict(zip(names, call_args)), **meta, **config.kwargs})
             try:
-                compiled = compile_for_gpu(flash_triton._plain[kernel], tuple(call_args), {**meta, **config.all_kwargs()})
+                compiled = compile_for_gpu(function, tuple(launch_args), {**meta, **config.all_kwargs()})
             except Exception as error:  # noqa: BLE001
                 print(f"{kernel:13s} {config.kwargs} w{config.num_warps} s{config.num_stages}: FAILED {str(error)[:300]}")
                 continue

@@ -1,10 +1,10 @@
 """Development probe for the FlashAttention speed work (not a results CLI): times our Triton kernels
-with each backward (``--modes``: flash_triton.BACKWARD values), and optionally a baseline
+with each kernel family (``--modes``: ``FlashConfig.kernels`` values), and optionally a baseline
 copy of the kernels in a git-ignored ``_baseline/``, beside SDPA's cuDNN and flash backends on the
 leaderboard shape and a few sweep points; checks each mode against a float64 reference first; then the
 host time per call at a tiny size, the official leaderboard protocol and the autotuner's timings.
 
-    python scripts/flash_probe.py [--modes auto one_pass two_pass] [--baseline] [--rep MS] [--shapes lb 65536x64 ...]
+    python scripts/flash_probe.py [--modes auto hopper triton] [--baseline] [--rep MS] [--shapes lb 65536x64 ...]
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.functional import scaled_dot_product_attention
 
 from cs336_systems.attention import flash_triton
+from cs336_systems.attention.config import FLASH_CONFIG, FlashConfig
 
 SHAPES = {"lb": (16, None, 16384, 64), "4096x64": (1, 1, 4096, 64), "16384x64": (1, 1, 16384, 64),
           "16384x128": (1, 1, 16384, 128), "65536x64": (1, 1, 65536, 64), "65536x128": (1, 1, 65536, 128)}
@@ -33,7 +34,7 @@ def sdpa(backend):
 
 def ours(mode):
     def f(q, k, v, causal):
-        flash_triton.BACKWARD = mode  # read again by the backward of this call
+        FLASH_CONFIG.set(FlashConfig(kernels=mode))  # read again by the backward of this call
         return flash_triton.FlashAttention2Triton.apply(q, k, v, causal)
     return f
 
@@ -77,8 +78,8 @@ def host_us(f, n=200):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--modes", nargs="+", default=["auto"], choices=["auto", "one_pass", "two_pass"],
-                   help="flash_triton.BACKWARD values to time (one: the provider is called 'ours')")
+    p.add_argument("--modes", nargs="+", default=["auto"], choices=["auto", "hopper", "triton"],
+                   help="FlashConfig.kernels values to time (one: the provider is called 'ours')")
     p.add_argument("--baseline", action="store_true")
     p.add_argument("--rep", type=int, default=300)
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
@@ -137,7 +138,7 @@ _printed: set = set()
 
 def print_autotune_timings(label: str) -> None:
     """Each of our autotuners' timings (median ms per configuration) for the keys first tuned since the last call."""
-    for kname, tuner in flash_triton._autotuned.items():
+    for kname, tuner in flash_triton._AUTOTUNED.items():
         for key, config in tuner.cache.items():
             if (kname, key) in _printed:
                 continue

@@ -2,7 +2,8 @@
 shapes that matter beyond the batch-1, one-head sweep: the 8B leaderboard step's attention (batch 1, 32 heads,
 32,768 x 128), one head of 65,536, 16 heads of 16,384 (bf16, causal, ``triton.testing.do_bench``).
 
-Run each provider in its own process (the kernels' choice is read from ``CS336_FLASH_KERNELS`` at import)::
+Run each provider in its own process (our kernels' configuration comes from ``CS336_FLASH_KERNELS``, see
+``FlashConfig.from_environment``)::
 
     python scripts/flash_shapes_bench.py sdpa
     python scripts/flash_shapes_bench.py ours                             # the Hopper kernels on an H100/H200
@@ -13,7 +14,6 @@ Prints one JSON line per shape: provider, kernels, shape, fwd_ms, bwd_ms (fwd+bw
 
 import argparse
 import json
-import os
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +28,10 @@ def main() -> None:
     parser.add_argument("provider", choices=["ours", "sdpa"])
     parser.add_argument("--head-dim", type=int, choices=[64, 128], help="only the shapes of this head dim")
     args = parser.parse_args()
+    from cs336_systems.attention.config import FLASH_CONFIG, FlashConfig
     from cs336_systems.attention.flash_triton import flash_attention
+
+    FLASH_CONFIG.set(FlashConfig.from_environment())
 
     for shape in [s for s in SHAPES if args.head_dim in (None, s[-1])]:
         q, k, v = (torch.randn(*shape, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
@@ -48,7 +51,7 @@ def main() -> None:
         torch.cuda.synchronize()
         fwd = triton.testing.do_bench(forward, warmup=100, rep=300)
         both = triton.testing.do_bench(forward_backward, warmup=100, rep=600, grad_to_none=[q, k, v])
-        print(json.dumps({"provider": args.provider, "kernels": os.environ.get("CS336_FLASH_KERNELS", "auto"),
+        print(json.dumps({"provider": args.provider, "kernels": FLASH_CONFIG.get().kernels,
                           "shape": shape, "fwd_ms": round(fwd, 4), "bwd_ms": round(both - fwd, 4),
                           "fwd_bwd_ms": round(both, 4), "device": torch.cuda.get_device_name()}), flush=True)
 

@@ -23,6 +23,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 
 from cs336_systems.attention import flash_triton
 from cs336_systems.attention.flash_triton import FlashAttention2Triton
+from cs336_systems.kernels.launch import RUNNING_IN_INTERPRETER, poisoned_outputs
 from tests._flash_checks import (
     QUANTITIES,
     assert_lm_matches_naive,
@@ -40,12 +41,13 @@ TOLERANCE = {torch.float32: 1e-5, torch.float16: 5e-3}
 
 
 @pytest.fixture(autouse=True)
-def _poison_outputs(monkeypatch):
-    monkeypatch.setattr(flash_triton, "FILL_OUTPUTS_WITH_NAN", True)
+def _poison_outputs():
+    with poisoned_outputs():
+        yield
 
 
 def test_running_in_interpreter():
-    assert flash_triton.kernels.RUNNING_IN_INTERPRETER
+    assert RUNNING_IN_INTERPRETER
 
 
 # (batch, heads or None for 3-D, n_queries, n_keys, d, is_causal, dtype)
@@ -65,30 +67,6 @@ CASES = [
     (2, None, 90, 20, 64, False, torch.float16),
     (1, 2, 31, 31, 128, False, torch.float16),
 ]
-
-
-# The backward runs in one launch or two by head dim: run each awkward case the other way too.
-OTHER_BACKWARD_CASES = [CASES[i] for i in (2, 5, 6, 8, 10, 11, 12, 13)]
-
-
-@pytest.mark.parametrize("batch, heads, n_queries, n_keys, d, is_causal, dtype", OTHER_BACKWARD_CASES)
-def test_other_backward_layout_matches_float64_reference(monkeypatch, batch, heads, n_queries, n_keys, d, is_causal,
-                                                         dtype):
-    fused = d >= flash_triton.FUSED_BACKWARD_MIN_HEAD_DIM
-    monkeypatch.setattr(flash_triton, "FUSED_BACKWARD_MIN_HEAD_DIM", 10_000 if fused else 0)
-    test_matches_float64_reference(batch, heads, n_queries, n_keys, d, is_causal, dtype)
-
-
-# At these sizes "auto" runs the two-pass backward: run awkward cases through the one-pass backward
-# (dQ accumulated by atomics) too.
-ONE_PASS_CASES = [CASES[i] for i in (0, 2, 4, 5, 6, 8, 10, 11, 13)]
-
-
-@pytest.mark.parametrize("batch, heads, n_queries, n_keys, d, is_causal, dtype", ONE_PASS_CASES)
-def test_one_pass_backward_matches_float64_reference(monkeypatch, batch, heads, n_queries, n_keys, d, is_causal, dtype):
-    monkeypatch.setattr(flash_triton, "BACKWARD", "one_pass")
-    assert flash_triton._dq_mode(dtype, batch * (heads or 1), n_keys, d) == "atomics"
-    test_matches_float64_reference(batch, heads, n_queries, n_keys, d, is_causal, dtype)
 
 
 @pytest.mark.parametrize("batch, heads, n_queries, n_keys, d, is_causal, dtype", CASES)
@@ -159,11 +137,11 @@ def test_torch_compile_of_apply():
 
 
 def test_operators_pass_opcheck():
-    """Schema, fake (meta) implementations, and autograd registration of both operators."""
+    """Schema and fake (meta) implementations of both operators (their autograd is FlashAttention2Triton's)."""
     Q, K, V = make_qkv(2, 2, 40, 24, 16, torch.float32, "cpu")
     forward_args = (Q.detach(), K.detach(), V.detach(), True)
     torch.library.opcheck(torch.ops.cs336_systems.flash_attention_forward.default, forward_args,
-                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic"))
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
     O, L = torch.ops.cs336_systems.flash_attention_forward(*forward_args)
     dO = torch.randn_like(O)
     torch.library.opcheck(torch.ops.cs336_systems.flash_attention_backward.default,
@@ -204,3 +182,24 @@ def test_head_dims_between_the_kernels_runs_padded(d, is_causal):
     ref, ours = run_reference(Q, K, V, is_causal, dO), run_function(FlashAttention2Triton, Q, K, V, is_causal, dO)
     for name in QUANTITIES:
         assert relative_error(ours[name], ref[name]) < TOLERANCE[torch.float32], name
+
+
+def test_hopper_backward_helpers_zero_and_convert():
+    """The two small kernels around the Hopper backward, which the interpreter cannot run itself: the delta kernel
+    also zeroes the float32 dQ buffer, and the conversion scales and casts it into dQ (strided, 4-D)."""
+    from cs336_systems.attention import flash_triton_kernels as kernels
+
+    batch, heads, n, d = 2, 3, 70, 32
+    O, dO = torch.randn(batch, heads, n, d), torch.randn(batch, heads, n, d)
+    Delta = torch.full((batch * heads, n), float("nan"))
+    DQ_acc = torch.full((batch * heads, n, d), float("nan"))
+    grid = (3, batch * heads)
+    kernels.attn_bwd_delta_kernel[grid](O, dO, Delta, *flash_triton._strides(O), *flash_triton._strides(dO), heads, n,
+                                        DQ_acc, HEAD_DIM=d, ZERO_DQ_ACC=True, BLOCK_M=32)
+    torch.testing.assert_close(Delta, (O * dO).sum(-1).reshape(batch * heads, n))
+    assert torch.equal(DQ_acc, torch.zeros_like(DQ_acc))
+    DQ_acc = torch.randn(batch * heads, n, d)
+    dQ = torch.full((batch, n, heads, d), float("nan"), dtype=torch.float16).transpose(1, 2)
+    kernels.attn_bwd_dq_convert_kernel[grid](DQ_acc, dQ, *flash_triton._strides(dQ), heads, n, 0.25, HEAD_DIM=d,
+                                             BLOCK_M=32)
+    torch.testing.assert_close(dQ, (DQ_acc * 0.25).to(torch.float16).view(batch, heads, n, d))

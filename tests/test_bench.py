@@ -223,3 +223,31 @@ def test_gradient_checkpointing_quick_on_cpu(tmp_path):
     assert [r["group_size"] for r in rows] == [1, 2, 0]
     assert all(r["saved_per_block_gb"] > 0 and r["predicted_optimum"] >= 1 and r["mean_ms"] > 0 for r in rows)
 
+
+
+def test_op_overhead_rows_on_cpu(tmp_path):
+    """``op_overhead`` on a CPU: PyTorch's providers only, tiny shapes, one row per (op, provider, shape, pass) with
+    the issue and wall times."""
+    from cs336_systems.bench import op_overhead
+
+    op_overhead.main(["--quick", "--results-dir", str(tmp_path), "--ops", "attention", "adamw", "--calls", "2"])
+    rows = [json.loads(line) for line in (tmp_path / "op_overhead.jsonl").read_text().splitlines()]
+    assert {(r["op"], r["provider"], r["pass"]) for r in rows} == {
+        ("attention", "sdpa_math", "forward"), ("attention", "sdpa_math", "forward_backward"),
+        ("adamw", "torch_fused", "step")}
+    assert all(r["issue_us"] > 0 and r["wall_us"] >= r["issue_us"] * 0.5 and r["device"].startswith("cpu") for r in rows)
+
+
+def test_train_step_compares_with_the_fastest_torch_variant(tmp_path):
+    from cs336_systems.bench import train_step
+    from cs336_systems.bench.common.result_store import ResultStore
+
+    store = ResultStore("train_step", tmp_path)
+    case = dict(size="xl", context_length=512, batch_size=4, overrides=[], dtype="bf16", warmup=3, steps=8)
+    assert train_step.fastest_torch_row(store, {**case, "stack": "ours", "variant": "default"}) is None
+    store.add({**case, "stack": "torch", "variant": "default"}, {"step_ms": 120.0, "oom": False})
+    store.add({**case, "stack": "torch", "variant": "cudagraphs"}, {"step_ms": 110.0, "oom": False})
+    store.add({**case, "stack": "torch", "variant": "default"}, {"step_ms": 100.0, "oom": False})  # newer
+    store.add({**case, "size": "large", "stack": "torch", "variant": "default"}, {"step_ms": 50.0, "oom": False})
+    fastest = train_step.fastest_torch_row(store, {**case, "stack": "ours", "variant": "cudagraphs"})
+    assert fastest["step_ms"] == 100.0 and fastest["variant"] == "default"

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import os
 
 import pytest
 import torch
@@ -330,11 +329,9 @@ def test_flash_log_measures_a_step_with_cpu_stand_ins(tmp_path, monkeypatch):
 @contextlib.contextmanager
 def fixed_tiles_restored():
     """Let ``--fixed-tiles`` switch autotuning off, and switch it back afterwards."""
-    from cs336_systems.attention import flash_triton
+    from cs336_systems.attention.config import FLASH_CONFIG
 
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(flash_triton, "AUTOTUNE", flash_triton.AUTOTUNE)
-        patch.setenv("CS336_FLASH_AUTOTUNE", os.environ.get("CS336_FLASH_AUTOTUNE", "1"))
+    with FLASH_CONFIG.use():
         yield
 
 

@@ -34,10 +34,12 @@ import torch
 import triton
 
 from cs336_systems.attention import flash_triton
+from cs336_systems.attention.config import FLASH_CONFIG, FlashConfig
 from cs336_systems.attention.flash_triton import (
     SUPPORTED_HEAD_DIMS,
     FlashAttention2Triton,
 )
+from cs336_systems.kernels.launch import RUNNING_IN_INTERPRETER, poisoned_outputs
 from tests import adapters
 from tests._flash_checks import (
     QUANTITIES,
@@ -87,6 +89,11 @@ def test_rejects_invalid_inputs(inputs, error, match):
         FlashAttention2Triton.apply(*inputs, False)
 
 
+def test_is_causal_must_be_a_bool():
+    with pytest.raises(TypeError, match="is_causal must be a bool"):
+        FlashAttention2Triton.apply(*_valid(), "no")
+
+
 def test_rejects_mixed_dtypes_and_devices():
     q, k, v = _valid()
     with pytest.raises(TypeError, match="one dtype"):
@@ -95,7 +102,7 @@ def test_rejects_mixed_dtypes_and_devices():
         FlashAttention2Triton.apply(q, k.to("meta"), v, False)
 
 
-@pytest.mark.skipif(flash_triton.kernels.RUNNING_IN_INTERPRETER, reason="the interpreter takes CPU tensors")
+@pytest.mark.skipif(RUNNING_IN_INTERPRETER, reason="the interpreter takes CPU tensors")
 def test_rejects_cpu_tensors_without_interpreter():
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         FlashAttention2Triton.apply(*_valid(), True)
@@ -125,51 +132,44 @@ print(" ".join(seen))
 
 
 def _captured_launches(monkeypatch, dtype, head_dim, is_causal):
-    """The (kernel, args, meta) of every launch of one forward and backward, without running them."""
+    """The (kernel function, args, meta) of every Triton launch of one forward and backward (on the portable path),
+    without running them."""
     launches = []
-    monkeypatch.setattr(flash_triton, "_launch", lambda kernel, n, block, bh, args, meta: launches.append((kernel, args, meta)))
+    monkeypatch.setattr(flash_triton, "_launch", lambda kernel, n, bh, signature, args, meta, autotune_key:
+                        launches.append((flash_triton._PLAIN[kernel], args, meta, kernel)))
+    monkeypatch.setattr(flash_triton, "_DELTA", lambda key, grid, args, meta, **options:
+                        launches.append((flash_triton.kernels.attn_bwd_delta_kernel, args, meta, "delta")))
     q, k, v = (torch.randn(2, 3, 200, head_dim).to(dtype) for _ in range(3))
-    O, L = flash_triton.flash_attention_forward(q, k, v, is_causal)
-    flash_triton.flash_attention_backward(q, k, v, O, L, torch.randn_like(O), is_causal)
-    if flash_triton._dq_mode(dtype, 6, 200, head_dim) != "none":
-        parts = ["bwd_one_pass", "dq_convert"]
-    elif head_dim >= flash_triton.FUSED_BACKWARD_MIN_HEAD_DIM:
-        parts = ["bwd_both"]
-    else:
-        parts = ["bwd_dkdv", "bwd_dq"]
-    assert [launch[0] for launch in launches] == ["fwd", "delta", *parts]
+    with FLASH_CONFIG.use(kernels="triton"):
+        O, L = flash_triton.flash_attention_forward(q, k, v, is_causal)
+        flash_triton.flash_attention_backward(q, k, v, O, L, torch.randn_like(O), is_causal)
+    assert [launch[3] for launch in launches] == ["fwd", "delta", "bwd"]
     return launches
 
 
 H100_SHARED_MEMORY = 227 * 1024
 
 
-def test_backward_choice(monkeypatch):
-    """"auto" takes the one-pass backward for 16-bit inputs with enough key tiles, by atomics up to d = 64
-    and by bulk reductions at d = 128; float32 and small problems take two passes."""
-    choose = flash_triton._dq_mode
-    tiles = flash_triton.ONE_PASS_MIN_KEY_TILES
-    assert choose(torch.bfloat16, 16, 16384, 64) == "atomics"  # the leaderboard shape
-    assert choose(torch.float16, 1, 128 * tiles, 128) == "tma"
-    assert choose(torch.bfloat16, 1, 128 * tiles - 128, 64) == "none"
-    assert choose(torch.float32, 16, 16384, 64) == "none"
-    monkeypatch.setattr(flash_triton, "BACKWARD", "one_pass")
-    assert choose(torch.float32, 1, 10, 32) == "atomics"
-    monkeypatch.setattr(flash_triton, "BACKWARD", "two_pass")
-    assert choose(torch.bfloat16, 16, 16384, 64) == "none"
-    monkeypatch.setattr(flash_triton, "BACKWARD", "fast")
-    with pytest.raises(ValueError, match="auto, one_pass or two_pass"):
-        choose(torch.bfloat16, 16, 16384, 64)
+def test_flash_config_is_explicit_and_checked():
+    """The configuration is a frozen value set in code (never read from the environment by the library), checked
+    on construction; ``use`` restores the previous one."""
+    assert FLASH_CONFIG.get() == FlashConfig()
+    with FLASH_CONFIG.use(kernels="triton", autotune=True) as config:
+        assert FLASH_CONFIG.get() is config and config.kernels == "triton" and config.autotune
+    assert FLASH_CONFIG.get() == FlashConfig()
+    with pytest.raises(ValueError, match="auto, hopper, triton"):
+        FlashConfig(kernels="gluon")
+    assert FlashConfig.from_environment({"CS336_FLASH_KERNELS": "triton", "CS336_FLASH_AUTOTUNE": "1"}) == \
+        FlashConfig(kernels="triton", autotune=True)
+    assert FlashConfig.from_environment({}) == FlashConfig()
 
 
-@pytest.mark.skipif(flash_triton.kernels.RUNNING_IN_INTERPRETER, reason="compiles the GPU kernels")
-@pytest.mark.parametrize("backward", ["two_pass", "one_pass"])
+@pytest.mark.skipif(RUNNING_IN_INTERPRETER, reason="compiles the GPU kernels")
 @pytest.mark.parametrize(
     "dtype, head_dim, is_causal",
     [(torch.bfloat16, 64, True), (torch.float16, 128, False), (torch.float32, 32, True)],
 )
-def test_fixed_configs_compile_for_h100_without_spills(monkeypatch, dtype, head_dim, is_causal, backward):
-    monkeypatch.setattr(flash_triton, "BACKWARD", backward)
+def test_fixed_configs_compile_for_h100_without_spills(monkeypatch, dtype, head_dim, is_causal):
     from tests._flash_aot import (
         compile_for_gpu,
         nvidia_toolchain_available,
@@ -178,18 +178,16 @@ def test_fixed_configs_compile_for_h100_without_spills(monkeypatch, dtype, head_
 
     if not nvidia_toolchain_available():
         pytest.skip("this Triton has no NVIDIA backend or ptxas")
-    for kernel, args, meta in _captured_launches(monkeypatch, dtype, head_dim, is_causal):
-        config = flash_triton.fixed_config(kernel, dtype, head_dim)
-        if config.pre_hook is not None:  # the dQ descriptor's block shape
-            config.pre_hook({**dict(zip(flash_triton._plain[kernel].arg_names, args)), **meta, **config.kwargs})
-        compiled = compile_for_gpu(flash_triton._plain[kernel], args, {**meta, **config.all_kwargs()})
+    for kernel, args, meta, name in _captured_launches(monkeypatch, dtype, head_dim, is_causal):
+        config = flash_triton.DELTA_CONFIG if name == "delta" else flash_triton.fixed_config(name, dtype, head_dim)
+        compiled = compile_for_gpu(kernel, args, {**meta, **config.all_kwargs()})
         usage = resource_usage(compiled)
-        assert usage.spill_bytes == 0, f"{kernel} {config}: {usage}"
-        assert usage.shared_bytes <= H100_SHARED_MEMORY, f"{kernel} {config}: {usage}"
+        assert usage.spill_bytes == 0, f"{name} {config}: {usage}"
+        assert usage.shared_bytes <= H100_SHARED_MEMORY, f"{name} {config}: {usage}"
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(flash_triton.kernels.RUNNING_IN_INTERPRETER, reason="compiles the GPU kernels")
+@pytest.mark.skipif(RUNNING_IN_INTERPRETER, reason="compiles the GPU kernels")
 def test_autotune_configs_compile_for_h100(monkeypatch):
     """Every configuration the autotuner may try on the leaderboard's dtype and head dim compiles and
     fits in shared memory (spilling ones are allowed: the autotuner just finds them slow)."""
@@ -201,13 +199,13 @@ def test_autotune_configs_compile_for_h100(monkeypatch):
 
     if not nvidia_toolchain_available():
         pytest.skip("this Triton has no NVIDIA backend or ptxas")
-    for kernel, args, meta in _captured_launches(monkeypatch, torch.bfloat16, 64, True):
-        if kernel == "delta":
+    for kernel, args, meta, name in _captured_launches(monkeypatch, torch.bfloat16, 64, True):
+        if name == "delta":
             continue
-        autotuner = flash_triton._autotuned[kernel]
+        autotuner = flash_triton._AUTOTUNED[name]
         for config in autotuner.early_config_prune(autotuner.configs, {"Q": args[0]}, **meta):
-            compiled = compile_for_gpu(flash_triton._plain[kernel], args, {**meta, **config.all_kwargs()})
-            assert resource_usage(compiled).shared_bytes <= H100_SHARED_MEMORY, f"{kernel} {config}"
+            compiled = compile_for_gpu(kernel, args, {**meta, **config.all_kwargs()})
+            assert resource_usage(compiled).shared_bytes <= H100_SHARED_MEMORY, f"{name} {config}"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -248,11 +246,11 @@ def _grid() -> list[tuple]:
 
 
 @pytest.fixture
-def fixed_tiles_poisoned_outputs(monkeypatch):
-    """One configuration per dtype and head dim (far fewer compilations than autotuning), and
-    outputs allocated full of NaN so that an element no kernel writes shows up."""
-    monkeypatch.setattr(flash_triton, "AUTOTUNE", False)
-    monkeypatch.setattr(flash_triton, "FILL_OUTPUTS_WITH_NAN", True)
+def fixed_tiles_poisoned_outputs():
+    """The default configuration (fixed tiles: far fewer compilations than autotuning), and outputs allocated full
+    of NaN so that an element no kernel writes shows up."""
+    with FLASH_CONFIG.use(FlashConfig()), poisoned_outputs():
+        yield
 
 
 @contextlib.contextmanager
@@ -277,14 +275,12 @@ def test_matches_float64_reference_gpu(fixed_tiles_poisoned_outputs, precision, 
 @pytest.mark.skipif(not hopper_gpu(), reason="needs a Hopper GPU")
 @pytest.mark.parametrize("precision, batch, heads, n_queries, n_keys, d, is_causal",
                          [case for case in _grid() if case[0] in ("fp16", "bf16")])
-def test_hopper_kernels_match_float64_reference_gpu(fixed_tiles_poisoned_outputs, monkeypatch, precision, batch,
-                                                    heads, n_queries, n_keys, d, is_causal):
+def test_hopper_kernels_match_float64_reference_gpu(fixed_tiles_poisoned_outputs, precision, batch, heads, n_queries,
+                                                    n_keys, d, is_causal):
     """The 16-bit cases of the grid with the Hopper (Gluon) forward and backward forced, whatever the size
     ("auto" leaves the small ones to the Triton kernels)."""
-    from cs336_systems.attention import flash_hopper
-
-    monkeypatch.setattr(flash_hopper, "KERNELS", "gluon")
-    _check_against_float64(precision, batch, heads, n_queries, n_keys, d, is_causal)
+    with FLASH_CONFIG.use(kernels="hopper"):
+        _check_against_float64(precision, batch, heads, n_queries, n_keys, d, is_causal)
 
 
 def _check_against_float64(precision, batch, heads, n_queries, n_keys, d, is_causal):
@@ -315,21 +311,45 @@ def _check_against_float64(precision, batch, heads, n_queries, n_keys, d, is_cau
             torch.testing.assert_close(result[name].double(), reference[name], rtol=1e-2, atol=1e-2, msg=lambda m: f"{name}: {m}")
 
 
-def _one_pass_grid() -> list[tuple]:
-    """Awkward cases of the grid for every precision and head dim (at d = 128 dQ goes through the bulk
-    reductions, below through atomics)."""
+def _awkward_grid() -> list[tuple]:
+    """Awkward cases of the grid for every precision and head dim."""
     picks = {(precision, d): case for case in _grid() for precision, d in [(case[0], case[5])]
              if case[3] != case[4] or case[3] % 128 or case[3] >= 2048}
     return sorted(picks.values(), key=str)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("precision, batch, heads, n_queries, n_keys, d, is_causal", _one_pass_grid())
-def test_one_pass_backward_matches_float64_reference_gpu(fixed_tiles_poisoned_outputs, monkeypatch, precision, batch,
-                                                          heads, n_queries, n_keys, d, is_causal):
-    monkeypatch.setattr(flash_triton, "BACKWARD", "one_pass")
-    with _matmul_tf32(precision == "tf32"):
+@pytest.mark.parametrize("precision, batch, heads, n_queries, n_keys, d, is_causal", _awkward_grid())
+def test_triton_kernels_match_float64_reference_gpu(fixed_tiles_poisoned_outputs, precision, batch, heads, n_queries,
+                                                    n_keys, d, is_causal):
+    """Awkward cases with the portable Triton kernels forced (on a Hopper GPU "auto" runs the large 16-bit ones on
+    the Gluon kernels)."""
+    with FLASH_CONFIG.use(kernels="triton"), _matmul_tf32(precision == "tf32"):
         _check_against_float64(precision, batch, heads, n_queries, n_keys, d, is_causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernels", ["triton", "auto"])
+def test_cached_launches_stay_right_across_calls_gpu(fixed_tiles_poisoned_outputs, kernels):
+    """The launch code keys its compiled kernels and plans by shapes, strides, dtype and alignment: repeated calls
+    (the short path), a layout change (transposed views), a misaligned start and another length all stay right."""
+    with FLASH_CONFIG.use(kernels=kernels):
+        for layout in ("contiguous", "contiguous", "transposed", "offset", "contiguous"):
+            n = 777 if layout == "offset" else 1024
+            leaves = [torch.randn(2 * 4 * n * 64 + 1, device="cuda").to(torch.bfloat16).requires_grad_()
+                      for _ in range(3)]
+            if layout == "transposed":
+                Q, K, V = (x[1:].view(2, n, 4, 64).transpose(1, 2) for x in leaves)
+            elif layout == "offset":  # data starting 2 bytes into an allocation
+                Q, K, V = (x[1:].view(2, 4, n, 64) for x in leaves)
+            else:
+                Q, K, V = (x[:-1].view(2, 4, n, 64) for x in leaves)
+            dO = torch.randn(Q.shape, device="cuda").to(torch.bfloat16)
+            O = FlashAttention2Triton.apply(Q, K, V, True)
+            grads = torch.autograd.grad(O, (Q, K, V), dO)
+            reference = run_reference(Q, K, V, True, dO)
+            for name, value in zip(("O", "dQ", "dK", "dV"), (O, *grads)):
+                assert relative_error(value, reference[name]) <= ERROR_FLOOR["bf16"], f"{layout}: {name}"
 
 
 @pytest.mark.gpu
@@ -375,20 +395,17 @@ def test_rejects_tensors_on_different_devices_gpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("head_dim", [64, 128])  # the backward in two launches, and in one
-@pytest.mark.parametrize("backward", ["two_pass", "one_pass"])
-def test_autotuned_kernels_match_reference_gpu(monkeypatch, head_dim, backward):
-    monkeypatch.setattr(flash_triton, "BACKWARD", backward)
-    monkeypatch.setattr(flash_triton, "AUTOTUNE", True)
-    monkeypatch.setattr(flash_triton, "FILL_OUTPUTS_WITH_NAN", True)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_autotuned_kernels_match_reference_gpu(head_dim):
     Q, K, V = make_qkv(2, 4, 1024, 1024, head_dim, torch.bfloat16, "cuda")
     dO = torch.randn(Q.shape, device="cuda").to(torch.bfloat16)
-    result = run_function(FlashAttention2Triton, Q, K, V, True, dO)
+    with FLASH_CONFIG.use(kernels="triton", autotune=True), poisoned_outputs():
+        result = run_function(FlashAttention2Triton, Q, K, V, True, dO)
     reference = run_reference(Q, K, V, True, dO)
     for name in QUANTITIES:
         assert torch.isfinite(result[name]).all(), name
         assert relative_error(result[name], reference[name]) <= ERROR_FLOOR["bf16"], name
-    chosen = {f"{name} d={head_dim}": str(autotuner.best_config) for name, autotuner in flash_triton._autotuned.items()
+    chosen = {f"{name} d={head_dim}": str(autotuner.best_config) for name, autotuner in flash_triton._AUTOTUNED.items()
               if getattr(autotuner, "best_config", None) is not None}
     _RECORDS.append(dict(precision="bf16", note="autotuned", chosen_configs=chosen,
                          errors={name: relative_error(result[name], reference[name]) for name in QUANTITIES}))

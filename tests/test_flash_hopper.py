@@ -3,7 +3,7 @@
 On a machine without a GPU: the kernels compile for sm_90 down to a cubin (Triton's own ptxas) at the
 supported head dims with no register spills and within the shared memory of a block; the TMA views of
 Q/K/V/dO address the right elements without copying where they can; the choice between this backward and the
-Triton one follows ``CS336_FLASH_KERNELS`` and refuses to force an impossible one. Its numerics are checked on
+Triton one follows the explicit ``FlashConfig`` and refuses to force an impossible one. Its numerics are checked on
 an H200 by the GPU grid of ``test_flash_attention_triton.py``, which runs it by default on Hopper, and by
 ``test_hopper_and_triton_kernels_agree_gpu`` below.
 """
@@ -16,6 +16,8 @@ import pytest
 import torch
 
 from cs336_systems.attention import flash_hopper
+from cs336_systems.attention.config import FLASH_CONFIG, FlashConfig, runs_hopper, why_not_hopper
+from cs336_systems.kernels.launch import poisoned_outputs
 from tests._flash_aot import compile_for_gpu, nvidia_toolchain_available, resource_usage
 from tests._flash_checks import hopper_gpu, relative_error
 
@@ -29,7 +31,7 @@ def _launch_on_cpu_tensors(batch, heads, n_queries, n_keys, d, dtype, is_causal)
     K, V, dK, dV = (torch.empty(shape_k, dtype=dtype) for _ in range(4))
     L, Delta = (torch.empty(batch * heads, n_queries) for _ in range(2))
     DQ_acc = torch.empty(batch * heads, n_queries, d)
-    return flash_hopper.launch_arguments(Q, K, V, dO, L, Delta, dK, dV, DQ_acc, is_causal, 1 / math.sqrt(d))
+    return flash_hopper.backward_launch_arguments(Q, K, V, dO, L, Delta, dK, dV, DQ_acc, is_causal, 1 / math.sqrt(d))
 
 
 # Two configurations each (a few seconds of ptxas apiece): the two backward tilings (64-query steps at d = 128,
@@ -100,48 +102,40 @@ def test_tma_view_addresses_every_head(layout):
     assert heads_in_columns == (layout == "transposed")
 
 
-def test_kernel_choice_follows_the_environment(monkeypatch):
-    Q = torch.empty(1, 2, 16, 64, dtype=torch.bfloat16)
+def test_kernel_choice_follows_the_configuration():
+    cpu = torch.device("cpu")
     for kernels in ("auto", "triton"):
-        monkeypatch.setattr(flash_hopper, "KERNELS", kernels)
-        for part in ("forward", "backward"):
-            assert not flash_hopper.runs_on(Q, 10**6, part)  # CPU tensors: the Triton path
-    monkeypatch.setattr(flash_hopper, "KERNELS", "gluon-backward")
-    assert not flash_hopper.runs_on(Q, 10**6, "forward")
-    for kernels in ("gluon", "gluon-backward"):
-        monkeypatch.setattr(flash_hopper, "KERNELS", kernels)
-        with pytest.raises(ValueError, match="backward cannot run: tensors on cpu"):
-            flash_hopper.runs_on(Q, 10**6, "backward")
-    monkeypatch.setattr(flash_hopper, "KERNELS", "cudnn")
-    with pytest.raises(ValueError, match="auto, gluon, gluon-backward or triton"):
-        flash_hopper.runs_on(Q, 10**6, "forward")
+        for part in ("forward", "backward"):  # CPU tensors: the Triton path
+            assert not runs_hopper(FlashConfig(kernels=kernels), cpu, torch.bfloat16, 64, part, True)
+    with pytest.raises(ValueError, match="backward cannot run: tensors on cpu"):
+        runs_hopper(FlashConfig(kernels="hopper"), cpu, torch.bfloat16, 64, "backward", True)
+    assert why_not_hopper(cpu, torch.bfloat16, 64) == "tensors on cpu"
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not hopper_gpu(), reason="needs a Hopper GPU")
-def test_kernel_choice_on_hopper_gpu(monkeypatch):
-    monkeypatch.setattr(flash_hopper, "KERNELS", "auto")
-    Q = torch.empty(1, 2, 16, 64, dtype=torch.bfloat16, device="cuda")
+def test_kernel_choice_on_hopper_gpu():
+    gpu = torch.device("cuda", torch.cuda.current_device())
+    auto, forced = FlashConfig(), FlashConfig(kernels="hopper")
     for part in ("forward", "backward"):
-        assert flash_hopper.runs_on(Q, flash_hopper.MIN_PROGRAMS[part], part)
-        assert not flash_hopper.runs_on(Q, flash_hopper.MIN_PROGRAMS[part] - 1, part)  # too few programs: Triton
-        assert not flash_hopper.runs_on(Q.float(), 10**6, part)
-    monkeypatch.setattr(flash_hopper, "KERNELS", "gluon")
-    assert flash_hopper.runs_on(Q, 1, "forward")
+        assert runs_hopper(auto, gpu, torch.bfloat16, 64, part, True)
+        assert not runs_hopper(auto, gpu, torch.bfloat16, 64, part, False)  # too few programs: Triton
+        assert not runs_hopper(auto, gpu, torch.float32, 64, part, True)
+        assert not runs_hopper(auto, gpu, torch.bfloat16, 80, part, True)
+    assert runs_hopper(forced, gpu, torch.bfloat16, 64, "forward", False)
     with pytest.raises(ValueError, match="float32"):
-        flash_hopper.runs_on(Q.float(), 10**6, "backward")
+        runs_hopper(forced, gpu, torch.float32, 64, "backward", True)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not hopper_gpu(), reason="needs a Hopper GPU")
 @pytest.mark.parametrize("d", [16, 32, 64, 128])
 @pytest.mark.parametrize("layout", ["contiguous", "transposed"])
-def test_hopper_and_triton_kernels_agree_gpu(monkeypatch, d, layout):
+def test_hopper_and_triton_kernels_agree_gpu(d, layout):
     """Forced Gluon and forced Triton forwards and backwards against float64, at a length with many key tiles and
     a ragged end, for the two TMA views; gradients NaN-poisoned so that unwritten rows show."""
     from cs336_systems.attention import flash_triton
 
-    monkeypatch.setattr(flash_triton, "FILL_OUTPUTS_WITH_NAN", True)
     torch.manual_seed(d)
     batch, heads, seq = 2, 4, 1000 + d
     if layout == "contiguous":
@@ -155,11 +149,11 @@ def test_hopper_and_triton_kernels_agree_gpu(monkeypatch, d, layout):
     reference_output.backward(dO.double())
     reference = [x.grad for x in leaves]
     expected_output = reference_output.detach()
-    for kernels in ("gluon", "triton"):
-        monkeypatch.setattr(flash_hopper, "KERNELS", kernels)
+    for kernels in ("hopper", "triton"):
         inputs = [x.detach().requires_grad_() for x in (Q, K, V)]
-        output = flash_triton.flash_attention(*inputs, True)
-        output.backward(dO)
+        with FLASH_CONFIG.use(kernels=kernels), poisoned_outputs():
+            output = flash_triton.flash_attention(*inputs, True)
+            output.backward(dO)
         results = [("O", output.detach(), expected_output)] + [
             (f"d{name}", x.grad, expected) for name, x, expected in zip("QKV", inputs, reference)]
         for name, value, expected in results:

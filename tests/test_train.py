@@ -21,6 +21,17 @@ def test_parts_are_checked():
         Parts(checkpointing=-1)
     with pytest.raises(ValueError, match="unknown stack"):
         build_training_step(build_model(LMConfig("tiny", 8, 1), torch.device("cpu")), "fastest")
+    with pytest.raises(ValueError, match="sharding='none'"):
+        Parts(cudagraphs=True, sharding="fsdp2")
+    assert STACKS["torch"].with_overrides(["cudagraphs=true"]).cudagraphs
+
+
+def test_cudagraphs_needs_a_gpu():
+    config = LMConfig("tiny", 16, 2)
+    step = build_training_step(build_model(config, torch.device("cpu")),
+                               STACKS["torch"].with_(compile="none", cudagraphs=True), autocast_dtype=None)
+    with pytest.raises(ValueError, match="cudagraphs needs a CUDA device"):
+        step(*random_batch(config, torch.device("cpu")))
 
 
 def test_torch_stack_steps_and_phases_on_cpu():
@@ -59,3 +70,27 @@ def test_our_stack_trains_like_pytorchs_on_gpu(compile_mode):
     assert results["ours"][0] == pytest.approx(results["torch"][0], rel=2e-2)
     for ours, theirs in zip(results["ours"][1], results["torch"][1]):
         torch.testing.assert_close(ours, theirs, rtol=2e-2, atol=2e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stack", ["ours", "torch"])
+def test_captured_step_matches_the_uncaptured_one_on_gpu(stack):
+    """The cudagraphs part: forward, loss and backward captured once and replayed (our attention, fused RMSNorm and
+    fused cross-entropy inside the graph, our AdamW after it) give the losses and parameters of the plain step."""
+    config = LMConfig("tiny", 256, 4)
+    device = torch.device("cuda")
+    batches = [random_batch(config, device, generator_seed=seed) for seed in range(4)]
+    results = {}
+    for cudagraphs in (False, True):
+        torch.manual_seed(0)
+        torch._dynamo.reset()
+        model = build_model(config, device)
+        step = build_training_step(model, STACKS[stack].with_(cudagraphs=cudagraphs))
+        losses = [step(x, y).item() for x, y in batches]
+        phases: dict[str, float] = {}
+        losses.append(step(*batches[0], phases).item())
+        results[cudagraphs] = (losses, [p.detach().clone() for p in model.parameters()])
+        assert set(phases) == {"forward", "backward", "optimizer"}
+    assert results[True][0] == pytest.approx(results[False][0], rel=1e-3)
+    for captured, plain in zip(results[True][1], results[False][1]):
+        torch.testing.assert_close(captured, plain, rtol=1e-3, atol=1e-4)

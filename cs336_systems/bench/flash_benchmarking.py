@@ -210,10 +210,7 @@ def main(argv: list[str] | None = None) -> None:
     device = timing.default_device()
     cli.announce(device, args.quick)
     resolve_defaults(args, device)
-    if args.fixed_tiles:
-        fp.use_fixed_tiles()
-    elif args.autotune:
-        fp.use_autotuning()
+    fp.configure_from_environment(args.fixed_tiles, args.autotune)
     store = run_sweep(args, device)
     rows = latest_rows(store)
     import pandas as pd

@@ -113,10 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     device = timing.default_device()
     cli.announce(device, args.quick)
     resolve_defaults(args, device)
-    if args.fixed_tiles:
-        fp.use_fixed_tiles()
-    elif args.autotune:
-        fp.use_autotuning()
+    fp.configure_from_environment(args.fixed_tiles, args.autotune)
     if device.type != "cuda":
         print("# ours needs a GPU: on the CPU only the SDPA backends run (an error row for ours)", file=sys.stderr)
     print(f"# q, k, v ({args.heads}, {args.seq_len}, {args.d_head}) {args.dtype}, causal; "

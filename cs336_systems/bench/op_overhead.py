@@ -259,6 +259,8 @@ def main(argv: list[str] | None = None) -> None:
         rows.append(store.add(case, result))
     cli.print_table(rows, ["op", "shape", "pass", "provider", "issue_us", "wall_us", "ours_over_this",
                            "ours_wall_over_this", "oom"])
+    print(f"# rows in {store.path}" if rows else f"# everything already measured in {store.path} (--force to measure "
+          "again)", file=sys.stderr)
 
 
 if __name__ == "__main__":

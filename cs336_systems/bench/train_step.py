@@ -5,15 +5,19 @@ batch 1), each stack of :data:`cs336_systems.train.STACKS` (``ours``: our attent
 fused LM head + cross-entropy, fused AdamW; ``torch``: SDPA, plain RMSNorm and cross-entropy, AdamW(fused=True);
 both with compiled blocks) trains a fresh model under bf16 autocast: ``--warmup`` untimed steps (compilation
 included), ``--steps`` timed ones, each synchronised (median ``step_ms``), then ``--phase-steps`` steps timed per
-phase (forward, backward, optimizer; synchronising between them). Rows: ``step_ms`` (median) with mean/std,
+phase (forward, backward, optimizer; synchronising between them). Each stack runs in each ``--variants``:
+``default`` (eager launches from the compiled blocks) and ``cudagraphs`` (forward, loss and backward captured in one
+CUDA graph and replayed; the ``cudagraphs`` step part). Rows: ``variant``, ``step_ms`` (median) with mean/std,
 phase medians, ``mfu`` (model FLOPs of a step, causal attention counted half, over the bf16 matmul rate measured
-in the same run), ``peak_gb`` (peak allocated during the timed steps), ``ours_over_torch`` in ours' row when both
-ran. Every case runs in a fresh process (``--case``), so no compiled code, cache or allocation of one
-stack can help or hinder the other.
+in the same run), ``peak_gb`` (peak allocated during the timed steps), and in ours' rows ``ours_over_torch``: over
+the faster of the torch stack's variants measured for the same size and shape (``torch_variant`` names it). Every
+case runs in a fresh process (``--case``), so no compiled code, cache or allocation of one stack can help or
+hinder the other.
 
     python -m cs336_systems.bench.train_step                              # every size, three shapes, both stacks
     python -m cs336_systems.bench.train_step --sizes xl --shapes 512:4 --stacks ours torch
     python -m cs336_systems.bench.train_step --override attention=sdpa    # ours with one part swapped
+    python -m cs336_systems.bench.train_step --variants default           # without CUDA graphs
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ from cs336_systems.bench.common.lm import SIZES, VOCAB_SIZE, LMConfig, build_mod
 from cs336_systems.train import STACKS, build_training_step
 
 PROBLEM = "train_step"
+VARIANTS = {"default": [], "cudagraphs": ["cudagraphs=true"]}
+"""Each variant's part changes on top of the stack's parts."""
 DEFAULT_SHAPES = ["512:4", "2048:4", "8192:1"]
 
 
@@ -51,6 +57,8 @@ def parser():
     p.add_argument("--sizes", nargs="+", default=None, choices=list(SIZES), help="model sizes (default: all five)")
     p.add_argument("--shapes", nargs="+", type=shape, default=None, help="context:batch pairs (default 512:4 2048:4 8192:1)")
     p.add_argument("--stacks", nargs="+", default=["torch", "ours"], choices=list(STACKS))
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
+                   help="default: eager launches; cudagraphs: forward and backward replayed from a CUDA graph")
     p.add_argument("--override", nargs="*", default=[], help="part=value changes to every stack (e.g. compile=model)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=8)
@@ -59,8 +67,8 @@ def parser():
     return p
 
 
-def measure(config: LMConfig, stack: str, args, device: torch.device) -> dict[str, Any]:
-    parts = STACKS[stack].with_overrides(args.override)
+def measure(config: LMConfig, stack: str, variant: str, args, device: torch.device) -> dict[str, Any]:
+    parts = STACKS[stack].with_overrides([*VARIANTS[variant], *args.override])
     model = build_model(config, device)
     step = build_training_step(model, parts)
     x, y = random_batch(config, device)
@@ -100,17 +108,22 @@ def measure_in_fresh_process(case: dict[str, Any], args) -> dict[str, Any]:
 def measure_case(case: dict[str, Any], args, device: torch.device) -> None:
     """The ``--case`` child: measure one case and print its result as one JSON line."""
     config = LMConfig(case["size"], case["context_length"], case["batch_size"])
-    result = result_store.measure_or_oom(lambda: measure(config, case["stack"], args, device))
+    result = result_store.measure_or_oom(lambda: measure(config, case["stack"], case.get("variant", "default"), args,
+                                                         device))
     print("RESULT " + json.dumps(result))
 
 
-def latest_torch_row(store: result_store.ResultStore, case: dict[str, Any]) -> dict[str, Any] | None:
-    """The newest ``torch`` row of ``case``'s configuration measured on this device (each case runs in its own
-    process anyway, so a row of an earlier invocation compares like one of this)."""
-    wanted = {**case, "stack": "torch"}
-    rows = [row for row in store.rows() if row.get("device") == store.env["device"]
-            and all(row.get(key) == value for key, value in wanted.items())]
-    return rows[-1] if rows else None
+def fastest_torch_row(store: result_store.ResultStore, case: dict[str, Any]) -> dict[str, Any] | None:
+    """Of the newest ``torch`` row of each variant for ``case``'s size, shape and settings measured on this device
+    (each case runs in its own process anyway, so a row of an earlier invocation compares like one of this), the
+    fastest."""
+    wanted = {key: value for key, value in case.items() if key not in ("stack", "variant")} | {"stack": "torch"}
+    newest: dict[str, dict[str, Any]] = {}
+    for row in store.rows():
+        if ("variant" in row and row.get("device") == store.env["device"] and not row.get("oom")
+                and all(row.get(key) == value for key, value in wanted.items())):
+            newest[row["variant"]] = row
+    return min(newest.values(), key=lambda row: row["step_ms"], default=None)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -125,19 +138,22 @@ def main(argv: list[str] | None = None) -> None:
         print("# no GPU: the tiny model, eager, our kernels would need TRITON_INTERPRET=1: torch stack only",
               file=sys.stderr)
         args.stacks, args.override = ["torch"], [*args.override, "compile=none", "optimizer=basics"]
+        args.variants = ["default"]
     args.sizes = args.sizes or (["tiny"] if tiny else ["small", "medium", "large", "xl", "2.7B"])
     args.shapes = args.shapes or ([(32, 2)] if tiny else [shape(s) for s in DEFAULT_SHAPES])
     if tiny:
         args.warmup, args.steps, args.phase_steps = min(args.warmup, 1), min(args.steps, 2), min(args.phase_steps, 1)
     store = result_store.ResultStore(PROBLEM, args.results_dir, args.force)
-    cases = [dict(size=size, context_length=context, batch_size=batch, stack=stack, overrides=sorted(args.override),
-                  dtype="bf16", warmup=args.warmup, steps=args.steps)
-             for size in args.sizes for context, batch in args.shapes for stack in args.stacks]
+    # The torch stack first, so that ours' rows find its rows of this run.
+    stacks = sorted(args.stacks, key=lambda stack: stack != "torch")
+    cases = [dict(size=size, context_length=context, batch_size=batch, stack=stack, variant=variant,
+                  overrides=sorted(args.override), dtype="bf16", warmup=args.warmup, steps=args.steps)
+             for size in args.sizes for context, batch in args.shapes for stack in stacks for variant in args.variants]
     pending = store.pending(cases)
     print(f"# {len(cases) - len(pending)} of {len(cases)} cases already measured on this device", file=sys.stderr)
     peak_tflops = timing.measure_matmul_tflops(device) if pending else None
     timing.free_memory()  # the children get the whole GPU
-    rows, by_config = [], {}
+    rows = []
     for case in cli.progress(pending, PROBLEM):
         config = LMConfig(case["size"], case["context_length"], case["batch_size"])
         result = measure_in_fresh_process(case, args)
@@ -147,15 +163,14 @@ def main(argv: list[str] | None = None) -> None:
         result.update(flops=step_flops, peak_tflops=peak_tflops)
         if peak_tflops and not result["oom"]:
             result["mfu"] = step_flops / (result["step_ms"] / 1e3) / (peak_tflops * 1e12)
-        same = by_config.setdefault((case["size"], case["context_length"], case["batch_size"]), {})
-        same[case["stack"]] = result
-        torch_row = same.get("torch") or latest_torch_row(store, case)
-        if case["stack"] == "ours" and torch_row and not result["oom"] and not torch_row["oom"]:
+        torch_row = fastest_torch_row(store, case)
+        if case["stack"] == "ours" and torch_row and not result["oom"]:
             result["ours_over_torch"] = result["step_ms"] / torch_row["step_ms"]
-            result["torch_run"] = torch_row.get("run", store.run)
+            result["torch_variant"], result["torch_run"] = torch_row["variant"], torch_row["run"]
         rows.append(store.add(case, result))
-    cli.print_table(rows, ["size", "context_length", "batch_size", "stack", "step_ms", "forward_ms", "backward_ms",
-                           "optimizer_ms", "mfu", "peak_gb", "ours_over_torch", "oom"], digits=3)
+    cli.print_table(rows, ["size", "context_length", "batch_size", "stack", "variant", "step_ms", "forward_ms",
+                           "backward_ms", "optimizer_ms", "mfu", "peak_gb", "ours_over_torch", "oom"], digits=3)
+    print(f"# rows in {store.path}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -71,11 +71,9 @@ import triton.language as tl
 from torch import Tensor
 
 from cs336_basics.optimizer import AdamW
+from cs336_systems.kernels.launch import FLOAT_DTYPES, RUNNING_IN_INTERPRETER
 
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-RUNNING_IN_INTERPRETER: bool = triton.knobs.runtime.interpret
-"""Whether ``@triton.jit`` below built interpreter functions (``TRITON_INTERPRET=1`` at import)."""
+SUPPORTED_DTYPES = FLOAT_DTYPES
 
 BLOCK: int = 256 if RUNNING_IN_INTERPRETER else 2048
 """Elements per program. On a GPU, with :data:`NUM_WARPS` 8: 8 elements a thread, two 16-byte vectors per

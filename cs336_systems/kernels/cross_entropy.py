@@ -13,9 +13,9 @@ Math. For a token with hidden state ``h`` (d,), logits ``z = W h`` (V,), target 
 
 The loss is the last node of the graph: its input gradients depend on what follows only through the scalar
 ``grad_output``, which multiplies them all. So the forward computes the loss, dH and dW together, and the backward
-only scales them: in eager mode not at all when the scalar is 1 (see :func:`_is_one`), under ``torch.compile``
-always (the scalar has no value while the backward is traced). A scalar other than 1 rounds a 16-bit dH or dW a
-second time.
+only scales them by it (one elementwise pass each; reading the scalar to skip the pass when it is 1 would
+synchronise the host with the device on every step). The scaling rounds a 16-bit dH or dW a second time when the
+scalar is not a power of two.
 
 For each chunk of ``C`` tokens (rows of H):
 
@@ -64,10 +64,9 @@ import triton.language as tl
 from jaxtyping import Float, Int
 from torch import Tensor, nn
 
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+from cs336_systems.kernels.launch import FLOAT_DTYPES, RUNNING_IN_INTERPRETER, Launcher, aligned
 
-RUNNING_IN_INTERPRETER: bool = triton.knobs.runtime.interpret
-"""Whether ``@triton.jit`` below built interpreter functions (``TRITON_INTERPRET=1`` at import)."""
+SUPPORTED_DTYPES = FLOAT_DTYPES
 
 CHUNK_LOGITS_BYTES = 1 << 30
 """The most bytes of logits one chunk may hold (see :func:`default_chunk_tokens`)."""
@@ -138,16 +137,19 @@ def _block_v(n_cols: int) -> tuple[int, int]:
     return block_v, max(1, min(8, block_v // 512))
 
 
+_ROWS_KERNEL = Launcher(cross_entropy_rows_kernel)
+
+
 def _rows_step_triton(logits: Tensor, targets: Tensor, row_loss: Tensor, scale: Tensor, ignore_index: int,
                       write_grad: bool) -> None:
     n_rows, n_cols = logits.shape
     if n_rows == 0:
         return
     block_v, num_warps = _block_v(n_cols)
-    cross_entropy_rows_kernel[(n_rows,)](
-        logits, targets, row_loss, scale, logits.stride(0), n_cols, ignore_index,
-        BLOCK_V=block_v, WRITE_GRAD=write_grad, num_warps=num_warps,
-    )
+    key = (logits.dtype, targets.dtype, logits.stride(0), n_cols, ignore_index, aligned(logits, targets, row_loss),
+           write_grad)
+    _ROWS_KERNEL(key, (n_rows,), (logits, targets, row_loss, scale, logits.stride(0), n_cols, ignore_index),
+                 dict(BLOCK_V=block_v, WRITE_GRAD=write_grad), num_warps=num_warps)
 
 
 def _rows_step_torch(logits: Tensor, targets: Tensor, row_loss: Tensor, scale: Tensor, ignore_index: int,
@@ -270,23 +272,10 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.save_for_backward(dh, dw)
 
 
-def _is_one(grad: Tensor) -> bool:
-    """Whether the loss's incoming gradient is exactly 1, when it can be known (eagerly). On a GPU this reads the
-    scalar, which waits for the forward to finish; the CPU then launches the backward while the GPU idles for
-    one launch latency, cheaper than a pass over dW (``V d 4`` bytes read and written) and its second copy."""
-    # While AOTAutograd traces the backward (torch.compile), the gradient is a FakeTensor or FunctionalTensor with
-    # no value, and is_compiling() is False; a CUDA graph being captured cannot be read either.
-    traced = torch.compiler.is_compiling() or type(grad) is not torch.Tensor
-    if traced or (grad.is_cuda and torch.cuda.is_current_stream_capturing()):
-        return False
-    return bool(grad == 1)
-
-
 def _backward(ctx, grad_loss: Tensor, _grad_dh, _grad_dw):
     dh, dw = ctx.saved_tensors
     need_dh, need_dw = ctx.needs_input_grad[:2]
-    if not _is_one(grad_loss):
-        dh, dw = dh * grad_loss.to(dh.dtype), dw * grad_loss.to(dw.dtype)  # empty when not asked for
+    dh, dw = dh * grad_loss.to(dh.dtype), dw * grad_loss.to(dw.dtype)  # empty when not asked for
     return (dh if need_dh else None), (dw if need_dw else None), None, None, None, None, None, None
 
 

@@ -30,9 +30,9 @@ on the current one, so that loads are always in flight (Triton pipelines only lo
   (kept in a float32 scratch vector), then sweep column tiles, each over the program's rows.
 
 Launch parameters: on a GPU ``triton.autotune`` picks ``BLOCK_M`` and ``num_warps`` per row length, a
-coarse row count and dtype (``CS336_RMSNORM_AUTOTUNE=0`` or ``AUTOTUNE = False``: a fixed heuristic
-instead); under ``TRITON_INTERPRET=1`` (CPU) one small configuration. Set the variable before this
-module is imported: ``@triton.jit`` reads it when the kernels are defined.
+coarse row count and dtype, the first time each is seen (``RMSNORM_CONFIG``: ``RMSNormConfig(autotune=False)``
+for a fixed heuristic instead); under ``TRITON_INTERPRET=1`` (CPU) one small configuration. Later eager calls
+launch the chosen configuration's compiled kernel directly (``cs336_systems.kernels.launch.Launcher``).
 
 ``torch.compile``: eager calls launch the kernels directly (the least host overhead); while Dynamo traces,
 the Function calls the same launch code through two ``torch.library`` operators instead. On a GPU these are
@@ -51,7 +51,7 @@ residual to the norm, and under ``torch.compile`` the plain model already fuses 
 from __future__ import annotations
 
 import functools
-import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -61,14 +61,29 @@ from torch import Tensor, nn
 from torch.library import wrap_triton as _wrap_triton
 
 from cs336_basics.model import RMSNorm
+from cs336_systems.kernels.launch import (
+    FLOAT_DTYPES,
+    RUNNING_IN_INTERPRETER,
+    CurrentConfig,
+    Launcher,
+    aligned,
+    check_device,
+    new_output,
+    unit_last_stride,
+)
 
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+SUPPORTED_DTYPES = FLOAT_DTYPES
 
-RUNNING_IN_INTERPRETER: bool = triton.knobs.runtime.interpret
-"""Whether ``@triton.jit`` below built interpreter functions (``TRITON_INTERPRET=1`` at import)."""
 
-AUTOTUNE: bool = os.environ.get("CS336_RMSNORM_AUTOTUNE", "1") != "0"
-"""Autotune ``BLOCK_M`` and ``num_warps`` on a GPU (default), or use :func:`fixed_config`."""
+@dataclass(frozen=True)
+class RMSNormConfig:
+    """``autotune``: eager calls autotune ``BLOCK_M`` and ``num_warps`` on a GPU (default), else take
+    :func:`fixed_config`. The operators that compiled graphs call always take the fixed configuration."""
+
+    autotune: bool = True
+
+
+RMSNORM_CONFIG: CurrentConfig[RMSNormConfig] = CurrentConfig(RMSNormConfig())
 
 MAX_BLOCK_N = 8192
 """The widest column tile (elements). Rows up to this many features are held whole in registers; longer
@@ -87,10 +102,6 @@ traffic, at 65536 rows under 1 %."""
 PREFETCH_MAX_ROW_BYTES = 16384
 """The backward prefetches the next tile for rows of up to this many bytes (``BLOCK_N`` times the element
 size): a float32 row of 8192 leaves no registers for a second tile even at 16 warps."""
-
-FILL_OUTPUTS_WITH_NAN: bool = False
-"""Tests set this so that outputs start as NaN: an element a kernel fails to write then shows."""
-
 
 # ---------------------------------------------------------------------------------------------------
 # Kernels
@@ -373,19 +384,37 @@ def _launcher(kernel, autotune: bool):
     return kernel if RUNNING_IN_INTERPRETER or autotune else _wrap_triton(kernel)
 
 
-def _launch(kernel: str, grid, args: tuple, meta: dict, n_cols: int, element_size: int, autotune: bool = True) -> None:
-    """Run ``kernel`` ("fwd" or "bwd"), autotuned (eager calls) or with :func:`fixed_config` (``autotune=False``:
-    the operators, whose launches go through ``wrap_triton`` so that a traced graph holds them and Inductor emits
-    them directly). ``grid(block_m)``."""
-    if autotune and AUTOTUNE and not RUNNING_IN_INTERPRETER:
-        _autotuned[kernel][lambda META: grid(META["BLOCK_M"])](*args, **meta)
+_LAUNCHERS = {name: Launcher(fn) for name, fn in _plain.items()}
+_DW_REDUCE = Launcher(rmsnorm_dw_reduce_kernel)
+_chosen: dict[tuple, triton.Config] = {}
+"""The autotuner's choice per (kernel, autotune key, dtype)."""
+
+
+def _launch(kernel: str, grid, args: tuple, meta: dict, n_cols: int, element_size: int, signature: tuple,
+            autotune: bool = True) -> None:
+    """Run ``kernel`` ("fwd" or "bwd"): eager calls (``autotune=True``) with the autotuner's choice (when the
+    configuration says so) or :func:`fixed_config`, through a :class:`Launcher` keyed by ``signature`` (what the
+    compilation depends on besides the constexprs); the operators (``autotune=False``) with :func:`fixed_config`,
+    through ``wrap_triton`` so that a traced graph holds the launch and Inductor emits it. ``grid(block_m)``."""
+    if not autotune or RUNNING_IN_INTERPRETER:
+        config = fixed_config(kernel, n_cols, element_size)
+        # Only the tiles, warps and stages: torch.compile refuses num_ctas passed as a launch argument.
+        _launcher(_plain[kernel], autotune)[grid(config.kwargs["BLOCK_M"])](
+            *args, **meta, **config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
         return
     config = fixed_config(kernel, n_cols, element_size)
-    launcher = _launcher(_plain[kernel], autotune)
-    # Only the tiles, warps and stages: torch.compile refuses num_ctas passed as a launch argument.
-    launcher[grid(config.kwargs["BLOCK_M"])](
-        *args, **meta, **config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages
-    )
+    if RMSNORM_CONFIG.get().autotune:
+        autotuner = _autotuned[kernel]
+        tune_key = (kernel, signature, *(args[_plain[kernel].arg_names.index(k)] for k in ("n_cols", "rows_key")),
+                    *meta.values())
+        if tune_key not in _chosen:
+            autotuner[lambda META: grid(META["BLOCK_M"])](*args, **meta)
+            _chosen[tune_key] = autotuner.best_config
+            return
+        config = _chosen[tune_key]
+    key = (signature, *meta.values(), *config.kwargs.values(), config.num_warps, config.num_stages)
+    _LAUNCHERS[kernel](key, grid(config.kwargs["BLOCK_M"]), args, {**meta, **config.kwargs},
+                       num_warps=config.num_warps, num_stages=config.num_stages)
 
 
 @functools.cache
@@ -399,23 +428,9 @@ def _rows_key(n: int) -> int:
     return min(triton.next_power_of_2(max(n, 1)), 1 << 16)
 
 
-def _new_output(shape, dtype: torch.dtype, device: torch.device) -> Tensor:
-    if FILL_OUTPUTS_WITH_NAN:
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
-    return torch.empty(shape, dtype=dtype, device=device)
-
-
 # ---------------------------------------------------------------------------------------------------
 # Launch wrappers: (n_rows, N) tensors with a unit column stride, checked by the caller
 # ---------------------------------------------------------------------------------------------------
-
-
-def _check_device(x: Tensor) -> None:
-    if x.device.type != "cuda" and not RUNNING_IN_INTERPRETER:
-        raise ValueError(
-            f"the fused RMSNorm kernels need CUDA tensors, got a tensor on {x.device}; to run them on the CPU through "
-            "the Triton interpreter, set TRITON_INTERPRET=1 before cs336_systems.kernels.rmsnorm is imported"
-        )
 
 
 def rmsnorm_forward(
@@ -423,18 +438,18 @@ def rmsnorm_forward(
     autotune: bool = True,
 ) -> tuple[Float[Tensor, "n_rows N"], Float[Tensor, "n_rows"]]:
     """``y`` (``out_dtype``, by default x's; contiguous) and ``1 / rms`` per row (float32)."""
-    _check_device(x)
     n_rows, n_cols = x.shape
-    y = _new_output((n_rows, n_cols), out_dtype or x.dtype, x.device)
-    rstd = _new_output((n_rows,), torch.float32, x.device)
+    y = new_output((n_rows, n_cols), out_dtype or x.dtype, x.device)
+    rstd = new_output((n_rows,), torch.float32, x.device)
     if n_rows == 0:
         return y, rstd
     block_n, single_tile = _block_n(n_cols)
     max_programs = _multiprocessor_count(x.device.index) * FWD_PROGRAMS_PER_SM
     args = (x, weight, y, rstd, x.stride(0), y.stride(0), n_rows, n_cols,
             _rows_key(triton.cdiv(n_rows, max_programs)), eps)
+    signature = (x.dtype, weight.dtype, y.dtype, x.stride(0), n_cols, aligned(x, weight))
     _launch("fwd", lambda block_m: (min(triton.cdiv(n_rows, block_m), max_programs),), args,
-            dict(BLOCK_N=block_n, SINGLE_TILE=single_tile), n_cols, x.element_size(), autotune)
+            dict(BLOCK_N=block_n, SINGLE_TILE=single_tile), n_cols, x.element_size(), signature, autotune)
     return y, rstd
 
 
@@ -443,16 +458,15 @@ def rmsnorm_backward(
     compute_dx: bool = True, compute_dw: bool = True, autotune: bool = True,
 ) -> tuple[Float[Tensor, "n_rows N"] | None, Float[Tensor, "N"] | None]:
     """``dx`` (x's dtype, contiguous) and ``dg`` (weight's dtype); None for a gradient not asked for."""
-    _check_device(x)
     n_rows, n_cols = x.shape
-    dx = _new_output((n_rows, n_cols), x.dtype, x.device) if compute_dx else None
+    dx = new_output((n_rows, n_cols), x.dtype, x.device) if compute_dx else None
     if n_rows == 0 or not (compute_dx or compute_dw):
         return dx, torch.zeros_like(weight) if compute_dw else None
     block_n, single_tile = _block_n(n_cols)
     # A fixed grid, whatever BLOCK_M the autotuner picks: the partial buffer is allocated before the launch. A
     # program left without a tile (BLOCK_M > 1 and few rows) writes a partial row of zeros.
     n_programs = min(_multiprocessor_count(x.device.index) * BWD_PROGRAMS_PER_SM, n_rows)
-    dw_partial = _new_output((n_programs, n_cols), torch.float32, x.device) if compute_dw else rstd
+    dw_partial = new_output((n_programs, n_cols), torch.float32, x.device) if compute_dw else rstd
     coef = torch.empty((n_rows,), dtype=torch.float32, device=x.device) if compute_dx and not single_tile else rstd
     dx_arg = dx if compute_dx else x  # never written when COMPUTE_DX is off
     args = (dy, x, weight, rstd, dx_arg, dw_partial, coef, dy.stride(0), x.stride(0), dx_arg.stride(0),
@@ -460,14 +474,19 @@ def rmsnorm_backward(
     prefetch = _prefetch(block_n, single_tile, max(x.element_size(), dy.element_size()))
     meta = dict(BLOCK_N=block_n, SINGLE_TILE=single_tile, PREFETCH=prefetch, COMPUTE_DX=compute_dx,
                 COMPUTE_DW=compute_dw)
-    _launch("bwd", lambda block_m: (n_programs,), args, meta, n_cols, x.element_size(), autotune)
+    signature = (dy.dtype, x.dtype, weight.dtype, dy.stride(0), x.stride(0), n_cols, aligned(dy, x, weight))
+    _launch("bwd", lambda block_m: (n_programs,), args, meta, n_cols, x.element_size(), signature, autotune)
     if not compute_dw:
         return dx, None
     # One small launch that sums the partials and rounds to the gain's dtype (torch would take two: sum, cast).
-    dw = _new_output((n_cols,), weight.dtype, x.device)
-    _launcher(rmsnorm_dw_reduce_kernel, autotune)[(triton.cdiv(n_cols, REDUCE_BLOCK_C),)](
-        dw_partial, dw, n_programs, n_cols, BLOCK_P=REDUCE_BLOCK_P, BLOCK_C=REDUCE_BLOCK_C, num_warps=REDUCE_NUM_WARPS
-    )
+    dw = new_output((n_cols,), weight.dtype, x.device)
+    grid, constexprs = (triton.cdiv(n_cols, REDUCE_BLOCK_C),), dict(BLOCK_P=REDUCE_BLOCK_P, BLOCK_C=REDUCE_BLOCK_C)
+    if autotune and not RUNNING_IN_INTERPRETER:  # an eager call
+        _DW_REDUCE((weight.dtype, n_programs, n_cols), grid, (dw_partial, dw, n_programs, n_cols), constexprs,
+                   num_warps=REDUCE_NUM_WARPS)
+    else:
+        _launcher(rmsnorm_dw_reduce_kernel, autotune)[grid](dw_partial, dw, n_programs, n_cols, **constexprs,
+                                                            num_warps=REDUCE_NUM_WARPS)
     return dx, dw
 
 
@@ -529,11 +548,7 @@ def check_inputs(x: Tensor, weight: Tensor) -> None:
                             "or float32")
     if x.device != weight.device:
         raise ValueError(f"x and weight must be on one device, got {x.device} and {weight.device}")
-
-
-def _unit_column_stride(rows: Tensor) -> Tensor:
-    """The kernels address columns with stride 1; copy only when that is not so."""
-    return rows if rows.stride(-1) == 1 else rows.contiguous()
+    check_device(x, "the fused RMSNorm kernels", "cs336_systems.kernels.rmsnorm")
 
 
 class FusedRMSNormFunction(torch.autograd.Function):
@@ -551,8 +566,8 @@ class FusedRMSNormFunction(torch.autograd.Function):
         check_inputs(x, weight)
         if out_dtype is not None and out_dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"unsupported output dtype {out_dtype}: the fused RMSNorm writes float16, bfloat16 or float32")
-        x_rows = _unit_column_stride(x.reshape(-1, x.shape[-1]))  # a view when x's layout allows
-        weight = _unit_column_stride(weight)
+        x_rows = unit_last_stride(x.reshape(-1, x.shape[-1]))  # a view when x's layout allows
+        weight = unit_last_stride(weight)
         if torch.compiler.is_compiling():
             y, rstd = torch.ops.cs336_systems.rmsnorm_forward(x_rows, weight, eps, out_dtype or x.dtype)
         else:
@@ -566,7 +581,7 @@ class FusedRMSNormFunction(torch.autograd.Function):
         x_rows, weight, rstd = ctx.saved_tensors
         compute_dx, compute_dw = ctx.needs_input_grad[:2]
         # Any layout, including the all-stride-0 one that y.sum().backward() sends.
-        dy_rows = _unit_column_stride(dy.reshape(-1, x_rows.shape[-1]))
+        dy_rows = unit_last_stride(dy.reshape(-1, x_rows.shape[-1]))
         if torch.compiler.is_compiling():
             dx, dw = torch.ops.cs336_systems.rmsnorm_backward(dy_rows, x_rows, weight, rstd, compute_dx, compute_dw)
         else:

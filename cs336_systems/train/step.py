@@ -13,6 +13,7 @@ chosen by name in :class:`Parts`, so that the two stacks the benchmarks race dif
 | ``checkpointing`` | activation checkpointing group size (0: off; see ``BasicsTransformerLM.set_activation_checkpointing``) |
 | ``keep_attention`` | checkpointed groups keep each attention call's output (and log-sum-exp): selective checkpointing, so backward recomputes the rest of a block but never the attention itself |
 | ``sharding`` | ``none`` (one process, or any data-parallel wrapper around the step), ``ours`` (our FSDP by blocks) or ``fsdp2`` (``fully_shard`` per block and root); sharded stacks hold fp32 master weights and compute in the step's bf16 dtype (no autocast), gradients reduced in fp32 |
+| ``cudagraphs`` | capture the forward, loss and backward in one CUDA graph on the first call (after two warm-up passes on a side stream, which do not train) and replay it with the batch copied into static inputs: a step then costs the host one replay and the optimizer's launches (the optimizer runs outside the graph: the update's bias corrections are host scalars). One GPU, unsharded |
 
 :data:`STACKS` names the two compared stacks: ``ours`` (our attention operator, fused RMSNorm, fused
 cross-entropy, fused AdamW, compiled) and ``torch`` (PyTorch's best for the same model: SDPA, the plain RMSNorm
@@ -62,6 +63,7 @@ class Parts:
     checkpointing: int = 0
     keep_attention: bool = False
     sharding: str = "none"
+    cudagraphs: bool = False
 
     def __post_init__(self):
         for name, value, allowed in (("rmsnorm", self.rmsnorm, ("plain", "fused")), ("loss", self.loss, ("plain", "fused")),
@@ -77,6 +79,8 @@ class Parts:
             raise ValueError("a sharded step compiles blocks at most (compile='none' or 'blocks')")
         if self.sharding == "ours" and self.compile != "none":
             raise ValueError("our FSDP swaps weight views into the blocks on every call: use compile='none' with it")
+        if self.cudagraphs and self.sharding != "none":
+            raise ValueError("cudagraphs captures a one-GPU step: use it with sharding='none'")
 
     def with_(self, **changes) -> Parts:
         return replace(self, **changes)
@@ -88,7 +92,7 @@ class Parts:
             name, _, value = item.partition("=")
             if name == "checkpointing":
                 changes[name] = int(value)
-            elif name == "keep_attention":
+            elif name in ("keep_attention", "cudagraphs"):
                 changes[name] = value.lower() in ("1", "true", "yes")
             else:
                 changes[name] = value
@@ -233,19 +237,53 @@ class TrainingStep:
 
         self.forward_loss = torch.compile(forward_loss) if parts.compile == "model" else forward_loss
 
+        self._graph: torch.cuda.CUDAGraph | None = None
+
     def _autocast(self, device: torch.device) -> contextlib.AbstractContextManager:
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
-        return torch.autocast(device_type=device.type, dtype=self.autocast_dtype)
+        # A captured graph replays the casts: autocast's cache of cast weights would outlive the capture.
+        return torch.autocast(device_type=device.type, dtype=self.autocast_dtype, cache_enabled=not self.parts.cudagraphs)
 
     def __call__(self, token_ids: Tensor, targets: Tensor, phase_seconds: dict[str, float] | None = None) -> Tensor:
         """One step; with ``phase_seconds`` the device is synchronised after each phase and its seconds added
-        under ``forward``, ``backward`` and ``optimizer``. Returns the loss (detached)."""
+        under ``forward``, ``backward`` and ``optimizer`` (with ``cudagraphs``: the replayed forward and backward
+        under ``forward``, and ``backward`` 0). Returns the loss (detached)."""
         timed = _phase_timer(token_ids.device, phase_seconds)
+        if self.parts.cudagraphs:
+            return self._replay(token_ids, targets, timed)
         loss = timed("forward", lambda: self.forward_loss(token_ids, targets))
         timed("backward", self._backward(loss))
         timed("optimizer", self._update)
         return loss.detach()
+
+    def _replay(self, token_ids: Tensor, targets: Tensor, timed: Callable) -> Tensor:
+        if self._graph is None:
+            self._capture(token_ids, targets)
+        self._static_ids.copy_(token_ids)
+        self._static_targets.copy_(targets)
+        timed("forward", self._graph.replay)
+        timed("backward", lambda: None)
+        # The gradients stay: the graph's backward writes them in place at every replay.
+        timed("optimizer", self.optimizer.step)
+        return self._static_loss.detach().clone()
+
+    def _capture(self, token_ids: Tensor, targets: Tensor) -> None:
+        """Warm up (compile, autotune, allocate) on a side stream, then capture forward, loss and backward."""
+        if token_ids.device.type != "cuda":
+            raise ValueError(f"cudagraphs needs a CUDA device, got inputs on {token_ids.device}")
+        self._static_ids, self._static_targets = token_ids.clone(), targets.clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self.forward_loss(self._static_ids, self._static_targets).backward()
+                self.optimizer.zero_grad(set_to_none=True)
+        torch.cuda.current_stream().wait_stream(side)
+        self._graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self._graph):
+            self._static_loss = self.forward_loss(self._static_ids, self._static_targets)
+            self._static_loss.backward()
 
     def _backward(self, loss: Tensor) -> Callable[[], None]:
         def backward() -> None:

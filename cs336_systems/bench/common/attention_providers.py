@@ -25,9 +25,9 @@ instead, gradients accumulating into ``.grad`` as the official timing does.
 
 from __future__ import annotations
 
+import dataclasses
 import contextlib
 import functools
-import os
 import statistics
 import warnings
 from collections.abc import Callable, Iterable
@@ -147,30 +147,23 @@ def get_provider(name: str) -> Provider:
     return PROVIDERS[name]
 
 
-def use_fixed_tiles() -> None:
-    """Run our kernels with fixed launch configurations instead of autotuning them (far less compiling)."""
-    os.environ["CS336_FLASH_AUTOTUNE"] = "0"  # read when flash_triton is first imported
-    from cs336_systems.attention import flash_triton
+def configure_from_environment(fixed_tiles: bool = False, autotune: bool = False) -> None:
+    """Set our attention's configuration for a command-line tool: ``CS336_FLASH_KERNELS`` and
+    ``CS336_FLASH_AUTOTUNE`` (see :class:`cs336_systems.attention.config.FlashConfig`), then ``--fixed-tiles`` or
+    ``--autotune``, which win."""
+    from cs336_systems.attention.config import FLASH_CONFIG, FlashConfig
 
-    if hasattr(flash_triton, "AUTOTUNE"):
-        flash_triton.AUTOTUNE = False
-    else:
-        warnings.warn("flash_triton has no AUTOTUNE switch: --fixed-tiles has no effect", stacklevel=2)
-
-
-def use_autotuning() -> None:
-    """Let ``triton.autotune`` pick our kernels' tiles per length bucket (compiles and times every candidate)."""
-    os.environ["CS336_FLASH_AUTOTUNE"] = "1"
-    from cs336_systems.attention import flash_triton
-
-    flash_triton.AUTOTUNE = True
+    config = FlashConfig.from_environment()
+    if fixed_tiles or autotune:
+        config = dataclasses.replace(config, autotune=autotune and not fixed_tiles)
+    FLASH_CONFIG.set(config)
 
 
-def autotuning() -> bool | None:
-    """Whether our kernels autotune (None when flash_triton says nothing about it)."""
-    from cs336_systems.attention import flash_triton
+def autotuning() -> bool:
+    """Whether our kernels' tiles are autotuned."""
+    from cs336_systems.attention.config import FLASH_CONFIG
 
-    return getattr(flash_triton, "AUTOTUNE", None)
+    return FLASH_CONFIG.get().autotune
 
 
 # ---------------------------------------------------------------------------------------------------
