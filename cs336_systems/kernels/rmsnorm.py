@@ -447,7 +447,8 @@ def rmsnorm_forward(
     max_programs = _multiprocessor_count(x.device.index) * FWD_PROGRAMS_PER_SM
     args = (x, weight, y, rstd, x.stride(0), y.stride(0), n_rows, n_cols,
             _rows_key(triton.cdiv(n_rows, max_programs)), eps)
-    signature = (x.dtype, weight.dtype, y.dtype, x.stride(0), n_cols, aligned(x, weight))
+    # What the eager launch's compilation depends on (none while an operator is traced: fake tensors have no data).
+    signature = (x.dtype, weight.dtype, y.dtype, x.stride(0), n_cols, aligned(x, weight)) if autotune else None
     _launch("fwd", lambda block_m: (min(triton.cdiv(n_rows, block_m), max_programs),), args,
             dict(BLOCK_N=block_n, SINGLE_TILE=single_tile), n_cols, x.element_size(), signature, autotune)
     return y, rstd
@@ -474,7 +475,8 @@ def rmsnorm_backward(
     prefetch = _prefetch(block_n, single_tile, max(x.element_size(), dy.element_size()))
     meta = dict(BLOCK_N=block_n, SINGLE_TILE=single_tile, PREFETCH=prefetch, COMPUTE_DX=compute_dx,
                 COMPUTE_DW=compute_dw)
-    signature = (dy.dtype, x.dtype, weight.dtype, dy.stride(0), x.stride(0), n_cols, aligned(dy, x, weight))
+    signature = (dy.dtype, x.dtype, weight.dtype, dy.stride(0), x.stride(0), n_cols, aligned(dy, x, weight)) \
+        if autotune else None
     _launch("bwd", lambda block_m: (n_programs,), args, meta, n_cols, x.element_size(), signature, autotune)
     if not compute_dw:
         return dx, None
