@@ -636,3 +636,8 @@ def test_timeline_pairs_gathers_with_uses_and_draws(tmp_path):
     assert (tmp_path / "timeline.png").stat().st_size > 10_000
     with pytest.raises(ValueError, match="no GPU kernels"):
         timeline.render_gathers(timeline.analyze_gathers({"traceEvents": []}), tmp_path / "empty.png", "empty")
+
+
+def test_fsdp_without_process_group_names_the_fix():
+    with pytest.raises(RuntimeError, match=r"FSDP needs an initialised default process group: call torch\.distributed"):
+        FSDP(nn.Linear(2, 2))

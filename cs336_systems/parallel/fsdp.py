@@ -96,6 +96,7 @@ from torch.autograd.profiler import record_function
 
 from cs336_basics.model import Embedding, TransformerBlock
 from cs336_systems.parallel.ddp.base import broadcast_module_state
+from cs336_systems.parallel.distributed import require_process_group
 
 REDUCTIONS_IN_FLIGHT = 2  # reductions left running before the compute stream waits for the oldest
 ROOT_KEY = "_root"  # the root unit's key in FSDP.shards
@@ -325,8 +326,7 @@ class FSDP(nn.Module):
         self, module: nn.Module, compute_dtype: torch.dtype | None = None, units: Sequence[UnitSpec] | None = None
     ):
         super().__init__()
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("FSDP needs an initialised default process group")
+        require_process_group("FSDP")
         if compute_dtype is not None and not compute_dtype.is_floating_point:
             raise ValueError(f"compute_dtype must be a floating-point dtype, got {compute_dtype}")
         params = list(module.parameters())
