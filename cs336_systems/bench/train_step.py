@@ -93,7 +93,9 @@ def measure_in_fresh_process(case: dict[str, Any], args) -> dict[str, Any]:
     done = subprocess.run(command, capture_output=True, text=True)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode != 0 or not lines:
-        raise RuntimeError(f"case {case} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise SystemExit(f"train_step: case {case} failed (exit {done.returncode}): {last}\n"
+                         f"# re-run it alone to see the whole traceback: {' '.join(command)}")
     return json.loads(lines[-1].removeprefix("RESULT "))
 
 
@@ -119,6 +121,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.case:
         measure_case(json.loads(args.case), args, device)
         return
+    for stack in args.stacks:  # a bad part fails here, in one line, not in a child process
+        try:
+            STACKS[stack].with_overrides(args.override)
+        except ValueError as error:
+            raise SystemExit(f"train_step: --override: {error}") from None
     cli.announce(device, args.quick)
     tiny = args.quick or device.type == "cpu"
     if tiny and device.type == "cpu":

@@ -33,7 +33,7 @@ import contextlib
 import functools
 import timeit
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import torch
 import torch.nn.functional as F
@@ -42,7 +42,7 @@ from torch import Tensor, nn
 
 from cs336_basics.model import BasicsTransformerLM
 from cs336_basics.optimizer import AdamW
-from cs336_systems.attention import get_attention
+from cs336_systems.attention import ATTENTION_NAMES, get_attention
 
 ADAMW_HYPERPARAMETERS = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 COMPILE_MODES = ("none", "blocks", "model")
@@ -64,7 +64,8 @@ class Parts:
     sharding: str = "none"
 
     def __post_init__(self):
-        for name, value, allowed in (("rmsnorm", self.rmsnorm, ("plain", "fused")), ("loss", self.loss, ("plain", "fused")),
+        for name, value, allowed in (("attention", self.attention, ATTENTION_NAMES),
+                                     ("rmsnorm", self.rmsnorm, ("plain", "fused")), ("loss", self.loss, ("plain", "fused")),
                                      ("optimizer", self.optimizer, OPTIMIZERS), ("compile", self.compile, COMPILE_MODES),
                                      ("sharding", self.sharding, SHARDINGS)):
             if value not in allowed:
@@ -79,16 +80,25 @@ class Parts:
             raise ValueError("our FSDP swaps weight views into the blocks on every call: use compile='none' with it")
 
     def with_(self, **changes) -> Parts:
+        unknown = sorted(set(changes) - {f.name for f in fields(self)})
+        if unknown:
+            raise ValueError(f"unknown part {unknown[0]!r}; choose among {', '.join(f.name for f in fields(self))}")
         return replace(self, **changes)
 
     def with_overrides(self, items: list[str]) -> Parts:
         """These parts with ``part=value`` changes from a command line (e.g. ``["rmsnorm=plain", "checkpointing=2"]``)."""
         changes = {}
         for item in items:
-            name, _, value = item.partition("=")
+            name, equals, value = item.partition("=")
+            if not equals:
+                raise ValueError(f"an override is part=value (e.g. rmsnorm=plain), not {item!r}")
             if name == "checkpointing":
+                if not value.isdigit():
+                    raise ValueError(f"checkpointing is a group size (0, 1, 2, ...), not {value!r}")
                 changes[name] = int(value)
             elif name == "keep_attention":
+                if value.lower() not in ("1", "true", "yes", "0", "false", "no"):
+                    raise ValueError(f"keep_attention is true or false, not {value!r}")
                 changes[name] = value.lower() in ("1", "true", "yes")
             else:
                 changes[name] = value
