@@ -80,7 +80,6 @@ def run_sweep(args, device: torch.device) -> list[dict[str, Any]]:
         for size in args.sizes for mode in args.modes for dtype in args.dtypes
     ]
     pending = store.pending(cases)
-    print(f"# {len(cases) - len(pending)} of {len(cases)} cases already measured on this device", file=sys.stderr)
     # The warm-up study must meet a cold GPU: no matmul-rate measurement (it would warm cuBLAS) first.
     peak = timing.measure_matmul_tflops(device) if pending and args.tag != "warmup_study" else None
     rows = []

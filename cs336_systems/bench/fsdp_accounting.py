@@ -442,8 +442,7 @@ def main(argv: list[str] | None = None) -> None:
               f"sequences per rank, {args.dtype}", file=sys.stderr)
         store = result_store.ResultStore(PROBLEM, args.results_dir, args.force)
         pending = store.pending(step_cases(args, world_size))
-        if not pending and not args.trace:
-            print("# everything already measured (--force measures again)", file=sys.stderr)
+        if not pending and not args.trace:  # the store said so
             return
         # Each case on freshly spawned ranks: no case measures memory or time another one left behind.
         for case in pending:

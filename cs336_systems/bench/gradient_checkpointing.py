@@ -104,8 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     base = dict(size=size, context_length=context, batch_size=args.batch_size, dtype=args.dtype,
                 attention=args.attention)
     cases = store.pending([{**base, "group_size": k} for k in args.group_sizes])
-    if not cases:
-        print("# everything already measured", file=sys.stderr)
+    if not cases:  # the store said so
         return
     model = build_model(config, device, args.attention)
     n_blocks = len(model.layers)

@@ -381,8 +381,7 @@ def main(argv: list[str] | None = None) -> None:
     config = model_config(args, on_gpu)
     store = result_store.ResultStore(PROBLEM, args.results_dir, args.force)
     pending = store.pending([case_of(args, stack, config, world_size) for stack in args.stacks])
-    if not pending:
-        print("# everything already measured (--force measures again)", file=sys.stderr)
+    if not pending:  # the store said so
         return
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     for case in pending:

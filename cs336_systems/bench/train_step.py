@@ -141,7 +141,6 @@ def main(argv: list[str] | None = None) -> None:
                   dtype="bf16", warmup=args.warmup, steps=args.steps)
              for size in args.sizes for context, batch in args.shapes for stack in args.stacks]
     pending = store.pending(cases)
-    print(f"# {len(cases) - len(pending)} of {len(cases)} cases already measured on this device", file=sys.stderr)
     peak_tflops = timing.measure_matmul_tflops(device) if pending else None
     timing.free_memory()  # the children get the whole GPU
     rows, by_config = [], {}
