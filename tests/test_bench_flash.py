@@ -166,7 +166,10 @@ def test_kernel_classification_finds_ours_and_library_attention():
 def test_clis_answer_help(cli, capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["--help"])
-    assert exit_info.value.code == 0 and "--quick" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0 and "--quick" in out
+    # leaderboard and flash_log never resume (every call appends): no --force to offer
+    assert ("--force" in out) == (cli is flash_benchmarking)
 
 
 def test_leaderboard_defaults_follow_the_official_protocol():

@@ -16,7 +16,9 @@ from tests._markers import needs_interpreter_numpy
 def test_help(capsys):
     with pytest.raises(SystemExit) as exit_info:
         leaderboard_2026.main(["--help"])
-    assert exit_info.value.code == 0 and "--check" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0 and "--check" in out
+    assert "--cold" not in out and "--warm" in out  # the help names only options that exist
 
 
 def test_step_flops_of_the_official_step():

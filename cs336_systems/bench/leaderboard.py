@@ -49,7 +49,7 @@ CPU = dict(heads=2, seq_len=256, d_head=64, rep=50, warmup=10)
 
 
 def parser():
-    p = cli.base_parser(__doc__)
+    p = cli.base_parser(__doc__, resumes=False)
     p.add_argument("--providers", nargs="+", choices=list(fp.LEADERBOARD_PROVIDERS), default=list(fp.LEADERBOARD_PROVIDERS))
     p.add_argument("--rep", type=float, default=None, help=f"do_bench repetition time, ms (default {REP_MS})")
     p.add_argument("--warmup", type=float, default=None, help=f"do_bench warm-up time, ms (default {WARMUP_MS})")

@@ -15,8 +15,8 @@ its own freshly spawned ranks:
   masters), SDPA, every block checkpointed and compiled, ``F.cross_entropy`` on the full logits,
   ``torch.optim.AdamW(fused=True)``.
 
-Both build the same model from the same seed. ``--cold`` (default) points Triton's and Inductor's caches at a
-fresh folder for each stack, so ``first_step_s`` (the first step, compilation included) and ``cold_total_s``
+Both build the same model from the same seed. By default each stack gets fresh, empty Triton and Inductor
+caches (``--warm`` keeps the usual ones), so ``first_step_s`` (the first step, compilation included) and ``cold_total_s``
 (launch to last timed step: process start, model build, compilation, timing) are what an empty cache costs.
 MFU counts the matmul FLOPs of the step (weights 3x forward, causal attention 3.5x forward: FlashAttention's
 backward runs five matmuls to the forward's two) against the bf16 matmul rate measured in the same run.
