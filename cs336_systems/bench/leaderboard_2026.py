@@ -210,7 +210,7 @@ def run_stack(rank: int, world_size: int, args, stack: str, launched_at: float) 
         "predicted_memory": memory_budget(config, stack, world_size, BATCH // world_size),
         "loss_after_timing": loss.item() / world_size,
     }
-    other = newest_row(store, case, "pytorch" if stack == "ours" else "ours")
+    other = store.newest({**case, "stack": "pytorch" if stack == "ours" else "ours"})
     if other is not None:  # whichever stack ran second carries the ratio
         ours_ms, pytorch_ms = (step_ms, other["step_ms"]) if stack == "ours" else (other["step_ms"], step_ms)
         result["ours_over_pytorch"] = ours_ms / pytorch_ms
@@ -252,13 +252,6 @@ def do_bench_on_ranks(fn, warmup_ms: float, rep_ms: float, device: torch.device)
     torch.cuda.synchronize(device)
     times = [s.elapsed_time(e) for s, e in zip(starts, ends)]
     return sum(times) / len(times)
-
-
-def newest_row(store: result_store.ResultStore, case: dict[str, Any], stack: str) -> dict[str, Any] | None:
-    """The newest row of ``stack`` with ``case``'s configuration on this device."""
-    rows = [r for r in store.rows() if r.get("stack") == stack and r.get("device") == store.env["device"]
-            and all(r.get(k) == v for k, v in case.items() if k != "stack")]
-    return rows[-1] if rows else None
 
 
 def case_of(args, stack: str, config: dict[str, int], world_size: int) -> dict[str, Any]:

@@ -106,15 +106,6 @@ def measure_case(case: dict[str, Any], args, device: torch.device) -> None:
     print("RESULT " + json.dumps(result))
 
 
-def latest_torch_row(store: result_store.ResultStore, case: dict[str, Any]) -> dict[str, Any] | None:
-    """The newest ``torch`` row of ``case``'s configuration measured on this device (each case runs in its own
-    process anyway, so a row of an earlier invocation compares like one of this)."""
-    wanted = {**case, "stack": "torch"}
-    rows = [row for row in store.rows() if row.get("device") == store.env["device"]
-            and all(row.get(key) == value for key, value in wanted.items())]
-    return rows[-1] if rows else None
-
-
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     device = timing.default_device()
@@ -155,7 +146,8 @@ def main(argv: list[str] | None = None) -> None:
             result["mfu"] = step_flops / (result["step_ms"] / 1e3) / (peak_tflops * 1e12)
         same = by_config.setdefault((case["size"], case["context_length"], case["batch_size"]), {})
         same[case["stack"]] = result
-        torch_row = same.get("torch") or latest_torch_row(store, case)
+        # each case runs in its own process anyway: a torch row of an earlier invocation compares like one of this
+        torch_row = same.get("torch") or store.newest({**case, "stack": "torch"})
         if case["stack"] == "ours" and torch_row and not result["oom"] and not torch_row["oom"]:
             result["ours_over_torch"] = result["step_ms"] / torch_row["step_ms"]
             result["torch_run"] = torch_row.get("run", store.run)

@@ -32,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import timeit
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -207,17 +207,22 @@ def shard(net: LanguageModelLoss, sharding: str, compute_dtype: torch.dtype | No
 
         return FSDP(net, compute_dtype=compute_dtype, units=default_units(model))
     if sharding == "fsdp2":
-        import torch.distributed as dist
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        device_type = next(model.parameters()).device.type
-        mesh = init_device_mesh(device_type, (dist.get_world_size(),))
-        policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-        for block in model.layers:
-            fully_shard(block, mesh=mesh, mp_policy=policy)
-        return fully_shard(net, mesh=mesh, mp_policy=policy)
+        return fully_shard_blocks(net, model.layers, compute_dtype)
     return net
+
+
+def fully_shard_blocks(root: nn.Module, blocks: Iterable[nn.Module], compute_dtype: torch.dtype | None) -> nn.Module:
+    """FSDP2: ``fully_shard`` on each block, then on ``root``, over the default process group (parameters in
+    ``compute_dtype`` for compute, fp32 gradient reductions)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(next(root.parameters()).device.type, (dist.get_world_size(),))
+    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    for block in blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    return fully_shard(root, mesh=mesh, mp_policy=policy)
 
 
 class TrainingStep:
@@ -251,7 +256,7 @@ class TrainingStep:
     def __call__(self, token_ids: Tensor, targets: Tensor, phase_seconds: dict[str, float] | None = None) -> Tensor:
         """One step; with ``phase_seconds`` the device is synchronised after each phase and its seconds added
         under ``forward``, ``backward`` and ``optimizer``. Returns the loss (detached)."""
-        timed = _phase_timer(token_ids.device, phase_seconds)
+        timed = phase_timer(token_ids.device, phase_seconds)
         loss = timed("forward", lambda: self.forward_loss(token_ids, targets))
         timed("backward", self._backward(loss))
         timed("optimizer", self._update)
@@ -270,15 +275,21 @@ class TrainingStep:
         self.optimizer.zero_grad(set_to_none=True)
 
 
-def _phase_timer(device: torch.device, phase_seconds: dict[str, float] | None) -> Callable:
+def phase_timer(
+    device: torch.device, phase_seconds: dict[str, float] | None,
+    phase_range: Callable[[str], contextlib.AbstractContextManager] | None = None,
+) -> Callable:
+    """``timed(name, fn)`` runs ``fn()``; with ``phase_seconds`` it then synchronises the device and adds the
+    seconds under ``name``. ``phase_range(name)`` (e.g. an NVTX range) wraps each phase, synchronisation included."""
+
     def timed(name: str, fn: Callable):
-        if phase_seconds is None:
-            return fn()
         start = timeit.default_timer()
-        out = fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        phase_seconds[name] = phase_seconds.get(name, 0.0) + timeit.default_timer() - start
+        with phase_range(name) if phase_range else contextlib.nullcontext():
+            out = fn()
+            if phase_seconds is not None and device.type == "cuda":
+                torch.cuda.synchronize(device)
+        if phase_seconds is not None:
+            phase_seconds[name] = phase_seconds.get(name, 0.0) + timeit.default_timer() - start
         return out
 
     return timed

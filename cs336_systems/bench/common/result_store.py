@@ -127,6 +127,12 @@ class ResultStore:
         self._measured.append(row)
         return row
 
+    def newest(self, config: dict[str, Any]) -> dict[str, Any] | None:
+        """The newest row measured on this device whose fields include every item of ``config`` (None if none)."""
+        rows = [row for row in self.rows() if row.get("device") == self.env["device"]
+                and all(row.get(key) == value for key, value in config.items())]
+        return rows[-1] if rows else None
+
     def pending(self, configs: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
         """The configurations not yet measured on this device, in order; says on stderr how many were skipped."""
         configs = list(configs)
