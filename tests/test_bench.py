@@ -61,6 +61,8 @@ def test_result_store_resumes_per_device_and_configuration(tmp_path):
     assert not again.done({"size": "small", "seq": 256})
     assert not again.done({"size": "small"})  # a subset of a measured configuration is another case
     assert again.pending([config, {"size": "small", "seq": 256}]) == [{"size": "small", "seq": 256}]
+    again.add(config, {"mean_ms": 1.0})
+    assert again.newest({"size": "small"})["mean_ms"] == 1.0 and again.newest({"size": "large"}) is None
     assert not result_store.ResultStore("demo", tmp_path, force=True).done(config)
     # Rows measured on another device do not count.
     lines = (tmp_path / "demo.jsonl").read_text().replace(store.env["device"], "8x Some GPU")

@@ -53,7 +53,7 @@ SHAPE_KEYS = ("dtype", "d_head", "seq_len")
 
 def parser():
     p = cli.base_parser(__doc__)
-    p.add_argument("--providers", nargs="+", choices=list(fp.PROVIDERS), default=None,
+    p.add_argument("--providers", nargs="+", type=fp.provider_name, choices=list(fp.PROVIDERS), default=None,
                    help=f"default: {' '.join(GPU_PROVIDERS)} on a GPU, {' '.join(CPU_PROVIDERS)} on a CPU")
     p.add_argument("--seq-lens", nargs="+", type=int, default=None)
     p.add_argument("--head-dims", nargs="+", type=int, default=None)

@@ -3,7 +3,7 @@
 The step: forward, loss, backward and AdamW of ``BasicsTransformerLM`` with vocabulary 151,936, d_model 4096,
 d_ff 11,008, 34 layers, 32 heads, causal, bf16 compute, at batch 2 and context 32,768 (one sequence per rank),
 timed as the course does: ``triton.testing.do_bench(train_step, rep=30_000, warmup=10_000)`` (its mean, in ms;
-:func:`do_bench_on_ranks` runs the same algorithm with one runtime estimate agreed by the ranks, so that all run
+:func:`cs336_systems.bench.common.timing.do_bench_on_ranks` runs the same algorithm with one runtime estimate agreed by the ranks, so that all run
 the same number of steps). The ranks meet in a barrier before each step. Two stacks of :data:`cs336_systems.train.SHARDED_STACKS`, each in
 its own freshly spawned ranks:
 
@@ -173,7 +173,7 @@ def run_stack(rank: int, world_size: int, args, stack: str, launched_at: float) 
     first_step_s = time.perf_counter() - start
     if on_gpu:
         torch.cuda.reset_peak_memory_stats(device)
-        step_ms = do_bench_on_ranks(train_step, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms, device=device)
+        step_ms = timing.do_bench_on_ranks(train_step, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms, device=device)
         peak_gb = torch.cuda.max_memory_allocated(device) / GB
     else:
         step_ms = 1e3 * min(timing.time_calls(train_step, warmup=0, steps=2, device=device))
@@ -217,41 +217,6 @@ def run_stack(rank: int, world_size: int, args, stack: str, launched_at: float) 
     row = store.add(case, result)
     cli.print_table([row], ["stack", "step_ms", "peak_gb_per_rank", "first_step_s", "cold_total_s", "mfu",
                             "ours_over_pytorch"], digits=3)
-
-
-def do_bench_on_ranks(fn, warmup_ms: float, rep_ms: float, device: torch.device) -> float:
-    """``triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms)`` (mean ms), step for step, except that the
-    ranks agree on the runtime estimate (its maximum) before deriving the warm-up and repetition counts: with
-    each rank's own estimate, one rank could run a step more than the other and wait for it forever."""
-    from triton import runtime
-
-    driver = runtime.driver.active
-    fn()
-    torch.cuda.synchronize(device)
-    cache = driver.get_empty_cache_for_benchmark()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        driver.clear_cache(cache)
-        fn()
-    end.record()
-    torch.cuda.synchronize(device)
-    estimate = torch.tensor([start.elapsed_time(end) / 5], device=device)
-    dist.all_reduce(estimate, op=dist.ReduceOp.MAX)
-    n_warmup = max(1, int(warmup_ms / estimate.item()))
-    n_repeat = max(1, int(rep_ms / estimate.item()))
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n_repeat)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n_repeat)]
-    for _ in range(n_warmup):
-        fn()
-    for i in range(n_repeat):
-        driver.clear_cache(cache)
-        starts[i].record()
-        fn()
-        ends[i].record()
-    torch.cuda.synchronize(device)
-    times = [s.elapsed_time(e) for s, e in zip(starts, ends)]
-    return sum(times) / len(times)
 
 
 def case_of(args, stack: str, config: dict[str, int], world_size: int) -> dict[str, Any]:
