@@ -157,10 +157,7 @@ def profiler_activities(device: torch.device) -> list:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parser().parse_args(argv)
-    device = timing.default_device()
-    cli.announce(device, args.quick)
-    tiny = args.quick or device.type == "cpu"
+    args, device, tiny = cli.start(parser(), argv)
     if args.sizes is None:
         args.sizes = ["tiny"] if tiny else ["small", "medium", "large", "xl", "2.7B"]
     if args.context_length is None:

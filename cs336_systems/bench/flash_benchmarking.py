@@ -206,14 +206,9 @@ def plot(rows: list[dict[str, Any]], dtype: str, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parser().parse_args(argv)
-    device = timing.default_device()
-    cli.announce(device, args.quick)
+    args, device, _ = cli.start(parser(), argv)
     resolve_defaults(args, device)
-    if args.fixed_tiles:
-        fp.use_fixed_tiles()
-    elif args.autotune:
-        fp.use_autotuning()
+    fp.choose_tiles(args.fixed_tiles, args.autotune)
     store = run_sweep(args, device)
     rows = latest_rows(store)
     import pandas as pd

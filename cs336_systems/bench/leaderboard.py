@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from cs336_systems.bench.common import attention_providers as fp
-from cs336_systems.bench.common import cli, result_store, timing
+from cs336_systems.bench.common import cli, result_store
 
 PROBLEM = "leaderboard"
 REP_MS, WARMUP_MS = 10_000, 1_000
@@ -109,14 +109,9 @@ def run(args, device: torch.device) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parser().parse_args(argv)
-    device = timing.default_device()
-    cli.announce(device, args.quick)
+    args, device, _ = cli.start(parser(), argv)
     resolve_defaults(args, device)
-    if args.fixed_tiles:
-        fp.use_fixed_tiles()
-    elif args.autotune:
-        fp.use_autotuning()
+    fp.choose_tiles(args.fixed_tiles, args.autotune)
     if device.type != "cuda":
         print("# ours needs a GPU: on the CPU only the SDPA backends run (an error row for ours)", file=sys.stderr)
     print(f"# q, k, v ({args.heads}, {args.seq_len}, {args.d_head}) {args.dtype}, causal; "

@@ -297,9 +297,7 @@ def print_model_summary(rows: list[dict[str, Any]]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parser().parse_args(argv)
-    device = timing.default_device()
-    cli.announce(device, args.quick)
+    args, device, _ = cli.start(parser(), argv)
     tiny = device.type == "cpu"
     if tiny:
         args.cols, args.rows = args.cols or [64, 96], args.rows or [256]

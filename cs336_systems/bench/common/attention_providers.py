@@ -180,6 +180,14 @@ def use_autotuning() -> None:
     flash_triton.AUTOTUNE = True
 
 
+def choose_tiles(fixed_tiles: bool, autotune: bool) -> None:
+    """``--fixed-tiles`` / ``--autotune`` of the flash tools (neither: our kernels' default)."""
+    if fixed_tiles:
+        use_fixed_tiles()
+    elif autotune:
+        use_autotuning()
+
+
 def autotuning() -> bool | None:
     """Whether our kernels autotune (None when flash_triton says nothing about it)."""
     from cs336_systems.attention import flash_triton

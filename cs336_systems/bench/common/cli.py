@@ -42,6 +42,15 @@ def base_parser(description: str, resumes: bool = True) -> argparse.ArgumentPars
     return parser
 
 
+def start(parser: argparse.ArgumentParser, argv: list[str] | None) -> tuple[argparse.Namespace, torch.device, bool]:
+    """A single-device tool's first lines: its options parsed, the device chosen and announced, and whether it runs
+    the tiny configuration (``--quick``, or no GPU). Returns ``(args, device, tiny)``."""
+    args = parser.parse_args(argv)
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    announce(device, args.quick)
+    return args, device, args.quick or device.type == "cpu"
+
+
 def announce(device: torch.device, quick: bool) -> None:
     """Say on which machine the tool runs and whether it chose the tiny CPU configuration."""
     if device.type == "cuda":
