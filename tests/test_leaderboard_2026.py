@@ -38,7 +38,7 @@ def test_memory_budget_fits_and_shards():
     # The start of backward: masters, moments, every block's input and attention output, the larger transient.
     assert two["peak_gb"] == pytest.approx(two["params_gb"] + two["optimizer_state_gb"] + two["saved_activations_gb"]
                                            + max(two["loss_head_gb"], two["block_recompute_gb"]))
-    torch_stack = step_model.memory_budget(step_model.MODEL, "pytorch", world_size=2)
+    torch_stack = step_model.memory_budget(step_model.MODEL, "torch", world_size=2)
     assert torch_stack["saved_activations_gb"] == pytest.approx(two["saved_activations_gb"] / 2)
 
 

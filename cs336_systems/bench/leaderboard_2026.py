@@ -11,7 +11,7 @@ its own freshly spawned ranks:
   fused RMSNorm, fused LM head + cross-entropy, fused AdamW on the shards; every block checkpointed, keeping
   its attention output and log-sum-exp (selective checkpointing: backward recomputes the rest of the block, never
   the attention);
-* ``pytorch``: FSDP2 ``fully_shard`` per block and root (bf16 parameters in compute, fp32 reductions, fp32
+* ``torch`` (rows: ``pytorch``): FSDP2 ``fully_shard`` per block and root (bf16 parameters in compute, fp32 reductions, fp32
   masters), SDPA, every block checkpointed and compiled, ``F.cross_entropy`` on the full logits,
   ``torch.optim.AdamW(fused=True)``.
 
@@ -51,17 +51,20 @@ import torch.distributed as dist
 from cs336_systems.bench.common import cli, result_store, timing
 from cs336_systems.bench.common import distributed_launch as dl
 from cs336_systems.bench.common.leaderboard_2026_check import batch_of_rank, build, check_passes, run_check
-from cs336_systems.bench.common.leaderboard_2026_model import BATCH, GB, MODEL, TINY, memory_budget, step_flops
+from cs336_systems.bench.common.leaderboard_2026_model import (
+    BATCH, GB, MODEL, ROW_NAMES, STACK_OF_ROW, TINY, memory_budget, step_flops,
+)
 from cs336_systems.train import SHARDED_STACKS
 
 PROBLEM = "leaderboard_2026"
 OFFICIAL = dict(rep_ms=30_000, warmup_ms=10_000)
-CHECKPOINTING = {"ours": "every block; attention output and log-sum-exp kept", "pytorch": "every block"}
+CHECKPOINTING = {"ours": "every block; attention output and log-sum-exp kept", "torch": "every block"}
 
 
 def parser():
     p = cli.base_parser(__doc__)
-    p.add_argument("--stacks", nargs="+", default=["pytorch", "ours"], choices=list(SHARDED_STACKS))
+    p.add_argument("--stacks", nargs="+", default=["torch", "ours"], choices=list(SHARDED_STACKS),
+                   help="stacks of cs336_systems.train.SHARDED_STACKS (rows call torch's 'pytorch')")
     p.add_argument("--rep-ms", type=float, default=OFFICIAL["rep_ms"], help="do_bench rep (official 30000)")
     p.add_argument("--warmup-ms", type=float, default=OFFICIAL["warmup_ms"], help="do_bench warmup (official 10000)")
     p.add_argument("--num-layers", type=int, default=None, help="fewer layers for a trial (official 34)")
@@ -145,7 +148,7 @@ def run_stack(rank: int, world_size: int, args, stack: str, launched_at: float, 
         "predicted_memory": memory_budget(config, stack, world_size, BATCH // world_size),
         "loss_after_timing": loss.item() / world_size,
     }
-    other = store.newest({**case, "stack": "pytorch" if stack == "ours" else "ours"})
+    other = store.newest({**case, "stack": ROW_NAMES["torch" if stack == "ours" else "ours"]})
     if other is not None:  # whichever stack ran second carries the ratio
         ours_ms, pytorch_ms = (step_ms, other["step_ms"]) if stack == "ours" else (other["step_ms"], step_ms)
         result["ours_over_pytorch"] = ours_ms / pytorch_ms
@@ -155,7 +158,7 @@ def run_stack(rank: int, world_size: int, args, stack: str, launched_at: float, 
 
 
 def case_of(args, stack: str, config: dict[str, int], world_size: int) -> dict[str, Any]:
-    return dict(stack=stack, num_layers=config["num_layers"], context_length=config["context_length"],
+    return dict(stack=ROW_NAMES[stack], num_layers=config["num_layers"], context_length=config["context_length"],
                 batch_size=BATCH, world_size=world_size, rep_ms=args.rep_ms, warmup_ms=args.warmup_ms,
                 official=args.rep_ms == OFFICIAL["rep_ms"] and args.warmup_ms == OFFICIAL["warmup_ms"]
                 and config["num_layers"] == MODEL["num_layers"] and config["context_length"] == MODEL["context_length"])
@@ -203,7 +206,7 @@ def main(argv: list[str] | None = None) -> None:
     # Read when CUDA starts, before a rank could set it: inherited (the user's own setting wins).
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     for case in pending:
-        stack = case["stack"]
+        stack = STACK_OF_ROW[case["stack"]]
         caches = {}
         if not args.warm and not dl.under_torchrun():
             folder = tempfile.mkdtemp(prefix=f"cs336-cold-{stack}-")

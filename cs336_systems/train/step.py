@@ -19,7 +19,7 @@ cross-entropy, fused AdamW, compiled) and ``torch`` (PyTorch's best for the same
 and cross-entropy compiled, ``torch.optim.AdamW(fused=True)``). Every stack trains the same function: the model's
 input/output behaviour and the AdamW hyper-parameters are the same. :data:`SHARDED_STACKS` names the two stacks
 of the 2026 leaderboard step (one sequence per GPU, every block checkpointed): ``ours`` (our FSDP, attention
-operator with its outputs kept, fused RMSNorm, fused cross-entropy, fused AdamW on the shards) and ``pytorch``
+operator with its outputs kept, fused RMSNorm, fused cross-entropy, fused AdamW on the shards) and ``torch``
 (FSDP2, SDPA, compiled blocks, ``F.cross_entropy`` on the full logits, ``torch.optim.AdamW(fused=True)``).
 
     step = build_training_step(model, STACKS["ours"])
@@ -114,7 +114,7 @@ STACKS: dict[str, Parts] = {
 SHARDED_STACKS: dict[str, Parts] = {
     "ours": Parts(attention="triton", rmsnorm="fused", loss="fused", optimizer="fused", compile="none",
                   checkpointing=1, keep_attention=True, sharding="ours"),
-    "pytorch": Parts(attention="sdpa", rmsnorm="plain", loss="plain", optimizer="torch_fused", compile="blocks",
+    "torch": Parts(attention="sdpa", rmsnorm="plain", loss="plain", optimizer="torch_fused", compile="blocks",
                      checkpointing=1, sharding="fsdp2"),
 }
 

@@ -8,6 +8,10 @@ from cs336_systems.bench.common import flops
 MODEL = dict(vocab_size=151_936, context_length=32_768, d_model=4096, d_ff=11_008, num_layers=34, num_heads=32)
 TINY = dict(vocab_size=300, context_length=64, d_model=64, d_ff=128, num_layers=2, num_heads=4)
 BATCH = 2  # sequences per step, one per rank on two ranks
+# The row name of each stack of cs336_systems.train.SHARDED_STACKS: the committed rows call PyTorch's stack
+# "pytorch" (and their ratio ``ours_over_pytorch``), the library calls it "torch".
+ROW_NAMES = {"ours": "ours", "torch": "pytorch"}
+STACK_OF_ROW = {row: stack for stack, row in ROW_NAMES.items()}
 GB = 1e9
 
 
@@ -43,7 +47,7 @@ def memory_budget(config: dict[str, int], stack: str, world_size: int, per_rank_
     kept_per_block = tokens * d * 2 * (2 if stack == "ours" else 1)
     block_weights = 4 * d * d + 3 * d * d_ff
     recompute = tokens * (6 * d + 3 * d_ff) * 2 * 2 + 2 * block_weights * 2
-    head = tokens * vocab * (2 + 4 + 2) if stack == "pytorch" else 2 * vocab * d * 2 + 4 * vocab * d
+    head = tokens * vocab * (2 + 4 + 2) if stack == "torch" else 2 * vocab * d * 2 + 4 * vocab * d
     budget = {
         "params_gb": 4 * shard / GB,
         "optimizer_state_gb": 8 * shard / GB,
