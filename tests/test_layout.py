@@ -4,6 +4,7 @@ tools share lives in ``cs336_systems/bench/common/``), and the model never impor
 from __future__ import annotations
 
 import ast
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -82,3 +83,17 @@ def test_submission_zip_leaves_out_scratch_results_and_caches(tmp_path):
                              capture_output=True, text=True, check=True).stdout.split()
     files = sorted(name for name in listing if not name.endswith("/"))
     assert files == ["cs336_systems/a.py", "test_and_make_submission.sh", "writeup/results/x.jsonl"]
+
+
+def test_readme_maps_every_assignment_problem_early_and_stays_short():
+    """README <= 200 lines, and every problem of the assignment's writeup sections (and the 2026 ones) in its
+    first 80, where the deliverable map is."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 200
+    head = "\n".join(lines[:80])
+    typ = ROOT / "writeup" / "typ"
+    problems = {"fsdp", "fsdp_accounting", "gradient_checkpointing", "rmsnorm", "leaderboard_2026"}
+    for part in ("single_gpu", "flash", "ddp", "sharding"):
+        problems |= set(re.findall(r'#problem\("([a-z_0-9]+)"', (typ / f"{part}.typ").read_text()))
+    missing = sorted(p for p in problems if f"`{p}`" not in head)
+    assert not missing, f"README's deliverable map lacks {missing}"
