@@ -634,7 +634,7 @@ def test_fsdp_accounting_quick_on_cpu(tmp_path, capsys):
     assert rows["ours"]["step_ratio_vs_fsdp2"] == pytest.approx(rows["ours"]["step_ms"] / rows["fsdp2"]["step_ms"])
     fsdp_accounting.main([*argv, "--checkpointing", "0"])  # measured already: resumes without starting any rank
     assert len(read_rows(tmp_path / "fsdp_accounting.jsonl")) == 3
-    assert "already measured" in capsys.readouterr().err
+    assert "nothing to measure (--force measures again)" in capsys.readouterr().err
     # Checkpointed blocks: a case of its own, compared with FSDP2 checkpointed alike.
     fsdp_accounting.main([*argv, "--checkpointing", "1", "--impls", "fsdp2", "ours"])
     checkpointed = {row["impl"]: row for row in read_rows(tmp_path / "fsdp_accounting.jsonl")[3:]}
