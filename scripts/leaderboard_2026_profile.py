@@ -3,7 +3,7 @@
 time and its GPU kernel time by category (attention forward/backward, matmuls, collectives, the rest), per
 block where it scales with depth, as JSON lines.
 
-    python scripts/leaderboard_2026_profile.py --layers 4 --stacks ours pytorch --override ours:keep_attention=false
+    python scripts/leaderboard_2026_profile.py --layers 4 --stacks ours torch --override ours:keep_attention=false
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from cs336_basics.model import BasicsTransformerLM
+from cs336_systems.bench.common.leaderboard_2026_model import ROW_NAMES
 from cs336_systems.parallel.distributed import spawn
 from cs336_systems.train import SHARDED_STACKS, build_training_step
 
@@ -67,7 +68,7 @@ def rank(rank: int, world: int, args) -> None:
                 if event.device_type == torch.autograd.DeviceType.CUDA:
                     by_category[category(event.name)] += event.device_time / 1e3
                     by_kernel[event.name[:90]] += event.device_time / 1e3
-            print(json.dumps({"stack": stack, "parts": overrides, "layers": args.layers, "wall_ms": wall * 1e3,
+            print(json.dumps({"stack": ROW_NAMES[stack], "parts": overrides, "layers": args.layers, "wall_ms": wall * 1e3,
                               "gpu_ms": {k: round(v, 1) for k, v in by_category.most_common()},
                               "top_kernels": {k: round(v, 1) for k, v in by_kernel.most_common(args.top)}}), flush=True)
         del step, model
@@ -78,7 +79,7 @@ def rank(rank: int, world: int, args) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--stacks", nargs="+", default=["ours", "pytorch"], choices=list(SHARDED_STACKS))
+    p.add_argument("--stacks", nargs="+", default=["ours", "torch"], choices=list(SHARDED_STACKS))
     p.add_argument("--override", nargs="*", default=[], help="stack:part=value, e.g. ours:attention=sdpa")
     p.add_argument("--top", type=int, default=10)
     spawn(rank, 2, p.parse_args(), backend="nccl", timeout_s=500)

@@ -95,3 +95,12 @@ def run_under_interpreter(test_file: str) -> None:
         timeout=600,
     )
     assert result.returncode == 0, f"interpreter tests failed:\n{result.stdout[-8000:]}\n{result.stderr[-3000:]}"
+
+
+def check_sum_backward(function) -> None:
+    """``function.apply(Q, K, V, True).sum().backward()``, which sends an all-stride-0 dO, against the reference."""
+    Q, K, V = make_qkv(2, 2, 40, 40, 16, torch.float32, "cpu")
+    function.apply(Q, K, V, True).sum().backward()
+    reference = run_reference(Q, K, V, True, torch.ones(Q.shape))
+    for name, grad in (("dQ", Q.grad), ("dK", K.grad), ("dV", V.grad)):
+        assert relative_error(grad, reference[name]) <= 1e-5, name

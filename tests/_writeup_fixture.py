@@ -418,7 +418,7 @@ LB_PARTS = {"ours": {"attention": "triton", "rmsnorm": "fused", "loss": "fused",
 def leaderboard_2026() -> list[dict]:
     """The official step of both stacks (ours 1.25x pytorch), and a shorter unofficial trial of ours that the
     section leaves out."""
-    from cs336_systems.bench.leaderboard_2026 import MODEL, step_flops
+    from cs336_systems.bench.common.leaderboard_2026_model import MODEL, step_flops
 
     flops = step_flops(MODEL, 2)
     rows = []

@@ -1,6 +1,8 @@
-"""The grader's entry points: unfinished features say so instead of pretending to work."""
+"""The grader's entry points."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -37,8 +39,8 @@ def test_wrappers_need_a_process_group():
             make(torch.nn.Linear(2, 2))
 
 
-def test_loader_names_the_missing_module():
-    with pytest.raises(NotImplementedError, match="cs336_systems.no_such_module"):
-        adapters._load("cs336_systems.no_such_module", "Thing", "A feature")
-    with pytest.raises(NotImplementedError, match="cs336_systems.parallel.distributed.NoSuchThing"):
-        adapters._load("cs336_systems.parallel.distributed", "NoSuchThing", "A feature")
+def test_entry_points_return_the_library_classes():
+    from cs336_systems.attention.flash_pytorch import FlashAttention2PyTorch
+
+    assert adapters.get_flashattention_autograd_function_pytorch() is FlashAttention2PyTorch
+    assert "importlib" not in Path(adapters.__file__).read_text()  # plain imports: go-to-definition follows them

@@ -61,6 +61,8 @@ def test_result_store_resumes_per_device_and_configuration(tmp_path):
     assert not again.done({"size": "small", "seq": 256})
     assert not again.done({"size": "small"})  # a subset of a measured configuration is another case
     assert again.pending([config, {"size": "small", "seq": 256}]) == [{"size": "small", "seq": 256}]
+    again.add(config, {"mean_ms": 1.0})
+    assert again.newest({"size": "small"})["mean_ms"] == 1.0 and again.newest({"size": "large"}) is None
     assert not result_store.ResultStore("demo", tmp_path, force=True).done(config)
     # Rows measured on another device do not count.
     lines = (tmp_path / "demo.jsonl").read_text().replace(store.env["device"], "8x Some GPU")
@@ -120,9 +122,11 @@ def test_every_cli_answers_help(cli, capsys):
     assert "--quick" in capsys.readouterr().out
 
 
-def test_benchmarking_script_quick_writes_rows_and_resumes(tmp_path):
+def test_benchmarking_script_quick_writes_rows_and_resumes(tmp_path, capsys):
     argv = ["--quick", "--results-dir", str(tmp_path), "--modes", "forward", "train_step", "--dtypes", "fp32"]
     benchmarking_script.main(argv)
+    path = tmp_path / "benchmarking_script.jsonl"
+    assert f"# rows go to {path}" in capsys.readouterr().err
     rows = read_rows(tmp_path / "benchmarking_script.jsonl")
     assert [(r["mode"], r["dtype"]) for r in rows] == [("forward", "fp32"), ("train_step", "fp32")]
     train = rows[1]
@@ -130,8 +134,11 @@ def test_benchmarking_script_quick_writes_rows_and_resumes(tmp_path):
     assert train["forward_mean_ms"] > 0 and train["backward_mean_ms"] > 0 and train["optimizer_mean_ms"] > 0
     assert train["mean_ms"] == pytest.approx(sum(train["step_ms"]) / len(train["step_ms"]))
     assert train["flops"] == 3 * rows[0]["flops"]
-    benchmarking_script.main(argv)  # everything measured already: no new rows
-    assert len(read_rows(tmp_path / "benchmarking_script.jsonl")) == 2
+    benchmarking_script.main(argv)  # everything measured already: no new rows, and it says so
+    assert len(read_rows(path)) == 2
+    err = capsys.readouterr().err
+    assert f"# every case is already in {path}: nothing to measure (--force measures again)" in err
+    assert "rows go to" not in err
 
 
 def test_warmup_study_runs_each_warmup_count_in_its_own_process(tmp_path):

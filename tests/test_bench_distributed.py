@@ -204,6 +204,9 @@ def test_timeline_from_a_synthetic_gpu_trace(tmp_path):
     out = tmp_path / "figure.png"
     timeline.render_lanes([result, no_overlap], out, "synthetic")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+    # Drawn at the writeup's text width (6.7 in at 130 dpi), so the lane labels print at their size, >= 7 pt.
+    width_px = int.from_bytes(out.read_bytes()[16:20], "big")
+    assert abs(width_px / 130 - 6.7) < 0.05 and timeline.LANES_FONT_PT >= 7
     timeline_cli.main([str(path), str(path), "-o", str(tmp_path / "cli.png")])
     assert (tmp_path / "cli.png").exists()
 

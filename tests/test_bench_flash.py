@@ -14,6 +14,7 @@ import torch
 from cs336_systems.attention.reference import reference_attention
 from cs336_systems.bench import flash_benchmarking, flash_log, leaderboard
 from cs336_systems.bench.common import attention_providers as fp
+from cs336_systems.bench.common import timing
 
 CPU = torch.device("cpu")
 HAS_CUDA = torch.cuda.is_available()
@@ -59,11 +60,11 @@ def test_cpu_providers_compute_causal_attention_on_folded_heads(name):
 
 
 def test_summary_statistics_and_cpu_timer_budget():
-    stats = fp.summarize([4.0, 1.0, 3.0, 2.0, 5.0], prefix="fwd_")
+    stats = timing.summarize_samples_ms([4.0, 1.0, 3.0, 2.0, 5.0], prefix="fwd_")
     assert stats == {"fwd_ms": 3.0, "fwd_median_ms": 3.0, "fwd_p20_ms": 2.0, "fwd_p80_ms": 5.0, "fwd_min_ms": 1.0,
                      "fwd_samples": 5}
     calls = []
-    timed = fp.bench_ms(lambda: calls.append(1), CPU, warmup_ms=1, rep_ms=5)
+    timed = timing.do_bench_ms(lambda: calls.append(1), CPU, warmup_ms=1, rep_ms=5)
     assert timed["samples"] >= 1 and timed["min_ms"] <= timed["median_ms"] <= timed["ms"] * timed["samples"]
     assert len(calls) >= 4 + timed["samples"]  # first call, estimate, warm-up, timed
 
@@ -165,7 +166,10 @@ def test_kernel_classification_finds_ours_and_library_attention():
 def test_clis_answer_help(cli, capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["--help"])
-    assert exit_info.value.code == 0 and "--quick" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0 and "--quick" in out
+    # leaderboard and flash_log never resume (every call appends): no --force to offer
+    assert ("--force" in out) == (cli is flash_benchmarking)
 
 
 def test_leaderboard_defaults_follow_the_official_protocol():
@@ -377,3 +381,14 @@ def test_sweep_quick_on_gpu(tmp_path):
         assert rows[("sdpa_flash", seq_len, "fp32")]["unsupported"]
         assert rows[("sdpa_flash", seq_len, "bf16")]["fwd_bwd_ms"] > 0
     assert (tmp_path / "flash_benchmarking_bf16.png").exists()
+
+
+def test_providers_answer_to_the_library_names_and_rows_keep_theirs():
+    from cs336_systems.attention import ATTENTION_NAMES
+
+    assert set(fp.LIBRARY_NAMES.values()) <= set(ATTENTION_NAMES)
+    assert fp.get_provider("triton") is fp.PROVIDERS["ours"] and fp.get_provider("compiled").name == "naive_compiled"
+    args = flash_benchmarking.parser().parse_args(["--providers", "triton", "compiled", "sdpa_cudnn"])
+    assert args.providers == ["ours", "naive_compiled", "sdpa_cudnn"]
+    with pytest.raises(ValueError, match="or a library name: triton"):
+        fp.get_provider("cudnn")

@@ -215,3 +215,9 @@ def test_bucket_assignment():
     index = {id(param): i for i, param in enumerate(params)}
     assert [[index[id(param)] for param in group] for group in groups] == [[4], [3], [2], [1, 0]]
     assert len(assign_buckets(params, bucket_size_bytes=1)) == len(params)
+
+
+@pytest.mark.parametrize("wrapper", list(DDP_VARIANTS))
+def test_wrapper_without_process_group_names_the_fix(wrapper):
+    with pytest.raises(RuntimeError, match=r"needs an initialised default process group: call torch\.distributed\.init_process_group"):
+        wrap_ddp(wrapper, nn.Linear(2, 2), bucket_size_mb=1.0)

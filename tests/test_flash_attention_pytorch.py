@@ -6,12 +6,15 @@ reuse the graph (``dynamic=True``), except for sizes of 1 and for the other valu
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
+from cs336_systems.attention import flash_pytorch
 from cs336_systems.attention.flash_pytorch import FlashAttention2PyTorch, flash_attention_forward_tiled
+from cs336_systems.attention.reference import check_is_causal
 from tests import adapters
-from tests._flash_checks import QUANTITIES, make_qkv, relative_error, run_function, run_reference
+from tests._flash_checks import QUANTITIES, check_sum_backward, make_qkv, relative_error, run_function, run_reference
 
 # (batch, heads or None for 3-D, n_queries, n_keys, d, is_causal)
 CASES = [
@@ -73,11 +76,7 @@ def test_low_precision_inputs_give_gradients_in_their_dtype():
 
 
 def test_expanded_output_gradient_from_sum():
-    Q, K, V = make_qkv(2, 2, 40, 40, 16, torch.float32, "cpu")
-    FlashAttention2PyTorch.apply(Q, K, V, True).sum().backward()
-    reference = run_reference(Q, K, V, True, torch.ones(Q.shape))
-    for name, grad in (("dQ", Q.grad), ("dK", K.grad), ("dV", V.grad)):
-        assert relative_error(grad, reference[name]) <= 1e-5, name
+    check_sum_backward(FlashAttention2PyTorch)
 
 
 def test_rejects_invalid_inputs():
@@ -90,3 +89,21 @@ def test_rejects_invalid_inputs():
         FlashAttention2PyTorch.apply(Q, K.double(), V, False)
     with pytest.raises(ValueError, match="at least 16"):
         flash_attention_forward_tiled(Q, K, V, False, 8, 16)
+
+
+@pytest.mark.parametrize("value", ["no", 1, None, torch.tensor(True), np.bool_(True)])
+def test_is_causal_must_be_a_bool(value):
+    Q, K, V = make_qkv(1, None, 16, 16, 16, torch.float32, "cpu")
+    with pytest.raises(TypeError, match="is_causal must be True or False"):
+        FlashAttention2PyTorch.apply(Q, K, V, value)
+    assert check_is_causal(False) is False and check_is_causal(True) is True
+
+
+def test_first_cpu_backward_announces_its_compilation(monkeypatch, capsys):
+    """The first backward compiles silently for ~25 s on a CPU: it says so first (once per process)."""
+    monkeypatch.setattr(flash_pytorch, "_compiled_backward", flash_pytorch.flash_attention_backward)
+    monkeypatch.setattr(flash_pytorch, "_compile_announced", False)
+    for _ in range(2):
+        Q, K, V = make_qkv(1, None, 16, 16, 16, torch.float32, "cpu")
+        FlashAttention2PyTorch.apply(Q, K, V, True).sum().backward()
+    assert capsys.readouterr().err.count("compiling the backward") == 1

@@ -90,7 +90,7 @@ def test_rejects_invalid_inputs(inputs, error, match):
 
 
 def test_is_causal_must_be_a_bool():
-    with pytest.raises(TypeError, match="is_causal must be a bool"):
+    with pytest.raises(TypeError, match="is_causal must be True or False"):
         FlashAttention2Triton.apply(*_valid(), "no")
 
 

@@ -4,6 +4,9 @@ tools share lives in ``cs336_systems/bench/common/``), and the model never impor
 from __future__ import annotations
 
 import ast
+import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -64,3 +67,33 @@ def test_smoke_and_cpu_runs_write_to_the_scratch_folder(monkeypatch, tmp_path):
     assert benchmarking_script.parser().parse_args(["--quick"]).results_dir == SCRATCH_DIR / "results"
     gpu = flash_benchmarking.parser().parse_args([])
     assert (gpu.results_dir, gpu.figures_dir) == (RESULTS_DIR, FIGURES_DIR)
+
+
+@pytest.mark.skipif(shutil.which("zip") is None or shutil.which("unzip") is None, reason="needs zip and unzip")
+def test_submission_zip_leaves_out_scratch_results_and_caches(tmp_path):
+    """``test_and_make_submission.sh --skip-tests`` on a small tree: code in, smoke-run results and caches out."""
+    shutil.copy(ROOT / "test_and_make_submission.sh", tmp_path)
+    for name in ("cs336_systems/a.py", "writeup/results/x.jsonl", ".scratch/results/x.jsonl", "a/__pycache__/b.pyc"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("x\n")
+    done = subprocess.run(["bash", "test_and_make_submission.sh", "--skip-tests"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    listing = subprocess.run(["unzip", "-Z1", "cs336-spring2025-assignment-2-submission.zip"], cwd=tmp_path,
+                             capture_output=True, text=True, check=True).stdout.split()
+    files = sorted(name for name in listing if not name.endswith("/"))
+    assert files == ["cs336_systems/a.py", "test_and_make_submission.sh", "writeup/results/x.jsonl"]
+
+
+def test_readme_maps_every_assignment_problem_early_and_stays_short():
+    """README <= 200 lines, and every problem of the assignment's writeup sections (and the 2026 ones) in its
+    first 80, where the deliverable map is."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 200
+    head = "\n".join(lines[:80])
+    typ = ROOT / "writeup" / "typ"
+    problems = {"fsdp", "fsdp_accounting", "gradient_checkpointing", "rmsnorm", "leaderboard_2026"}
+    for part in ("single_gpu", "flash", "ddp", "sharding"):
+        problems |= set(re.findall(r'#problem\("([a-z_0-9]+)"', (typ / f"{part}.typ").read_text()))
+    missing = sorted(p for p in problems if f"`{p}`" not in head)
+    assert not missing, f"README's deliverable map lacks {missing}"

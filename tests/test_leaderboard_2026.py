@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from cs336_systems.bench import leaderboard_2026
+from cs336_systems.bench.common import leaderboard_2026_model as step_model
 from cs336_systems.train import SHARDED_STACKS, STACKS, Parts
 from tests._flash_checks import run_under_interpreter
 from tests._markers import needs_interpreter_numpy
@@ -16,18 +17,20 @@ from tests._markers import needs_interpreter_numpy
 def test_help(capsys):
     with pytest.raises(SystemExit) as exit_info:
         leaderboard_2026.main(["--help"])
-    assert exit_info.value.code == 0 and "--check" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0 and "--check" in out
+    assert "--cold" not in out and "--warm" in out  # the help names only options that exist
 
 
 def test_step_flops_of_the_official_step():
     # The accounting: ~2.95 PFLOP of weight matmuls and ~2.1 of causal attention.
-    flops = leaderboard_2026.step_flops(leaderboard_2026.MODEL, leaderboard_2026.BATCH)
+    flops = step_model.step_flops(step_model.MODEL, step_model.BATCH)
     assert flops == pytest.approx(5.0e15, rel=0.03)
 
 
 def test_memory_budget_fits_and_shards():
-    one = leaderboard_2026.memory_budget(leaderboard_2026.MODEL, "ours", world_size=1)
-    two = leaderboard_2026.memory_budget(leaderboard_2026.MODEL, "ours", world_size=2)
+    one = step_model.memory_budget(step_model.MODEL, "ours", world_size=1)
+    two = step_model.memory_budget(step_model.MODEL, "ours", world_size=2)
     assert two["params_gb"] == pytest.approx(one["params_gb"] / 2)
     assert two["optimizer_state_gb"] == pytest.approx(2 * two["params_gb"])
     assert 8.0e9 * 4 / 2 / 1e9 < two["params_gb"] < 8.3e9 * 4 / 2 / 1e9  # an 8B model: ~16 GB of fp32 per rank
@@ -35,7 +38,7 @@ def test_memory_budget_fits_and_shards():
     # The start of backward: masters, moments, every block's input and attention output, the larger transient.
     assert two["peak_gb"] == pytest.approx(two["params_gb"] + two["optimizer_state_gb"] + two["saved_activations_gb"]
                                            + max(two["loss_head_gb"], two["block_recompute_gb"]))
-    torch_stack = leaderboard_2026.memory_budget(leaderboard_2026.MODEL, "pytorch", world_size=2)
+    torch_stack = step_model.memory_budget(step_model.MODEL, "torch", world_size=2)
     assert torch_stack["saved_activations_gb"] == pytest.approx(two["saved_activations_gb"] / 2)
 
 

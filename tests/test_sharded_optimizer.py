@@ -17,6 +17,7 @@ from torch import nn
 
 from cs336_systems.parallel.distributed import spawn
 from cs336_systems.parallel.sharded_optimizer import ShardedOptimizer
+from tests import adapters
 from tests._ddp_toy_models import assert_same_tensors, current_device
 
 STEPS = 10
@@ -193,3 +194,8 @@ def test_sharded_optimizer_without_process_group_is_the_inner_optimizer():
         train_step(reference, unsharded, step, torch.device("cpu"))
     assert_same_tensors(dict(model.named_parameters()), dict(reference.named_parameters()), "one process")
     assert_same_state_dicts(sharded.state_dict(), unsharded.state_dict(), "one process")
+
+
+def test_optimizer_given_by_name_is_refused_naming_the_fix():
+    with pytest.raises(TypeError, match="optimizer class such as torch.optim.AdamW, got 'AdamW'"):
+        adapters.get_sharded_optimizer(nn.Linear(2, 2).parameters(), "AdamW", lr=0.1)

@@ -3,6 +3,9 @@ the CPU, our stack under the Triton interpreter (subprocess), and both stacks on
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -32,6 +35,30 @@ def test_cudagraphs_needs_a_gpu():
                                STACKS["torch"].with_(compile="none", cudagraphs=True), autocast_dtype=None)
     with pytest.raises(ValueError, match="cudagraphs needs a CUDA device"):
         step(*random_batch(config, torch.device("cpu")))
+
+
+
+def test_parts_errors_name_the_part_and_the_choices():
+    with pytest.raises(ValueError, match="unknown attention 'nope'; choose one of naive, "):
+        Parts().with_(attention="nope")
+    with pytest.raises(ValueError, match="unknown part 'optimiser'; choose among attention, rmsnorm"):
+        Parts().with_(optimiser="fused")
+    with pytest.raises(ValueError, match="checkpointing is a group size .* not 'two'"):
+        Parts().with_overrides(["checkpointing=two"])
+    with pytest.raises(ValueError, match="keep_attention is true or false"):
+        Parts().with_overrides(["keep_attention=maybe"])
+    with pytest.raises(ValueError, match="part=value"):
+        Parts().with_overrides(["rmsnorm"])
+    assert Parts().with_overrides(["checkpointing=2", "keep_attention=yes"]).keep_attention
+
+
+def test_train_step_cli_refuses_a_bad_override_in_one_line():
+    """Checked before any child process starts: one line on stderr naming the part and its choices."""
+    done = subprocess.run([sys.executable, "-m", "cs336_systems.bench.train_step", "--override", "rmsnorm=nope"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    lines = [line for line in done.stderr.splitlines() if line.strip() and not line.startswith("#")]
+    assert lines == ["train_step: --override: unknown rmsnorm 'nope'; choose one of plain, fused"], done.stderr
 
 
 def test_torch_stack_steps_and_phases_on_cpu():

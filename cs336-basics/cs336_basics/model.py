@@ -141,15 +141,8 @@ def causal_attention(
 class CausalMultiHeadSelfAttention(nn.Module):
     """Multi-head causal self-attention with optional RoPE on queries and keys."""
 
-    def __init__(
-        self,
-        d_model: int,
-        num_heads: int,
-        positional_encoder: RotaryEmbedding | None = None,
-        attention_fn: AttentionFn | None = None,
-        device=None,
-        dtype=None,
-    ):
+    def __init__(self, d_model: int, num_heads: int, positional_encoder: RotaryEmbedding | None = None,
+                 attention_fn: AttentionFn | None = None, device=None, dtype=None):
         super().__init__()
         if d_model % num_heads:
             raise ValueError(f"d_model={d_model} is not divisible by num_heads={num_heads}")

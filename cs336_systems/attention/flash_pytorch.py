@@ -20,12 +20,13 @@ Backward (Algorithm 2, untiled: the full score matrix is recomputed from Q, K an
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from cs336_systems.attention.reference import CAUSAL_MASK_VALUE, check_attention_inputs
+from cs336_systems.attention.reference import CAUSAL_MASK_VALUE, check_attention_inputs, check_is_causal
 
 
 def flash_attention_forward_tiled(
@@ -110,6 +111,15 @@ def flash_attention_backward(
 # Compiled on first use. dynamic=True keeps one graph across sequence lengths and batch sizes (sizes 0
 # and 1 still specialise); is_causal and the dtype each give their own graph.
 _compiled_backward = torch.compile(flash_attention_backward, dynamic=True)
+_compile_announced = False  # the first backward on a CPU says that it compiles (it is silent for ~25 s)
+
+
+def _announce_compile() -> None:
+    global _compile_announced
+    if not _compile_announced:
+        _compile_announced = True
+        print("FlashAttention2PyTorch: compiling the backward with torch.compile on the CPU (once per process, "
+              "~25 s)...", file=sys.stderr, flush=True)
 
 
 class FlashAttention2PyTorch(torch.autograd.Function):
@@ -127,11 +137,12 @@ class FlashAttention2PyTorch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, Q: Tensor, K: Tensor, V: Tensor, is_causal: bool = False) -> Tensor:
         check_attention_inputs(Q, K, V)
+        is_causal = check_is_causal(is_causal)
         O, L = flash_attention_forward_tiled(
-            Q, K, V, bool(is_causal), FlashAttention2PyTorch.query_tile_size, FlashAttention2PyTorch.key_tile_size
+            Q, K, V, is_causal, FlashAttention2PyTorch.query_tile_size, FlashAttention2PyTorch.key_tile_size
         )
         ctx.save_for_backward(Q, K, V, O, L)
-        ctx.is_causal = bool(is_causal)
+        ctx.is_causal = is_causal
         return O
 
     @staticmethod
@@ -148,6 +159,8 @@ class FlashAttention2PyTorch(torch.autograd.Function):
             for t in (Q, K, V, O, dO, L[..., None])
         )
         logsumexp = logsumexp[..., 0]
+        if Q.device.type == "cpu":
+            _announce_compile()
         with torch.fx.experimental._config.patch(use_duck_shape=False):
             dQ, dK, dV = _compiled_backward(q, k, v, o, logsumexp, do, ctx.is_causal)
         return dQ.view(Q.shape).to(Q.dtype), dK.view(K.shape).to(K.dtype), dV.view(V.shape).to(V.dtype), None

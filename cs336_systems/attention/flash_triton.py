@@ -41,7 +41,7 @@ from torch import Tensor
 from cs336_systems.attention import flash_hopper
 from cs336_systems.attention import flash_triton_kernels as kernels
 from cs336_systems.attention.config import FLASH_CONFIG, runs_hopper
-from cs336_systems.attention.reference import check_attention_inputs
+from cs336_systems.attention.reference import check_attention_inputs, check_is_causal
 from cs336_systems.kernels.launch import (
     FLOAT_DTYPES,
     RUNNING_IN_INTERPRETER,
@@ -364,8 +364,7 @@ def _through_operators() -> bool:
 
 def check_inputs(Q: Tensor, K: Tensor, V: Tensor, is_causal: bool) -> None:
     """Raise a clear error for inputs our attention does not take."""
-    if not isinstance(is_causal, bool):
-        raise TypeError(f"is_causal must be a bool, got {is_causal!r} ({type(is_causal).__name__})")
+    check_is_causal(is_causal)
     check_attention_inputs(Q, K, V)
     if Q.dtype not in FLOAT_DTYPES:
         raise TypeError(f"unsupported dtype {Q.dtype}: the Triton kernels take float16, bfloat16 or float32")

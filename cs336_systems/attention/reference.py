@@ -53,10 +53,7 @@ def nvtx_range(message: str) -> AbstractContextManager:
 
 
 def annotated_scaled_dot_product_attention(
-    Q: Float[Tensor, "... q d"],
-    K: Float[Tensor, "... k d"],
-    V: Float[Tensor, "... k dv"],
-    mask: Bool[Tensor, "q k"] | None = None,
+    Q: Float[Tensor, "... q d"], K: Float[Tensor, "... k d"], V: Float[Tensor, "... k dv"], mask: Bool[Tensor, "q k"] | None = None
 ) -> Float[Tensor, "... q dv"]:
     """The model's ``scaled_dot_product_attention`` with an NVTX range around each of its three steps.
 
@@ -114,3 +111,15 @@ def check_attention_inputs(Q: Tensor, K: Tensor, V: Tensor) -> None:
         raise ValueError(f"K and V must have the same length, got {K.shape[-2]} and {V.shape[-2]}")
     if Q.shape[-2] == 0 or K.shape[-2] == 0:
         raise ValueError(f"sequence lengths must be positive, got n_queries={Q.shape[-2]}, n_keys={K.shape[-2]}")
+
+
+def check_is_causal(is_causal: object) -> bool:
+    """``is_causal`` itself when it is a Python ``bool``; else a ``TypeError`` naming the value. Any truthy
+    value (``"no"``, a tensor) would otherwise silently mean True. A NumPy ``bool_`` is not a ``bool``: wrap it
+    in ``bool(...)``."""
+    if not isinstance(is_causal, bool):
+        raise TypeError(
+            f"is_causal must be True or False (a Python bool), got {is_causal!r} of type {type(is_causal).__name__}; "
+            "pass bool(is_causal) to convert it"
+        )
+    return is_causal

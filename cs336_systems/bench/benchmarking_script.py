@@ -80,7 +80,6 @@ def run_sweep(args, device: torch.device) -> list[dict[str, Any]]:
         for size in args.sizes for mode in args.modes for dtype in args.dtypes
     ]
     pending = store.pending(cases)
-    print(f"# {len(cases) - len(pending)} of {len(cases)} cases already measured on this device", file=sys.stderr)
     # The warm-up study must meet a cold GPU: no matmul-rate measurement (it would warm cuBLAS) first.
     peak = timing.measure_matmul_tflops(device) if pending and args.tag != "warmup_study" else None
     rows = []
@@ -158,10 +157,7 @@ def profiler_activities(device: torch.device) -> list:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parser().parse_args(argv)
-    device = timing.default_device()
-    cli.announce(device, args.quick)
-    tiny = args.quick or device.type == "cpu"
+    args, device, tiny = cli.start(parser(), argv)
     if args.sizes is None:
         args.sizes = ["tiny"] if tiny else ["small", "medium", "large", "xl", "2.7B"]
     if args.context_length is None:

@@ -53,7 +53,7 @@ SHAPE_KEYS = ("dtype", "d_head", "seq_len")
 
 def parser():
     p = cli.base_parser(__doc__)
-    p.add_argument("--providers", nargs="+", choices=list(fp.PROVIDERS), default=None,
+    p.add_argument("--providers", nargs="+", type=fp.provider_name, choices=list(fp.PROVIDERS), default=None,
                    help=f"default: {' '.join(GPU_PROVIDERS)} on a GPU, {' '.join(CPU_PROVIDERS)} on a CPU")
     p.add_argument("--seq-lens", nargs="+", type=int, default=None)
     p.add_argument("--head-dims", nargs="+", type=int, default=None)
@@ -206,11 +206,9 @@ def plot(rows: list[dict[str, Any]], dtype: str, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parser().parse_args(argv)
-    device = timing.default_device()
-    cli.announce(device, args.quick)
+    args, device, _ = cli.start(parser(), argv)
     resolve_defaults(args, device)
-    fp.configure_from_environment(args.fixed_tiles, args.autotune)
+    fp.choose_tiles(args.fixed_tiles, args.autotune)
     store = run_sweep(args, device)
     rows = latest_rows(store)
     import pandas as pd

@@ -50,7 +50,7 @@ def point(text: str) -> tuple[int, int]:
 
 
 def parser():
-    p = cli.base_parser(__doc__)
+    p = cli.base_parser(__doc__, resumes=False)
     p.add_argument("--step", help="the step's name (short, unique)")
     p.add_argument("--hypothesis", default="", help="the idea and the predicted effect")
     p.add_argument("--decision", choices=DECISIONS, default="pending")

@@ -70,6 +70,7 @@ from cs336_systems.bench.common.lm import (
 from cs336_systems.parallel.ddp import DDPIndividualParameters
 from cs336_systems.parallel.distributed import cleanup, init_from_env, spawn
 from cs336_systems.parallel.fsdp import FSDP
+from cs336_systems.train.step import fully_shard_blocks
 
 PROBLEM = "fsdp_accounting"
 IMPLS = ("ddp", "fsdp2", "ours")  # DDP first: the others' measured saving is against it
@@ -109,14 +110,7 @@ def wrap(impl: str, model: nn.Module, dtype: torch.dtype | None, device: torch.d
     if impl == "ddp":
         return DDPIndividualParameters(model)
     if impl == "fsdp2":
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-        policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-        for block in model.layers:
-            fully_shard(block, mesh=mesh, mp_policy=policy)
-        return fully_shard(model, mesh=mesh, mp_policy=policy)
+        return fully_shard_blocks(model, model.layers, dtype)
     raise ValueError(f"unknown implementation {impl!r}; choose from {IMPLS}")
 
 
@@ -442,8 +436,7 @@ def main(argv: list[str] | None = None) -> None:
               f"sequences per rank, {args.dtype}", file=sys.stderr)
         store = result_store.ResultStore(PROBLEM, args.results_dir, args.force)
         pending = store.pending(step_cases(args, world_size))
-        if not pending and not args.trace:
-            print("# everything already measured (--force measures again)", file=sys.stderr)
+        if not pending and not args.trace:  # the store said so
             return
         # Each case on freshly spawned ranks: no case measures memory or time another one left behind.
         for case in pending:

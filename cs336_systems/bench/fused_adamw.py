@@ -81,10 +81,7 @@ def measure(provider: str, shapes: list[torch.Size], dtype: torch.dtype, device:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parser().parse_args(argv)
-    device = timing.default_device()
-    cli.announce(device, args.quick)
-    tiny = args.quick or device.type == "cpu"
+    args, device, tiny = cli.start(parser(), argv)
     args.size = args.size or ("tiny" if tiny else "xl")
     if device.type == "cpu" and "ours" in args.providers:
         print("# no GPU: our Triton AdamW is skipped (the interpreter is far too slow to time)", file=sys.stderr)

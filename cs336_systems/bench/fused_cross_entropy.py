@@ -93,10 +93,7 @@ def measure(provider: str, tokens: int, vocab: int, d: int, device: torch.device
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parser().parse_args(argv)
-    device = timing.default_device()
-    cli.announce(device, args.quick)
-    tiny = args.quick or device.type == "cpu"
+    args, device, tiny = cli.start(parser(), argv)
     args.shapes = args.shapes or ([(256, 1000, 64)] if tiny else [shape(s) for s in DEFAULT_SHAPES])
     if device.type == "cpu":
         print("# no GPU: the eager provider only (ours would run its CPU path, compile takes long)", file=sys.stderr)

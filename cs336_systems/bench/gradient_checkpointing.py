@@ -91,10 +91,7 @@ def measure_group(model, optimizer, config: LMConfig, group: int, dtype: str, st
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parser().parse_args(argv)
-    device = timing.default_device()
-    cli.announce(device, args.quick)
-    tiny = args.quick or device.type == "cpu"
+    args, device, tiny = cli.start(parser(), argv)
     size = args.size or ("tiny" if tiny else "xl")
     context = args.context_length or (32 if tiny else 2048)
     if tiny:
@@ -104,8 +101,7 @@ def main(argv: list[str] | None = None) -> None:
     base = dict(size=size, context_length=context, batch_size=args.batch_size, dtype=args.dtype,
                 attention=args.attention)
     cases = store.pending([{**base, "group_size": k} for k in args.group_sizes])
-    if not cases:
-        print("# everything already measured", file=sys.stderr)
+    if not cases:  # the store said so
         return
     model = build_model(config, device, args.attention)
     n_blocks = len(model.layers)

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from cs336_systems.bench.common import attention_providers as fp
-from cs336_systems.bench.common import cli, result_store, timing
+from cs336_systems.bench.common import cli, result_store
 
 PROBLEM = "leaderboard"
 REP_MS, WARMUP_MS = 10_000, 1_000
@@ -49,7 +49,7 @@ CPU = dict(heads=2, seq_len=256, d_head=64, rep=50, warmup=10)
 
 
 def parser():
-    p = cli.base_parser(__doc__)
+    p = cli.base_parser(__doc__, resumes=False)
     p.add_argument("--providers", nargs="+", choices=list(fp.LEADERBOARD_PROVIDERS), default=list(fp.LEADERBOARD_PROVIDERS))
     p.add_argument("--rep", type=float, default=None, help=f"do_bench repetition time, ms (default {REP_MS})")
     p.add_argument("--warmup", type=float, default=None, help=f"do_bench warm-up time, ms (default {WARMUP_MS})")
@@ -109,11 +109,9 @@ def run(args, device: torch.device) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parser().parse_args(argv)
-    device = timing.default_device()
-    cli.announce(device, args.quick)
+    args, device, _ = cli.start(parser(), argv)
     resolve_defaults(args, device)
-    fp.configure_from_environment(args.fixed_tiles, args.autotune)
+    fp.choose_tiles(args.fixed_tiles, args.autotune)
     if device.type != "cuda":
         print("# ours needs a GPU: on the CPU only the SDPA backends run (an error row for ours)", file=sys.stderr)
     print(f"# q, k, v ({args.heads}, {args.seq_len}, {args.d_head}) {args.dtype}, causal; "

@@ -107,10 +107,7 @@ def timeline_case(config: LMConfig, mode: str, device: torch.device, snapshot_di
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parser().parse_args(argv)
-    device = timing.default_device()
-    cli.announce(device, args.quick)
-    tiny = args.quick or device.type == "cpu"
+    args, device, tiny = cli.start(parser(), argv)
     size = args.size or ("tiny" if tiny else "2.7B")
     contexts = args.contexts or ([16] if tiny else [128, 256, 512])
     figures_dir = args.figures_dir or result_store.FIGURES_DIR

@@ -35,7 +35,7 @@ VARIANTS = [
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = cli.base_parser(__doc__).parse_args(argv)
+    args = cli.base_parser(__doc__, resumes=False).parse_args(argv)
     store = result_store.ResultStore(PROBLEM, args.results_dir, force=True)  # cheap and exact: always re-run
     rows = []
     for name, accumulator, value, upcast in VARIANTS:

@@ -154,10 +154,7 @@ def profile_case(config: LMConfig, steps: int, device: torch.device) -> dict[str
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parser().parse_args(argv)
-    device = timing.default_device()
-    cli.announce(device, args.quick)
-    tiny = args.quick or device.type == "cpu"
+    args, device, tiny = cli.start(parser(), argv)
     sizes = args.sizes or (["tiny"] if tiny else ["small", "medium", "large", "xl", "2.7B"])
     contexts = args.contexts or ([32] if tiny else [128, 256, 512, 1024])
     if tiny:

@@ -44,8 +44,9 @@ from cs336_basics.optimizer import AdamW
 from cs336_systems.bench.common import cli, result_store, timing
 from cs336_systems.bench.common import distributed_launch as dl
 from cs336_systems.bench.common.ddp_step import Marker, make_train_step, time_steps, variant_name, wrap
-from cs336_systems.bench.common.lm import ADAMW_KWARGS, DTYPES, SIZES, LMConfig, build_model, random_batch
+from cs336_systems.bench.common.lm import DTYPES, SIZES, LMConfig, build_model, random_batch
 from cs336_systems.parallel.sharded_optimizer import ShardedOptimizer
+from cs336_systems.train.step import ADAMW_HYPERPARAMETERS
 
 PROBLEM = "optimizer_state_sharding_accounting"
 OPTIMIZERS = ["adamw", "sharded", "zero_redundancy"]
@@ -72,11 +73,11 @@ def parser():
 
 def make_optimizer(name: str, params: list[nn.Parameter]) -> torch.optim.Optimizer:
     if name == "adamw":
-        return AdamW(params, **ADAMW_KWARGS)
+        return AdamW(params, **ADAMW_HYPERPARAMETERS)
     if name == "sharded":
-        return ShardedOptimizer(params, AdamW, **ADAMW_KWARGS)
+        return ShardedOptimizer(params, AdamW, **ADAMW_HYPERPARAMETERS)
     if name == "zero_redundancy":
-        return ZeroRedundancyOptimizer(params, optimizer_class=AdamW, **ADAMW_KWARGS)
+        return ZeroRedundancyOptimizer(params, optimizer_class=AdamW, **ADAMW_HYPERPARAMETERS)
     raise ValueError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
 
 

@@ -15,7 +15,7 @@ Examples::
 from __future__ import annotations
 
 from cs336_systems.bench.common import attention_grid as grid
-from cs336_systems.bench.common import cli, timing
+from cs336_systems.bench.common import cli
 
 PROBLEM = "pytorch_attention"
 
@@ -31,9 +31,7 @@ def parser():
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parser().parse_args(argv)
-    device = timing.default_device()
-    cli.announce(device, args.quick)
+    args, device, _ = cli.start(parser(), argv)
     grid.resolve_defaults(args, device)
     rows = grid.run_grid(PROBLEM, ["naive"], args, device)
     cli.print_table(rows, ["d", "seq_len", "forward_mean_ms", "backward_mean_ms", "memory_before_backward_gb", "oom"])

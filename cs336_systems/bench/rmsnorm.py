@@ -189,8 +189,6 @@ def measure_kernel_case(case: dict[str, Any], device: torch.device, copy_gbps: f
 def run_kernels(args, device: torch.device, store: result_store.ResultStore) -> list[dict[str, Any]]:
     cases = kernel_cases(args)
     pending = store.pending(cases)
-    print(f"# kernel part: {len(cases) - len(pending)} of {len(cases)} cases already measured on this device",
-          file=sys.stderr)
     available = {"ours": ours_available(device), "liger": device.type == "cuda" and liger_rmsnorm_class() is not None}
     skipped = sorted({c["provider"] for c in pending if not available.get(c["provider"], True)})
     if skipped:
@@ -272,8 +270,6 @@ def run_models(args, device: torch.device, store: result_store.ResultStore) -> l
         print("# model part: no GPU (and no TRITON_INTERPRET=1): only the plain RMSNorm", file=sys.stderr)
         cases = [c for c in cases if c["norm"] == "plain"]
     pending = store.pending(cases)
-    print(f"# model part: {len(cases) - len(pending)} of {len(cases)} cases already measured on this device",
-          file=sys.stderr)
     rows = []
     for case in cli.progress(pending, f"{PROBLEM} (model)"):
         result = result_store.measure_or_oom(lambda: measure_model_case(case, device, args.warmup, args.steps))
@@ -301,9 +297,7 @@ def print_model_summary(rows: list[dict[str, Any]]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parser().parse_args(argv)
-    device = timing.default_device()
-    cli.announce(device, args.quick)
+    args, device, _ = cli.start(parser(), argv)
     tiny = device.type == "cpu"
     if tiny:
         args.cols, args.rows = args.cols or [64, 96], args.rows or [256]

@@ -64,9 +64,7 @@ def run_models(args, device: torch.device) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parser().parse_args(argv)
-    device = timing.default_device()
-    cli.announce(device, args.quick)
+    args, device, _ = cli.start(parser(), argv)
     grid.resolve_defaults(args, device)
     tiny = args.quick or device.type == "cpu"
     args.sizes = args.sizes or (["tiny"] if tiny else ["small", "medium", "large", "xl", "2.7B"])

@@ -101,7 +101,9 @@ def measure_in_fresh_process(case: dict[str, Any], args) -> dict[str, Any]:
     done = subprocess.run(command, capture_output=True, text=True)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode != 0 or not lines:
-        raise RuntimeError(f"case {case} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise SystemExit(f"train_step: case {case} failed (exit {done.returncode}): {last}\n"
+                         f"# re-run it alone to see the whole traceback: {' '.join(command)}")
     return json.loads(lines[-1].removeprefix("RESULT "))
 
 
@@ -117,13 +119,8 @@ def fastest_torch_row(store: result_store.ResultStore, case: dict[str, Any]) -> 
     """Of the newest ``torch`` row of each variant for ``case``'s size, shape and settings measured on this device
     (each case runs in its own process anyway, so a row of an earlier invocation compares like one of this), the
     fastest."""
-    wanted = {key: value for key, value in case.items() if key not in ("stack", "variant")} | {"stack": "torch"}
-    newest: dict[str, dict[str, Any]] = {}
-    for row in store.rows():
-        if ("variant" in row and row.get("device") == store.env["device"] and not row.get("oom")
-                and all(row.get(key) == value for key, value in wanted.items())):
-            newest[row["variant"]] = row
-    return min(newest.values(), key=lambda row: row["step_ms"], default=None)
+    rows = [store.newest({**case, "stack": "torch", "variant": variant}) for variant in VARIANTS]
+    return min((row for row in rows if row and not row.get("oom")), key=lambda row: row["step_ms"], default=None)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -132,6 +129,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.case:
         measure_case(json.loads(args.case), args, device)
         return
+    for stack in args.stacks:  # a bad part fails here, in one line, not in a child process
+        try:
+            STACKS[stack].with_overrides(args.override)
+        except ValueError as error:
+            raise SystemExit(f"train_step: --override: {error}") from None
     cli.announce(device, args.quick)
     tiny = args.quick or device.type == "cpu"
     if tiny and device.type == "cpu":
@@ -150,7 +152,6 @@ def main(argv: list[str] | None = None) -> None:
                   overrides=sorted(args.override), dtype="bf16", warmup=args.warmup, steps=args.steps)
              for size in args.sizes for context, batch in args.shapes for stack in stacks for variant in args.variants]
     pending = store.pending(cases)
-    print(f"# {len(cases) - len(pending)} of {len(cases)} cases already measured on this device", file=sys.stderr)
     peak_tflops = timing.measure_matmul_tflops(device) if pending else None
     timing.free_memory()  # the children get the whole GPU
     rows = []
@@ -170,7 +171,6 @@ def main(argv: list[str] | None = None) -> None:
         rows.append(store.add(case, result))
     cli.print_table(rows, ["size", "context_length", "batch_size", "stack", "variant", "step_ms", "forward_ms",
                            "backward_ms", "optimizer_ms", "mfu", "peak_gb", "ours_over_torch", "oom"], digits=3)
-    print(f"# rows in {store.path}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,15 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
 
 
+def require_process_group(who: str) -> None:
+    """Raise, naming the fix, unless a default process group is initialised (what ``who`` needs)."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            f"{who} needs an initialised default process group: call torch.distributed.init_process_group(...) first "
+            "(or cs336_systems.parallel.distributed.init_from_env() under torchrun)"
+        )
+
+
 def setup_process_group(
     rank: int,
     world_size: int,

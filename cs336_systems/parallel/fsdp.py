@@ -1,82 +1,18 @@
 """Fully sharded data parallel (FSDP) by blocks (SPEC section 6, the course's 2026 ``fsdp``).
 
 ``FSDP(module, compute_dtype=None, units=None)`` shards the parameters of ``module`` over the ranks of the
-default process group, one *unit* (a block of parameters) at a time.
+default process group one *unit* at a time: by default each ``TransformerBlock``, each ``Embedding``, and the
+final norm with the LM head (:func:`default_units`). A unit's parameters are one flat fp32 buffer; each rank keeps
+its slice as one optimizer-visible parameter (:class:`Unit`). Before a unit runs its buffer is all-gathered in one
+collective (in ``compute_dtype`` when given), the next unit's gather already issued; after use it is freed,
+gathered again for backward, and its gradients are reduce-scattered (averaged) in one collective
+(:meth:`FSDP._open`, :meth:`FSDP._before_backward`, :meth:`FSDP._on_unit_gradients`). What one step's hooks
+share lives in one :class:`_Step`. Notes on streams, memory and activation checkpointing stand where the code
+does them.
 
-Units. By default (:func:`default_units`) every ``TransformerBlock`` is a unit (``module.layers[i]`` of a
-``BasicsTransformerLM``), and so is every ``Embedding`` (the token embedding); the final norm and the LM
-head (``ln_final``, ``lm_head``) form one unit together. ``units=`` names any other split: each entry is a
-submodule, or a tuple of submodules that form one unit. Every parameter not in a unit belongs to the *root*
-unit, and so does a parameter shared by two units (tied weights).
-
-Flat shards. A unit's parameters (all of them: RMSNorm gains too), trainable ones first, then frozen ones,
-are laid end to end in one flat fp32 buffer of ``N`` elements, padded to ``W * S`` with ``S = ceil(N / W)``
-for ``W`` ranks; rank ``r`` keeps elements ``[r S, (r + 1) S)`` in ``unit.shard``. The optimizer sees ONE
-``nn.Parameter`` per unit: the trainable part of the rank's slice, a 1-D view of ``unit.shard`` (registered
-as ``shards.<unit>``; frozen elements as ``frozen_shards.<unit>``, ``requires_grad=False``). One parameter per
-unit keeps the optimizer's loop short (50 parameters on the xl model instead of 435), any elementwise
-``torch.optim.Optimizer`` works on it (``cs336_basics``' AdamW included), and the padding is never stepped.
-The price: per-parameter optimizer options (no weight decay on gains, say) cannot be expressed, and the
-wrapped module has no parameters of its own left. :meth:`FSDP.gather_full_params` returns every original
-parameter by its original name, full and fp32.
-
-Forward. The original parameters are deleted from their modules; while a unit runs, each module attribute
-(``linear.weight``) is a plain tensor, a view of the unit's gathered flat buffer ``unit.full`` (in the compute
-dtype), produced by one autograd Function (:class:`_GatheredParams`) per unit call, so autograd hands all the
-unit's weight gradients to one backward. Before a unit runs (forward pre-hook) its buffer is all-gathered in
-ONE ``all_gather_into_tensor`` from the shard (cast to ``compute_dtype`` first: half the bytes travel in
-bf16), and the gather of the unit predicted next (the order of the previous forward; registration order at
-first) is issued before this unit computes. After the unit's forward the buffer's storage is resized to 0:
-the views autograd saved stay valid objects, and the storage is filled again before the unit's backward.
-The last unit of the forward stays gathered (its backward comes next), and so does the root unit until its
-gradients are reduced.
-
-Backward. A hook on each unit call's outputs fires before the unit's backward: it gathers the unit again
-(already prefetched, normally) and prefetches the unit that ran before it in forward. Units whose saved
-tensors do not touch their weights (an embedding's lookup) are not gathered again: a saved-tensor pack hook
-records, during forward, whether anything saved lives in a gathered buffer. When all the unit's parameter
-gradients exist (the Function's backward), they are cast to fp32 into one flat buffer and
-``reduce_scatter_tensor(op=AVG)`` leaves this rank's slice of the average in its shard's ``.grad``
-(:func:`reduce_scatter_mean` falls back to all-reduce + slice where a backend lacks it); the gathered buffer
-is freed. :meth:`FSDP.finish_gradient_synchronization` waits for what is in flight; afterwards every shard's
-``.grad`` is fp32 and averaged over ranks.
-
-Streams (GPU, NCCL). Gathers run on a gather stream and reduce-scatters on a reduction stream, each on its
-own process group (one NCCL communicator runs its collectives one after another; two let a reduce-scatter
-overlap the next gather). A gather stream first waits for the compute stream (the optimizer may have written
-the shard, and a buffer freed on the CPU may still be read by queued kernels: the allocator hands its block
-to the next gather only once the gather stream has caught up), then records an event that the compute stream
-waits for before the unit runs. A reduction waits for the compute stream (the gradients), records an event;
-its fp32 input (allocated on the compute stream) is released once the compute stream has waited for that
-event, two reductions later, which bounds the gradient buffers in flight. On the CPU (gloo) the collectives
-are asynchronous ``Work`` objects, waited for at the same points.
-
-Memory. Gathered at once: in forward the running unit and the next one (in flight), in backward the unit
-whose backward runs, the previous one (prefetched) and, briefly, the one just finished: ~2-3 units, plus the
-root unit. Units holding frozen parameters stay gathered from their backward gather to the end of backward
-(the Function's backward, which frees a unit, does not wait for frozen weights' last use).
-
-Activation checkpointing (``torch.utils.checkpoint(..., use_reentrant=False)`` inside the wrapped module:
-``BasicsTransformerLM.set_activation_checkpointing``, or a caller wrapping blocks itself). Inside a checkpointed
-region autograd saves nothing of the unit, so the pack hook sees no saved tensor and the unit is marked as
-needing its weights in backward (it will be recomputed). In backward, recomputation calls the unit's modules
-again: the pre-hook gathers the unit (usually prefetched already), installs fresh views (through the same
-Function, so the recomputed operations save what the original ones did) and keeps the buffer until the
-unit's gradients are reduced. A checkpointed group of ``g`` blocks therefore holds up to ``g`` gathered units
-during its backward. Reentrant checkpointing is rejected (its recomputed graph is the one backpropagated).
-
-Why fp32 training matches one process only to float tolerance. Data parallelism computes the gradient of the
-mean loss over the batch as the average of per-rank gradients of each rank's slice. One process sums all the
-tokens inside one matmul; the ranks sum their own tokens, then the collective sums the ranks' partial sums
-(a ring adds them in an order that depends on the chunk) and divides by W. Floating-point addition is not
-associative, so the two results differ in the last bits (about 1e-7 relative in fp32) and every optimizer step
-carries such differences forward. ``tests/test_fsdp.py`` compares to tolerance.
-
-Limits: every rank must call the same units in the same order; one forward per backward; call
-:meth:`finish_gradient_synchronization` after every backward; move the module to its device before wrapping
-(``.to()`` afterwards would break the shard/parameter aliasing); a unit's output must not be a view of its
-parameters, and a trainable weight's saved uses must lead into its gradient (a ``weight.detach()`` saved for
-backward could outlive the buffer, which is freed once the unit's gradients are reduced).
+fp32 training matches one process only to float tolerance: the ranks sum their own tokens, then the collective
+sums the ranks' partial sums, while one process sums all tokens in one matmul (``python
+scripts/fsdp_equality_demo.py``; ``tests/test_fsdp.py`` compares to tolerance).
 """
 
 from __future__ import annotations
@@ -96,6 +32,7 @@ from torch.autograd.profiler import record_function
 
 from cs336_basics.model import Embedding, TransformerBlock
 from cs336_systems.parallel.ddp.base import broadcast_module_state
+from cs336_systems.parallel.distributed import require_process_group
 
 REDUCTIONS_IN_FLIGHT = 2  # reductions left running before the compute stream waits for the oldest
 ROOT_KEY = "_root"  # the root unit's key in FSDP.shards
@@ -166,7 +103,14 @@ def reduce_scatter_mean(
 
 def default_units(module: nn.Module) -> list[UnitSpec]:
     """Every ``TransformerBlock`` and ``Embedding`` (outermost ones), and ``(ln_final, lm_head)`` when the
-    module has both: for ``BasicsTransformerLM`` the token embedding, each block, the final norm with the head."""
+    module has both: for ``BasicsTransformerLM`` the token embedding, each block, the final norm with the head.
+
+    By default (:func:`default_units`) every ``TransformerBlock`` is a unit (``module.layers[i]`` of a
+    ``BasicsTransformerLM``), and so is every ``Embedding`` (the token embedding); the final norm and the LM
+    head (``ln_final``, ``lm_head``) form one unit together. ``units=`` names any other split: each entry is a
+    submodule, or a tuple of submodules that form one unit. Every parameter not in a unit belongs to the *root*
+    unit, and so does a parameter shared by two units (tied weights).
+    """
     units: list[UnitSpec] = []
     inside: set[int] = set()  # ids of modules inside a unit already chosen
     for sub in module.modules():
@@ -234,7 +178,19 @@ class _Reduction:
 
 @dataclass(eq=False)
 class Unit:
-    """A block of parameters sharded as one flat fp32 buffer."""
+    """A block of parameters sharded as one flat fp32 buffer.
+
+    A unit's parameters (all of them: RMSNorm gains too), trainable ones first, then frozen ones,
+    are laid end to end in one flat fp32 buffer of ``N`` elements, padded to ``W * S`` with ``S = ceil(N / W)``
+    for ``W`` ranks; rank ``r`` keeps elements ``[r S, (r + 1) S)`` in ``unit.shard``. The optimizer sees ONE
+    ``nn.Parameter`` per unit: the trainable part of the rank's slice, a 1-D view of ``unit.shard`` (registered
+    as ``shards.<unit>``; frozen elements as ``frozen_shards.<unit>``, ``requires_grad=False``). One parameter per
+    unit keeps the optimizer's loop short (50 parameters on the xl model instead of 435), any elementwise
+    ``torch.optim.Optimizer`` works on it (``cs336_basics``' AdamW included), and the padding is never stepped.
+    The price: per-parameter optimizer options (no weight decay on gains, say) cannot be expressed, and the
+    wrapped module has no parameters of its own left. :meth:`FSDP.gather_full_params` returns every original
+    parameter by its original name, full and fp32.
+    """
 
     name: str
     modules: tuple[nn.Module, ...]  # () for the root unit
@@ -293,6 +249,37 @@ class _Phase(enum.Enum):
     BACKWARD = "backward"  # between a forward that needs a backward and finish_gradient_synchronization
 
 
+@dataclass(eq=False)
+class _Step:
+    """What the hooks of one training step share, from the wrapper's forward to ``finish_gradient_synchronization``:
+    IDLE -> (:meth:`start_forward`) FORWARD -> (:meth:`end_forward`) BACKWARD or IDLE -> (:meth:`to_idle`) IDLE."""
+
+    order: list[Unit]  # the last forward's unit calls: which unit to prefetch next
+    phase: _Phase = _Phase.IDLE
+    generation: int = 0  # which forward: a hook of an earlier one's graph is stale
+    calls: list[_Call] = field(default_factory=list)  # this forward's unit calls, in order
+    root_call: _Call | None = None
+    live: dict[int, _Call] = field(default_factory=dict)  # storage of a gathered buffer in use in forward -> its call
+    packs: int = 0  # tensors autograd saved so far (counted by the pack hook)
+    backward_started: bool = False
+    reductions: list[_Reduction] = field(default_factory=list)  # in flight, oldest first
+
+    def start_forward(self) -> None:
+        self.generation += 1
+        self.calls = []
+        self.phase = _Phase.FORWARD
+
+    def end_forward(self, awaiting_backward: bool) -> None:
+        if self.calls:
+            self.order = [call.unit for call in self.calls]
+        self.phase = _Phase.BACKWARD if awaiting_backward else _Phase.IDLE
+
+    def to_idle(self) -> None:
+        self.live.clear()
+        self.root_call = None
+        self.phase, self.backward_started = _Phase.IDLE, False
+
+
 def _tensors(value: Any) -> Iterable[Tensor]:
     """The tensors in a module's output (nested tuples, lists and dicts)."""
     if isinstance(value, Tensor):
@@ -314,6 +301,12 @@ class FSDP(nn.Module):
 
     ``units``: submodules (or tuples of submodules) that each form one unit; default :func:`default_units`.
 
+    Limits: every rank must call the same units in the same order; one forward per backward; call
+    :meth:`finish_gradient_synchronization` after every backward; move the module to its device before wrapping
+    (``.to()`` afterwards would break the shard/parameter aliasing); a unit's output must not be a view of its
+    parameters, and a trainable weight's saved uses must lead into its gradient (a ``weight.detach()`` saved for
+    backward could outlive the buffer, which is freed once the unit's gradients are reduced).
+
     At construction every rank takes rank 0's parameters and buffers, then keeps its shards only.
 
     ``annotate = True`` records profiler ranges named after each unit: ``fsdp.all_gather <unit>`` around a
@@ -325,8 +318,7 @@ class FSDP(nn.Module):
         self, module: nn.Module, compute_dtype: torch.dtype | None = None, units: Sequence[UnitSpec] | None = None
     ):
         super().__init__()
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("FSDP needs an initialised default process group")
+        require_process_group("FSDP")
         if compute_dtype is not None and not compute_dtype.is_floating_point:
             raise ValueError(f"compute_dtype must be a floating-point dtype, got {compute_dtype}")
         params = list(module.parameters())
@@ -358,15 +350,7 @@ class FSDP(nn.Module):
             self._gather_stream = torch.cuda.Stream(self.device)
             self._reduce_stream = torch.cuda.Stream(self.device)
 
-        self._phase = _Phase.IDLE
-        self._generation = 0
-        self._calls: list[_Call] = []  # this forward's unit calls, in order
-        self._order: list[Unit] = [u for u in self.units if u is not self.root]  # last forward's calls
-        self._root_call: _Call | None = None
-        self._live: dict[int, _Call] = {}  # storage pointer of a gathered buffer in use in forward -> its call
-        self._pack_count = 0
-        self._backward_started = False
-        self._reductions: list[_Reduction] = []
+        self._step = _Step(order=[u for u in self.units if u is not self.root])
 
     # ------------------------------------------------------------------------------------------------
     # Construction
@@ -476,6 +460,15 @@ class FSDP(nn.Module):
 
     def _issue_gather(self, unit: Unit) -> None:
         """Start gathering ``unit``'s flat buffer unless it is gathered or on its way."""
+        # Streams (GPU, NCCL). Gathers run on a gather stream and reduce-scatters on a reduction stream, each on its
+        # own process group (one NCCL communicator runs its collectives one after another; two let a reduce-scatter
+        # overlap the next gather). A gather stream first waits for the compute stream (the optimizer may have written
+        # the shard, and a buffer freed on the CPU may still be read by queued kernels: the allocator hands its block
+        # to the next gather only once the gather stream has caught up), then records an event that the compute stream
+        # waits for before the unit runs. A reduction waits for the compute stream (the gradients), records an event;
+        # its fp32 input (allocated on the compute stream) is released once the compute stream has waited for that
+        # event, two reductions later, which bounds the gradient buffers in flight. On the CPU (gloo) the collectives
+        # are asynchronous ``Work`` objects, waited for at the same points.
         if unit.allocated:
             return
         storage_bytes = unit.full.numel() * unit.full.element_size()
@@ -544,45 +537,45 @@ class FSDP(nn.Module):
         return output
 
     def _begin_forward(self) -> None:
-        if self._phase is _Phase.BACKWARD:
-            if self._backward_started or self._reductions:
+        if self._step.phase is _Phase.BACKWARD:
+            if self._step.backward_started or self._step.reductions:
                 raise RuntimeError("call finish_gradient_synchronization() after backward, before the next forward")
             self._reset()  # the last forward's graph was dropped without a backward (evaluation with grad on)
-        self._generation += 1
-        self._calls = []
-        self._phase = _Phase.FORWARD
+        self._step.start_forward()
         root = self.root
         if root is not None:
             self._issue_gather(root)
-        if self._order:
-            self._issue_gather(self._order[0])
+        if self._step.order:
+            self._issue_gather(self._step.order[0])
         if root is not None:
             self._wait_gather(root)
-            self._root_call = _Call(root, -1, self._generation, torch.is_grad_enabled())
-            self._install(root, self._root_call)
+            self._step.root_call = _Call(root, -1, self._step.generation, torch.is_grad_enabled())
+            self._install(root, self._step.root_call)
 
     def _end_forward(self) -> None:
+        # Memory. Gathered at once: in forward the running unit and the next one (in flight), in backward the unit
+        # whose backward runs, the previous one (prefetched) and, briefly, the one just finished: ~2-3 units, plus the
+        # root unit. Units holding frozen parameters stay gathered from their backward gather to the end of backward
+        # (the Function's backward, which frees a unit, does not wait for frozen weights' last use).
         for unit in self.units:
             if unit.is_open and unit is not self.root:  # a unit of several modules not all called
                 self._close(unit)
-        if self._calls:
-            self._order = [call.unit for call in self._calls]
-        self._phase = _Phase.BACKWARD if any(u.pending_backward for u in self.units) else _Phase.IDLE
-        last = self._calls[-1] if self._calls else None
+        self._step.end_forward(awaiting_backward=any(u.pending_backward for u in self.units))
+        last = self._step.calls[-1] if self._step.calls else None
         for unit in self.units:
             if unit is self.root or not unit.allocated:
                 continue
-            keep = (self._phase is _Phase.BACKWARD and last is not None and last.unit is unit and last.needs_gather)
+            keep = (self._step.phase is _Phase.BACKWARD and last is not None and last.unit is unit and last.needs_gather)
             if not keep:  # a prefetch the forward did not use, or a unit kept for a backward that will not come
                 self._free(unit)
-        if self._phase is _Phase.IDLE:
+        if self._step.phase is _Phase.IDLE:
             self._reset()
 
     def _predicted(self, position: int) -> Unit | None:
-        return self._order[position] if 0 <= position < len(self._order) else None
+        return self._step.order[position] if 0 <= position < len(self._step.order) else None
 
     def _pre_forward(self, module: nn.Module, args: tuple) -> None:
-        if self._phase is _Phase.IDLE:
+        if self._step.phase is _Phase.IDLE:
             raise RuntimeError("a sharded unit was called outside FSDP.forward: call the FSDP wrapper, not its module")
         unit = self._unit_of[module]
         if not unit.is_open:
@@ -590,15 +583,26 @@ class FSDP(nn.Module):
         unit.depth += 1
 
     def _open(self, unit: Unit) -> None:
-        if self._phase is _Phase.FORWARD:
-            call = _Call(unit, len(self._calls), self._generation, torch.is_grad_enabled(), self._pack_count)
-            self._calls.append(call)
+        """The original parameters are deleted from their modules; while a unit runs, each module attribute
+        (``linear.weight``) is a plain tensor, a view of the unit's gathered flat buffer ``unit.full`` (in the compute
+        dtype), produced by one autograd Function (:class:`_GatheredParams`) per unit call, so autograd hands all the
+        unit's weight gradients to one backward. Before a unit runs (forward pre-hook) its buffer is all-gathered in
+        ONE ``all_gather_into_tensor`` from the shard (cast to ``compute_dtype`` first: half the bytes travel in
+        bf16), and the gather of the unit predicted next (the order of the previous forward; registration order at
+        first) is issued before this unit computes. After the unit's forward the buffer's storage is resized to 0:
+        the views autograd saved stay valid objects, and the storage is filled again before the unit's backward.
+        The last unit of the forward stays gathered (its backward comes next), and so does the root unit until its
+        gradients are reduced.
+        """
+        if self._step.phase is _Phase.FORWARD:
+            call = _Call(unit, len(self._step.calls), self._step.generation, torch.is_grad_enabled(), self._step.packs)
+            self._step.calls.append(call)
             self._issue_gather(unit)
             following = self._predicted(call.position + 1)  # prefetched before this unit computes
         else:  # recomputation of a checkpointed region, during backward
             call = None
             self._issue_gather(unit)
-            following = self._predicted(self._order.index(unit) + 1) if unit in self._order else None
+            following = self._predicted(self._step.order.index(unit) + 1) if unit in self._step.order else None
             if following is not None and following.pending_backward == 0:
                 following = None  # its backward is over: it is not part of this recomputation
         if following is not None and following is not unit:
@@ -607,7 +611,7 @@ class FSDP(nn.Module):
         self._install(unit, call)
         unit.is_open, unit.open_call = True, call
         if call is not None:
-            self._live[unit.full.untyped_storage().data_ptr()] = call
+            self._step.live[unit.full.untyped_storage().data_ptr()] = call
 
     def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> None:
         unit = self._unit_of[module]
@@ -626,24 +630,32 @@ class FSDP(nn.Module):
             self._close(unit)
 
     def _close(self, unit: Unit) -> None:
+        # Activation checkpointing (``torch.utils.checkpoint(..., use_reentrant=False)`` inside the wrapped module:
+        # ``BasicsTransformerLM.set_activation_checkpointing``, or a caller wrapping blocks itself). Inside a checkpointed
+        # region autograd saves nothing of the unit, so the pack hook sees no saved tensor and the unit is marked as
+        # needing its weights in backward (it will be recomputed). In backward, recomputation calls the unit's modules
+        # again: the pre-hook gathers the unit (usually prefetched already), installs fresh views (through the same
+        # Function, so the recomputed operations save what the original ones did) and keeps the buffer until the
+        # unit's gradients are reduced. A checkpointed group of ``g`` blocks therefore holds up to ``g`` gathered units
+        # during its backward. Reentrant checkpointing is rejected (its recomputed graph is the one backpropagated).
         self._uninstall(unit)
         call, unit.open_call = unit.open_call, None
         unit.is_open, unit.depth = False, 0
         unit.modules_done.clear()
         if call is None:
             return  # recomputed: the buffer stays until the unit's gradients are reduced
-        self._live.pop(unit.full.untyped_storage().data_ptr(), None)
+        self._step.live.pop(unit.full.untyped_storage().data_ptr(), None)
         # Nothing packed by our hook during a forward with grad: a checkpoint's hooks took the saved tensors,
         # so the unit will be recomputed in backward and needs its weights there.
-        call.needs_gather = call.saved or (call.grad_enabled and self._pack_count == call.packs_at_open)
-        last = call.position == len(self._order) - 1
+        call.needs_gather = call.saved or (call.grad_enabled and self._step.packs == call.packs_at_open)
+        last = call.position == len(self._step.order) - 1
         if not (last and call.needs_gather and unit.pending_backward):
             self._free(unit)
 
     def _pack(self, tensor: Tensor) -> Tensor:
-        self._pack_count += 1
-        if self._live:
-            call = self._live.get(tensor.untyped_storage().data_ptr())
+        self._step.packs += 1
+        if self._step.live:
+            call = self._step.live.get(tensor.untyped_storage().data_ptr())
             if call is not None:
                 call.saved = True
         return tensor
@@ -653,15 +665,24 @@ class FSDP(nn.Module):
     # ------------------------------------------------------------------------------------------------
 
     def _before_backward(self, call: _Call) -> None:
+        # Backward. A hook on each unit call's outputs fires before the unit's backward: it gathers the unit again
+        # (already prefetched, normally) and prefetches the unit that ran before it in forward. Units whose saved
+        # tensors do not touch their weights (an embedding's lookup) are not gathered again: a saved-tensor pack hook
+        # records, during forward, whether anything saved lives in a gathered buffer. When all the unit's parameter
+        # gradients exist (the Function's backward), they are cast to fp32 into one flat buffer and
+        # ``reduce_scatter_tensor(op=AVG)`` leaves this rank's slice of the average in its shard's ``.grad``
+        # (:func:`reduce_scatter_mean` falls back to all-reduce + slice where a backend lacks it); the gathered buffer
+        # is freed. :meth:`FSDP.finish_gradient_synchronization` waits for what is in flight; afterwards every shard's
+        # ``.grad`` is fp32 and averaged over ranks.
         """The gradient of a unit call's output exists: its backward is next. Gather it, prefetch the one before."""
-        if call.backward_seen or call.generation != self._generation or self._phase is not _Phase.BACKWARD:
+        if call.backward_seen or call.generation != self._step.generation or self._step.phase is not _Phase.BACKWARD:
             return
         call.backward_seen = True
-        self._backward_started = True
+        self._step.backward_started = True
         if call.needs_gather:
             self._issue_gather(call.unit)
             self._wait_gather(call.unit)
-        for previous in reversed(self._calls[: call.position]):
+        for previous in reversed(self._step.calls[: call.position]):
             if previous.needs_gather:
                 self._issue_gather(previous.unit)
                 break
@@ -670,11 +691,11 @@ class FSDP(nn.Module):
         """The gradients of one call's weights: sum them; after the unit's last call, reduce and free."""
         if call is None:
             raise RuntimeError("FSDP supports activation checkpointing with use_reentrant=False only")
-        if call.generation != self._generation:
+        if call.generation != self._step.generation:
             raise RuntimeError("backward through the graph of an earlier FSDP forward: backward before the next forward")
         if unit.pending_backward <= 0:
             raise RuntimeError("a second backward through the same FSDP forward is not supported")
-        self._backward_started = True
+        self._step.backward_started = True
         if unit.grad_flat is None:
             flat = unit.grad_flat = torch.empty(unit.full.numel(), dtype=torch.float32, device=self.device)
             flat[unit.trainable_numel :].zero_()  # frozen parameters and padding
@@ -702,17 +723,17 @@ class FSDP(nn.Module):
                     reduce_scatter_mean(output, flat, group=self._reduce_group)
                     self._accumulate_grad(unit, output)
                     event = self._reduce_stream.record_event()
-                self._reductions.append(_Reduction(unit, flat, output, event=event))
+                self._step.reductions.append(_Reduction(unit, flat, output, event=event))
             else:
                 output = torch.empty(unit.shard_numel, dtype=torch.float32, device=self.device)
                 handle = reduce_scatter_mean(output, flat, group=self._reduce_group, async_op=True)
-                self._reductions.append(_Reduction(unit, flat, output, handle=handle))
+                self._step.reductions.append(_Reduction(unit, flat, output, handle=handle))
         self._retire_reductions(keep=REDUCTIONS_IN_FLIGHT)
 
     def _retire_reductions(self, keep: int) -> None:
         """Complete the oldest reductions until at most ``keep`` are in flight (frees their inputs)."""
-        while len(self._reductions) > keep:
-            reduction = self._reductions.pop(0)
+        while len(self._step.reductions) > keep:
+            reduction = self._step.reductions.pop(0)
             if reduction.event is not None:
                 torch.cuda.current_stream(self.device).wait_event(reduction.event)
             else:
@@ -745,9 +766,7 @@ class FSDP(nn.Module):
             unit.is_open, unit.open_call, unit.depth = False, None, 0
             unit.modules_done.clear()
             unit.pending_backward, unit.grad_flat = 0, None
-        self._live.clear()
-        self._root_call = None
-        self._phase, self._backward_started = _Phase.IDLE, False
+        self._step.to_idle()
 
     # ------------------------------------------------------------------------------------------------
     # Full parameters

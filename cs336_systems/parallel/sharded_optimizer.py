@@ -46,6 +46,8 @@ class ShardedOptimizer(Optimizer):
     def __init__(
         self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], optimizer_cls: type[Optimizer], **kwargs: Any
     ):
+        if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, Optimizer)):
+            raise TypeError(f"optimizer_cls must be an optimizer class such as torch.optim.AdamW, got {optimizer_cls!r}")
         distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if distributed else 0
         self.world_size = dist.get_world_size() if distributed else 1

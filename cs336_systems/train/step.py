@@ -20,7 +20,7 @@ cross-entropy, fused AdamW, compiled) and ``torch`` (PyTorch's best for the same
 and cross-entropy compiled, ``torch.optim.AdamW(fused=True)``). Every stack trains the same function: the model's
 input/output behaviour and the AdamW hyper-parameters are the same. :data:`SHARDED_STACKS` names the two stacks
 of the 2026 leaderboard step (one sequence per GPU, every block checkpointed): ``ours`` (our FSDP, attention
-operator with its outputs kept, fused RMSNorm, fused cross-entropy, fused AdamW on the shards) and ``pytorch``
+operator with its outputs kept, fused RMSNorm, fused cross-entropy, fused AdamW on the shards) and ``torch``
 (FSDP2, SDPA, compiled blocks, ``F.cross_entropy`` on the full logits, ``torch.optim.AdamW(fused=True)``).
 
     step = build_training_step(model, STACKS["ours"])
@@ -33,8 +33,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import timeit
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, fields, replace
 
 import torch
 import torch.nn.functional as F
@@ -43,7 +43,7 @@ from torch import Tensor, nn
 
 from cs336_basics.model import BasicsTransformerLM
 from cs336_basics.optimizer import AdamW
-from cs336_systems.attention import get_attention
+from cs336_systems.attention import ATTENTION_NAMES, get_attention
 
 ADAMW_HYPERPARAMETERS = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 COMPILE_MODES = ("none", "blocks", "model")
@@ -66,7 +66,8 @@ class Parts:
     cudagraphs: bool = False
 
     def __post_init__(self):
-        for name, value, allowed in (("rmsnorm", self.rmsnorm, ("plain", "fused")), ("loss", self.loss, ("plain", "fused")),
+        for name, value, allowed in (("attention", self.attention, ATTENTION_NAMES),
+                                     ("rmsnorm", self.rmsnorm, ("plain", "fused")), ("loss", self.loss, ("plain", "fused")),
                                      ("optimizer", self.optimizer, OPTIMIZERS), ("compile", self.compile, COMPILE_MODES),
                                      ("sharding", self.sharding, SHARDINGS)):
             if value not in allowed:
@@ -83,16 +84,25 @@ class Parts:
             raise ValueError("cudagraphs captures a one-GPU step: use it with sharding='none'")
 
     def with_(self, **changes) -> Parts:
+        unknown = sorted(set(changes) - {f.name for f in fields(self)})
+        if unknown:
+            raise ValueError(f"unknown part {unknown[0]!r}; choose among {', '.join(f.name for f in fields(self))}")
         return replace(self, **changes)
 
     def with_overrides(self, items: list[str]) -> Parts:
         """These parts with ``part=value`` changes from a command line (e.g. ``["rmsnorm=plain", "checkpointing=2"]``)."""
         changes = {}
         for item in items:
-            name, _, value = item.partition("=")
+            name, equals, value = item.partition("=")
+            if not equals:
+                raise ValueError(f"an override is part=value (e.g. rmsnorm=plain), not {item!r}")
             if name == "checkpointing":
+                if not value.isdigit():
+                    raise ValueError(f"checkpointing is a group size (0, 1, 2, ...), not {value!r}")
                 changes[name] = int(value)
             elif name in ("keep_attention", "cudagraphs"):
+                if value.lower() not in ("1", "true", "yes", "0", "false", "no"):
+                    raise ValueError(f"{name} is true or false, not {value!r}")
                 changes[name] = value.lower() in ("1", "true", "yes")
             else:
                 changes[name] = value
@@ -108,7 +118,7 @@ STACKS: dict[str, Parts] = {
 SHARDED_STACKS: dict[str, Parts] = {
     "ours": Parts(attention="triton", rmsnorm="fused", loss="fused", optimizer="fused", compile="none",
                   checkpointing=1, keep_attention=True, sharding="ours"),
-    "pytorch": Parts(attention="sdpa", rmsnorm="plain", loss="plain", optimizer="torch_fused", compile="blocks",
+    "torch": Parts(attention="sdpa", rmsnorm="plain", loss="plain", optimizer="torch_fused", compile="blocks",
                      checkpointing=1, sharding="fsdp2"),
 }
 
@@ -201,17 +211,22 @@ def shard(net: LanguageModelLoss, sharding: str, compute_dtype: torch.dtype | No
 
         return FSDP(net, compute_dtype=compute_dtype, units=default_units(model))
     if sharding == "fsdp2":
-        import torch.distributed as dist
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        device_type = next(model.parameters()).device.type
-        mesh = init_device_mesh(device_type, (dist.get_world_size(),))
-        policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-        for block in model.layers:
-            fully_shard(block, mesh=mesh, mp_policy=policy)
-        return fully_shard(net, mesh=mesh, mp_policy=policy)
+        return fully_shard_blocks(net, model.layers, compute_dtype)
     return net
+
+
+def fully_shard_blocks(root: nn.Module, blocks: Iterable[nn.Module], compute_dtype: torch.dtype | None) -> nn.Module:
+    """FSDP2: ``fully_shard`` on each block, then on ``root``, over the default process group (parameters in
+    ``compute_dtype`` for compute, fp32 gradient reductions)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(next(root.parameters()).device.type, (dist.get_world_size(),))
+    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    for block in blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    return fully_shard(root, mesh=mesh, mp_policy=policy)
 
 
 class TrainingStep:
@@ -249,7 +264,7 @@ class TrainingStep:
         """One step; with ``phase_seconds`` the device is synchronised after each phase and its seconds added
         under ``forward``, ``backward`` and ``optimizer`` (with ``cudagraphs``: the replayed forward and backward
         under ``forward``, and ``backward`` 0). Returns the loss (detached)."""
-        timed = _phase_timer(token_ids.device, phase_seconds)
+        timed = phase_timer(token_ids.device, phase_seconds)
         if self.parts.cudagraphs:
             return self._replay(token_ids, targets, timed)
         loss = timed("forward", lambda: self.forward_loss(token_ids, targets))
@@ -298,15 +313,21 @@ class TrainingStep:
         self.optimizer.zero_grad(set_to_none=True)
 
 
-def _phase_timer(device: torch.device, phase_seconds: dict[str, float] | None) -> Callable:
+def phase_timer(
+    device: torch.device, phase_seconds: dict[str, float] | None,
+    phase_range: Callable[[str], contextlib.AbstractContextManager] | None = None,
+) -> Callable:
+    """``timed(name, fn)`` runs ``fn()``; with ``phase_seconds`` it then synchronises the device and adds the
+    seconds under ``name``. ``phase_range(name)`` (e.g. an NVTX range) wraps each phase, synchronisation included."""
+
     def timed(name: str, fn: Callable):
-        if phase_seconds is None:
-            return fn()
         start = timeit.default_timer()
-        out = fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        phase_seconds[name] = phase_seconds.get(name, 0.0) + timeit.default_timer() - start
+        with phase_range(name) if phase_range else contextlib.nullcontext():
+            out = fn()
+            if phase_seconds is not None and device.type == "cuda":
+                torch.cuda.synchronize(device)
+        if phase_seconds is not None:
+            phase_seconds[name] = phase_seconds.get(name, 0.0) + timeit.default_timer() - start
         return out
 
     return timed

@@ -4,7 +4,7 @@ library, and no tool imports another (``tests/test_layout.py`` checks it).
 | module | what |
 |---|---|
 | ``result_store`` | the results file of a problem (resume, out-of-memory rows) and the environment every row carries |
-| ``timing`` | synchronisation, timed calls and their statistics, peak memory, the measured matmul rate |
+| ``timing`` | synchronisation, timed calls and their statistics, ``do_bench`` (also agreed across ranks), peak memory, the measured matmul rate |
 | ``flops`` | FLOP accounting of the language model (MFU) |
 | ``cli`` | the options every tool takes, the device announcement, progress bars, printed tables |
 | ``lm`` | the language model under benchmark: named sizes, random batches, one step in timed phases |
@@ -15,4 +15,6 @@ library, and no tool imports another (``tests/test_layout.py`` checks it).
 | ``ddp_step`` | a data-parallel training step under a named DDP variant, with its exposed communication |
 | ``allreduce_fit`` | the latency-bandwidth fit of all-reduce timings |
 | ``timeline`` | compute and communication timelines from profiler traces, drawn |
+| ``leaderboard_2026_model`` | the 2026 leaderboard step's configuration, FLOPs by part and predicted memory per rank |
+| ``leaderboard_2026_check`` | that step built on the ranks, and its check against one process |
 """

@@ -2,15 +2,18 @@
 ``leaderboard``, ``flash_benchmarking`` and ``flash_log``.
 
 A provider is a function ``fn(q, k, v, is_causal) -> o`` on tensors of shape ``(batch_heads, seq, d)`` (heads
-folded into the batch, as the leaderboard's ``(16, 16384, 64)``), found by name in :data:`PROVIDERS`:
+folded into the batch, as the leaderboard's ``(16, 16384, 64)``), found by name in :data:`PROVIDERS`. Where a
+provider runs one of the library's attentions, :data:`LIBRARY_NAMES` gives its :func:`cs336_systems.attention.get_attention`
+name, which :func:`get_provider` and the tools' ``--providers`` also accept; rows keep the provider names
+(committed results use them):
 
-| name | what |
-|---|---|
-| ``ours`` | ``FlashAttention2Triton.apply``, eager |
-| ``ours_compiled`` | ``torch.compile(FlashAttention2Triton.apply)``: the leaderboard's protocol |
-| ``flash_pytorch`` | the tiled PyTorch FlashAttention-2 (a Python loop over tiles: slow) |
-| ``naive`` | the model's plain attention (the full score matrix, masked softmax) |
-| ``naive_compiled`` | ``torch.compile`` of ``naive`` |
+| name | library name | what |
+|---|---|---|
+| ``ours`` | ``triton`` | ``FlashAttention2Triton.apply``, eager |
+| ``ours_compiled`` | | ``torch.compile(FlashAttention2Triton.apply)``: the leaderboard's protocol |
+| ``flash_pytorch`` | ``flash_pytorch`` | the tiled PyTorch FlashAttention-2 (a Python loop over tiles: slow) |
+| ``naive`` | ``naive`` | the model's plain attention (the full score matrix, masked softmax) |
+| ``naive_compiled`` | ``compiled`` | ``torch.compile`` of ``naive`` |
 | ``sdpa_cudnn``, ``sdpa_flash``, ``sdpa_efficient`` | PyTorch's ``scaled_dot_product_attention`` restricted to one backend with ``torch.nn.attention.sdpa_kernel`` (cuDNN, FlashAttention-2 CUDA, memory-efficient), on the inputs viewed as ``(1, batch_heads, seq, d)`` |
 
 Timing is ``triton.testing.do_bench`` on a GPU (CUDA events, L2 flushed before each call; we read every
@@ -28,7 +31,6 @@ from __future__ import annotations
 import dataclasses
 import contextlib
 import functools
-import statistics
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -93,13 +95,13 @@ def _flash_pytorch() -> AttentionFn:
     from cs336_systems.attention import get_attention
 
     _keep_compiled_backward_reusable()  # its backward is compiled too
-    return get_attention("flash_pytorch")
+    return get_attention(LIBRARY_NAMES["flash_pytorch"])
 
 
 def _naive() -> AttentionFn:
     from cs336_systems.attention import get_attention
 
-    return get_attention("naive")
+    return get_attention(LIBRARY_NAMES["naive"])
 
 
 def _keep_compiled_backward_reusable() -> None:
@@ -114,7 +116,7 @@ def _naive_compiled() -> AttentionFn:
     from cs336_systems.attention import get_attention
 
     _keep_compiled_backward_reusable()
-    return get_attention("compiled")
+    return get_attention(LIBRARY_NAMES["naive_compiled"])
 
 
 def _sdpa(q: Tensor, k: Tensor, v: Tensor, is_causal: bool = True) -> Tensor:
@@ -141,14 +143,26 @@ PROVIDERS: dict[str, Provider] = {
 }
 
 
+# Provider (row) name -> the library's name of the same implementation (cs336_systems.attention.get_attention).
+LIBRARY_NAMES = {"ours": "triton", "flash_pytorch": "flash_pytorch", "naive": "naive", "naive_compiled": "compiled"}
+
+
+def provider_name(name: str) -> str:
+    """The provider called ``name``, or the provider of the library's attention called ``name`` (``triton`` is ``ours``)."""
+    by_library_name = {library: provider for provider, library in LIBRARY_NAMES.items()}
+    return name if name in PROVIDERS else by_library_name.get(name, name)
+
+
 def get_provider(name: str) -> Provider:
+    name = provider_name(name)
     if name not in PROVIDERS:
-        raise ValueError(f"unknown provider {name!r}; choose one of {', '.join(PROVIDERS)}")
+        raise ValueError(f"unknown provider {name!r}; choose one of {', '.join(PROVIDERS)} "
+                         f"(or a library name: {', '.join(LIBRARY_NAMES.values())})")
     return PROVIDERS[name]
 
 
-def configure_from_environment(fixed_tiles: bool = False, autotune: bool = False) -> None:
-    """Set our attention's configuration for a command-line tool: ``CS336_FLASH_KERNELS`` and
+def choose_tiles(fixed_tiles: bool = False, autotune: bool = False) -> None:
+    """Set our attention's configuration for a flash tool: ``CS336_FLASH_KERNELS`` and
     ``CS336_FLASH_AUTOTUNE`` (see :class:`cs336_systems.attention.config.FlashConfig`), then ``--fixed-tiles`` or
     ``--autotune``, which win."""
     from cs336_systems.attention.config import FLASH_CONFIG, FlashConfig
@@ -188,46 +202,6 @@ def reset_grads(*tensors: Tensor) -> None:
         leaf = x if x._base is None else x._base
         if leaf.is_leaf:
             leaf.grad = None
-
-
-def _do_bench_all(fn: Callable[[], Any], warmup_ms: float, rep_ms: float) -> list[float]:
-    import triton.testing
-
-    return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="all")
-
-
-def _timer_loop(fn: Callable[[], Any], warmup_ms: float, rep_ms: float) -> list[float]:
-    """``do_bench``'s budget on a CPU: one call, an estimate from three, then warm-up and timed calls."""
-    fn()
-    estimate_ms = 1e3 * min(timing.time_calls(fn, warmup=0, steps=3))
-    n_warmup = max(1, int(warmup_ms / max(estimate_ms, 1e-3)))
-    n_repeat = max(1, min(1000, int(rep_ms / max(estimate_ms, 1e-3))))
-    return [1e3 * s for s in timing.time_calls(fn, warmup=n_warmup, steps=n_repeat)]
-
-
-def bench_ms(
-    fn: Callable[[], Any], device: torch.device, warmup_ms: float, rep_ms: float, prefix: str = ""
-) -> dict[str, float]:
-    """``{prefix}ms`` (the mean, do_bench's default), ``{prefix}median_ms``, ``{prefix}p20_ms``,
-    ``{prefix}p80_ms``, ``{prefix}min_ms`` and the sample count ``{prefix}samples`` of ``fn``'s latency."""
-    times = _do_bench_all(fn, warmup_ms, rep_ms) if device.type == "cuda" else _timer_loop(fn, warmup_ms, rep_ms)
-    return summarize(times, prefix)
-
-
-def summarize(times_ms: list[float], prefix: str = "") -> dict[str, float]:
-    ordered = sorted(times_ms)
-
-    def quantile(q: float) -> float:
-        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-    return {
-        f"{prefix}ms": statistics.fmean(ordered),
-        f"{prefix}median_ms": statistics.median(ordered),
-        f"{prefix}p20_ms": quantile(0.2),
-        f"{prefix}p80_ms": quantile(0.8),
-        f"{prefix}min_ms": ordered[0],
-        f"{prefix}samples": len(ordered),
-    }
 
 
 def phase_callable(
@@ -294,7 +268,7 @@ def time_phases(
     for phase in phases:
         def measure(phase=phase) -> dict[str, Any]:
             with provider.context():
-                return bench_ms(phase_callable(phase, fn, q, k, v, causal, sum_backward), device, warmup_ms, rep_ms,
+                return timing.do_bench_ms(phase_callable(phase, fn, q, k, v, causal, sum_backward), device, warmup_ms, rep_ms,
                                 prefix=f"{phase}_")
 
         try:

@@ -29,15 +29,26 @@ class BenchmarkParser(argparse.ArgumentParser):
         return parsed, rest
 
 
-def base_parser(description: str) -> argparse.ArgumentParser:
-    """An argument parser with the options every benchmark takes."""
+def base_parser(description: str, resumes: bool = True) -> argparse.ArgumentParser:
+    """An argument parser with the options every benchmark takes (``--force`` only where a re-run ``resumes``:
+    skips what is already measured)."""
     parser = BenchmarkParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smoke test: the smallest configuration, few steps")
     parser.add_argument("--results-dir", type=Path, default=None,
                         help=f"where rows go (default {RESULTS_DIR} on a GPU; {SCRATCH_DIR / 'results'} for --quick "
                              "runs and on machines without a GPU)")
-    parser.add_argument("--force", action="store_true", help="measure again configurations already in the results")
+    if resumes:
+        parser.add_argument("--force", action="store_true", help="measure again configurations already in the results")
     return parser
+
+
+def start(parser: argparse.ArgumentParser, argv: list[str] | None) -> tuple[argparse.Namespace, torch.device, bool]:
+    """A single-device tool's first lines: its options parsed, the device chosen and announced, and whether it runs
+    the tiny configuration (``--quick``, or no GPU). Returns ``(args, device, tiny)``."""
+    args = parser.parse_args(argv)
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    announce(device, args.quick)
+    return args, device, args.quick or device.type == "cpu"
 
 
 def announce(device: torch.device, quick: bool) -> None:

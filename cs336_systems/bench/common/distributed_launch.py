@@ -133,7 +133,5 @@ def launch_lm_benchmark(problem: str, worker: Callable[..., None], args: Any,
     parts = isolate(args) if isolate is not None and not under_torchrun() else [args]
     for part in parts:
         if not result_store.ResultStore(problem, part.results_dir, part.force).pending(wanted_cases(part, world_size)):
-            if is_rank0_process() and len(parts) == 1:
-                print("# everything already measured", file=sys.stderr)
-            continue
+            continue  # the store said so
         launch(worker, world_size, part, backend=backend, timeout_s=part.timeout_s)

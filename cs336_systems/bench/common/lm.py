@@ -7,7 +7,6 @@ Shared by every tool that runs ``BasicsTransformerLM`` (end-to-end timing, profi
 from __future__ import annotations
 
 import contextlib
-import timeit
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -18,10 +17,10 @@ from torch.nn.utils import parametrize
 
 from cs336_basics.model import MODEL_SIZES, BasicsTransformerLM
 from cs336_basics.nn_utils import cross_entropy
-from cs336_basics.optimizer import AdamW
 from cs336_systems.attention import get_attention
 from cs336_systems.bench.common import flops, timing
-from cs336_systems.bench.common.timing import synchronize
+from cs336_systems.train import step as train_step
+from cs336_systems.train.step import phase_timer
 
 VOCAB_SIZE = 10_000
 # A model small enough for a CPU smoke test; not one of the assignment's sizes.
@@ -94,17 +93,6 @@ def make_step(
         raise ValueError("train_step needs an optimizer")
     x, y = batch
     device = x.device
-    phase_range = phase_range or (lambda name: contextlib.nullcontext())
-
-    def timed(name: str, fn: Callable[[], object], phase_seconds: dict[str, float] | None):
-        start = timeit.default_timer()
-        with phase_range(name):  # the range ends after the synchronisation: it spans the phase's kernels
-            out = fn()
-            if phase_seconds is not None:
-                synchronize(device)
-        if phase_seconds is not None:
-            phase_seconds[name] = phase_seconds.get(name, 0.0) + timeit.default_timer() - start
-        return out
 
     def forward():
         with autocast(device, dtype):
@@ -112,23 +100,22 @@ def make_step(
             return cross_entropy(logits, y) if mode != "forward" else logits
 
     def step(phase_seconds: dict[str, float] | None = None) -> None:
-        out = timed("forward", forward, phase_seconds)
+        timed = phase_timer(device, phase_seconds, phase_range)
+        out = timed("forward", forward)
         if mode == "forward":
             return
-        timed("backward", out.backward, phase_seconds)
+        timed("backward", out.backward)
         if mode == "train_step":
-            timed("optimizer", lambda: (optimizer.step(), optimizer.zero_grad(set_to_none=True)), phase_seconds)
+            timed("optimizer", lambda: (optimizer.step(), optimizer.zero_grad(set_to_none=True)))
         else:
             model.zero_grad(set_to_none=True)
 
     return step
 
 
-ADAMW_KWARGS = dict(lr=1e-4, weight_decay=0.01)
-
-
 def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
-    return AdamW(model.parameters(), **ADAMW_KWARGS)
+    """The ``cs336_basics`` AdamW with the training step's hyper-parameters."""
+    return train_step.make_optimizer(model.parameters(), "basics")
 
 
 def measure_case(

@@ -22,6 +22,7 @@ import os
 import platform
 import secrets
 import subprocess
+import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -89,6 +90,7 @@ class ResultStore:
         self.force = force
         self.run = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ") + "-" + secrets.token_hex(3)
         self.env = environment()
+        self._said_where = False
         self._measured = [row for row in self.rows() if row.get("device") == self.env["device"]]
 
     def rows(self) -> list[dict[str, Any]]:
@@ -116,15 +118,34 @@ class ResultStore:
             "device": self.env["device"],
             "env": self.env,
         }
+        if not self._said_where:
+            print(f"# rows go to {self.path}", file=sys.stderr)
+            self._said_where = True
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self.path.open("a") as file:
             file.write(json.dumps(row) + "\n")
         self._measured.append(row)
         return row
 
+    def newest(self, config: dict[str, Any]) -> dict[str, Any] | None:
+        """The newest row measured on this device whose fields include every item of ``config`` (None if none)."""
+        rows = [row for row in self.rows() if row.get("device") == self.env["device"]
+                and all(row.get(key) == value for key, value in config.items())]
+        return rows[-1] if rows else None
+
     def pending(self, configs: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
-        """The configurations not yet measured on this device, in order."""
-        return [config for config in configs if not self.done(config)]
+        """The configurations not yet measured on this device, in order; says on stderr how many were skipped."""
+        configs = list(configs)
+        left = [config for config in configs if not self.done(config)]
+        if not configs or len(left) == len(configs):
+            return left
+        if left:
+            print(f"# {len(configs) - len(left)} of {len(configs)} cases already in {self.path}: skipped "
+                  "(--force measures them again)", file=sys.stderr)
+        else:
+            print(f"# every case is already in {self.path}: nothing to measure (--force measures again)",
+                  file=sys.stderr)
+        return left
 
 
 def is_oom(error: BaseException) -> bool:

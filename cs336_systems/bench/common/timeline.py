@@ -43,6 +43,8 @@ The step's phases come from ranges named ``step.forward``, ``step.backward``, ``
 
 from __future__ import annotations
 
+import textwrap
+
 import bisect
 import gzip
 import json
@@ -180,6 +182,9 @@ PHASE_COLORS = {"forward": "#9ecae1", "backward": "#fdae6b", "finish_gradient_sy
                 "optimizer": "#a1d99b"}
 
 
+LANES_WIDTH_IN, LANES_FONT_PT = 6.7, 7.5  # the writeup's text width (us-letter, 0.9 in margins); label size there
+
+
 def render_lanes(timelines: list[Timeline], path: str | Path, title: str = "", labels: list[str] | None = None) -> None:
     """One block of lanes (phases, compute, communication) per timeline; overlapped communication in green."""
     import matplotlib
@@ -190,7 +195,8 @@ def render_lanes(timelines: list[Timeline], path: str | Path, title: str = "", l
 
     labels = labels or [f"rank {i}" for i in range(len(timelines))]
     lanes_per_rank = 3
-    fig, ax = plt.subplots(figsize=(14, 1.0 + 1.05 * lanes_per_rank * len(timelines)))
+    # Drawn at the writeup's text width, so that its labels print at their size on the page.
+    fig, ax = plt.subplots(figsize=(LANES_WIDTH_IN, 1.2 + 0.6 * lanes_per_rank * len(timelines)))
     yticks, yticklabels = [], []
     end = max((s.end_ms for t in timelines for s in t.compute + t.communication + t.phases), default=1.0)
     for rank, (timeline, label) in enumerate(zip(timelines, labels)):
@@ -199,8 +205,8 @@ def render_lanes(timelines: list[Timeline], path: str | Path, title: str = "", l
         kind = "kernels" if timeline.source == "gpu" else "CPU ops"
         summary = overlap_summary(timeline)
         share = "-" if summary["overlap_share"] is None else f"{100 * summary['overlap_share']:.0f} %"
-        comm_label = f"communication\n({summary['comm_busy_ms']:.1f} ms, {share} overlapped)"
-        for y, name in ((phase_y, "phases"), (compute_y, f"compute {kind}"), (comm_y, comm_label)):
+        comm_label = f"communication\n{summary['comm_busy_ms']:.1f} ms, {share} overlapped"
+        for y, name in ((phase_y, "phases"), (compute_y, f"compute\n{kind}"), (comm_y, comm_label)):
             yticks.append(y + 0.4)
             yticklabels.append(f"{label}: {name}")
         for span in timeline.phases:
@@ -209,19 +215,22 @@ def render_lanes(timelines: list[Timeline], path: str | Path, title: str = "", l
                            edgecolors="grey", linewidth=0.5)
             if span.end_ms - span.start_ms > 0.06 * end:
                 short = "grad sync" if span.name == "finish_gradient_synchronization" else span.name
-                ax.text((span.start_ms + span.end_ms) / 2, phase_y + 0.4, short, ha="center", va="center", fontsize=8)
+                ax.text((span.start_ms + span.end_ms) / 2, phase_y + 0.4, short, ha="center", va="center",
+                        fontsize=LANES_FONT_PT)
         compute, communication = merge(timeline.compute), merge(timeline.communication)
         ax.broken_barh([(a, b - a) for a, b in compute], (compute_y, 0.8), facecolors="#3182bd")
         ax.broken_barh([(a, b - a) for a, b in communication], (comm_y, 0.8), facecolors="#e6550d")
         overlapped = intersect(compute, communication)
         ax.broken_barh([(a, b - a) for a, b in overlapped], (comm_y, 0.8), facecolors="#31a354")
-    ax.set_yticks(yticks, yticklabels, fontsize=8)
+    ax.set_yticks(yticks, yticklabels, fontsize=LANES_FONT_PT)
+    ax.tick_params(axis="x", labelsize=LANES_FONT_PT)
     ax.set_xlim(0, end * 1.01)
-    ax.set_xlabel("time since the first event of the rank's trace (ms)")
+    ax.set_xlabel("time since the first event of the rank's trace (ms)", fontsize=LANES_FONT_PT)
     ax.legend(handles=[Patch(color="#3182bd", label="compute"), Patch(color="#e6550d", label="communication"),
                        Patch(color="#31a354", label="communication overlapped with compute")],
-              loc="upper center", bbox_to_anchor=(0.5, -0.12 if len(timelines) > 1 else -0.25), ncol=3, fontsize=8)
-    ax.set_title(title, fontsize=10)
+              loc="upper center", bbox_to_anchor=(0.5, -0.2 if len(timelines) > 1 else -0.35), ncol=3,
+              fontsize=LANES_FONT_PT)
+    ax.set_title(textwrap.fill(title, 90), fontsize=LANES_FONT_PT)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=130)

@@ -16,7 +16,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
-from cs336_systems.parallel.distributed import broadcast_in_place
+from cs336_systems.parallel.distributed import broadcast_in_place, require_process_group
 
 
 def broadcast_module_state(module: nn.Module, src: int = 0) -> None:
@@ -42,8 +42,7 @@ class DataParallelModule(nn.Module):
 
     def __init__(self, module: nn.Module):
         super().__init__()
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError(f"{type(self).__name__} needs an initialised default process group")
+        require_process_group(type(self).__name__)
         self.module = module
         self.world_size = dist.get_world_size()
         self._gradient_sync_enabled = True

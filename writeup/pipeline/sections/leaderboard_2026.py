@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from cs336_systems.bench.leaderboard_2026 import MODEL, memory_budget, step_flop_parts, step_flops
+from cs336_systems.bench.common.leaderboard_2026_model import (
+    MODEL, STACK_OF_ROW, memory_budget, step_flop_parts, step_flops,
+)
 from pipeline import accounting, figures
 from pipeline.markup import DASH, num, pct, sig, table, times
 from pipeline.results import Missing
@@ -137,7 +139,7 @@ def _memory_table(steps, budgets) -> dict[str, Any]:
     body.append(["predicted peak", *[num(budgets[s]["peak_gb"], 1) for s in STACKS]])
     body.append(["measured peak", *[num(steps[s]["peak_gb_per_rank"], 1) for s in STACKS]])
     return table(["GB per GPU", *STACKS], body,
-                 "The memory budget of one GPU as cs336_systems.bench.leaderboard_2026.memory_budget predicts it, "
+                 "The memory budget of one GPU as cs336_systems.bench.common.leaderboard_2026_model.memory_budget predicts it, "
                  "and the peak measured. Masters and moments are always held; the saved activations from forward to "
                  "each block's backward; the gradients build up during backward as the activations drain. The "
                  "predicted peak is the larger of the start of backward (all saved activations and the larger "
@@ -207,7 +209,7 @@ def leaderboard_2026(res, out: Output) -> dict[str, Any]:
     if abs(total - ours["flops"]) > 1e-6 * total:
         raise ValueError(f"the row's flops {ours['flops']:.4g} are not step_flops of its configuration {total:.4g}")
     attention = step_flop_parts(config, batch)["attention"]
-    budgets = {s: memory_budget(config_of(steps[s]), s, world_size=steps[s]["world_size"],
+    budgets = {s: memory_budget(config_of(steps[s]), STACK_OF_ROW[s], world_size=steps[s]["world_size"],
                                 per_rank_batch=steps[s]["batch_size"] // steps[s]["world_size"]) for s in STACKS}
     ratio = ours["step_ms"] / torch["step_ms"]
     peak = max(ours.get("peak_gb_ranks") or [ours["peak_gb_per_rank"]])
