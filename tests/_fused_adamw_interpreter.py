@@ -25,6 +25,7 @@ from tests.test_fused_adamw import (
     check_bfloat16_state_dict_keeps_float32_moments,
     check_float32_against_basics,
     check_low_precision_against_float64,
+    check_master_weights_train_like_float32,
     check_state_dict_round_trip,
 )
 
@@ -87,6 +88,11 @@ def test_closure_and_table_cache():
     p.grad = p.grad.clone()  # a new address
     optimizer.step()
     assert optimizer._tables.misses == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_master_weights_train_like_float32(dtype):
+    check_master_weights_train_like_float32(SHAPES, dtype, "cpu")
 
 
 def test_non_contiguous_param_raises():

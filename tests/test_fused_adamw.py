@@ -326,6 +326,30 @@ def test_aligned_launches_compile_to_16_byte_accesses(param_dtype):
             assert (access in ptx) == aligned, f"ALIGNED={aligned}: {access} {'missing' if aligned else 'present'}"
 
 
+def check_master_weights_train_like_float32(shapes, dtype: torch.dtype, device, steps: int = 5) -> None:
+    """16-bit parameters with float32 master weights: the masters follow the plain AdamW run on float32 copies of
+    the parameters with the same (16-bit) gradients, to float32 rounding; each parameter is its master rounded
+    (as the kernel rounds: :data:`ROUND`)."""
+    from cs336_basics.optimizer import AdamW
+    from cs336_systems.kernels.adamw import FusedAdamW
+
+    settings = GROUPS[0]
+    params = make_params(shapes, dtype, device)
+    masters = [p.detach().float().requires_grad_() for p in params]
+    ours, theirs = FusedAdamW(params, **settings, master_weights=True), AdamW(masters, **settings)
+    for _ in range(steps):
+        grads = [random_gradient(p) for p in params]
+        set_grads(params, grads, in_place=False)
+        set_grads(masters, [g.float() for g in grads], in_place=False)
+        ours.step()
+        theirs.step()
+    for p, master in zip(params, masters):
+        kept = ours.state[p]["master"]
+        assert kept.dtype == torch.float32
+        torch.testing.assert_close(kept, master.detach(), rtol=1e-6, atol=1e-7)
+        assert torch.equal(p.double(), ROUND(kept, dtype)), "the parameter is its master rounded"
+
+
 @pytest.mark.gpu
 def test_fused_adamw_on_gpu():
     from cs336_systems.kernels.adamw import fused_adamw_kernel
@@ -335,7 +359,8 @@ def test_fused_adamw_on_gpu():
         check_low_precision_against_float64(GPU_SHAPES, dtype, "cuda", grad_dtype)
     check_state_dict_round_trip(GPU_SHAPES, "cuda")
     check_bfloat16_state_dict_keeps_float32_moments("cuda")
-    # Learning rates changed every step, yet one compiled kernel per (dtypes, alignment): float32 aligned and
-    # misaligned, bfloat16, float16, bfloat16 with float32 gradients.
+    check_master_weights_train_like_float32(GPU_SHAPES, torch.bfloat16, "cuda")
+    # Learning rates changed every step, yet one compiled kernel per (dtypes, alignment, masters): float32 aligned
+    # and misaligned, bfloat16, float16, bfloat16 with float32 gradients, bfloat16 with masters.
     kernels = fused_adamw_kernel.device_caches[torch.cuda.current_device()][0]
-    assert len(kernels) == 5, f"{len(kernels)} compiled kernels"
+    assert len(kernels) == 6, f"{len(kernels)} compiled kernels"

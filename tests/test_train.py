@@ -26,6 +26,10 @@ def test_parts_are_checked():
         build_training_step(build_model(LMConfig("tiny", 8, 1), torch.device("cpu")), "fastest")
     with pytest.raises(ValueError, match="sharding='none'"):
         Parts(cudagraphs=True, sharding="fsdp2")
+    with pytest.raises(ValueError, match="optimizer='fused'"):
+        Parts(weights="bf16", optimizer="torch_fused")
+    with pytest.raises(ValueError, match="unknown weights"):
+        Parts(weights="fp8")
     assert STACKS["torch"].with_overrides(["cudagraphs=true"]).cudagraphs
 
 
@@ -93,7 +97,8 @@ def test_our_stack_trains_like_pytorchs_on_gpu(compile_mode):
         torch._dynamo.reset()
         model = build_model(config, device)
         step = build_training_step(model, STACKS[stack].with_(compile=compile_mode))
-        results[stack] = ([step(x, y).item() for _ in range(4)], [p.detach().clone() for p in model.parameters()])
+        # Ours holds its linear weights in bf16 (float32 masters in the optimizer): compare as float32.
+        results[stack] = ([step(x, y).item() for _ in range(4)], [p.detach().float() for p in model.parameters()])
     assert results["ours"][0] == pytest.approx(results["torch"][0], rel=2e-2)
     for ours, theirs in zip(results["ours"][1], results["torch"][1]):
         torch.testing.assert_close(ours, theirs, rtol=2e-2, atol=2e-3)
@@ -121,3 +126,17 @@ def test_captured_step_matches_the_uncaptured_one_on_gpu(stack):
     assert results[True][0] == pytest.approx(results[False][0], rel=1e-3)
     for captured, plain in zip(results[True][1], results[False][1]):
         torch.testing.assert_close(captured, plain, rtol=1e-3, atol=1e-4)
+
+
+def test_bf16_weights_part_on_cpu():
+    """The ``weights='bf16'`` part holds the linear layers' weights in bf16 (the fused AdamW keeps float32 masters;
+    the GPU test compares the training with PyTorch's stack); embeddings and norms stay float32."""
+    from cs336_basics.model import Linear
+
+    model = build_model(LMConfig("tiny", 16, 2), torch.device("cpu"))
+    step = build_training_step(model, Parts(attention="naive", optimizer="fused", compile="none", weights="bf16"))
+    linear = [m.weight.dtype for m in model.modules() if isinstance(m, Linear)]
+    assert linear and set(linear) == {torch.bfloat16}
+    others = {p.dtype for p in model.parameters()} - {torch.bfloat16}
+    assert others == {torch.float32}
+    assert step.optimizer.master_weights

@@ -88,7 +88,9 @@ TABLE_CACHE_SIZE = 8
 """The fewest tables an optimizer keeps (it keeps at least two per launch of a step): one per launch is used
 each step; the others absorb gradients that move between two addresses."""
 
-_ROW = tl.constexpr(6)  # int64 columns per tensor in the table: p, g, exp_avg, exp_avg_sq addresses; numel; first block
+_ROW = tl.constexpr(7)
+"""int64 columns per tensor in the table: p, g, exp_avg, exp_avg_sq addresses; numel; first block; the float32 master
+weights' address (0 without)."""
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -99,15 +101,20 @@ _ROW = tl.constexpr(6)  # int64 columns per tensor in the table: p, g, exp_avg, 
 @triton.jit
 def _adamw_elements(
     P, G, M, V,  # pointers to this tensor's parameter, gradient, exp_avg, exp_avg_sq (elements offs)
+    W,  # its float32 master weights (HAS_MASTER), which the update reads and writes; P gets their rounding
     offs, numel,  # int64 (BLOCK,) element offsets; the tensor's element count
     decay, lerp_weight, beta2, beta2_complement, step_size, eps_hat,
     MASKED: tl.constexpr,  # the tensor's last block: some offsets are past numel
+    HAS_MASTER: tl.constexpr,
 ):
     if MASKED:
         mask = offs < numel
     else:
         mask = None
-    p = tl.load(P + offs, mask=mask).to(tl.float32)
+    if HAS_MASTER:
+        p = tl.load(W + offs, mask=mask)
+    else:
+        p = tl.load(P + offs, mask=mask).to(tl.float32)
     g = tl.load(G + offs, mask=mask).to(tl.float32)
     m = tl.load(M + offs, mask=mask)
     v = tl.load(V + offs, mask=mask)
@@ -118,13 +125,15 @@ def _adamw_elements(
     v = v * beta2 + beta2_complement * g * g
     p = p - step_size * tl.div_rn(m, tl.sqrt_rn(v) + eps_hat)
     tl.store(P + offs, p.to(P.dtype.element_ty), mask=mask)
+    if HAS_MASTER:
+        tl.store(W + offs, p, mask=mask)
     tl.store(M + offs, m, mask=mask)
     tl.store(V + offs, v, mask=mask)
 
 
 @triton.jit
 def fused_adamw_kernel(
-    Table,  # int64 (n_tensors, 6): addresses of p, g, exp_avg, exp_avg_sq; numel; first block
+    Table,  # int64 (n_tensors, 7): addresses of p, g, exp_avg, exp_avg_sq; numel; first block; master weights
     BlockTensor,  # int32 (n_blocks,): the Table row of each program's tensor
     decay,  # 1 - lr * weight_decay
     lerp_weight,  # 1 - beta1
@@ -134,6 +143,7 @@ def fused_adamw_kernel(
     PARAM_DTYPE: tl.constexpr,
     GRAD_DTYPE: tl.constexpr,
     ALIGNED: tl.constexpr,  # every address is a multiple of 16 bytes
+    HAS_MASTER: tl.constexpr,  # float32 master weights for every tensor (16-bit parameters)
     BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -143,6 +153,7 @@ def fused_adamw_kernel(
     M = tl.load(row + 2).to(tl.pointer_type(tl.float32))
     V = tl.load(row + 3).to(tl.pointer_type(tl.float32))
     numel = tl.load(row + 4)
+    W = tl.load(row + 6).to(tl.pointer_type(tl.float32))
     start = (pid - tl.load(row + 5)) * BLOCK  # int64: tensors may exceed 2^31 elements
     if ALIGNED:
         # Addresses read from memory carry no alignment facts: without these, accesses are 4 bytes wide.
@@ -150,13 +161,14 @@ def fused_adamw_kernel(
         G = tl.multiple_of(G, 16)
         M = tl.multiple_of(M, 16)
         V = tl.multiple_of(V, 16)
+        W = tl.multiple_of(W, 16)
     offs = start + tl.arange(0, BLOCK)
     if start + BLOCK <= numel:
-        _adamw_elements(P, G, M, V, offs, numel, decay, lerp_weight, beta2, beta2_complement, step_size, eps_hat,
-                        MASKED=False)
+        _adamw_elements(P, G, M, V, W, offs, numel, decay, lerp_weight, beta2, beta2_complement, step_size, eps_hat,
+                        MASKED=False, HAS_MASTER=HAS_MASTER)
     else:
-        _adamw_elements(P, G, M, V, offs, numel, decay, lerp_weight, beta2, beta2_complement, step_size, eps_hat,
-                        MASKED=True)
+        _adamw_elements(P, G, M, V, W, offs, numel, decay, lerp_weight, beta2, beta2_complement, step_size, eps_hat,
+                        MASKED=True, HAS_MASTER=HAS_MASTER)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -181,18 +193,23 @@ def _check_device(x: Tensor) -> None:
 
 
 class _Tables:
-    """The device tables of a launch: ``table`` int64 (n_tensors, 6), ``block_tensor`` int32 (n_blocks,)."""
+    """The device tables of a launch: ``table`` int64 (n_tensors, 7), ``block_tensor`` int32 (n_blocks,). Built
+    without synchronising the host: the rows go over from pinned memory, the block map is expanded on the device."""
 
     def __init__(self, key: tuple[int, ...], device: torch.device):
-        rows = [key[i:i + 5] for i in range(0, len(key), 5)]  # (p, g, exp_avg, exp_avg_sq addresses, numel)
-        counts = [triton.cdiv(numel, BLOCK) for *_, numel in rows]
+        # (p, g, exp_avg, exp_avg_sq addresses, numel, master address)
+        rows = [key[i:i + 6] for i in range(0, len(key), 6)]
+        counts = [triton.cdiv(row[4], BLOCK) for row in rows]
         firsts = itertools.accumulate(counts, initial=0)
         self.n_blocks = sum(counts)
-        self.aligned = all(address % 16 == 0 for row in rows for address in row[:4])
-        self.table = torch.tensor([(*row, first) for row, first in zip(rows, firsts)], dtype=torch.int64).to(device)
+        self.aligned = all(address % 16 == 0 for row in rows for address in (*row[:4], row[5]))
+        pinned = device.type == "cuda"
+        host = torch.tensor([(*row[:5], first, row[5]) for row, first in zip(rows, firsts)], dtype=torch.int64)
+        self.table = (host.pin_memory() if pinned else host).to(device, non_blocking=pinned)
+        counts_host = torch.tensor(counts, dtype=torch.int64)
+        counts_device = (counts_host.pin_memory() if pinned else counts_host).to(device, non_blocking=pinned)
         self.block_tensor = torch.repeat_interleave(
-            torch.arange(len(rows), dtype=torch.int32), torch.tensor(counts), output_size=self.n_blocks
-        ).to(device)
+            torch.arange(len(rows), dtype=torch.int32, device=device), counts_device, output_size=self.n_blocks)
 
 
 class TableCache:
@@ -233,6 +250,7 @@ def fused_adamw_(
     betas: tuple[float, float],
     eps: float,
     weight_decay: float,
+    masters: Sequence[Tensor] | None = None,
     cache: TableCache | None = None,
 ) -> None:
     """One AdamW step, in place, for every ``params[i]`` (any shape, contiguous) with gradient ``grads[i]``
@@ -241,7 +259,9 @@ def fused_adamw_(
     (1 for the first), the same for all tensors.
 
     All tensors on one device; the parameters of one dtype (float32, bfloat16 or float16), the gradients
-    of one such dtype. ``cache`` keeps the launch tables between calls (a new one each call without it).
+    of one such dtype. ``masters`` (float32, contiguous, ``params[i]``'s shape), when given, are the weights the
+    update reads and writes, ``params[i]`` receiving their rounding (16-bit parameters that train as float32).
+    ``cache`` keeps the launch tables between calls (a new one each call without it).
     """
     n = len(params)
     if not (len(grads) == len(exp_avgs) == len(exp_avg_sqs) == n):
@@ -275,11 +295,12 @@ def fused_adamw_(
             if t.device != device or p.device != device:
                 raise ValueError(f"all tensors of a launch must be on one device: {_name(name, i)} is on {t.device}, "
                                  f"{_name('params', i)} on {p.device}, {_name('params', 0)} on {device}")
-        for name, t in (("exp_avgs", m), ("exp_avg_sqs", v)):
-            if t.dtype != torch.float32 or not t.is_contiguous():
-                raise ValueError(f"{_name(name, i)} must be a contiguous float32 tensor, got {t.dtype} with strides "
-                                 f"{t.stride()}")
-        key += (p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), p.numel())
+        w = masters[i] if masters is not None else None
+        for name, t in (("exp_avgs", m), ("exp_avg_sqs", v), ("masters", w)):
+            if t is not None and (t.dtype != torch.float32 or not t.is_contiguous() or t.shape != p.shape):
+                raise ValueError(f"{_name(name, i)} must be a contiguous float32 tensor of its parameter's shape "
+                                 f"{tuple(p.shape)}, got {t.dtype} {tuple(t.shape)} with strides {t.stride()}")
+        key += (p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), p.numel(), 0 if w is None else w.data_ptr())
     tables = (cache or TableCache(1)).get(device, tuple(key))
     if tables.n_blocks == 0:
         return
@@ -292,7 +313,7 @@ def fused_adamw_(
             float(1 - lr * weight_decay), float(1 - beta1), float(beta2), float(1 - beta2),
             float(lr * bias_correction2_sqrt / (1 - beta1**step)), float(eps * bias_correction2_sqrt),
             PARAM_DTYPE=_TL_DTYPES[param_dtype], GRAD_DTYPE=_TL_DTYPES[grad_dtype], ALIGNED=tables.aligned,
-            BLOCK=BLOCK, num_warps=NUM_WARPS,
+            HAS_MASTER=masters is not None, BLOCK=BLOCK, num_warps=NUM_WARPS,
         )
 
 
@@ -309,10 +330,17 @@ class FusedAdamW(AdamW):
     State per parameter: ``step`` (int), ``exp_avg`` and ``exp_avg_sq`` (float32, the parameter's shape, for
     every parameter dtype). Parameters: float32, bfloat16 or float16, contiguous, on a CUDA device (or the CPU
     under ``TRITON_INTERPRET=1``); gradients of any of those dtypes.
+
+    ``master_weights=True``: each 16-bit parameter also has ``master``, a float32 copy (made from it at the first
+    step) that the update reads and writes, the parameter receiving its rounding: the model computes with 16-bit
+    weights (no casts under autocast, 16-bit gradients) and trains float32 ones, for the same 28 bytes a parameter
+    per step as a float32 parameter.
     """
 
-    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01):
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01,
+                 master_weights: bool = False):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)  # the plain one's checks
+        self.master_weights = master_weights
         self._tables = TableCache()
 
     def __setstate__(self, state: dict) -> None:
@@ -338,7 +366,9 @@ class FusedAdamW(AdamW):
                     state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32,
                                                            memory_format=torch.contiguous_format)
-                key = (p.device, p.dtype, g.dtype, state["step"] + 1, hyper)
+                    if self.master_weights and p.dtype != torch.float32:
+                        state["master"] = p.detach().to(torch.float32, memory_format=torch.contiguous_format)
+                key = (p.device, p.dtype, g.dtype, state["step"] + 1, hyper, "master" in state)
                 members = launches.get(key)
                 if members is None:
                     members = launches[key] = ([], [], [])
@@ -347,9 +377,10 @@ class FusedAdamW(AdamW):
                 members[2].append(state)
         # Room for every launch's tables (per-layer param groups, say) and for gradients moving between two places.
         self._tables.size = max(TABLE_CACHE_SIZE, 2 * len(launches))
-        for (_, _, _, step, (lr, betas, eps, weight_decay)), (params, grads, states) in launches.items():
+        for (_, _, _, step, (lr, betas, eps, weight_decay), master), (params, grads, states) in launches.items():
             fused_adamw_(params, grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
-                         step=step, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, cache=self._tables)
+                         step=step, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                         masters=[s["master"] for s in states] if master else None, cache=self._tables)
             for state in states:
                 state["step"] = step
         return loss
@@ -366,6 +397,7 @@ class FusedAdamW(AdamW):
                     continue
                 state = self.state[p]
                 state["step"] = int(saved["step"])
-                for name in ("exp_avg", "exp_avg_sq"):
-                    state[name] = torch.empty(p.shape, dtype=torch.float32, device=p.device).copy_(saved[name])
+                for name in ("exp_avg", "exp_avg_sq", "master"):
+                    if name in saved:
+                        state[name] = torch.empty(p.shape, dtype=torch.float32, device=p.device).copy_(saved[name])
 

@@ -14,9 +14,10 @@ chosen by name in :class:`Parts`, so that the two stacks the benchmarks race dif
 | ``keep_attention`` | checkpointed groups keep each attention call's output (and log-sum-exp): selective checkpointing, so backward recomputes the rest of a block but never the attention itself |
 | ``sharding`` | ``none`` (one process, or any data-parallel wrapper around the step), ``ours`` (our FSDP by blocks) or ``fsdp2`` (``fully_shard`` per block and root); sharded stacks hold fp32 master weights and compute in the step's bf16 dtype (no autocast), gradients reduced in fp32 |
 | ``cudagraphs`` | capture the forward, loss and backward in one CUDA graph on the first call (after two warm-up passes on a side stream, which do not train) and replay it with the batch copied into static inputs: a step then costs the host one replay and the optimizer's launches (the optimizer runs outside the graph: the update's bias corrections are host scalars). One GPU, unsharded |
+| ``weights`` | ``fp32`` (every parameter float32, cast by autocast at each use) or ``bf16``: the linear layers' weights held in bf16, trained through float32 master weights that our fused AdamW keeps and rounds back after each update (the matmuls then read them with no cast, in forward and backward, and their gradients are bf16); needs the fused optimizer, bf16 autocast and one GPU |
 
 :data:`STACKS` names the two compared stacks: ``ours`` (our attention operator, fused RMSNorm, fused
-cross-entropy, fused AdamW, compiled) and ``torch`` (PyTorch's best for the same model: SDPA, the plain RMSNorm
+cross-entropy, fused AdamW with bf16 linear weights over float32 masters, compiled) and ``torch`` (PyTorch's best for the same model: SDPA, the plain RMSNorm
 and cross-entropy compiled, ``torch.optim.AdamW(fused=True)``). Every stack trains the same function: the model's
 input/output behaviour and the AdamW hyper-parameters are the same. :data:`SHARDED_STACKS` names the two stacks
 of the 2026 leaderboard step (one sequence per GPU, every block checkpointed): ``ours`` (our FSDP, attention
@@ -41,7 +42,7 @@ import torch.nn.functional as F
 from jaxtyping import Int
 from torch import Tensor, nn
 
-from cs336_basics.model import BasicsTransformerLM
+from cs336_basics.model import BasicsTransformerLM, Linear
 from cs336_basics.optimizer import AdamW
 from cs336_systems.attention import ATTENTION_NAMES, get_attention
 
@@ -49,6 +50,7 @@ ADAMW_HYPERPARAMETERS = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay
 COMPILE_MODES = ("none", "blocks", "model")
 OPTIMIZERS = ("basics", "torch_fused", "torch_foreach", "fused")
 SHARDINGS = ("none", "ours", "fsdp2")
+WEIGHTS = ("fp32", "bf16")
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,7 @@ class Parts:
     keep_attention: bool = False
     sharding: str = "none"
     cudagraphs: bool = False
+    weights: str = "fp32"
 
     def __post_init__(self):
         for name, value, allowed in (("attention", self.attention, ATTENTION_NAMES),
@@ -80,6 +83,11 @@ class Parts:
             raise ValueError("a sharded step compiles blocks at most (compile='none' or 'blocks')")
         if self.sharding == "ours" and self.compile != "none":
             raise ValueError("our FSDP swaps weight views into the blocks on every call: use compile='none' with it")
+        if self.weights not in WEIGHTS:
+            raise ValueError(f"unknown weights {self.weights!r}; choose one of {', '.join(WEIGHTS)}")
+        if self.weights == "bf16" and (self.optimizer != "fused" or self.sharding != "none"):
+            raise ValueError("weights='bf16' trains float32 master weights in our fused AdamW: it needs "
+                             "optimizer='fused' and sharding='none'")
         if self.cudagraphs and self.sharding != "none":
             raise ValueError("cudagraphs captures a one-GPU step: use it with sharding='none'")
 
@@ -110,7 +118,8 @@ class Parts:
 
 
 STACKS: dict[str, Parts] = {
-    "ours": Parts(attention="triton", rmsnorm="fused", loss="fused", optimizer="fused", compile="blocks"),
+    "ours": Parts(attention="triton", rmsnorm="fused", loss="fused", optimizer="fused", compile="blocks",
+                  weights="bf16"),
     "torch": Parts(attention="sdpa", rmsnorm="plain", loss="plain", optimizer="torch_fused", compile="blocks"),
 }
 
@@ -123,8 +132,9 @@ SHARDED_STACKS: dict[str, Parts] = {
 }
 
 
-def make_optimizer(parameters, name: str) -> torch.optim.Optimizer:
-    """AdamW with :data:`ADAMW_HYPERPARAMETERS`, implemented as ``name`` says."""
+def make_optimizer(parameters, name: str, master_weights: bool = False) -> torch.optim.Optimizer:
+    """AdamW with :data:`ADAMW_HYPERPARAMETERS`, implemented as ``name`` says (``master_weights``: float32 master
+    weights for 16-bit parameters, our fused AdamW only)."""
     params = [p for p in parameters if p.requires_grad]
     if name == "basics":
         return AdamW(params, **ADAMW_HYPERPARAMETERS)
@@ -133,7 +143,7 @@ def make_optimizer(parameters, name: str) -> torch.optim.Optimizer:
     if name == "fused":
         from cs336_systems.kernels.adamw import FusedAdamW
 
-        return FusedAdamW(params, **ADAMW_HYPERPARAMETERS)
+        return FusedAdamW(params, **ADAMW_HYPERPARAMETERS, master_weights=master_weights)
     raise ValueError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
 
 
@@ -229,6 +239,16 @@ def fully_shard_blocks(root: nn.Module, blocks: Iterable[nn.Module], compute_dty
     return fully_shard(root, mesh=mesh, mp_policy=policy)
 
 
+def hold_linear_weights_in_bf16(model: nn.Module, autocast_dtype: torch.dtype | None) -> None:
+    """The ``weights='bf16'`` part: every linear layer's weight becomes bf16 in place (the optimizer keeps float32
+    masters). Embeddings and norms stay float32, so the residual stream stays float32 as with float32 weights."""
+    if autocast_dtype != torch.bfloat16:
+        raise ValueError(f"weights='bf16' computes under bf16 autocast, not {autocast_dtype}")
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.weight.data = module.weight.data.to(torch.bfloat16)
+
+
 class TrainingStep:
     """Forward, loss, backward and optimizer step of ``model`` with ``parts`` (see :func:`build_training_step`)."""
 
@@ -237,6 +257,8 @@ class TrainingStep:
         sharded = parts.sharding != "none"
         # Sharded stacks compute in this dtype from fp32 masters (their gathered weights): no autocast.
         self.autocast_dtype = None if sharded else autocast_dtype
+        if parts.weights == "bf16":
+            hold_linear_weights_in_bf16(model, self.autocast_dtype)
         head = fused_loss if parts.loss == "fused" else plain_loss
         if parts.compile == "blocks" and not sharded:
             head = torch.compile(head)  # the blocks are compiled modules (below); the loss head is one more graph
@@ -244,7 +266,7 @@ class TrainingStep:
         if parts.compile == "blocks":
             for block in model.layers:
                 block.compile()
-        self.optimizer = make_optimizer(self.net.parameters(), parts.optimizer)
+        self.optimizer = make_optimizer(self.net.parameters(), parts.optimizer, master_weights=parts.weights == "bf16")
 
         def forward_loss(token_ids: Tensor, targets: Tensor) -> Tensor:
             with self._autocast(token_ids.device):
