@@ -56,7 +56,7 @@ def main() -> None:
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     parser.add_argument("--not-causal", action="store_true")
-    parser.add_argument("--save-dir", default=None, help="also write each kernel's SASS to DIR/<kernel>.sass")
+    parser.add_argument("--save-dir", default=None, help="also write each kernel's SASS and TTGIR to DIR/<kernel>.sass, .ttgir")
     args = parser.parse_args()
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     if args.save_dir:
@@ -74,6 +74,8 @@ def main() -> None:
             if args.save_dir:
                 with open(os.path.join(args.save_dir, f"{name}.sass"), "w") as f:
                     f.write(code + "\n")
+                with open(os.path.join(args.save_dir, f"{name}.ttgir"), "w") as f:
+                    f.write(compiled.asm["ttgir"])
 
 
 if __name__ == "__main__":
