@@ -25,18 +25,18 @@ from tests._flash_aot import _tool, compile_for_gpu, resource_usage  # noqa: E40
 
 def launches(head_dim: int, dtype: torch.dtype, is_causal: bool) -> dict[str, tuple]:
     """``name -> (kernel, args, kwargs)`` of the forward and the backward on CPU tensors (nothing runs)."""
-    batch, heads, n_queries, n_keys = 2, 3, 1000, 777
+    batch, heads, n_queries, n_keys = 2, 3, 1000, 777  # the forward's keys: n_queries, as in the test
     scale = 1 / math.sqrt(head_dim)
-    Q, O = (torch.empty(batch, heads, 1000, head_dim, dtype=dtype) for _ in range(2))
-    K, V = (torch.empty(batch, heads, 1000, head_dim, dtype=dtype) for _ in range(2))
-    L = torch.empty(batch * heads, 1000)
+    Q, K, V, O = (torch.empty(batch, heads, n_queries, head_dim, dtype=dtype) for _ in range(4))
+    L = torch.empty(batch * heads, n_queries)
     _, args, kwargs = flash_hopper.forward_launch_arguments(Q, K, V, O, L, is_causal, scale)
     result = {f"fwd_d{head_dim}": (flash_hopper.attn_fwd_hopper_kernel, args, kwargs)}
     Q, dO = (torch.empty(batch, heads, n_queries, head_dim, dtype=dtype) for _ in range(2))
     K, V, dK, dV = (torch.empty(batch, heads, n_keys, head_dim, dtype=dtype) for _ in range(4))
     L, Delta = (torch.empty(batch * heads, n_queries) for _ in range(2))
     DQ_acc = torch.empty(batch * heads, n_queries, head_dim)
-    _, args, kwargs = flash_hopper.backward_launch_arguments(Q, K, V, dO, L, Delta, dK, dV, DQ_acc, is_causal, scale)
+    _, args, kwargs = flash_hopper.backward_launch_arguments(Q, K, V, dO, L, Delta, dK, dV, DQ_acc, is_causal,
+                                                             scale)
     result[f"bwd_d{head_dim}"] = (flash_hopper.attn_bwd_hopper_kernel, args, kwargs)
     return result
 
@@ -56,14 +56,14 @@ def main() -> None:
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     parser.add_argument("--not-causal", action="store_true")
-    parser.add_argument("--save-dir", default=None, help="also write each kernel's SASS and TTGIR to DIR/<kernel>.sass, .ttgir")
+    parser.add_argument("--save-dir", default=None,
+                        help="also write each kernel's SASS and TTGIR to DIR/<kernel>.sass and .ttgir")
     args = parser.parse_args()
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     if args.save_dir:
         os.makedirs(args.save_dir, exist_ok=True)
     for head_dim in args.head_dims:
         for name, (kernel, launch_args, kwargs) in launches(head_dim, dtype, not args.not_causal).items():
-            kwargs = dict(kwargs)
             compiled = compile_for_gpu(kernel, launch_args, kwargs)
             code = sass(compiled)
             usage = resource_usage(compiled)
