@@ -414,7 +414,7 @@ class BwdProgram:
     bh: gl.tensor
     n_heads: gl.tensor
     start_n: gl.tensor
-    query_start: (gl.tensor, gl.constexpr)
+    query_start: (gl.tensor, gl.constexpr)  # either: the field's check is an isinstance
     n_steps: gl.tensor
     n_queries: gl.tensor
 
@@ -425,6 +425,7 @@ class BwdProgram:
         self.bh = bh
         self.n_heads = n_heads
         self.start_n = start_n
+        # A constexpr reaches this constructor unwrapped (a Python int): wrap it again.
         self.query_start = gl.constexpr(query_start) if isinstance(query_start, int) else query_start
         self.n_steps = n_steps
         self.n_queries = n_queries
