@@ -5,6 +5,10 @@ Both are warp-specialised (``gl.warp_specialize``): a one-warp worker partition 
 engine (TMA) into a ring of shared-memory stages guarded by mbarriers, refilling a stage once the consumers have
 released it, while consumer warpgroups (their registers raised by ``setmaxnreg``) run asynchronous ``wgmma``.
 
+Forward. One program holds 128 queries, 64 per consumer warpgroup, each warpgroup its own partition: they meet
+only at the K/V ring's barriers, so that they drift apart and one's softmax runs while the other's matmuls
+occupy the tensor cores. S_(j+1) = Q K_(j+1)^T is issued behind P V_j; P goes to ``wgmma`` from registers.
+
 Backward. One program holds ``BLOCK_N`` = 128 keys (K and V in shared memory, dK and dV accumulating in
 registers, 64 keys per consumer warpgroup) and sweeps the query blocks that see them, ``BLOCK_M`` queries at a
 time; the loader also stores each block's base-2 logsumexp and Delta into the ring. Per step, five matmuls:
@@ -13,9 +17,15 @@ dK += dS^T Q; dQ_j = dS K, added into a float32 buffer by the copy engine's bulk
 (``cp.reduce.async.bulk``) from a double-buffered staging tile, so that the warps go on at once. The next
 block's S and dP are issued behind dV and dK; three CTA-wide barriers per step order the shared buffers.
 
-Forward. One program holds 128 queries, 64 per consumer warpgroup, each warpgroup its own partition: they meet
-only at the K/V ring's barriers, so that they drift apart and one's softmax runs while the other's matmuls
-occupy the tensor cores. S_(j+1) = Q K_(j+1)^T is issued behind P V_j; P goes to ``wgmma`` from registers.
+Code. The file reads forward, then backward, with the same names on both sides (``_fwd_load_partition`` /
+``_bwd_load_partition``, ``_fwd_issue_scores``, ``_fwd_step``, ``_fwd_compute_partition`` and their ``_bwd_``
+twins). The state a function needs travels in ``@aggregate`` classes: the kernel's constexpr configuration
+(``FwdConfig`` / ``BwdConfig``: tile sizes, flags, register layouts), the program's coordinates
+(``FwdProgram`` / ``BwdProgram``), the shared-memory buffers with their mbarriers (``FwdBuffers``; the backward's
+``BwdBuffers`` and its Q/dO ring ``BwdRing``) and the accumulators a loop carries (``FwdState`` / ``BwdState``).
+An aggregate adds no instruction: it is flattened into its fields where a function is called. The order of the
+arguments of a worker partition is kept as it was when they were spelled out one by one: it orders the values
+that ``gl.warp_specialize`` hands to the workers, and so the generated code.
 
 The Triton kernels (``flash_triton_kernels.py``) stay the portable path: other GPUs, float32, small problems, the
 CPU interpreter. ``flash_triton`` picks these as :data:`cs336_systems.attention.config.FLASH_CONFIG` says (by
@@ -28,7 +38,8 @@ stride is ``d`` (a ``(batch, seq, heads, d)`` tensor transposed, as attention la
 copied. The kernel addresses a block at ``[b * heads + h, m, 0]`` or ``[b, m, h * d]`` accordingly.
 """
 
-from __future__ import annotations
+# No ``from __future__ import annotations`` here: an aggregate checks the values of its fields against its
+# annotations, which must then be types, not strings.
 
 import math
 from typing import NamedTuple
@@ -49,12 +60,18 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.language.core import _aggregate as aggregate
 
 from cs336_systems.attention.flash_triton_kernels import LN_2, LOG2_E
 from cs336_systems.kernels.launch import DescriptorArg, Launcher
 
 BLOCK_N = 128  # keys held per backward program (64 per consumer warpgroup), keys per forward step
 FORWARD_ROWS = 64  # queries per forward consumer warpgroup (two per program)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Shared by the forward and the backward
+# ---------------------------------------------------------------------------------------------------
 
 
 @builtin
@@ -75,32 +92,6 @@ def _block_coord(b, h, m, n_heads, HEAD_DIM: gl.constexpr, HEADS_IN_COLUMNS: gl.
 
 
 @gluon.jit
-def _load_partition(q_desc, do_desc, q_ring, do_ring, lse_ring, delta_ring, ready, free, L_row, Delta_row,
-                    b, h, n_heads, query_start, n_steps, n_queries,
-                    BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                    Q_COLUMNS: gl.constexpr, DO_COLUMNS: gl.constexpr):
-    """Worker partition: stream Q and dO blocks (copy engine) and their rows' base-2 logsumexp and Delta (plain
-    loads, stored to shared memory) into the ring, ``STAGES`` ahead of the consumers. A stage is ready after two
-    arrivals: the copy engine's bytes and this warp's stores."""
-    row_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
-    for j in range(n_steps):
-        s = j % STAGES
-        # The consumers release a stage once per use; the first STAGES fills need no wait.
-        mbarrier.wait(free.index(s), ((j // STAGES) & 1) ^ 1, pred=j >= STAGES)
-        mbarrier.expect(ready.index(s), 2 * BLOCK_M * HEAD_DIM * q_desc.dtype.primitive_bitwidth // 8)
-        m = query_start + j * BLOCK_M
-        tma.async_copy_global_to_shared(q_desc, _block_coord(b, h, m, n_heads, HEAD_DIM, Q_COLUMNS), ready.index(s),
-                                        q_ring.index(s))
-        tma.async_copy_global_to_shared(do_desc, _block_coord(b, h, m, n_heads, HEAD_DIM, DO_COLUMNS),
-                                        ready.index(s), do_ring.index(s))
-        offs_m = m + gl.arange(0, BLOCK_M, layout=row_layout)
-        in_bounds = offs_m < n_queries
-        lse_ring.index(s).store(gl.load(L_row + offs_m, mask=in_bounds, other=0.0) * LOG2_E)
-        delta_ring.index(s).store(gl.load(Delta_row + offs_m, mask=in_bounds, other=0.0))
-        mbarrier.arrive(ready.index(s))
-
-
-@gluon.jit
 def _landed_stage(j, n_blocks, ready, STAGES: gl.constexpr):
     """The ring stage of block ``j`` once it has landed. Past the last block (``j == n_blocks``) the last block's
     stage, unwaited: the caller recomputes that block instead of waiting for one that never comes, so that every
@@ -111,50 +102,462 @@ def _landed_stage(j, n_blocks, ready, STAGES: gl.constexpr):
     return s
 
 
+# ---------------------------------------------------------------------------------------------------
+# Forward
+# ---------------------------------------------------------------------------------------------------
+# A program holds 128 queries: two consumer warpgroups of 64 rows each, each its own partition, so that they
+# drift apart: while one runs its softmax on the CUDA cores, the other's matmuls run on the tensor cores (the
+# effect FlashAttention-3 gets by ping-pong scheduling). A one-warp partition streams K and V blocks through a
+# ring; a stage is refilled once both warpgroups have released it (an mbarrier of count 2).
+
+
+@aggregate
+class FwdConfig:
+    """The forward's compile-time configuration: the kernel's constexpr arguments and the consumers' register
+    layouts."""
+
+    HEAD_DIM: gl.constexpr
+    IS_CAUSAL: gl.constexpr
+    ROWS: gl.constexpr  # queries per consumer warpgroup (the program holds 2 * ROWS)
+    BLOCK_N: gl.constexpr  # keys per step
+    STAGES: gl.constexpr  # depth of the K/V ring
+    Q_COLUMNS: gl.constexpr  # whether the heads are in the columns of Q's, K's, V's views (module docstring)
+    K_COLUMNS: gl.constexpr
+    V_COLUMNS: gl.constexpr
+    s_layout: gl.constexpr  # S (ROWS, BLOCK_N) of one warpgroup
+    o_layout: gl.constexpr  # O (ROWS, HEAD_DIM) of one warpgroup
+
+    @gluon.constexpr_function
+    def __init__(self, HEAD_DIM, IS_CAUSAL, ROWS, BLOCK_N, STAGES, Q_COLUMNS, K_COLUMNS, V_COLUMNS):
+        self.HEAD_DIM = gl.constexpr(HEAD_DIM)
+        self.IS_CAUSAL = gl.constexpr(IS_CAUSAL)
+        self.ROWS = gl.constexpr(ROWS)
+        self.BLOCK_N = gl.constexpr(BLOCK_N)
+        self.STAGES = gl.constexpr(STAGES)
+        self.Q_COLUMNS = gl.constexpr(Q_COLUMNS)
+        self.K_COLUMNS = gl.constexpr(K_COLUMNS)
+        self.V_COLUMNS = gl.constexpr(V_COLUMNS)
+        self.s_layout = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                               instr_shape=[16, BLOCK_N, 16]))
+        self.o_layout = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                               instr_shape=[16, HEAD_DIM, 16]))
+
+
+@aggregate
+class FwdProgram:
+    """Where a forward program works: batch ``b``, head ``h`` (batch-head ``bh``), queries ``start_m ..
+    start_m + 2 * ROWS``, key blocks ``0 .. n_blocks`` of which the first ``n_full`` need no mask."""
+
+    b: gl.tensor
+    h: gl.tensor
+    bh: gl.tensor
+    n_heads: gl.tensor
+    start_m: gl.tensor
+    n_blocks: gl.tensor
+    n_full: gl.tensor
+    n_queries: gl.tensor
+    n_keys: gl.tensor
+
+    @gluon.constexpr_function
+    def __init__(self, b, h, bh, n_heads, start_m, n_blocks, n_full, n_queries, n_keys):
+        self.b = b
+        self.h = h
+        self.bh = bh
+        self.n_heads = n_heads
+        self.start_m = start_m
+        self.n_blocks = n_blocks
+        self.n_full = n_full
+        self.n_queries = n_queries
+        self.n_keys = n_keys
+
+
+@aggregate
+class FwdBuffers:
+    """The forward's shared memory: the two warpgroups' Q tiles (2, ROWS, HEAD_DIM), later their O, landed at
+    ``q_ready``; the K/V ring (STAGES, BLOCK_N, HEAD_DIM), stage ``s`` landed at ``kv_ready[s]`` and released
+    by both warpgroups at ``kv_free[s]``."""
+
+    q_smem: gl.shared_memory_descriptor
+    k_ring: gl.shared_memory_descriptor
+    v_ring: gl.shared_memory_descriptor
+    q_ready: gl.shared_memory_descriptor
+    kv_ready: gl.shared_memory_descriptor
+    kv_free: gl.shared_memory_descriptor
+
+    @gluon.constexpr_function
+    def __init__(self, q_smem, k_ring, v_ring, q_ready, kv_ready, kv_free):
+        self.q_smem = q_smem
+        self.k_ring = k_ring
+        self.v_ring = v_ring
+        self.q_ready = q_ready
+        self.kv_ready = kv_ready
+        self.kv_free = kv_free
+
+
+@aggregate
+class FwdState:
+    """One warpgroup's online softmax: the unnormalised O (ROWS, HEAD_DIM), and per row the sum of the
+    probabilities and the running maximum of the scaled base-2 scores (ROWS,), all float32."""
+
+    acc: gl.tensor
+    row_sum: gl.tensor
+    row_max: gl.tensor
+
+    @gluon.constexpr_function
+    def __init__(self, acc, row_sum, row_max):
+        self.acc = acc
+        self.row_sum = row_sum
+        self.row_max = row_max
+
+
 @gluon.jit
-def _issue_scores(j, n_steps, q_ring, do_ring, k_smem, v_smem, ready,
-                  s_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+def _fwd_load_partition(config, q_desc, k_desc, v_desc, buffers, program):
+    """Worker partition: both warpgroups' Q tiles, then K and V blocks into the ring, ``STAGES`` ahead of the
+    consumers."""
+    q_smem = buffers.q_smem
+    mbarrier.expect(buffers.q_ready, 2 * q_smem.index(0).numel * q_desc.dtype.primitive_bitwidth // 8)
+    for w in gl.static_range(2):
+        rows = q_smem.index(w).shape[0]
+        tma.async_copy_global_to_shared(
+            q_desc, _block_coord(program.b, program.h, program.start_m + w * rows, program.n_heads, config.HEAD_DIM,
+                                 config.Q_COLUMNS), buffers.q_ready, q_smem.index(w))
+    for j in range(program.n_blocks):
+        s = j % config.STAGES
+        mbarrier.wait(buffers.kv_free.index(s), ((j // config.STAGES) & 1) ^ 1, pred=j >= config.STAGES)
+        mbarrier.expect(buffers.kv_ready.index(s),
+                        2 * config.BLOCK_N * config.HEAD_DIM * k_desc.dtype.primitive_bitwidth // 8)
+        n = j * config.BLOCK_N
+        tma.async_copy_global_to_shared(
+            k_desc, _block_coord(program.b, program.h, n, program.n_heads, config.HEAD_DIM, config.K_COLUMNS),
+            buffers.kv_ready.index(s), buffers.k_ring.index(s))
+        tma.async_copy_global_to_shared(
+            v_desc, _block_coord(program.b, program.h, n, program.n_heads, config.HEAD_DIM, config.V_COLUMNS),
+            buffers.kv_ready.index(s), buffers.v_ring.index(s))
+
+
+@gluon.jit
+def _fwd_issue_scores(config, program, buffers, j, q):
+    """Start S_j = Q K_j^T once block ``j`` has landed (see :func:`_landed_stage` past the last block)."""
+    s = _landed_stage(j, program.n_blocks, buffers.kv_ready, config.STAGES)
+    zero = gl.zeros([config.ROWS, config.BLOCK_N], gl.float32, config.s_layout)
+    return warpgroup_mma(q, buffers.k_ring.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _fwd_step(config, program, buffers, state, scores, j, q, offs_m, qk_scale, MASKED: gl.constexpr):
+    """Key block ``j``, whose S is in flight: online softmax, then P V_j, with S_(j+1) started behind it."""
+    s = j % config.STAGES
+    scores = warpgroup_mma_wait(0, deps=[scores])
+    if MASKED:
+        offs_n = j * config.BLOCK_N + gl.arange(0, config.BLOCK_N, layout=gl.SliceLayout(0, config.s_layout))
+        visible = offs_n[None, :] < program.n_keys
+        if config.IS_CAUSAL:
+            visible = visible & (offs_m[:, None] >= offs_n[None, :])
+        scores = gl.where(visible, scores, -1.0e30)
+    # Base 2, maximum over unscaled scores (qk_scale > 0): the scale joins the exponent in one FMA per score.
+    new_row_max = gl.maximum(state.row_max, gl.max(scores, 1) * qk_scale)
+    p = gl.exp2(scores * qk_scale - new_row_max[:, None])
+    rescale = gl.exp2(state.row_max - new_row_max)
+    row_sum = state.row_sum * rescale + gl.sum(p, 1)
+    acc = state.acc * gl.convert_layout(rescale, gl.SliceLayout(1, config.o_layout))[:, None]
+    p_op = gl.convert_layout(p.to(q.dtype), gl.DotOperandLayout(operand_index=0, parent=config.o_layout, k_width=2))
+    acc = warpgroup_mma(p_op, buffers.v_ring.index(s), acc, is_async=True)
+    scores = _fwd_issue_scores(config, program, buffers, j + 1, q)
+    acc = warpgroup_mma_wait(1, deps=[acc])
+    # This warpgroup is done with stage s (K_j long since, V_j now): one arrive from it, after its own barrier.
+    mbarrier.arrive(buffers.kv_free.index(s))
+    return FwdState(acc, row_sum, new_row_max), scores
+
+
+@gluon.jit
+def _fwd_compute_partition(config, buffers, o_desc, L, program, qk_scale, w: gl.constexpr):
+    """Warpgroup ``w`` (the default partition for 0, a worker for 1): rows ``start_m + w * ROWS ..`` of O
+    (through the copy engine) and L."""
+    row_layout: gl.constexpr = gl.SliceLayout(1, config.s_layout)
+    q = buffers.q_smem.index(w)
+    first_row = program.start_m + w * config.ROWS
+    offs_m = first_row + gl.arange(0, config.ROWS, layout=row_layout)
+    state = FwdState(gl.zeros([config.ROWS, config.HEAD_DIM], gl.float32, config.o_layout),
+                     gl.zeros([config.ROWS], gl.float32, row_layout),
+                     gl.full([config.ROWS], float("-inf"), gl.float32, row_layout))
+
+    mbarrier.wait(buffers.q_ready, 0)
+    scores = _fwd_issue_scores(config, program, buffers, 0, q)
+    for j in range(0, program.n_full):
+        state, scores = _fwd_step(config, program, buffers, state, scores, j, q, offs_m, qk_scale, False)
+    for j in range(program.n_full, program.n_blocks):
+        state, scores = _fwd_step(config, program, buffers, state, scores, j, q, offs_m, qk_scale, True)
+    acc = warpgroup_mma_wait(0, deps=[state.acc, scores])[0]
+
+    L_row = L + program.bh.to(gl.int64) * program.n_queries
+    gl.store(L_row + offs_m, (state.row_max + gl.log2(state.row_sum)) * LN_2, mask=offs_m < program.n_queries)
+    out = acc / gl.convert_layout(state.row_sum, gl.SliceLayout(1, config.o_layout))[:, None]
+    q.store(out.to(q.dtype))  # Q is no longer read: its buffer stages O for the copy engine
+    fence_async_shared()
+    gl.thread_barrier()
+    tma.async_copy_shared_to_global(o_desc, [program.bh, first_row, 0], q)
+    tma.store_wait(0)
+
+
+@gluon.jit(do_not_specialize=["n_heads", "n_queries", "n_keys"])
+def attn_fwd_hopper_kernel(
+    q_desc, k_desc, v_desc,  # 3-D views of Q, K, V, blocks (1, ROWS or BLOCK_N, HEAD_DIM)
+    o_desc,  # contiguous (batch * heads, n_queries, HEAD_DIM) output, blocks (1, ROWS, HEAD_DIM)
+    L,  # float32 (batch * heads, n_queries) output: natural-log logsumexp
+    n_heads, n_queries, n_keys,
+    qk_scale,  # log2(e) / sqrt(d)
+    HEAD_DIM: gl.constexpr,
+    IS_CAUSAL: gl.constexpr,
+    ROWS: gl.constexpr,  # queries per consumer warpgroup (the program holds 2 * ROWS)
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+    Q_COLUMNS: gl.constexpr, K_COLUMNS: gl.constexpr, V_COLUMNS: gl.constexpr,
+):
+    """Program ``(i, bh)``: O and L of the queries of tile ``n_tiles - 1 - i`` (heavy causal tiles first)."""
+    config = FwdConfig(HEAD_DIM, IS_CAUSAL, ROWS, BLOCK_N, STAGES, Q_COLUMNS, K_COLUMNS, V_COLUMNS)
+    dtype: gl.constexpr = q_desc.dtype
+    start_m = (gl.num_programs(0) - 1 - gl.program_id(0)) * (2 * ROWS)
+    bh = gl.program_id(1)
+    b = bh // n_heads
+    h = bh % n_heads
+    n_blocks = gl.cdiv(n_keys, BLOCK_N)
+    if IS_CAUSAL:
+        # Keys past the tile's last query are invisible; blocks reaching past its first query need the mask.
+        n_blocks = gl.minimum(n_blocks, gl.cdiv(start_m + 2 * ROWS, BLOCK_N))
+        n_full = gl.minimum(start_m // BLOCK_N, n_keys // BLOCK_N)
+    else:
+        n_full = n_keys // BLOCK_N
+    n_full = gl.minimum(n_full, n_blocks)
+    program = FwdProgram(b, h, bh, n_heads, start_m, n_blocks, n_full, n_queries, n_keys)
+
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM], dtype)
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+    q_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_DIM], q_layout)
+    k_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
+    v_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_ready, count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(kv_ready.index(s), count=1)
+        mbarrier.init(kv_free.index(s), count=2)  # one arrive per consumer warpgroup
+    fence_async_shared()
+    buffers = FwdBuffers(q_smem, k_ring, v_ring, q_ready, kv_ready, kv_free)
+
+    gl.warp_specialize(
+        [
+            (_fwd_compute_partition, (config, buffers, o_desc, L, program, qk_scale, 0)),
+            (_fwd_compute_partition, (config, buffers, o_desc, L, program, qk_scale, 1)),
+            (_fwd_load_partition, (config, q_desc, k_desc, v_desc, buffers, program)),
+        ],
+        [4, 1],
+        [240, 24],
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# Backward
+# ---------------------------------------------------------------------------------------------------
+# A program holds BLOCK_N = 128 keys: two consumer warpgroups in one partition, each owning 64 of the keys'
+# columns of S and rows of dK and dV, meeting at CTA-wide barriers around the shared P and dS. A one-warp
+# partition streams Q and dO blocks, with their rows' logsumexp and Delta, through a ring.
+
+
+@aggregate
+class BwdConfig:
+    """The backward's compile-time configuration: the kernel's constexpr arguments and the consumers' register
+    layouts."""
+
+    HEAD_DIM: gl.constexpr
+    IS_CAUSAL: gl.constexpr
+    BLOCK_M: gl.constexpr  # queries per step
+    BLOCK_N: gl.constexpr  # keys per program
+    STAGES: gl.constexpr  # depth of the Q/dO ring
+    Q_COLUMNS: gl.constexpr  # whether the heads are in the columns of Q's, K's, V's, dO's views (module docstring)
+    K_COLUMNS: gl.constexpr
+    V_COLUMNS: gl.constexpr
+    DO_COLUMNS: gl.constexpr
+    s_layout: gl.constexpr
+    acc_layout: gl.constexpr
+    dq_layout: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, HEAD_DIM, IS_CAUSAL, BLOCK_M, BLOCK_N, STAGES, Q_COLUMNS, K_COLUMNS, V_COLUMNS, DO_COLUMNS):
+        self.HEAD_DIM = gl.constexpr(HEAD_DIM)
+        self.IS_CAUSAL = gl.constexpr(IS_CAUSAL)
+        self.BLOCK_M = gl.constexpr(BLOCK_M)
+        self.BLOCK_N = gl.constexpr(BLOCK_N)
+        self.STAGES = gl.constexpr(STAGES)
+        self.Q_COLUMNS = gl.constexpr(Q_COLUMNS)
+        self.K_COLUMNS = gl.constexpr(K_COLUMNS)
+        self.V_COLUMNS = gl.constexpr(V_COLUMNS)
+        self.DO_COLUMNS = gl.constexpr(DO_COLUMNS)
+        # S = Q K^T (BLOCK_M, BLOCK_N): warpgroup w computes the columns of its keys. The query-wise logsumexp
+        # and Delta are then two values per thread.
+        self.s_layout = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                               instr_shape=[16, BLOCK_N // 2, 16]))
+        # dK, dV (BLOCK_N, HEAD_DIM): warpgroup w accumulates the rows of its keys.
+        self.acc_layout = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
+                                                                 instr_shape=[16, HEAD_DIM, 16]))
+        self.dq_layout = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                                instr_shape=[16, HEAD_DIM // 2, 16]))
+
+
+@aggregate
+class BwdProgram:
+    """Where a backward program works: batch ``b``, head ``h`` (batch-head ``bh``), keys ``start_n ..
+    start_n + BLOCK_N``, ``n_steps`` query blocks from ``query_start`` (0 when not causal: a constexpr)."""
+
+    b: gl.tensor
+    h: gl.tensor
+    bh: gl.tensor
+    n_heads: gl.tensor
+    start_n: gl.tensor
+    query_start: (gl.tensor, gl.constexpr)  # either: the field's check is an isinstance
+    n_steps: gl.tensor
+    n_queries: gl.tensor
+
+    @gluon.constexpr_function
+    def __init__(self, b, h, bh, n_heads, start_n, query_start, n_steps, n_queries):
+        self.b = b
+        self.h = h
+        self.bh = bh
+        self.n_heads = n_heads
+        self.start_n = start_n
+        # A constexpr reaches this constructor unwrapped (a Python int): wrap it again.
+        self.query_start = gl.constexpr(query_start) if isinstance(query_start, int) else query_start
+        self.n_steps = n_steps
+        self.n_queries = n_queries
+
+
+@aggregate
+class BwdRing:
+    """The Q/dO ring: per stage a block of Q and of dO (STAGES, BLOCK_M, HEAD_DIM) and their rows' base-2
+    logsumexp and Delta (STAGES, BLOCK_M); stage ``s`` landed at ``ready[s]``, released at ``free[s]``."""
+
+    q: gl.shared_memory_descriptor
+    do: gl.shared_memory_descriptor
+    lse: gl.shared_memory_descriptor
+    delta: gl.shared_memory_descriptor
+    ready: gl.shared_memory_descriptor
+    free: gl.shared_memory_descriptor
+
+    @gluon.constexpr_function
+    def __init__(self, q, do, lse, delta, ready, free):
+        self.q = q
+        self.do = do
+        self.lse = lse
+        self.delta = delta
+        self.ready = ready
+        self.free = free
+
+
+@aggregate
+class BwdBuffers:
+    """The backward's other shared memory: K and V (1, BLOCK_N, HEAD_DIM), landed at ``kv_ready`` (later dK and
+    dV); P and dS (1, BLOCK_M, BLOCK_N); the double-buffered float32 dQ staging tile (2, BLOCK_M, HEAD_DIM)."""
+
+    k_smem: gl.shared_memory_descriptor
+    v_smem: gl.shared_memory_descriptor
+    p_smem: gl.shared_memory_descriptor
+    ds_smem: gl.shared_memory_descriptor
+    dq_smem: gl.shared_memory_descriptor
+    kv_ready: gl.shared_memory_descriptor
+
+    @gluon.constexpr_function
+    def __init__(self, k_smem, v_smem, p_smem, ds_smem, dq_smem, kv_ready):
+        self.k_smem = k_smem
+        self.v_smem = v_smem
+        self.p_smem = p_smem
+        self.ds_smem = ds_smem
+        self.dq_smem = dq_smem
+        self.kv_ready = kv_ready
+
+
+@aggregate
+class BwdState:
+    """The two warpgroups' accumulators: dK (without the 1/sqrt(d)) and dV, float32 (BLOCK_N, HEAD_DIM)."""
+
+    dk: gl.tensor
+    dv: gl.tensor
+
+    @gluon.constexpr_function
+    def __init__(self, dk, dv):
+        self.dk = dk
+        self.dv = dv
+
+
+@gluon.jit
+def _bwd_load_partition(config, q_desc, do_desc, ring, L_row, Delta_row, program):
+    """Worker partition: stream Q and dO blocks (copy engine) and their rows' base-2 logsumexp and Delta (plain
+    loads, stored to shared memory) into the ring, ``STAGES`` ahead of the consumers. A stage is ready after two
+    arrivals: the copy engine's bytes and this warp's stores."""
+    BLOCK_M: gl.constexpr = config.BLOCK_M
+    STAGES: gl.constexpr = config.STAGES
+    row_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
+    for j in range(program.n_steps):
+        s = j % STAGES
+        # The consumers release a stage once per use; the first STAGES fills need no wait.
+        mbarrier.wait(ring.free.index(s), ((j // STAGES) & 1) ^ 1, pred=j >= STAGES)
+        mbarrier.expect(ring.ready.index(s), 2 * BLOCK_M * config.HEAD_DIM * q_desc.dtype.primitive_bitwidth // 8)
+        m = program.query_start + j * BLOCK_M
+        tma.async_copy_global_to_shared(
+            q_desc, _block_coord(program.b, program.h, m, program.n_heads, config.HEAD_DIM, config.Q_COLUMNS),
+            ring.ready.index(s), ring.q.index(s))
+        tma.async_copy_global_to_shared(
+            do_desc, _block_coord(program.b, program.h, m, program.n_heads, config.HEAD_DIM, config.DO_COLUMNS),
+            ring.ready.index(s), ring.do.index(s))
+        offs_m = m + gl.arange(0, BLOCK_M, layout=row_layout)
+        in_bounds = offs_m < program.n_queries
+        ring.lse.index(s).store(gl.load(L_row + offs_m, mask=in_bounds, other=0.0) * LOG2_E)
+        ring.delta.index(s).store(gl.load(Delta_row + offs_m, mask=in_bounds, other=0.0))
+        mbarrier.arrive(ring.ready.index(s))
+
+
+@gluon.jit
+def _bwd_issue_scores(config, program, ring, j, k_smem, v_smem):
     """Start S_j = Q_j K^T and dP_j = dO_j V^T on the tensor cores once block ``j`` has landed (see
-    :func:`_landed_stage` past the last block)."""
-    s = _landed_stage(j, n_steps, ready, STAGES)
-    zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    scores = warpgroup_mma(q_ring.index(s), k_smem.permute((1, 0)), zero, use_acc=False, is_async=True)
-    dp = warpgroup_mma(do_ring.index(s), v_smem.permute((1, 0)), zero, use_acc=False, is_async=True)
+    :func:`_landed_stage` past the last block); ``k_smem`` and ``v_smem`` are (BLOCK_N, HEAD_DIM)."""
+    s = _landed_stage(j, program.n_steps, ring.ready, config.STAGES)
+    zero = gl.zeros([config.BLOCK_M, config.BLOCK_N], gl.float32, config.s_layout)
+    scores = warpgroup_mma(ring.q.index(s), k_smem.permute((1, 0)), zero, use_acc=False, is_async=True)
+    dp = warpgroup_mma(ring.do.index(s), v_smem.permute((1, 0)), zero, use_acc=False, is_async=True)
     return scores, dp
 
 
 @gluon.jit
-def _step(dk, dv, scores, dp, j, n_steps, k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring, p_smem, ds_smem,
-          dq_smem, ready, free, dq_desc, bh, start_n, query_start, n_queries, qk_scale,
-          s_layout: gl.constexpr, dq_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-          HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):
+def _bwd_step(config, program, buffers, ring, dq_desc, qk_scale, state, scores, dp, j):
     """Query block ``j`` of the sweep, whose S and dP matmuls are in flight: accumulate its share of dK and dV,
     add its dQ rows by TMA, and start block ``j + 1``'s S and dP before finishing this one's dQ, dK and dV.
 
     The single-tile buffers (``(1, rows, cols)``) are indexed by ``j >> 30``, always 0, which the compiler cannot
     prove: the matmuls' shared-memory descriptors are then recomputed each step (a few uniform integer adds)
     instead of being hoisted out of the loop, where the 40-odd 64-bit values spilled to local memory."""
+    BLOCK_M: gl.constexpr = config.BLOCK_M
+    STAGES: gl.constexpr = config.STAGES
+    s_layout: gl.constexpr = config.s_layout
     zero = j >> 30
-    k_smem = k_smem.index(zero)
-    v_smem = v_smem.index(zero)
-    p_smem = p_smem.index(zero)
-    ds_smem = ds_smem.index(zero)
+    k_smem = buffers.k_smem.index(zero)
+    v_smem = buffers.v_smem.index(zero)
+    p_smem = buffers.p_smem.index(zero)
+    ds_smem = buffers.ds_smem.index(zero)
     s = j % STAGES
-    m = query_start + j * BLOCK_M
+    m = program.query_start + j * BLOCK_M
     offs_m = m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-    in_bounds = offs_m < n_queries
-    lse = lse_ring.index(s).load(gl.SliceLayout(1, s_layout))
-    delta = delta_ring.index(s).load(gl.SliceLayout(1, s_layout))
-    q = q_ring.index(s)
-    do = do_ring.index(s)
+    in_bounds = offs_m < program.n_queries
+    lse = ring.lse.index(s).load(gl.SliceLayout(1, s_layout))
+    delta = ring.delta.index(s).load(gl.SliceLayout(1, s_layout))
+    q = ring.q.index(s)
+    do = ring.do.index(s)
 
     scores = warpgroup_mma_wait(1, deps=[scores])
     p = gl.exp2(scores * qk_scale - lse[:, None])
     # Every step is masked: a three-loop split into masked and unmasked steps (as the Triton kernels do) compiled
     # to more spills than it saved.
     visible = in_bounds[:, None]
-    if IS_CAUSAL:
-        offs_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    if config.IS_CAUSAL:
+        offs_n = program.start_n + gl.arange(0, config.BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         visible = visible & (offs_m[:, None] >= offs_n[None, :])
     p = gl.where(visible, p, 0.0)
     p_smem.store(p.to(q.dtype))
@@ -162,61 +565,44 @@ def _step(dk, dv, scores, dp, j, n_steps, k_smem, v_smem, q_ring, do_ring, lse_r
     ds = p * (dp - delta[:, None])
     ds_smem.store(ds.to(q.dtype))
     fence_async_shared()
-    dq_buffer = dq_smem.index(j % 2)
+    dq_buffer = buffers.dq_smem.index(j % 2)
     tma.store_wait(1)  # the reduction of block j - 2, from the same buffer, has read it
     # One barrier for three orders: dQ_j = dS K reads both warpgroups' columns of dS; dq_buffer is free for every
     # thread; both warpgroups have waited for block j - 1's last matmuls (dV, dK), so that its stage is free.
     gl.thread_barrier()
-    mbarrier.arrive(free.index((j + STAGES - 1) % STAGES), pred=j > 0)
+    mbarrier.arrive(ring.free.index((j + STAGES - 1) % STAGES), pred=j > 0)
 
-    zero_dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout)
+    zero_dq = gl.zeros([BLOCK_M, config.HEAD_DIM], gl.float32, config.dq_layout)
     dq = warpgroup_mma(ds_smem, k_smem, zero_dq, use_acc=False, is_async=True)
-    dv = warpgroup_mma(p_smem.permute((1, 0)), do, dv, is_async=True)
-    dk = warpgroup_mma(ds_smem.permute((1, 0)), q, dk, is_async=True)
+    dv = warpgroup_mma(p_smem.permute((1, 0)), do, state.dv, is_async=True)
+    dk = warpgroup_mma(ds_smem.permute((1, 0)), q, state.dk, is_async=True)
     dq = warpgroup_mma_wait(2, deps=[dq])
     dq_buffer.store(dq)
     fence_async_shared()
     # Also orders this step's dS reads (every warpgroup's dQ matmul is done) before next step's dS writes.
     gl.thread_barrier()
-    _tma_reduce_add(dq_desc, [bh, m, 0], dq_buffer.reshape([1, BLOCK_M, HEAD_DIM]))
+    _tma_reduce_add(dq_desc, [program.bh, m, 0], dq_buffer.reshape([1, BLOCK_M, config.HEAD_DIM]))
     # Queued behind dV and dK (issued after dQ's epilogue, so that their accumulators and dQ's are never all
     # live at once: that would spill).
-    scores, dp = _issue_scores(j + 1, n_steps, q_ring, do_ring, k_smem, v_smem, ready, s_layout, BLOCK_M, BLOCK_N,
-                               STAGES)
+    scores, dp = _bwd_issue_scores(config, program, ring, j + 1, k_smem, v_smem)
     # Each warpgroup reads back only its own keys' columns of P and dS: no barrier before they are rewritten.
     dv, dk = warpgroup_mma_wait(2, deps=[dv, dk])
-    return dk, dv, scores, dp
+    return BwdState(dk, dv), scores, dp
 
 
 @gluon.jit
-def _compute_partition(k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring, p_smem, ds_smem, dq_smem, ready, free,
-                       kv_ready, dq_desc, bh, start_n, query_start, n_steps, n_queries, qk_scale,
-                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                       STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):
+def _bwd_compute_partition(config, buffers, ring, dq_desc, program, qk_scale):
     """Default partition (two warpgroups, each owning 64 of the keys): five matmuls per query block; returns dK
     (without the 1/sqrt(d)) and dV, float32 (BLOCK_N, HEAD_DIM)."""
-    # S = Q K^T (BLOCK_M, BLOCK_N): warpgroup w computes the columns of its keys. The query-wise logsumexp and
-    # Delta are then two values per thread.
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                       instr_shape=[16, BLOCK_N // 2, 16])
-    # dK, dV (BLOCK_N, HEAD_DIM): warpgroup w accumulates the rows of its keys.
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
-                                                         instr_shape=[16, HEAD_DIM, 16])
-    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                        instr_shape=[16, HEAD_DIM // 2, 16])
-    dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
-    dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
-    mbarrier.wait(kv_ready, 0)
-    scores, dp = _issue_scores(0, n_steps, q_ring, do_ring, k_smem.index(0), v_smem.index(0), ready, s_layout, BLOCK_M,
-                               BLOCK_N, STAGES)
-    for j in range(n_steps):
-        dk, dv, scores, dp = _step(dk, dv, scores, dp, j, n_steps, k_smem, v_smem, q_ring, do_ring, lse_ring,
-                                   delta_ring, p_smem, ds_smem, dq_smem, ready, free, dq_desc, bh, start_n,
-                                   query_start, n_queries, qk_scale, s_layout, dq_layout, BLOCK_M, BLOCK_N,
-                                   HEAD_DIM, STAGES, IS_CAUSAL)
+    state = BwdState(gl.zeros([config.BLOCK_N, config.HEAD_DIM], gl.float32, config.acc_layout),
+                     gl.zeros([config.BLOCK_N, config.HEAD_DIM], gl.float32, config.acc_layout))
+    mbarrier.wait(buffers.kv_ready, 0)
+    scores, dp = _bwd_issue_scores(config, program, ring, 0, buffers.k_smem.index(0), buffers.v_smem.index(0))
+    for j in range(program.n_steps):
+        state, scores, dp = _bwd_step(config, program, buffers, ring, dq_desc, qk_scale, state, scores, dp, j)
     warpgroup_mma_wait(0, deps=[scores, dp])
     tma.store_wait(0)
-    return dk, dv
+    return state.dk, state.dv
 
 
 @gluon.jit(do_not_specialize=["n_heads", "n_queries", "n_keys"])
@@ -235,6 +621,7 @@ def attn_bwd_hopper_kernel(
     Q_COLUMNS: gl.constexpr, K_COLUMNS: gl.constexpr, V_COLUMNS: gl.constexpr, DO_COLUMNS: gl.constexpr,
 ):
     """Program ``(i, bh)``: dK and dV of keys ``i * BLOCK_N ..`` of batch-head ``bh``, and their share of dQ."""
+    config = BwdConfig(HEAD_DIM, IS_CAUSAL, BLOCK_M, BLOCK_N, STAGES, Q_COLUMNS, K_COLUMNS, V_COLUMNS, DO_COLUMNS)
     dtype: gl.constexpr = q_desc.dtype
     start_n = gl.program_id(0) * BLOCK_N
     bh = gl.program_id(1)
@@ -245,6 +632,7 @@ def attn_bwd_hopper_kernel(
     else:
         query_start = 0
     n_steps = gl.cdiv(n_queries - query_start, BLOCK_M)
+    program = BwdProgram(b, h, bh, n_heads, start_n, query_start, n_steps, n_queries)
 
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
@@ -268,6 +656,8 @@ def attn_bwd_hopper_kernel(
         mbarrier.init(free.index(s), count=1)
     mbarrier.init(kv_ready, count=1)
     fence_async_shared()
+    ring = BwdRing(q_ring, do_ring, lse_ring, delta_ring, ready, free)
+    buffers = BwdBuffers(k_smem, v_smem, p_smem, ds_smem, dq_smem, kv_ready)
 
     mbarrier.expect(kv_ready, 2 * BLOCK_N * HEAD_DIM * dtype.primitive_bitwidth // 8)
     tma.async_copy_global_to_shared(k_desc, _block_coord(b, h, start_n, n_heads, HEAD_DIM, K_COLUMNS), kv_ready,
@@ -275,15 +665,13 @@ def attn_bwd_hopper_kernel(
     tma.async_copy_global_to_shared(v_desc, _block_coord(b, h, start_n, n_heads, HEAD_DIM, V_COLUMNS), kv_ready,
                                     v_smem.index(0))
 
+    # The worker's arguments in this order (see the module docstring): Q's and dO's descriptors, the ring, the
+    # rows of L and Delta, the program.
     dk, dv = gl.warp_specialize(
         [
-            (_compute_partition, (k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring, p_smem, ds_smem, dq_smem,
-                                  ready, free, kv_ready, dq_desc, bh, start_n, query_start, n_steps, n_queries,
-                                  qk_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL)),
-            (_load_partition, (q_desc, do_desc, q_ring, do_ring, lse_ring, delta_ring, ready, free,
-                               L + bh.to(gl.int64) * n_queries, Delta + bh.to(gl.int64) * n_queries,
-                               b, h, n_heads, query_start, n_steps, n_queries,
-                               BLOCK_M, HEAD_DIM, STAGES, Q_COLUMNS, DO_COLUMNS)),
+            (_bwd_compute_partition, (config, buffers, ring, dq_desc, program, qk_scale)),
+            (_bwd_load_partition, (config, q_desc, do_desc, ring, L + bh.to(gl.int64) * n_queries,
+                                   Delta + bh.to(gl.int64) * n_queries, program)),
         ],
         [1],
         [24],
@@ -298,179 +686,6 @@ def attn_bwd_hopper_kernel(
     tma.async_copy_shared_to_global(dk_desc, [bh, start_n, 0], k_smem.index(0))
     tma.async_copy_shared_to_global(dv_desc, [bh, start_n, 0], v_smem.index(0))
     tma.store_wait(0)
-
-
-# ---------------------------------------------------------------------------------------------------
-# Forward
-# ---------------------------------------------------------------------------------------------------
-# A program holds 128 queries: two consumer warpgroups of 64 rows each, each its own partition, so that they
-# drift apart: while one runs its softmax on the CUDA cores, the other's matmuls run on the tensor cores (the
-# effect FlashAttention-3 gets by ping-pong scheduling). A one-warp partition streams K and V blocks through a
-# ring; a stage is refilled once both warpgroups have released it (an mbarrier of count 2).
-
-
-@gluon.jit
-def _fwd_load_partition(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, kv_ready, kv_free,
-                        b, h, n_heads, start_m, n_blocks,
-                        BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                        Q_COLUMNS: gl.constexpr, K_COLUMNS: gl.constexpr, V_COLUMNS: gl.constexpr):
-    mbarrier.expect(q_ready, 2 * q_smem.index(0).numel * q_desc.dtype.primitive_bitwidth // 8)
-    for w in gl.static_range(2):
-        rows = q_smem.index(w).shape[0]
-        tma.async_copy_global_to_shared(q_desc, _block_coord(b, h, start_m + w * rows, n_heads, HEAD_DIM, Q_COLUMNS),
-                                        q_ready, q_smem.index(w))
-    for j in range(n_blocks):
-        s = j % STAGES
-        mbarrier.wait(kv_free.index(s), ((j // STAGES) & 1) ^ 1, pred=j >= STAGES)
-        mbarrier.expect(kv_ready.index(s), 2 * BLOCK_N * HEAD_DIM * k_desc.dtype.primitive_bitwidth // 8)
-        n = j * BLOCK_N
-        tma.async_copy_global_to_shared(k_desc, _block_coord(b, h, n, n_heads, HEAD_DIM, K_COLUMNS), kv_ready.index(s),
-                                        k_ring.index(s))
-        tma.async_copy_global_to_shared(v_desc, _block_coord(b, h, n, n_heads, HEAD_DIM, V_COLUMNS), kv_ready.index(s),
-                                        v_ring.index(s))
-
-
-@gluon.jit
-def _fwd_issue_scores(j, n_blocks, q, k_ring, kv_ready, s_layout: gl.constexpr, ROWS: gl.constexpr,
-                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """Start S_j = Q K_j^T once block ``j`` has landed (see :func:`_landed_stage` past the last block)."""
-    s = _landed_stage(j, n_blocks, kv_ready, STAGES)
-    zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
-    return warpgroup_mma(q, k_ring.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
-
-
-@gluon.jit
-def _fwd_step(acc, row_sum, row_max, scores, j, n_blocks, q, k_ring, v_ring, kv_ready, kv_free, offs_m, n_keys,
-              qk_scale, s_layout: gl.constexpr, o_layout: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
-              STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, MASKED: gl.constexpr):
-    """Key block ``j``, whose S is in flight: online softmax, then P V_j, with S_(j+1) started behind it."""
-    s = j % STAGES
-    scores = warpgroup_mma_wait(0, deps=[scores])
-    if MASKED:
-        offs_n = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        visible = offs_n[None, :] < n_keys
-        if IS_CAUSAL:
-            visible = visible & (offs_m[:, None] >= offs_n[None, :])
-        scores = gl.where(visible, scores, -1.0e30)
-    # Base 2, maximum over unscaled scores (qk_scale > 0): the scale joins the exponent in one FMA per score.
-    new_row_max = gl.maximum(row_max, gl.max(scores, 1) * qk_scale)
-    p = gl.exp2(scores * qk_scale - new_row_max[:, None])
-    rescale = gl.exp2(row_max - new_row_max)
-    row_sum = row_sum * rescale + gl.sum(p, 1)
-    acc = acc * gl.convert_layout(rescale, gl.SliceLayout(1, o_layout))[:, None]
-    p_op = gl.convert_layout(p.to(q.dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
-    acc = warpgroup_mma(p_op, v_ring.index(s), acc, is_async=True)
-    scores = _fwd_issue_scores(j + 1, n_blocks, q, k_ring, kv_ready, s_layout, ROWS, BLOCK_N, STAGES)
-    acc = warpgroup_mma_wait(1, deps=[acc])
-    # This warpgroup is done with stage s (K_j long since, V_j now): one arrive from it, after its own barrier.
-    mbarrier.arrive(kv_free.index(s))
-    return acc, row_sum, new_row_max, scores
-
-
-@gluon.jit
-def _fwd_consumer(w, q_smem, k_ring, v_ring, q_ready, kv_ready, kv_free, o_desc, L, bh, start_m, n_blocks, n_full,
-                  n_queries, n_keys, qk_scale,
-                  ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                  IS_CAUSAL: gl.constexpr):
-    """Warpgroup ``w``: rows ``start_m + w * ROWS ..`` of O (through the copy engine) and L."""
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
-    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-    q = q_smem.index(w)
-    first_row = start_m + w * ROWS
-    offs_m = first_row + gl.arange(0, ROWS, layout=row_layout)
-    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
-    row_sum = gl.zeros([ROWS], gl.float32, row_layout)
-    row_max = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
-
-    mbarrier.wait(q_ready, 0)
-    scores = _fwd_issue_scores(0, n_blocks, q, k_ring, kv_ready, s_layout, ROWS, BLOCK_N, STAGES)
-    for j in range(0, n_full):
-        acc, row_sum, row_max, scores = _fwd_step(acc, row_sum, row_max, scores, j, n_blocks, q, k_ring, v_ring,
-                                                  kv_ready, kv_free, offs_m, n_keys, qk_scale, s_layout, o_layout,
-                                                  ROWS, BLOCK_N, STAGES, IS_CAUSAL, False)
-    for j in range(n_full, n_blocks):
-        acc, row_sum, row_max, scores = _fwd_step(acc, row_sum, row_max, scores, j, n_blocks, q, k_ring, v_ring,
-                                                  kv_ready, kv_free, offs_m, n_keys, qk_scale, s_layout, o_layout,
-                                                  ROWS, BLOCK_N, STAGES, IS_CAUSAL, True)
-    acc = warpgroup_mma_wait(0, deps=[acc, scores])[0]
-
-    L_row = L + bh.to(gl.int64) * n_queries
-    gl.store(L_row + offs_m, (row_max + gl.log2(row_sum)) * LN_2, mask=offs_m < n_queries)
-    out = acc / gl.convert_layout(row_sum, gl.SliceLayout(1, o_layout))[:, None]
-    q.store(out.to(q.dtype))  # Q is no longer read: its buffer stages O for the copy engine
-    fence_async_shared()
-    gl.thread_barrier()
-    tma.async_copy_shared_to_global(o_desc, [bh, first_row, 0], q)
-    tma.store_wait(0)
-
-
-@gluon.jit
-def _fwd_consumer_1(q_smem, k_ring, v_ring, q_ready, kv_ready, kv_free, o_desc, L, bh, start_m, n_blocks, n_full,
-                    n_queries, n_keys, qk_scale, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                    STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):
-    _fwd_consumer(1, q_smem, k_ring, v_ring, q_ready, kv_ready, kv_free, o_desc, L, bh, start_m, n_blocks, n_full,
-                  n_queries, n_keys, qk_scale, ROWS, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL)
-
-
-@gluon.jit(do_not_specialize=["n_heads", "n_queries", "n_keys"])
-def attn_fwd_hopper_kernel(
-    q_desc, k_desc, v_desc,  # 3-D views of Q, K, V, blocks (1, ROWS or BLOCK_N, HEAD_DIM)
-    o_desc,  # contiguous (batch * heads, n_queries, HEAD_DIM) output, blocks (1, ROWS, HEAD_DIM)
-    L,  # float32 (batch * heads, n_queries) output: natural-log logsumexp
-    n_heads, n_queries, n_keys,
-    qk_scale,  # log2(e) / sqrt(d)
-    HEAD_DIM: gl.constexpr,
-    IS_CAUSAL: gl.constexpr,
-    ROWS: gl.constexpr,  # queries per consumer warpgroup (the program holds 2 * ROWS)
-    BLOCK_N: gl.constexpr,
-    STAGES: gl.constexpr,
-    Q_COLUMNS: gl.constexpr, K_COLUMNS: gl.constexpr, V_COLUMNS: gl.constexpr,
-):
-    """Program ``(i, bh)``: O and L of the queries of tile ``n_tiles - 1 - i`` (heavy causal tiles first)."""
-    dtype: gl.constexpr = q_desc.dtype
-    start_m = (gl.num_programs(0) - 1 - gl.program_id(0)) * (2 * ROWS)
-    bh = gl.program_id(1)
-    b = bh // n_heads
-    h = bh % n_heads
-    n_blocks = gl.cdiv(n_keys, BLOCK_N)
-    if IS_CAUSAL:
-        # Keys past the tile's last query are invisible; blocks reaching past its first query need the mask.
-        n_blocks = gl.minimum(n_blocks, gl.cdiv(start_m + 2 * ROWS, BLOCK_N))
-        n_full = gl.minimum(start_m // BLOCK_N, n_keys // BLOCK_N)
-    else:
-        n_full = n_keys // BLOCK_N
-    n_full = gl.minimum(n_full, n_blocks)
-
-    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM], dtype)
-    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
-    q_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_DIM], q_layout)
-    k_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
-    v_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
-    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    kv_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_ready, count=1)
-    for s in gl.static_range(STAGES):
-        mbarrier.init(kv_ready.index(s), count=1)
-        mbarrier.init(kv_free.index(s), count=2)  # one arrive per consumer warpgroup
-    fence_async_shared()
-
-    gl.warp_specialize(
-        [
-            (_fwd_consumer, (0, q_smem, k_ring, v_ring, q_ready, kv_ready, kv_free, o_desc, L, bh, start_m, n_blocks,
-                             n_full, n_queries, n_keys, qk_scale, ROWS, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL)),
-            (_fwd_consumer_1, (q_smem, k_ring, v_ring, q_ready, kv_ready, kv_free, o_desc, L, bh, start_m, n_blocks,
-                               n_full, n_queries, n_keys, qk_scale, ROWS, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL)),
-            (_fwd_load_partition, (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, kv_ready, kv_free,
-                                   b, h, n_heads, start_m, n_blocks, BLOCK_N, HEAD_DIM, STAGES,
-                                   Q_COLUMNS, K_COLUMNS, V_COLUMNS)),
-        ],
-        [4, 1],
-        [240, 24],
-    )
 
 
 # ---------------------------------------------------------------------------------------------------
