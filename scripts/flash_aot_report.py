@@ -11,16 +11,14 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import subprocess
 import sys
-import tempfile
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from cs336_systems.attention import flash_triton  # noqa: E402
 from cs336_systems.attention.config import FLASH_CONFIG  # noqa: E402
-from tests._flash_aot import _tool, compile_for_gpu, resource_usage  # noqa: E402
+from tests._flash_aot import compile_for_gpu, cuobjdump, resource_usage  # noqa: E402
 
 SASS_PATTERNS = {"HGMMA": r"\bHGMMA\b", "HMMA": r"\bHMMA\b", "EX2": r"MUFU\.EX2", "RED": r"\bRED\b|\bATOM",
                  "UBLKRED": r"UBLKRED|UTMAREDG", "LDL/STL": r"\bLDL\b|\bSTL\b", "BAR": r"\bBAR\b"}
@@ -43,11 +41,7 @@ def captured_launches(dtype: torch.dtype, head_dim: int, is_causal: bool) -> lis
 
 
 def sass_counts(compiled) -> dict[str, int]:
-    with tempfile.TemporaryDirectory() as directory:
-        path = os.path.join(directory, "kernel.cubin")
-        with open(path, "wb") as f:
-            f.write(compiled.asm["cubin"])
-        sass = subprocess.run([_tool("cuobjdump"), "-sass", path], capture_output=True, text=True, check=True).stdout
+    sass = cuobjdump(compiled, "-sass")
     return {name: len(re.findall(pattern, sass)) for name, pattern in SASS_PATTERNS.items()}
 
 

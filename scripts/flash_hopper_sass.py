@@ -12,15 +12,13 @@ import argparse
 import hashlib
 import math
 import os
-import subprocess
 import sys
-import tempfile
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from cs336_systems.attention import flash_hopper  # noqa: E402
-from tests._flash_aot import _tool, compile_for_gpu, resource_usage  # noqa: E402
+from tests._flash_aot import compile_for_gpu, cuobjdump, resource_usage  # noqa: E402
 
 
 def launches(head_dim: int, dtype: torch.dtype, is_causal: bool) -> dict[str, tuple]:
@@ -41,16 +39,6 @@ def launches(head_dim: int, dtype: torch.dtype, is_causal: bool) -> dict[str, tu
     return result
 
 
-def sass(compiled) -> str:
-    """The kernel's SASS as ``cuobjdump -sass`` prints it, without the header naming the temporary file."""
-    with tempfile.TemporaryDirectory() as directory:
-        path = os.path.join(directory, "kernel.cubin")
-        with open(path, "wb") as f:
-            f.write(compiled.asm["cubin"])
-        text = subprocess.run([_tool("cuobjdump"), "-sass", path], capture_output=True, text=True, check=True).stdout
-    return "\n".join(line for line in text.splitlines() if "kernel.cubin" not in line)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
@@ -65,7 +53,7 @@ def main() -> None:
     for head_dim in args.head_dims:
         for name, (kernel, launch_args, kwargs) in launches(head_dim, dtype, not args.not_causal).items():
             compiled = compile_for_gpu(kernel, launch_args, kwargs)
-            code = sass(compiled)
+            code = cuobjdump(compiled, "-sass")
             usage = resource_usage(compiled)
             digest = hashlib.sha256(code.encode()).hexdigest()[:16]
             n_instructions = sum(1 for line in code.splitlines() if line.strip().startswith("/*") and ";" in line)

@@ -56,12 +56,19 @@ def compile_for_gpu(jit_function, args: tuple, kwargs: dict, capability: int = 9
     return triton.compile(ASTSource(jit_function, signature, constexprs, attrs), target=target, options=options.__dict__)
 
 
-def resource_usage(compiled) -> ResourceUsage:
+def cuobjdump(compiled, flag: str) -> str:
+    """What ``cuobjdump <flag>`` prints of the compiled kernel's cubin (``-sass``, ``-res-usage``), without the lines
+    naming the temporary file."""
     with tempfile.TemporaryDirectory() as directory:
         path = os.path.join(directory, "kernel.cubin")
         with open(path, "wb") as f:
             f.write(compiled.asm["cubin"])
-        report = subprocess.run([_tool("cuobjdump"), "-res-usage", path], capture_output=True, text=True, check=True).stdout
+        text = subprocess.run([_tool("cuobjdump"), flag, path], capture_output=True, text=True, check=True).stdout
+    return "\n".join(line for line in text.splitlines() if "kernel.cubin" not in line)
+
+
+def resource_usage(compiled) -> ResourceUsage:
+    report = cuobjdump(compiled, "-res-usage")
     match = re.search(r"REG:(\d+) STACK:(\d+)", report)
     if match is None:
         raise RuntimeError(f"cannot read the resource usage from cuobjdump:\n{report}")
