@@ -278,7 +278,7 @@ def _profile_numbers(profiles: dict[str, dict[str, Any]]) -> dict[str, Any]:
                               "host_over": host["self_cpu_ms_per_step"] > gpu["ms_per_step"]})
     commits = sorted({p[s]["commit"] for s in STACKS})
     return {"has_profile": True, "commit": join_words(commits),
-            "files": join_words([f"`{p[s]['file']}`" for s in STACKS]),
+            "files": [p[s]["file"] for s in STACKS],
             "shape": f"{ours['size']}, context {ours['context']:,}, batch {ours['batch']}",
             "cudagraphs": any(p[s]["parts"].get("cudagraphs") for s in STACKS),
             "no_weights_part": not any("weights" in p[s]["parts"] for s in STACKS),
@@ -339,8 +339,10 @@ def train_step(res, out: Output) -> dict[str, Any]:
     first = {s: [r["first_step_s"] for r in rows if r["stack"] == s and r.get("first_step_s")] for s in STACKS}
     peak_ratio = [o["peak_gb"] / t["peak_gb"] for t, o in bests if o.get("peak_gb") and t.get("peak_gb")]
     faster = {s: [c for c in both.values() if best(c, s)["variant"] == "cudagraphs"] for s in STACKS}
-    gain = {s: [c[(s, "default")]["step_ms"] / c[(s, "cudagraphs")]["step_ms"] for c in both.values()
-                if measured(c.get((s, "default"))) and measured(c.get((s, "cudagraphs")))] for s in STACKS}
+    gains = {s: {key: c[(s, "default")]["step_ms"] / c[(s, "cudagraphs")]["step_ms"] for key, c in both.items()
+                 if measured(c.get((s, "default"))) and measured(c.get((s, "cudagraphs")))} for s in STACKS}
+    gain = {s: list(g.values()) for s, g in gains.items()}
+    most_gain = {s: case_name(max(g, key=g.get)) if g else DASH for s, g in gains.items()}
     runs = sorted({r["run"] for t, o in bests for r in (t, o)})
     commits = sorted({r.get("env", {}).get("commit", "?")[:7] for t, o in bests for r in (t, o)})
 
@@ -352,8 +354,9 @@ def train_step(res, out: Output) -> dict[str, Any]:
     n = {
         "device": device, "runs": join_words(runs), "commits": join_words(commits),
         "measured": "; ".join(measured_parts),
-        "unmeasured_sizes": join_words(unmeasured_sizes), "has_unmeasured_sizes": bool(unmeasured_sizes),
-        "unmeasured_shapes": "; ".join(unmeasured_shapes), "has_unmeasured_shapes": bool(unmeasured_shapes),
+        "unmeasured": "; ".join([*([f"{join_words(unmeasured_sizes)} at any shape"] if unmeasured_sizes else []),
+                                 *unmeasured_shapes]),
+        "has_unmeasured": bool(unmeasured_sizes or unmeasured_shapes),
         "planned": join_words([shape_label(c, b) for c, b in PLANNED_SHAPES]),
         "n_older": str(len(older)), "has_older": bool(older),
         "older_devices": join_words(sorted({r.get("device", "?") for r in older})),
@@ -370,6 +373,7 @@ def train_step(res, out: Output) -> dict[str, Any]:
         "cg_best_ours": str(len(faster["ours"])), "cg_best_torch": str(len(faster["torch"])),
         "cg_gain_ours": spread(min(gain["ours"]), max(gain["ours"])) if gain["ours"] else DASH,
         "cg_gain_torch": spread(min(gain["torch"]), max(gain["torch"])) if gain["torch"] else DASH,
+        "cg_most_ours": most_gain["ours"], "cg_most_torch": most_gain["torch"],
         "goal_ratio": times(GOAL["ratio"]), "goal_mfu": pct(GOAL["mfu"]), "goal_case": case_name(goal_key),
         "has_goal": bool(goal_ours and goal_torch),
         "goal_ours_ratio": times(step_ratio(goal_case), 3) if goal_ours and goal_torch else DASH,
@@ -380,7 +384,9 @@ def train_step(res, out: Output) -> dict[str, Any]:
         "goal_torch_variant": VARIANT_NAMES[goal_torch["variant"]] if goal_torch else DASH,
         "goal_torch_mfu": pct(goal_torch.get("mfu"), 1) if goal_torch else DASH,
         "mfu_met": bool(goal_ours and (goal_ours.get("mfu") or 0) >= GOAL["mfu"]),
+        "mfu_verdict": "met" if goal_ours and (goal_ours.get("mfu") or 0) >= GOAL["mfu"] else "missed",
         "ratio_met_all": not missed and not unmeasured_sizes and not unmeasured_shapes,
+        "ratio_met_measured": not missed,
         "phase_size": phase_size, "phase_variant": VARIANT_NAMES[PHASE_VARIANT],
         "gaps": "; ".join(gap_phrase(shape, gap) for shape, gap in gaps),
         "largest": "; ".join(f"the {p} at {shape_label(*shape)}" for shape, p in largest),
