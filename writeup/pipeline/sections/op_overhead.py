@@ -102,7 +102,8 @@ def op_overhead(res, out: Output) -> dict[str, Any]:
                 + f"run {now_run} at commit {now_commit}. "
                 "Attention: bf16, causal, shape (batch, heads, tokens, head dimension); rmsnorm: (rows, d_model); "
                 "cross_entropy: (tokens, d_model, vocabulary); adamw: the xl model's parameters, fp32. "
-                f"{marker}: ours' forward also computes the gradients, so this row is not like for like.", size=8)
+                f"{marker}: ours' forward also computes the gradients, so this row is not like for like.",
+                align=["left", "left", "left", "right", "right", "left", "right", "right", "right"], size=8)
 
     goal = {}
     for key in keys:
@@ -130,7 +131,11 @@ def op_overhead(res, out: Output) -> dict[str, Any]:
          "goal_shape": f"({', '.join(map(str, GOAL_ATTENTION_SHAPE))})",
          "n_goal": str(len(goal)), "n_met": str(len(met)), "has_met": bool(met), "has_missed": bool(missed),
          "met": join_words([name(k) for k in met]) or DASH, "missed": join_words([name(k) for k in missed]) or DASH,
-         "all_met": bool(goal) and not missed, "attention": attention, "marker": marker,
+         "all_met": bool(goal) and not missed,
+         "goal_sentence": (f"all {len(goal)} meet it" if not missed else
+                           (f"{len(met)} meet{'s' if len(met) == 1 else ''} it ({join_words([name(k) for k in met])}); "
+                            if met else "none meets it; ")
+                           + f"it is missed by {join_words([name(k) for k in missed])}"), "attention": attention, "marker": marker,
          "ce_forward_missed": ("cross_entropy", "forward") in {k[::2] for k in missed},
          "now_over_before": (f"{times(min(speedups))} to {times(max(speedups))}" if speedups else DASH),
          "has_slower_now": any(has_before and k in before and issue(before[k].get("ours"))

@@ -195,7 +195,7 @@ def _ratio_figure(out: Output, cases: dict[Any, Case]) -> dict[str, str]:
     shapes = sorted({(c, b) for _, c, b in both}, key=lambda s: (s[1] != 4, s[0]))
     fig, axes = figures.new(6.5, 2.6)
     ax = axes[0]
-    width = 0.8 / max(1, len(shapes))
+    width = 0.8 / max(1, len(shapes)) * min(1.0, len(sizes) / 3)  # narrower bars when few sizes were measured
     for i, (context, batch) in enumerate(shapes):
         xs = [x + (i - (len(shapes) - 1) / 2) * width for x in range(len(sizes))]
         values = [step_ratio(cases.get((size, context, batch), {})) or 0 for size in sizes]
@@ -373,7 +373,8 @@ def train_step(res, out: Output) -> dict[str, Any]:
         "cg_best_ours": str(len(faster["ours"])), "cg_best_torch": str(len(faster["torch"])),
         "cg_gain_ours": spread(min(gain["ours"]), max(gain["ours"])) if gain["ours"] else DASH,
         "cg_gain_torch": spread(min(gain["torch"]), max(gain["torch"])) if gain["torch"] else DASH,
-        "cg_most_ours": most_gain["ours"], "cg_most_torch": most_gain["torch"],
+        "cg_most": (f"{most_gain['ours']} for both" if most_gain["ours"] == most_gain["torch"] else
+                    f"{most_gain['ours']} for ours and {most_gain['torch']} for torch"),
         "goal_ratio": times(GOAL["ratio"]), "goal_mfu": pct(GOAL["mfu"]), "goal_case": case_name(goal_key),
         "has_goal": bool(goal_ours and goal_torch),
         "goal_ours_ratio": times(step_ratio(goal_case), 3) if goal_ours and goal_torch else DASH,
@@ -389,7 +390,7 @@ def train_step(res, out: Output) -> dict[str, Any]:
         "ratio_met_measured": not missed,
         "phase_size": phase_size, "phase_variant": VARIANT_NAMES[PHASE_VARIANT],
         "gaps": "; ".join(gap_phrase(shape, gap) for shape, gap in gaps),
-        "largest": "; ".join(f"the {p} at {shape_label(*shape)}" for shape, p in largest),
+        "largest": join_words([f"the {p} at {shape_label(*shape)}" for shape, p in largest]),
         "opt_slower_all": bool(gaps) and all(gap["optimizer"] > 0 for _, gap in gaps),
         "opt_gap": value_range([gap["optimizer"] for _, gap in gaps]),
         "profile": _profile_numbers(load_profiles(res)),
