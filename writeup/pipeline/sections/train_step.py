@@ -318,8 +318,8 @@ def train_step(res, out: Output) -> dict[str, Any]:
         for (sz, c, b), case in cases.items():
             if sz == size:
                 groups.setdefault(coverage(case), []).append(shape_label(c, b))
-        measured_parts.append(f"{size} at " + "; ".join(f"{join_words(shapes)} ({what})"
-                                                        for what, shapes in groups.items()))
+        measured_parts.append(f"{size} at " + " and at ".join(f"{join_words(shapes)} ({what})"
+                                                              for what, shapes in groups.items()))
     unmeasured_sizes = [s for s in SIZES if s not in {sz for sz, _, _ in cases}]
     unmeasured_shapes = [f"{size} at {join_words([shape_label(c, b) for c, b in PLANNED_SHAPES if (size, c, b) not in cases])}"
                          for size in sorted({s for s, _, _ in cases}, key=size_order)
