@@ -205,6 +205,7 @@ def _ratio_figure(out: Output, cases: dict[Any, Case]) -> dict[str, str]:
     ax.axhline(GOAL["ratio"], color="0.2", linewidth=0.8, linestyle="--", label=f"goal ({GOAL['ratio']:.2f})")
     ax.set_xticks(range(len(sizes)))
     ax.set_xticklabels(sizes)
+    ax.set_xlim(-0.5, len(sizes) - 0.5)
     ax.set_ylabel("ours ÷ torch step time\n(best variant of each)")
     figures.legend_below(fig, ax, ncol=len(shapes) + 2)
     return out.save(fig, "train_step_ratio", "Step time of our stack's faster variant over PyTorch's faster "
