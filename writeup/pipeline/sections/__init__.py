@@ -8,6 +8,7 @@ from pipeline.sections import (  # noqa: F401  (they register sections)
     ddp,
     flash,
     leaderboard_2026,
+    op_overhead,
     sharding,
     single_gpu,
     train_step,

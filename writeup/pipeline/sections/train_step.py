@@ -4,24 +4,37 @@ of our attention operator."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from cs336_basics.model import MODEL_SIZES
 from pipeline import accounting, figures
 from pipeline.markup import DASH, num, pct, sig, span, spread, table, times
-from pipeline.results import Missing
+from pipeline.results import Missing, main_device, read_jsonl
 from pipeline.sections.registry import Output, problem
 
 SIZES = list(MODEL_SIZES)  # small ... 2.7B, the order every table uses
 STACKS = ("torch", "ours")
+# The step's variants (cs336_systems/bench/train_step.py VARIANTS): eager launches from the compiled blocks, or the
+# forward, loss and backward captured in one CUDA graph and replayed (the ``cudagraphs`` part).
+VARIANTS = ("default", "cudagraphs")
+VARIANT_NAMES = {"default": "default", "cudagraphs": "CUDA graphs"}
+# The (context length, batch size) pairs the tool runs every size at by default (its DEFAULT_SHAPES).
+PLANNED_SHAPES = ((512, 4), (2048, 4), (8192, 1))
 PHASES = ("forward", "backward", "optimizer")
 PHASE_SIZE = "xl"  # the size whose phases the section breaks down (the largest measured if absent)
-# The target set for our stack: at most 0.95x PyTorch's step time and at least 40 % MFU, on xl at context 512, batch 4.
+# With CUDA graphs the replayed forward + backward is timed as the forward phase (its backward is empty), so the
+# phases are broken down on the default variant.
+PHASE_VARIANT = "default"
+# The target set for our stack (issue 26): ours' best variant at most 0.95x PyTorch's best variant at every size and
+# shape, and at least 40 % MFU on xl at context 512, batch 4.
 GOAL = {"ratio": 0.95, "mfu": 0.40, "size": "xl", "context_length": 512, "batch_size": 4}
+# The profile of the default step (scripts/train_step_profile.py), one file per stack: profile_step_<stack>_<commit>.txt.
+PROFILE_DIR = "h100-issue26"
 
 # What each recorded part (``parts`` in a train_step row) is; cs336_systems/train/step.py defines them.
 PART_NAMES = {
-    ("attention", "triton"): "our FlashAttention-2 (Triton operators)",
+    ("attention", "triton"): "our FlashAttention-2 (Triton/Gluon operators)",
     ("attention", "sdpa"): "SDPA",
     ("rmsnorm", "fused"): "our fused Triton RMSNorm",
     ("rmsnorm", "plain"): "cs336_basics RMSNorm",
@@ -34,7 +47,15 @@ PART_NAMES = {
     ("compile", "model"): "the whole forward and loss",
     ("compile", "none"): "none",
     ("checkpointing", 0): "none",
+    ("keep_attention", False): "no",
+    ("sharding", "none"): "none (one GPU)",
+    ("cudagraphs", False): "no",
+    ("cudagraphs", True): "forward, loss and backward replayed as one graph, optimizer outside",
+    ("weights", "fp32"): "fp32 (autocast casts them to bf16)",
+    ("weights", "bf16"): "linear layers bf16, fp32 masters in the optimizer",
 }
+# A row's ``parts`` may leave out a part at its default (cs336_systems/train/step.py StepParts).
+PART_DEFAULTS = {"weights": "fp32", "cudagraphs": False}
 
 
 def size_order(size: str) -> int:
@@ -68,14 +89,24 @@ def shape_label(context: int, batch: int) -> str:
 # train_step
 # -----------------------------------------------------------------------------------------------
 
+Case = dict[tuple[str, str], dict[str, Any]]  # (stack, variant) -> row
 
-def load_train_step(res) -> dict[tuple[str, int, int], dict[str, dict[str, Any]]]:
-    """The rows of ``train_step.jsonl`` without overrides (the two stacks as defined), by (size, context length,
-    batch size) and stack, in size order."""
-    rows = [r for r in res.rows("train_step") if not r.get("overrides") and r.get("stack") in STACKS]
-    cases: dict[tuple[str, int, int], dict[str, dict[str, Any]]] = {}
-    for r in rows:
-        cases.setdefault((r["size"], r["context_length"], r["batch_size"]), {})[r["stack"]] = r
+
+def new_protocol(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows of the current protocol (those with a ``variant``: both stacks in both variants, ours against
+    torch's faster variant), without overrides, on the device with the most such rows."""
+    rows = [r for r in rows if r.get("variant") in VARIANTS and not r.get("overrides") and r.get("stack") in STACKS]
+    if not rows:
+        return []
+    device = main_device(rows)
+    return [r for r in rows if r.get("device", "") == device]
+
+
+def load_train_step(res) -> dict[tuple[str, int, int], Case]:
+    """The current protocol's rows by (size, context length, batch size) and (stack, variant), in size order."""
+    cases: dict[tuple[str, int, int], Case] = {}
+    for r in res.rows("train_step", one_device=False, keep=new_protocol):
+        cases.setdefault((r["size"], r["context_length"], r["batch_size"]), {})[(r["stack"], r["variant"])] = r
     return dict(sorted(cases.items(), key=lambda item: (size_order(item[0][0]), item[0][2] != 4, item[0][1])))
 
 
@@ -83,14 +114,21 @@ def measured(row: dict[str, Any] | None) -> bool:
     return bool(row) and not row.get("oom") and row.get("step_ms") is not None
 
 
-def step_ratio(case: dict[str, dict[str, Any]]) -> float | None:
-    torch, ours = case.get("torch"), case.get("ours")
-    return ours["step_ms"] / torch["step_ms"] if measured(torch) and measured(ours) else None
+def best(case: Case, stack: str) -> dict[str, Any] | None:
+    """``stack``'s faster variant in ``case`` (None when neither was measured)."""
+    rows = [case[(stack, v)] for v in VARIANTS if measured(case.get((stack, v)))]
+    return min(rows, key=lambda r: r["step_ms"], default=None)
 
 
-def earlier_torch(case: dict[str, dict[str, Any]]) -> bool:
-    """Whether the torch row of ``case`` comes from another invocation of the tool than ours' row."""
-    torch, ours = case.get("torch"), case.get("ours")
+def step_ratio(case: Case) -> float | None:
+    """Ours' best variant's step time over torch's best variant's."""
+    torch, ours = best(case, "torch"), best(case, "ours")
+    return ours["step_ms"] / torch["step_ms"] if torch and ours else None
+
+
+def earlier_torch(case: Case) -> bool:
+    """Whether torch's best row of ``case`` comes from another invocation of the tool than ours' best row."""
+    torch, ours = best(case, "torch"), best(case, "ours")
     return bool(torch and ours) and torch.get("run") != ours.get("run")
 
 
@@ -100,68 +138,88 @@ def _cell(row: dict[str, Any] | None, key: str, fmt) -> str:
     return "OOM" if row.get("oom") else fmt(row.get(key))
 
 
-def _stacks_table(cases) -> dict[str, Any]:
-    """Each part of the two stacks, as the rows record it (``parts``)."""
-    parts = {stack: next((c[stack]["parts"] for c in cases.values() if c.get(stack, {}).get("parts")), {})
-             for stack in STACKS}
-    names = list(dict.fromkeys([*parts["torch"], *parts["ours"]]))
-    body = [[name, *[PART_NAMES.get((name, parts[s].get(name)), str(parts[s].get(name, DASH))) for s in STACKS]]
-            for name in names]
-    return table(["part", *STACKS], body, "The two stacks, part by part, as the rows record them (parts).",
+def _part(row: dict[str, Any], name: str) -> Any:
+    return row.get("parts", {}).get(name, PART_DEFAULTS.get(name))
+
+
+def _stacks_table(cases: dict[Any, Case]) -> dict[str, Any]:
+    """Each part of the two stacks, as the rows record it (``parts``); a part that differs between the variants
+    (``cudagraphs``) is shown per variant."""
+    rows = {key: r for c in cases.values() for key, r in c.items() if r.get("parts")}
+    names = list(dict.fromkeys([*(n for r in rows.values() for n in r["parts"]), *PART_DEFAULTS]))
+
+    def cell(stack: str, name: str) -> str:
+        values = {v: _part(rows[(stack, v)], name) for v in VARIANTS if (stack, v) in rows}
+        if not values:
+            return DASH
+        words = {v: PART_NAMES.get((name, value), str(value)) for v, value in values.items()}
+        if len(set(words.values())) == 1:
+            return next(iter(words.values()))
+        return "; ".join(f"{VARIANT_NAMES[v]}: {w}" for v, w in words.items())
+
+    body = [[name, *[cell(s, name) for s in STACKS]] for name in names]
+    return table(["part", *STACKS], body, "The two stacks, part by part, as the rows record them (parts; a part a "
+                 "row leaves out is at its default). The cudagraphs part is what tells the two variants apart.",
                  align=["left", "left", "left"], size=8)
 
 
-def _main_table(cases, marker: str) -> dict[str, Any]:
+def _main_table(cases: dict[Any, Case], marker: str) -> dict[str, Any]:
     body = []
     for (size, context, batch), case in cases.items():
-        torch, ours = case.get("torch"), case.get("ours")
-        ratio = step_ratio(case)
-        torch_ms = _cell(torch, "step_ms", lambda x: num(x, 1))
-        body.append([size, shape_label(context, batch), torch_ms + (marker if earlier_torch(case) else ""),
-                     _cell(ours, "step_ms", lambda x: num(x, 1)), times(ratio),
-                     _cell(torch, "mfu", lambda x: pct(x, 1)), _cell(ours, "mfu", lambda x: pct(x, 1)),
-                     _cell(torch, "peak_gb", lambda x: num(x, 1)), _cell(ours, "peak_gb", lambda x: num(x, 1))])
-    header = [["", "", span("step (ms)", 2), "", span("MFU", 2), span("peak memory (GB)", 2)],
-              ["size", "context × batch", *STACKS, "ours ÷ torch", *STACKS, *STACKS]]
+        bests = {s: best(case, s) for s in STACKS}
+        steps = [_cell(case.get((s, v)), "step_ms", lambda x: num(x, 1)) for s in STACKS for v in VARIANTS]
+        body.append([size, shape_label(context, batch), *steps,
+                     times(step_ratio(case), 3) + (marker if earlier_torch(case) else ""),
+                     *[_cell(bests[s], "mfu", lambda x: pct(x, 1)) for s in STACKS]])
+    header = [["", "", *[span(f"{s} step (ms)", len(VARIANTS)) for s in STACKS], "ours ÷ torch",
+               span("MFU of the best", len(STACKS))],
+              ["size", "context × batch", *[VARIANT_NAMES[v] for _ in STACKS for v in VARIANTS], "best ÷ best",
+               *STACKS]]
     rows = [r for c in cases.values() for r in c.values()]
     warmup = sorted({r.get("warmup") for r in rows if r.get("warmup") is not None})
     steps = sorted({r.get("steps") for r in rows if r.get("steps") is not None})
     peaks = [r["peak_tflops"] for r in rows if r.get("peak_tflops")]
     return table(header, body,
-                 f"A training step (forward, loss, backward, AdamW) of each model size, bf16 autocast, both stacks: "
-                 f"median over {'/'.join(map(str, steps))} timed steps after {'/'.join(map(str, warmup))} warm-up "
-                 f"steps, each case in a fresh process. MFU: the step's model FLOPs (causal attention counted half) "
-                 f"over the bf16 matmul rate measured in the same invocation ({value_range(peaks, 0)} TFLOP/s). "
-                 f"Peak: the most memory allocated during the timed steps. {marker}: the torch row comes "
-                 f"from an earlier invocation of the tool than ours' row.", size=8)
+                 f"A training step (forward, loss, backward, AdamW) of each model size, bf16 autocast, both stacks, "
+                 f"each in both variants: median over {'/'.join(map(str, steps))} timed steps after "
+                 f"{'/'.join(map(str, warmup))} warm-up steps, each case in a fresh process; a dash: not measured. "
+                 f"ours ÷ torch: ours' faster variant over torch's faster variant. MFU: the best variant's model "
+                 f"FLOPs (causal attention counted half) over the bf16 matmul rate measured in the same invocation "
+                 f"({value_range(peaks, 0)} TFLOP/s). {marker}: torch's best row comes from another invocation of "
+                 f"the tool than ours' best row.", size=8)
 
 
-def _ratio_figure(out: Output, cases) -> dict[str, str]:
-    sizes = sorted({size for size, _, _ in cases}, key=size_order)
-    shapes = sorted({(c, b) for _, c, b in cases}, key=lambda s: (s[1] != 4, s[0]))
+def _ratio_figure(out: Output, cases: dict[Any, Case]) -> dict[str, str]:
+    both = {key: c for key, c in cases.items() if step_ratio(c)}
+    sizes = sorted({size for size, _, _ in both}, key=size_order)
+    shapes = sorted({(c, b) for _, c, b in both}, key=lambda s: (s[1] != 4, s[0]))
     fig, axes = figures.new(6.5, 2.6)
     ax = axes[0]
-    width = 0.8 / max(1, len(shapes))
+    width = 0.8 / max(1, len(shapes)) * min(1.0, len(sizes) / 3)  # narrower bars when few sizes were measured
     for i, (context, batch) in enumerate(shapes):
         xs = [x + (i - (len(shapes) - 1) / 2) * width for x in range(len(sizes))]
         values = [step_ratio(cases.get((size, context, batch), {})) or 0 for size in sizes]
         bars = ax.bar(xs, values, width, label=shape_label(context, batch))
-        ax.bar_label(bars, [f"{v:.2f}" if v else "" for v in values], fontsize=5.5, padding=1)
+        ax.bar_label(bars, [f"{v:.3f}" if v else "" for v in values], fontsize=5.5, padding=1)
     ax.axhline(1.0, color="0.2", linewidth=0.8, label="torch (1)")
     ax.axhline(GOAL["ratio"], color="0.2", linewidth=0.8, linestyle="--", label=f"goal ({GOAL['ratio']:.2f})")
     ax.set_xticks(range(len(sizes)))
     ax.set_xticklabels(sizes)
-    ax.set_ylabel("ours ÷ torch step time")
+    ax.set_xlim(-0.5, len(sizes) - 0.5)
+    ax.set_ylabel("ours ÷ torch step time\n(best variant of each)")
     figures.legend_below(fig, ax, ncol=len(shapes) + 2)
-    return out.save(fig, "train_step_ratio", "Step time of our stack over PyTorch's, per model size and shape "
-                    "(context × batch; below 1: ours faster); dashed: the goal.")
+    return out.save(fig, "train_step_ratio", "Step time of our stack's faster variant over PyTorch's faster "
+                    "variant, per model size and shape measured with both stacks (context × batch; below 1: ours "
+                    "faster); dashed: the goal.")
 
 
-def _phase_table(cases, size: str) -> tuple[dict[str, Any], list[dict[str, float]]]:
-    """Phase medians of ``size``'s shapes, both stacks, and per shape the differences (ours - torch)."""
-    shapes = [(c, b) for s, c, b in cases if s == size]
-    pairs = [(shape, cases[(size, *shape)]) for shape in shapes]
-    pairs = [(shape, c) for shape, c in pairs if measured(c.get("torch")) and measured(c.get("ours"))]
+def _phase_table(cases: dict[Any, Case], size: str, replay_bwd: list[float]
+                 ) -> tuple[dict[str, Any], list[tuple[tuple[int, int], dict[str, float]]]]:
+    """Phase medians of ``size``'s shapes in the default variant, both stacks, and per shape the differences
+    (ours - torch)."""
+    pairs = [((c, b), {s: cases[(sz, c, b)].get((s, PHASE_VARIANT)) for s in STACKS})
+             for sz, c, b in cases if sz == size]
+    pairs = [(shape, rows) for shape, rows in pairs if all(measured(r) for r in rows.values())]
     labels = [*PHASES, "sum of the phases", "step (timed whole)"]
 
     def value(row: dict[str, Any], label: str) -> float:
@@ -172,86 +230,171 @@ def _phase_table(cases, size: str) -> tuple[dict[str, Any], list[dict[str, float
     body = []
     for label in labels:
         cells = [label]
-        for _, case in pairs:
-            torch, ours = value(case["torch"], label), value(case["ours"], label)
+        for _, rows in pairs:
+            torch, ours = value(rows["torch"], label), value(rows["ours"], label)
             cells += [num(torch, 1), num(ours, 1), f"{ours - torch:+.1f}"]
         body.append(cells)
     header = [["", *[span(f"context {c:,}, batch {b}", 3) for (c, b), _ in pairs]],
               ["ms", *["torch", "ours", "ours − torch"] * len(pairs)]]
-    tab = table(header, body, f"The {size} model's training step by phase (medians over steps timed phase by phase, "
-                "the device synchronised after each phase, so the phases do not add up exactly to the step timed "
-                "whole). The optimizer phase includes zeroing the gradients.", size=8)
-    gaps = [{p: case["ours"][f"{p}_ms"] - case["torch"][f"{p}_ms"] for p in PHASES} for _, case in pairs]
+    replay = (f" (their rows record a backward of at most {num(max(replay_bwd), 2)} ms)" if replay_bwd else "")
+    tab = table(header, body, f"The {size} model's training step by phase, {VARIANT_NAMES[PHASE_VARIANT]} variant "
+                "(medians over steps timed phase by phase, the device synchronised after each phase, so the phases "
+                "do not add up exactly to the step timed whole). The optimizer phase includes zeroing the "
+                "gradients. With CUDA graphs the replayed forward + backward is recorded under forward and the "
+                f"backward phase is empty{replay}, so that variant is not broken down here.", size=8)
+    gaps = [(shape, {p: rows["ours"][f"{p}_ms"] - rows["torch"][f"{p}_ms"] for p in PHASES}) for shape, rows in pairs]
     return tab, gaps
+
+
+def load_profiles(res) -> dict[str, dict[str, Any]]:
+    """The step profiles under ``PROFILE_DIR`` (scripts/train_step_profile.py's output: a header line with the stack,
+    wall and GPU kernel time per step, then kernels and host ops), by stack; empty when there are none."""
+    profiles: dict[str, dict[str, Any]] = {}
+    for path in sorted(res.path(PROFILE_DIR).glob("profile_step_*_*.txt")):
+        stack, commit = path.stem.removeprefix("profile_step_").rsplit("_", 1)
+        lines = [json.loads(line) for line in res.text(f"{PROFILE_DIR}/{path.name}").splitlines()
+                 if line.startswith("{")]
+        header = next((line for line in lines if "stack" in line), None)
+        if header is None or header["stack"] != stack:
+            continue
+        profiles[stack] = {**header, "commit": commit, "file": f"writeup/results/{PROFILE_DIR}/{path.name}",
+                           "kernels": {x["kernel"]: x for x in lines if "kernel" in x},
+                           "host_ops": {x["host_op"]: x for x in lines if "host_op" in x}}
+    return profiles
+
+
+def _profile_numbers(profiles: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    if not all(s in profiles for s in STACKS):
+        return {"has_profile": False}
+    p = {s: profiles[s] for s in STACKS}
+    ours = p["ours"]
+    # Our attention operators' host time per step beside their kernels' GPU time, where the profile lists both.
+    attention = []
+    for pass_, op, kernel in (("forward", "cs336_systems::flash_attention_forward", "attn_fwd_hopper_kernel"),
+                              ("backward", "cs336_systems::flash_attention_backward", "attn_bwd_hopper_kernel")):
+        host, gpu = ours["host_ops"].get(op), ours["kernels"].get(kernel)
+        if host and gpu:
+            attention.append({"pass": pass_, "host": num(host["self_cpu_ms_per_step"], 1),
+                              "calls": num(host["calls_per_step"], 0), "gpu": num(gpu["ms_per_step"], 1),
+                              "host_over": host["self_cpu_ms_per_step"] > gpu["ms_per_step"]})
+    commits = sorted({p[s]["commit"] for s in STACKS})
+    return {"has_profile": True, "commit": join_words(commits),
+            "files": [p[s]["file"] for s in STACKS],
+            "shape": f"{ours['size']}, context {ours['context']:,}, batch {ours['batch']}",
+            "cudagraphs": any(p[s]["parts"].get("cudagraphs") for s in STACKS),
+            "no_weights_part": not any("weights" in p[s]["parts"] for s in STACKS),
+            **{f"{s}_gpu": num(p[s]["gpu_kernel_ms"], 1) for s in STACKS},
+            **{f"{s}_wall": num(p[s]["wall_ms"], 1) for s in STACKS},
+            **{f"{s}_idle": pct(p[s]["host_bound_share"]) for s in STACKS},
+            "attention": attention, "attention_host_over": bool(attention) and all(a["host_over"] for a in attention)}
 
 
 @problem("train_step")
 def train_step(res, out: Output) -> dict[str, Any]:
     cases = load_train_step(res)
     if not any(step_ratio(c) for c in cases.values()):
-        raise Missing("writeup/results/train_step.jsonl", "no configuration measured with both stacks")
+        raise Missing("writeup/results/train_step.jsonl", "no configuration measured with both stacks (with a variant)")
     marker = "†"
     both = {key: c for key, c in cases.items() if step_ratio(c)}
     ratios = {key: step_ratio(c) for key, c in both.items()}
-    best, worst = min(ratios, key=ratios.get), max(ratios, key=ratios.get)
-    sizes = sorted({size for size, _, _ in cases}, key=size_order)
-    shapes = sorted({(c, b) for _, c, b in cases}, key=lambda s: (s[1] != 4, s[0]))
-    measured_sizes = {size for size, _, _ in both}
-    phase_size = PHASE_SIZE if PHASE_SIZE in measured_sizes else max(measured_sizes, key=size_order)
-    phases, gaps = _phase_table(both, phase_size)
-    share = [(g["forward"] + g["backward"]) / sum(g.values()) for g in gaps if sum(g.values()) > 0]
-    goal = cases.get((GOAL["size"], GOAL["context_length"], GOAL["batch_size"]), {})
-    goal_ratio = step_ratio(goal) if goal else None
-    goal_mfu = goal["ours"].get("mfu") if goal_ratio else None
-    # Ours' rows whose torch row came from an earlier invocation, grouped by that invocation.
-    earlier: dict[str, list[str]] = {}
-    for (size, _, _), case in both.items():
-        if earlier_torch(case):
-            sizes_of_run = earlier.setdefault(case["torch"].get("run", "?"), [])
-            if size not in sizes_of_run:
-                sizes_of_run.append(size)
-    ours_runs = sorted({c["ours"].get("run", "?") for c in both.values()})
-    rows = [r for c in both.values() for r in c.values()]
-    first = {s: [r["first_step_s"] for r in rows if r["stack"] == s and r.get("first_step_s")] for s in STACKS}
-    peak_ratio = [c["ours"]["peak_gb"] / c["torch"]["peak_gb"] for c in both.values()
-                  if c["ours"].get("peak_gb") and c["torch"].get("peak_gb")]
-    mfu = {s: max((c[s] for c in both.values() if c[s].get("mfu")), key=lambda r: r["mfu"], default=None)
-           for s in STACKS}
+    rows = [r for c in cases.values() for r in c.values()]
+    device = rows[0]["device"]
+    # The earlier protocol's rows (no variant): kept in the file, not compared with these.
+    older = [r for r in read_jsonl(res.path("train_step.jsonl")) if "variant" not in r]
 
     def case_name(key) -> str:
         size, context, batch = key
-        return f"{size}, context {context:,}, batch {batch}"
+        return f"{size} at {shape_label(context, batch)}"
 
+    # What was measured, per size and shape, and what was not.
+    def coverage(case: Case) -> str:
+        have = [(s, v) for s in STACKS for v in VARIANTS if measured(case.get((s, v)))]
+        if len(have) == len(STACKS) * len(VARIANTS):
+            return "both stacks, both variants"
+        return join_words([f"{s} {VARIANT_NAMES[v]}" for s, v in have]) + " only"
+
+    measured_parts = []
+    for size in sorted({s for s, _, _ in cases}, key=size_order):
+        groups: dict[str, list[str]] = {}
+        for (sz, c, b), case in cases.items():
+            if sz == size:
+                groups.setdefault(coverage(case), []).append(shape_label(c, b))
+        measured_parts.append(f"{size} at " + " and at ".join(f"{join_words(shapes)} ({what})"
+                                                              for what, shapes in groups.items()))
+    unmeasured_sizes = [s for s in SIZES if s not in {sz for sz, _, _ in cases}]
+    unmeasured_shapes = [f"{size} at {join_words([shape_label(c, b) for c, b in PLANNED_SHAPES if (size, c, b) not in cases])}"
+                         for size in sorted({s for s, _, _ in cases}, key=size_order)
+                         if any((size, c, b) not in cases for c, b in PLANNED_SHAPES)]
+    met = {k: r for k, r in ratios.items() if r <= GOAL["ratio"]}
+    missed = {k: r for k, r in ratios.items() if r > GOAL["ratio"]}
+    goal_key = (GOAL["size"], GOAL["context_length"], GOAL["batch_size"])
+    goal_case = cases.get(goal_key, {})
+    goal_ours, goal_torch = best(goal_case, "ours"), best(goal_case, "torch")
+
+    phase_sizes = {size for size, _, _ in both}
+    phase_size = PHASE_SIZE if PHASE_SIZE in phase_sizes else max(phase_sizes, key=size_order)
+    replay_bwd = [r["backward_ms"] for r in rows if r["variant"] == "cudagraphs" and measured(r)
+                  and r.get("backward_ms") is not None]
+    phases, gaps = _phase_table(both, phase_size, replay_bwd)
+    bests = [(best(c, "torch"), best(c, "ours")) for c in both.values()]
+    first = {s: [r["first_step_s"] for r in rows if r["stack"] == s and r.get("first_step_s")] for s in STACKS}
+    peak_ratio = [o["peak_gb"] / t["peak_gb"] for t, o in bests if o.get("peak_gb") and t.get("peak_gb")]
+    faster = {s: [c for c in both.values() if best(c, s)["variant"] == "cudagraphs"] for s in STACKS}
+    gains = {s: {key: c[(s, "default")]["step_ms"] / c[(s, "cudagraphs")]["step_ms"] for key, c in both.items()
+                 if measured(c.get((s, "default"))) and measured(c.get((s, "cudagraphs")))} for s in STACKS}
+    gain = {s: list(g.values()) for s, g in gains.items()}
+    most_gain = {s: case_name(max(g, key=g.get)) if g else DASH for s, g in gains.items()}
+    runs = sorted({r["run"] for t, o in bests for r in (t, o)})
+    commits = sorted({r.get("env", {}).get("commit", "?")[:7] for t, o in bests for r in (t, o)})
+
+    def gap_phrase(shape, gap) -> str:
+        return (f"at {shape_label(*shape)}: forward {gap['forward']:+.1f} ms, backward {gap['backward']:+.1f} ms, "
+                f"optimizer {gap['optimizer']:+.1f} ms")
+
+    largest = [(shape, max(PHASES, key=lambda p: gap[p])) for shape, gap in gaps]
     n = {
-        "sizes": join_words(sizes),
-        "shapes": join_words([f"{join_words([f'{c:,}' for c, b in shapes if b == batch])} tokens at batch {batch}"
-                              for batch in dict.fromkeys(b for _, b in shapes)]),
-        "cases": str(len(both)), "slower": str(sum(r > 1 for r in ratios.values())),
-        "slower_everywhere": all(r > 1 for r in ratios.values()),
-        "range": spread(min(ratios.values()), max(ratios.values())),
-        "best": times(ratios[best]), "best_case": case_name(best),
-        "worst": times(ratios[worst]), "worst_case": case_name(worst),
-        "marker": marker, "has_earlier": bool(earlier),
-        "runs": "; ".join([*(f"{join_words(s)}: run {run}" for run, s in earlier.items()),
-                           f"ours: run{'s' if len(ours_runs) > 1 else ''} {join_words(ours_runs)}"]),
+        "device": device, "runs": join_words(runs), "commits": join_words(commits),
+        "measured": "; ".join(measured_parts),
+        "unmeasured": "; ".join([*([f"{join_words(unmeasured_sizes)} at any shape"] if unmeasured_sizes else []),
+                                 *unmeasured_shapes]),
+        "has_unmeasured": bool(unmeasured_sizes or unmeasured_shapes),
+        "planned": join_words([shape_label(c, b) for c, b in PLANNED_SHAPES]),
+        "n_older": str(len(older)), "has_older": bool(older),
+        "older_devices": join_words(sorted({r.get("device", "?") for r in older})),
+        "older_dates": value_range(sorted({r.get("env", {}).get("date", "")[:10] for r in older}),
+                                   fmt=str) if older else DASH,
+        "cases": str(len(both)), "n_met": str(len(met)), "n_missed": str(len(missed)),
+        "met": join_words([f"{case_name(k)} ({times(r, 3)})" for k, r in met.items()]),
+        "missed": join_words([f"{case_name(k)} ({times(r, 3)})" for k, r in missed.items()]),
+        "has_met": bool(met), "has_missed": bool(missed),
+        "range": spread(min(ratios.values()), max(ratios.values()), lambda x: times(x, 3)),
+        "marker": marker, "has_earlier": any(earlier_torch(c) for c in both.values()),
         "first_torch": value_range(first["torch"]), "first_ours": value_range(first["ours"]),
         "peak_ratio": spread(min(peak_ratio), max(peak_ratio)) if peak_ratio else DASH,
-        "mfu_torch": pct(mfu["torch"]["mfu"], 1) if mfu["torch"] else DASH,
-        "mfu_torch_case": case_name((mfu["torch"]["size"], mfu["torch"]["context_length"], mfu["torch"]["batch_size"]))
-        if mfu["torch"] else DASH,
-        "mfu_ours": pct(mfu["ours"]["mfu"], 1) if mfu["ours"] else DASH,
-        "mfu_ours_case": case_name((mfu["ours"]["size"], mfu["ours"]["context_length"], mfu["ours"]["batch_size"]))
-        if mfu["ours"] else DASH,
-        "goal_ratio": times(GOAL["ratio"]), "goal_mfu": pct(GOAL["mfu"]),
-        "goal_case": case_name((GOAL["size"], GOAL["context_length"], GOAL["batch_size"])),
-        "has_goal": goal_ratio is not None,
-        "goal_met": bool(goal_ratio and goal_ratio <= GOAL["ratio"] and (goal_mfu or 0) >= GOAL["mfu"]),
-        "goal_ours_ratio": times(goal_ratio), "goal_ours_mfu": pct(goal_mfu, 1),
-        "goal_torch_mfu": pct(goal["torch"].get("mfu"), 1) if goal_ratio else DASH,
-        "phase_size": phase_size,
-        "fwd_gap": value_range([g["forward"] for g in gaps]), "bwd_gap": value_range([g["backward"] for g in gaps]),
-        "opt_gap": value_range([g["optimizer"] for g in gaps]),
-        "fb_share": spread(min(share), max(share), pct) if share else DASH,
+        "cg_best_ours": str(len(faster["ours"])), "cg_best_torch": str(len(faster["torch"])),
+        "cg_gain_ours": spread(min(gain["ours"]), max(gain["ours"])) if gain["ours"] else DASH,
+        "cg_gain_torch": spread(min(gain["torch"]), max(gain["torch"])) if gain["torch"] else DASH,
+        "cg_most": (f"{most_gain['ours']} for both" if most_gain["ours"] == most_gain["torch"] else
+                    f"{most_gain['ours']} for ours and {most_gain['torch']} for torch"),
+        "goal_ratio": times(GOAL["ratio"]), "goal_mfu": pct(GOAL["mfu"]), "goal_case": case_name(goal_key),
+        "has_goal": bool(goal_ours and goal_torch),
+        "goal_ours_ratio": times(step_ratio(goal_case), 3) if goal_ours and goal_torch else DASH,
+        "goal_ours_mfu": pct(goal_ours.get("mfu"), 1) if goal_ours else DASH,
+        "goal_ours_variant": VARIANT_NAMES[goal_ours["variant"]] if goal_ours else DASH,
+        "goal_ours_ms": num(goal_ours["step_ms"], 1) if goal_ours else DASH,
+        "goal_torch_ms": num(goal_torch["step_ms"], 1) if goal_torch else DASH,
+        "goal_torch_variant": VARIANT_NAMES[goal_torch["variant"]] if goal_torch else DASH,
+        "goal_torch_mfu": pct(goal_torch.get("mfu"), 1) if goal_torch else DASH,
+        "mfu_met": bool(goal_ours and (goal_ours.get("mfu") or 0) >= GOAL["mfu"]),
+        "mfu_verdict": "met" if goal_ours and (goal_ours.get("mfu") or 0) >= GOAL["mfu"] else "missed",
+        "ratio_met_all": not missed and not unmeasured_sizes and not unmeasured_shapes,
+        "ratio_met_measured": not missed,
+        "phase_size": phase_size, "phase_variant": VARIANT_NAMES[PHASE_VARIANT],
+        "gaps": "; ".join(gap_phrase(shape, gap) for shape, gap in gaps),
+        "largest": join_words([f"the {p} at {shape_label(*shape)}" for shape, p in largest]),
+        "opt_slower_all": bool(gaps) and all(gap["optimizer"] > 0 for _, gap in gaps),
+        "opt_gap": value_range([gap["optimizer"] for _, gap in gaps]),
+        "profile": _profile_numbers(load_profiles(res)),
     }
     return {"tables": {"stacks": _stacks_table(both), "main": _main_table(cases, marker), "phases": phases},
             "figures": {"main": _ratio_figure(out, cases)}, "n": n}

@@ -1,0 +1,146 @@
+"""Section of SPEC part 9, "host cost is part of speed": the host time per call of each of our operators beside
+its PyTorch counterpart (``op_overhead``), before and after the lean launch path."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pipeline.markup import DASH, num, span, table, times
+from pipeline.results import Missing
+from pipeline.sections.registry import Output, problem
+from pipeline.sections.train_step import join_words
+
+OPS = ("attention", "rmsnorm", "cross_entropy", "adamw")  # cs336_systems/bench/op_overhead.py PROVIDERS
+PASSES = ("forward", "forward_backward", "step")
+PROVIDER_NAMES = {"ours": "ours", "sdpa_cudnn": "SDPA cuDNN", "sdpa_flash": "SDPA flash",
+                  "torch_compiled": "compiled", "torch_fused": "AdamW(fused=True)"}
+PASS_NAMES = {"forward": "forward", "forward_backward": "fwd + bwd", "step": "step"}
+# The goal (SPEC 9): ours' issue cost at most 1.0x its counterpart's: attention against SDPA's cuDNN backend at the
+# training step's shape (batch 4, 25 heads, 512 tokens, head dimension 64), forward and forward+backward; every
+# other operator against its counterpart, in every pass.
+GOAL_RATIO = 1.0
+GOAL_COUNTERPART = {"attention": "sdpa_cudnn", "rmsnorm": "torch_compiled", "cross_entropy": "torch_compiled",
+                    "adamw": "torch_fused"}
+GOAL_ATTENTION_SHAPE = (4, 25, 512, 64)
+# Ours' forward of the fused LM head + cross-entropy also computes the gradients (its backward only scales them):
+# its forward row is not like for like with the compiled loss's forward.
+NOT_LIKE_FOR_LIKE = {("cross_entropy", "forward")}
+
+Key = tuple[str, tuple, str]  # (op, shape, pass)
+
+
+def shape_text(shape: tuple) -> str:
+    return " × ".join(f"{x:,}" if isinstance(x, int) else str(x) for x in shape)
+
+
+def load_op_overhead(res) -> list[tuple[str, str, dict[Key, dict[str, dict[str, Any]]]]]:
+    """Every row, by run (oldest first): (run, commit, {(op, shape, pass): {provider: row}}). The file is read whole,
+    not latest-per-configuration, so that the earlier run stays beside the latest."""
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for r in res.log_rows("op_overhead", measured=lambda r: not r.get("oom")):
+        if r.get("op") in OPS:
+            runs.setdefault(r["run"], []).append(r)
+    ordered = sorted(runs.items(), key=lambda item: min((r.get("env", {}).get("date", ""), r["run"]) for r in item[1]))
+    out = []
+    for run, rows in ordered:
+        cases: dict[Key, dict[str, dict[str, Any]]] = {}
+        for r in rows:
+            cases.setdefault((r["op"], tuple(r["shape"]), r["pass"]), {})[r["provider"]] = r
+        out.append((run, str(rows[0].get("env", {}).get("commit", "?"))[:7], cases))
+    return out
+
+
+def issue(row: dict[str, Any] | None) -> float | None:
+    return row["issue_us"] if row and not row.get("oom") and row.get("issue_us") else None
+
+
+def over(case: dict[str, dict[str, Any]] | None, provider: str) -> float | None:
+    """Ours' issue time over ``provider``'s in one run's ``case``."""
+    if not case:
+        return None
+    ours, other = issue(case.get("ours")), issue(case.get(provider))
+    return ours / other if ours and other else None
+
+
+def in_goal(key: Key) -> bool:
+    op, shape, _ = key
+    return op != "attention" or shape == GOAL_ATTENTION_SHAPE
+
+
+@problem("op_overhead")
+def op_overhead(res, out: Output) -> dict[str, Any]:
+    runs = load_op_overhead(res)
+    (now_run, now_commit, now), (before_run, before_commit, before) = runs[-1], runs[0]
+    if not any(issue(c.get("ours")) for c in now.values()):
+        raise Missing("writeup/results/op_overhead.jsonl", "no run with our operators measured")
+    has_before = len(runs) > 1
+    marker = "‡"
+    keys = sorted(now, key=lambda k: (OPS.index(k[0]), list(now).index(k)))
+    body = []
+    for key in keys:
+        op, shape, pass_ = key
+        case, old = now[key], before.get(key) if has_before else None
+        others = [p for p in PROVIDER_NAMES if p != "ours" and p in case]
+        for i, provider in enumerate(others):
+            first = i == 0
+            body.append([op if first else "", shape_text(shape) if first else "",
+                         PASS_NAMES.get(pass_, pass_) + (marker if key[::2] in NOT_LIKE_FOR_LIKE else "")
+                         if first else "",
+                         num(issue((old or {}).get("ours")), 1) if first else "",
+                         num(issue(case.get("ours")), 1) if first else "",
+                         PROVIDER_NAMES[provider], num(issue(case.get(provider)), 1),
+                         times(over(old, provider)), times(over(case, provider))])
+    header = [["", "", "", span("ours (µs)", 2), span("PyTorch's counterpart", 2), span("ours ÷ it", 2)],
+              ["op", "shape", "pass", "before", "now", "provider", "now (µs)", "before", "now"]]
+    calls = sorted({r.get("calls") for c in now.values() for r in c.values() if r.get("calls")})
+    repeats = sorted({r.get("repeats") for c in now.values() for r in c.values() if r.get("repeats")})
+    tab = table(header, body,
+                "Host time per call (issue time: a loop of "
+                f"{'/'.join(map(str, calls))} calls issued without synchronising the device, median of "
+                f"{'/'.join(map(str, repeats))} loops) of each of our operators and of its PyTorch counterparts. "
+                + (f"Before: run {before_run} at commit {before_commit}; now: " if has_before else "Now (one run): ")
+                + f"run {now_run} at commit {now_commit}. "
+                "Attention: bf16, causal, shape (batch, heads, tokens, head dimension); rmsnorm: (rows, d_model); "
+                "cross_entropy: (tokens, d_model, vocabulary); adamw: the xl model's parameters, fp32. "
+                f"{marker}: ours' forward also computes the gradients, so this row is not like for like.",
+                align=["left", "left", "left", "right", "right", "left", "right", "right", "right"], size=8)
+
+    goal = {}
+    for key in keys:
+        ratio = over(now[key], GOAL_COUNTERPART[key[0]])
+        if in_goal(key) and ratio is not None:
+            goal[key] = ratio
+
+    def name(key: Key) -> str:
+        op, shape, pass_ = key
+        where = f" at ({', '.join(map(str, shape))})" if op == "attention" else ""
+        return f"{op}{where} {PASS_NAMES.get(pass_, pass_)} ({times(goal[key])})"
+
+    met = [k for k, r in goal.items() if r <= GOAL_RATIO]
+    missed = [k for k, r in goal.items() if r > GOAL_RATIO]
+    attention = {p: {"now": times(over(now.get(("attention", GOAL_ATTENTION_SHAPE, p)), "sdpa_cudnn")),
+                     "before": times(over(before.get(("attention", GOAL_ATTENTION_SHAPE, p)), "sdpa_cudnn")),
+                     "ours_now": num(issue(now.get(("attention", GOAL_ATTENTION_SHAPE, p), {}).get("ours")), 0),
+                     "ours_before": num(issue(before.get(("attention", GOAL_ATTENTION_SHAPE, p), {}).get("ours")), 0)}
+                 for p in ("forward", "forward_backward")}
+    speedups = [issue(now[k].get("ours")) / issue(before[k].get("ours")) for k in keys
+                if has_before and k in before and issue(before[k].get("ours")) and issue(now[k].get("ours"))]
+    devices = sorted({r.get("device", "?") for _, _, cases in runs for c in cases.values() for r in c.values()})
+    n = {"has_before": has_before, "before_commit": before_commit, "now_commit": now_commit,
+         "devices": join_words(devices), "goal_ratio": times(GOAL_RATIO),
+         "goal_shape": f"({', '.join(map(str, GOAL_ATTENTION_SHAPE))})",
+         "n_goal": str(len(goal)), "n_met": str(len(met)), "has_met": bool(met), "has_missed": bool(missed),
+         "met": join_words([name(k) for k in met]) or DASH, "missed": join_words([name(k) for k in missed]) or DASH,
+         "all_met": bool(goal) and not missed,
+         "goal_sentence": (f"all {len(goal)} meet it" if not missed else
+                           (f"{len(met)} meet{'s' if len(met) == 1 else ''} it ({join_words([name(k) for k in met])}); "
+                            if met else "none meets it; ")
+                           + f"it is missed by {join_words([name(k) for k in missed])}"), "attention": attention, "marker": marker,
+         "ce_forward_missed": ("cross_entropy", "forward") in {k[::2] for k in missed},
+         "now_over_before": (f"{times(min(speedups))} to {times(max(speedups))}" if speedups else DASH),
+         "has_slower_now": any(has_before and k in before and issue(before[k].get("ours"))
+                               and issue(now[k].get("ours")) > issue(before[k].get("ours")) for k in keys),
+         "slower_now": join_words([f"{k[0]} {PASS_NAMES.get(k[2], k[2])}" for k in keys
+                                   if has_before and k in before and issue(before[k].get("ours"))
+                                   and issue(now[k].get("ours")) > issue(before[k].get("ours"))])}
+    return {"tables": {"main": tab}, "n": n}
