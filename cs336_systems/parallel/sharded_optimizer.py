@@ -9,6 +9,7 @@ the DDP all-reduce of full gradients and adds one broadcast of every parameter p
 
 Only broadcast is used (gloo supports it on CPU and CUDA tensors, NCCL on GPUs); tensors travel on the
 device of their parameter. Without an initialised process group the optimizer works as one rank.
+ZeRO stage 1 itself, on flat buffers, is :class:`~cs336_systems.parallel.zero1.FlatShardedOptimizer`.
 """
 
 from __future__ import annotations
