@@ -313,3 +313,10 @@ def test_checkpointing_peak_model():
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_sharding_rows_keep_their_optimizer_kind():
+    from pipeline.sections.sharding import optimizer_kind
+
+    names = ["adamw", "sharded", "zero_redundancy", "zero1_flat"]
+    assert [optimizer_kind(name) for name in names] == names  # zero1_flat is not ZeroRedundancyOptimizer

@@ -1,12 +1,16 @@
 """Memory and time of optimizer-state sharding on the XL model, 2 GPUs (problem ``optimizer_state_sharding_accounting``).
 
-Three optimizers, all AdamW with the same hyper-parameters, each under the same data-parallel wrapper
-(``--ddp``, default our bucketed DDP with 100 MiB buckets) on the same data:
+Four optimizers, all AdamW with the same hyper-parameters, on the same data; the first three under the same
+data-parallel wrapper (``--ddp``, default our bucketed DDP with 100 MiB buckets):
 
 * ``adamw``: every rank keeps the optimizer state of every parameter;
 * ``sharded``: our :class:`~cs336_systems.parallel.sharded_optimizer.ShardedOptimizer` (each rank steps
   and keeps state for its share of the parameters, then every owner broadcasts its parameters);
-* ``zero_redundancy``: ``torch.distributed.optim.ZeroRedundancyOptimizer``.
+* ``zero_redundancy``: ``torch.distributed.optim.ZeroRedundancyOptimizer``;
+* ``zero1_flat``: our :class:`~cs336_systems.parallel.zero1.FlatShardedOptimizer` (ZeRO-1 on flat buffers:
+  reduce-scatter of the gradients, the step of this rank's slice, all-gather of the parameters). It averages
+  the gradients itself, so its model runs without a DDP wrapper (its rows say ``ddp: local``) and its step
+  time includes all of the communication.
 
 Memory is read at three points, each after a full step of warm-up so that the optimizer state exists:
 
@@ -24,6 +28,7 @@ Examples::
 
     python -m cs336_systems.bench.optimizer_state_sharding_accounting
     python -m cs336_systems.bench.optimizer_state_sharding_accounting --optimizers adamw sharded --dtype bf16
+    python -m cs336_systems.bench.optimizer_state_sharding_accounting --optimizers sharded zero1_flat
     torchrun --nproc_per_node=2 -m cs336_systems.bench.optimizer_state_sharding_accounting
 """
 
@@ -43,13 +48,15 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from cs336_basics.optimizer import AdamW
 from cs336_systems.bench.common import cli, result_store, timing
 from cs336_systems.bench.common import distributed_launch as dl
-from cs336_systems.bench.common.ddp_step import Marker, make_train_step, time_steps, variant_name, wrap
+from cs336_systems.bench.common.ddp_step import LOCAL, Marker, make_train_step, time_steps, variant_name, wrap
 from cs336_systems.bench.common.lm import DTYPES, SIZES, LMConfig, build_model, random_batch
 from cs336_systems.parallel.sharded_optimizer import ShardedOptimizer
+from cs336_systems.parallel.zero1 import FlatShardedOptimizer
 from cs336_systems.train.step import ADAMW_HYPERPARAMETERS
 
 PROBLEM = "optimizer_state_sharding_accounting"
-OPTIMIZERS = ["adamw", "sharded", "zero_redundancy"]
+OPTIMIZERS = ["adamw", "sharded", "zero_redundancy", "zero1_flat"]
+REDUCES_GRADIENTS = {"zero1_flat"}  # optimizers that average the gradients themselves: no DDP wrapper
 POINTS = ("after_init", "before_step", "after_step")
 GB = 1e9
 
@@ -78,6 +85,8 @@ def make_optimizer(name: str, params: list[nn.Parameter]) -> torch.optim.Optimiz
         return ShardedOptimizer(params, AdamW, **ADAMW_HYPERPARAMETERS)
     if name == "zero_redundancy":
         return ZeroRedundancyOptimizer(params, optimizer_class=AdamW, **ADAMW_HYPERPARAMETERS)
+    if name == "zero1_flat":
+        return FlatShardedOptimizer(params, AdamW, **ADAMW_HYPERPARAMETERS)
     raise ValueError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
 
 
@@ -124,7 +133,7 @@ def measure(name: str, batch, device: torch.device, args) -> dict[str, Any]:
     torch.manual_seed(0)
     model = build_model(config, device, args.attention)
     memory = {"after_init": memory_point(model, None, device)}
-    wrapped = wrap(args.ddp, model, device)
+    wrapped = wrap(ddp_variant(name, args), model, device)
     optimizer = make_optimizer(name, [p for p in model.parameters() if p.requires_grad])
     marker = Marker(device)
     step = make_train_step(wrapped, optimizer, batch, DTYPES[args.dtype], marker)
@@ -173,10 +182,15 @@ def summarize(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def ddp_variant(optimizer: str, args) -> str:
+    """The data-parallel wrapper ``optimizer`` runs under: none (``local``) for one that reduces the gradients."""
+    return LOCAL if optimizer in REDUCES_GRADIENTS else args.ddp
+
+
 def wanted_cases(args, world_size: int) -> list[dict[str, Any]]:
     base = dict(size=args.size, context_length=args.context_length, batch_size=args.batch_size,
-                world_size=world_size, dtype=args.dtype, ddp=args.ddp, attention=args.attention)
-    return [{**base, "optimizer": o} for o in args.optimizers]
+                world_size=world_size, dtype=args.dtype, attention=args.attention)
+    return [{**base, "ddp": ddp_variant(o, args), "optimizer": o} for o in args.optimizers]
 
 
 def _worker(rank: int, world_size: int, args) -> None:

@@ -9,6 +9,7 @@ the DDP all-reduce of full gradients and adds one broadcast of every parameter p
 
 Only broadcast is used (gloo supports it on CPU and CUDA tensors, NCCL on GPUs); tensors travel on the
 device of their parameter. Without an initialised process group the optimizer works as one rank.
+ZeRO stage 1 itself, on flat buffers, is :class:`~cs336_systems.parallel.zero1.FlatShardedOptimizer`.
 """
 
 from __future__ import annotations
@@ -26,6 +27,25 @@ from cs336_systems.parallel.distributed import broadcast_in_place
 
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
+
+
+def fill_in_defaults(outer: Optimizer, inner: Optimizer) -> None:
+    """Copy ``inner``'s default hyper-parameters into ``outer``'s defaults and groups that did not set them
+    (group g of a wrapping optimizer is group g of its inner one)."""
+    for key, value in inner.defaults.items():
+        outer.defaults.setdefault(key, value)
+    for group, local_group in zip(outer.param_groups, inner.param_groups):
+        for key, value in local_group.items():
+            if key != "params":
+                group.setdefault(key, value)
+
+
+def copy_hyperparameters(source: list[dict[str, Any]], target: list[dict[str, Any]]) -> None:
+    """Copy every hyper-parameter (all but ``params``) of each source group onto the matching target group."""
+    for source_group, target_group in zip(source, target):
+        for key, value in source_group.items():
+            if key != "params":
+                target_group[key] = value
 
 
 class ShardedOptimizer(Optimizer):
@@ -85,26 +105,14 @@ class ShardedOptimizer(Optimizer):
         return owners
 
     def _fill_in_defaults(self) -> None:
-        """Copy the inner optimizer's default hyper-parameters into groups that did not set them."""
-        for key, value in self.local_optimizer.defaults.items():
-            self.defaults.setdefault(key, value)
-        for group, local_group in zip(self.param_groups, self.local_optimizer.param_groups):
-            for key, value in local_group.items():
-                if key != "params":
-                    group.setdefault(key, value)
-
-    def _copy_hyperparameters(self, source: list[dict[str, Any]], target: list[dict[str, Any]]) -> None:
-        for source_group, target_group in zip(source, target):
-            for key, value in source_group.items():
-                if key != "params":
-                    target_group[key] = value
+        fill_in_defaults(self, self.local_optimizer)
 
     def step(self, closure: Callable[[], float] | None = None, **kwargs: Any):
         """Step the parameters this rank owns, then broadcast every parameter from its owner."""
-        self._copy_hyperparameters(self.param_groups, self.local_optimizer.param_groups)
+        copy_hyperparameters(self.param_groups, self.local_optimizer.param_groups)
         loss = self.local_optimizer.step(closure, **kwargs)
         # Some optimizers keep per-group counters; let them show in param_groups.
-        self._copy_hyperparameters(self.local_optimizer.param_groups, self.param_groups)
+        copy_hyperparameters(self.local_optimizer.param_groups, self.param_groups)
         if self.world_size > 1:
             self._broadcast_parameters()
         return loss
@@ -122,7 +130,7 @@ class ShardedOptimizer(Optimizer):
         The format is that of ``optimizer_cls(all params).state_dict()``: parameters numbered in
         ``param_groups`` order, so it also loads into an unsharded optimizer, and vice versa.
         """
-        self._copy_hyperparameters(self.local_optimizer.param_groups, self.param_groups)
+        copy_hyperparameters(self.local_optimizer.param_groups, self.param_groups)
         indexed = []  # (index in the state dict, parameter, owner), in param_groups order
         for group, owners in zip(self.param_groups, self.owners):
             for param, owner in zip(group["params"], owners):

@@ -35,13 +35,17 @@ def optimizer_state_sharding(res, out: Output) -> dict[str, Any]:
 
 
 SHARDING_FILE = "writeup/results/optimizer_state_sharding_accounting.jsonl"
-OPTIMIZER_LABEL = {"adamw": "AdamW", "sharded": "ours (ShardedOptimizer)", "zero_redundancy": "ZeroRedundancyOptimizer"}
+OPTIMIZER_LABEL = {"adamw": "AdamW", "sharded": "ours (ShardedOptimizer)", "zero_redundancy": "ZeroRedundancyOptimizer",
+                   "zero1_flat": "ours, ZeRO-1 flat (FlatShardedOptimizer)"}
+REQUIRED_KINDS = ("adamw", "sharded", "zero_redundancy")  # zero1_flat rows are shown when measured
 DTYPE_ORDER = ["fp32", "bf16"]
 
 
 def optimizer_kind(name: str) -> str:
-    """``adamw``, ``sharded`` or ``zero_redundancy`` from the row's optimizer name."""
+    """``adamw``, ``sharded``, ``zero_redundancy`` or ``zero1_flat`` from the row's optimizer name."""
     name = name.lower()
+    if "zero1" in name or "flat" in name:
+        return "zero1_flat"
     return "zero_redundancy" if "zero" in name else "sharded" if "shard" in name else "adamw"
 
 
@@ -58,7 +62,7 @@ def optimizer_state_sharding_accounting(res, out: Output) -> dict[str, Any]:
     rows = load_sharding_accounting(res)
     size, params, world = model_params(rows)
     ok = {(r.get("dtype"), r["kind"]): r for r in rows if not r.get("oom")}
-    dtypes = [d for d in DTYPE_ORDER if all((d, k) in ok for k in OPTIMIZER_LABEL)]
+    dtypes = [d for d in DTYPE_ORDER if all((d, k) in ok for k in REQUIRED_KINDS)]
     if dtypes != DTYPE_ORDER:
         raise Missing(SHARDING_FILE, f"AdamW, sharded and zero_redundancy rows in {' and '.join(DTYPE_ORDER)}")
 
@@ -100,7 +104,7 @@ def optimizer_state_sharding_accounting(res, out: Output) -> dict[str, Any]:
     gb = lambda b: num(b / 1e9, 1)
 
     def per_dtype(dtype: str) -> dict[str, Any]:
-        plain, sharded, zero = (ok[(dtype, k)] for k in OPTIMIZER_LABEL)
+        plain, sharded, zero = (ok[(dtype, k)] for k in REQUIRED_KINDS)
         return {
             "peak_plain": num(plain["peak_gb"], 1), "peak_sharded": num(sharded["peak_gb"], 1),
             "peak_zero": num(zero["peak_gb"], 1),
