@@ -6,12 +6,7 @@
 # (which travelled with the checkout, so finished cases are skipped: a cut-off sweep resumes next call);
 # a command still running at the deadline is stopped, and what it wrote so far is kept.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-device-out}
-mkdir -p "$OUT"
-export PYTHONPATH=$PWD:$PWD/cs336-basics PYTHONUNBUFFERED=1
-# NVLink multicast stays off on shared hosts.
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+source "$(dirname "$0")/device_env.sh"
 deadline=$(( $(date +%s) + ${DEADLINE_S:-540} ))
 for command in "$@"; do
     left=$(( deadline - $(date +%s) ))

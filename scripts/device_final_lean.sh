@@ -3,10 +3,7 @@
 # train_step (both stacks, both variants; sizes and shapes from $STEP_ARGS), op_overhead, then the GPU tests
 # selected by $TEST_K from the operator test files.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-device-out}
-mkdir -p "$OUT"
-export PYTHONPATH=$PWD:$PWD/cs336-basics PYTHONUNBUFFERED=1
+source "$(dirname "$0")/device_env.sh"
 timeout "${STEP_SECONDS:-400}" python3 -m cs336_systems.bench.train_step --results-dir "$OUT" ${STEP_ARGS:-} 2>"$OUT/train_step.err" | tee "$OUT/train_step.txt"
 timeout 110 python3 -m cs336_systems.bench.op_overhead --results-dir "$OUT" 2>"$OUT/op_overhead.err" | tee "$OUT/op_overhead.txt"
 timeout "${TEST_SECONDS:-60}" python3 -m pytest -q -p no:cacheprovider -m "gpu and not slow" -k "${TEST_K:-cached}" \

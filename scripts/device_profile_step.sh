@@ -3,10 +3,7 @@
 # ours' train_step rows at xl 512:4 (beside the torch rows in writeup/results), the kernel-time profile of both
 # stacks, then the GPU tests named in $TESTS. Everything under $OUT.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-device-out}
-mkdir -p "$OUT"
-export PYTHONPATH=$PWD:$PWD/cs336-basics PYTHONUNBUFFERED=1
+source "$(dirname "$0")/device_env.sh"
 timeout 120 python3 -m cs336_systems.bench.op_overhead --ops attention rmsnorm cross_entropy --profile ours --calls 200 2> "$OUT/profile_ours.txt" >/dev/null
 cp writeup/results/train_step.jsonl "$OUT/train_step.jsonl"
 timeout 200 python3 -m cs336_systems.bench.train_step --results-dir "$OUT" --sizes xl --shapes 512:4 --stacks ours 2>"$OUT/train_step.err" | tee "$OUT/train_step.txt"

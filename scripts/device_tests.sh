@@ -4,12 +4,7 @@
 #   bash scripts/device_tests.sh            # the whole suite
 #   bash scripts/device_tests.sh -m gpu     # only the GPU tests
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-device-out}
-mkdir -p "$OUT"
-export PYTHONPATH=$PWD:$PWD/cs336-basics PYTHONUNBUFFERED=1
-# NVLink multicast stays off on shared hosts.
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+source "$(dirname "$0")/device_env.sh"
 export CS336_RESULTS_DIR=$OUT
 {
     date -u +%Y-%m-%dT%H:%M:%SZ

@@ -48,6 +48,29 @@ def copy_hyperparameters(source: list[dict[str, Any]], target: list[dict[str, An
                 target_group[key] = value
 
 
+def rank_and_world_size(optimizer_cls: type[Optimizer]) -> tuple[int, int]:
+    """This process's rank and the world size (0 and 1 without a process group), once ``optimizer_cls`` is checked
+    to be an optimizer class."""
+    if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, Optimizer)):
+        raise TypeError(f"optimizer_cls must be an optimizer class such as torch.optim.AdamW, got {optimizer_cls!r}")
+    distributed = dist.is_available() and dist.is_initialized()
+    return (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+
+
+def check_state_dict_groups(state_dict: dict[str, Any], param_groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The state dict's param groups, once checked to match ``param_groups`` in number and sizes."""
+    saved_groups = state_dict["param_groups"]
+    if len(saved_groups) != len(param_groups):
+        raise ValueError(f"state dict has {len(saved_groups)} param groups, optimizer has {len(param_groups)}")
+    for number, (saved, group) in enumerate(zip(saved_groups, param_groups)):
+        if len(saved["params"]) != len(group["params"]):
+            raise ValueError(
+                f"param group {number}: state dict has {len(saved['params'])} parameters, "
+                f"optimizer has {len(group['params'])}"
+            )
+    return saved_groups
+
+
 class ShardedOptimizer(Optimizer):
     """Wraps ``optimizer_cls`` so that each rank holds the optimizer state of a share of the parameters.
 
@@ -66,11 +89,7 @@ class ShardedOptimizer(Optimizer):
     def __init__(
         self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], optimizer_cls: type[Optimizer], **kwargs: Any
     ):
-        if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, Optimizer)):
-            raise TypeError(f"optimizer_cls must be an optimizer class such as torch.optim.AdamW, got {optimizer_cls!r}")
-        distributed = dist.is_available() and dist.is_initialized()
-        self.rank = dist.get_rank() if distributed else 0
-        self.world_size = dist.get_world_size() if distributed else 1
+        self.rank, self.world_size = rank_and_world_size(optimizer_cls)
         self.optimizer_cls = optimizer_cls
         self.local_optimizer: Optimizer | None = None
         self.owners: list[list[int]] = []  # owners[g][i]: the rank that steps param_groups[g]["params"][i]
@@ -188,15 +207,7 @@ class ShardedOptimizer(Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a consolidated state dict (from :meth:`state_dict` or an unsharded optimizer); not collective."""
-        saved_groups = state_dict["param_groups"]
-        if len(saved_groups) != len(self.param_groups):
-            raise ValueError(f"state dict has {len(saved_groups)} param groups, optimizer has {len(self.param_groups)}")
-        for number, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
-            if len(saved["params"]) != len(group["params"]):
-                raise ValueError(
-                    f"param group {number}: state dict has {len(saved['params'])} parameters, "
-                    f"optimizer has {len(group['params'])}"
-                )
+        saved_groups = check_state_dict_groups(state_dict, self.param_groups)
         local_groups, local_state, next_local_index = [], {}, 0
         for saved, group, owners in zip(saved_groups, self.param_groups, self.owners):
             hyperparameters = {key: copy.deepcopy(value) for key, value in saved.items() if key != "params"}

@@ -63,7 +63,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
-from cs336_systems.parallel.sharded_optimizer import copy_hyperparameters, fill_in_defaults
+from cs336_systems.parallel.sharded_optimizer import (
+    check_state_dict_groups,
+    copy_hyperparameters,
+    fill_in_defaults,
+    rank_and_world_size,
+)
 
 # Scalar state entries of torch's optimizers. Only needed to read a state dict entry of a 0-dim parameter,
 # whose per-element state (shape ()) looks like a scalar.
@@ -110,11 +115,7 @@ class FlatShardedOptimizer(Optimizer):
     def __init__(
         self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], optimizer_cls: type[Optimizer], **kwargs: Any
     ):
-        if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, Optimizer)):
-            raise TypeError(f"optimizer_cls must be an optimizer class such as torch.optim.AdamW, got {optimizer_cls!r}")
-        distributed = dist.is_available() and dist.is_initialized()
-        self.rank = dist.get_rank() if distributed else 0
-        self.world_size = dist.get_world_size() if distributed else 1
+        self.rank, self.world_size = rank_and_world_size(optimizer_cls)
         self.optimizer_cls = optimizer_cls
         self.local_optimizer: Optimizer | None = None
         self.buckets: list[list[FlatBucket]] = []  # buckets[g]: the flat buffers of param_groups[g]
@@ -313,15 +314,7 @@ class FlatShardedOptimizer(Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a consolidated state dict (from :meth:`state_dict` or an unsharded optimizer); not collective."""
-        saved_groups = state_dict["param_groups"]
-        if len(saved_groups) != len(self.param_groups):
-            raise ValueError(f"state dict has {len(saved_groups)} param groups, optimizer has {len(self.param_groups)}")
-        for number, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
-            if len(saved["params"]) != len(group["params"]):
-                raise ValueError(
-                    f"param group {number}: state dict has {len(saved['params'])} parameters, "
-                    f"optimizer has {len(group['params'])}"
-                )
+        saved_groups = check_state_dict_groups(state_dict, self.param_groups)
         local_groups, local_state, next_local_index = [], {}, 0
         for number, (saved, group, buckets) in enumerate(zip(saved_groups, self.param_groups, self.buckets)):
             hyperparameters = {key: copy.deepcopy(value) for key, value in saved.items() if key != "params"}
