@@ -8,6 +8,7 @@ the consolidated state dict. One spawn per world size runs all the checks.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -82,13 +83,30 @@ def hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict]:
     return [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
 
 
-def assert_same_state_dicts(actual: dict, expected: dict, context: str) -> None:
+def assert_same_state_dicts(actual: dict, expected: dict, context: str, rtol: float = 1.3e-6,
+                            atol: float = 1e-7) -> None:
     assert actual["param_groups"] == expected["param_groups"], context
     assert sorted(actual["state"]) == sorted(expected["state"]), context
     for index, state in expected["state"].items():
-        assert_same_tensors(
-            actual["state"][index], state, f"{context}, state of parameter {index}", rtol=1.3e-6, atol=1e-7
-        )
+        assert_same_tensors(actual["state"][index], state, f"{context}, state of parameter {index}", rtol=rtol,
+                            atol=atol)
+
+
+def resumed_from(state_dict: dict, model: nn.Module, copy_model: Callable[[], nn.Module], sharded_cls: type,
+                 initial_groups: Callable, late_group: Callable) -> tuple[tuple, tuple]:
+    """``(model copy, sharded_cls over AdamW)`` and ``(model copy, plain AdamW)``, each model a copy of ``model``
+    and each optimizer loaded from ``state_dict`` after its late group was added. Like torch's, the state dict holds
+    the live state tensors and loading does not copy them: each optimizer gets its own deep copy, or they would all
+    step the same moments."""
+    resumed_model, plain_model = copy_model(), copy_model()
+    for model_copy in (resumed_model, plain_model):
+        model_copy.load_state_dict(model.state_dict())
+    resumed = sharded_cls(initial_groups(resumed_model), torch.optim.AdamW, **DEFAULTS)
+    plain = torch.optim.AdamW(initial_groups(plain_model), **DEFAULTS)
+    for optimizer, model_copy in ((resumed, resumed_model), (plain, plain_model)):
+        optimizer.add_param_group(late_group(model_copy))
+        optimizer.load_state_dict(copy.deepcopy(state_dict))
+    return (resumed_model, resumed), (plain_model, plain)
 
 
 def check_ownership(sharded: ShardedOptimizer, rank: int, world_size: int, context: str) -> None:
@@ -138,17 +156,8 @@ def check_matches_unsharded(rank: int, world_size: int, model_cls: type[nn.Modul
     assert_same_state_dicts(state_dict, unsharded.state_dict(), f"{context}, state_dict()")
 
     # Round trip: a fresh sharded optimizer (and an unsharded one) loaded from it continue identically.
-    # Like torch's, the state dict holds the live state tensors and loading does not copy them: each
-    # optimizer gets its own deep copy, or they would all step the same moments.
-    resumed_model, plain_model = build(model_cls, device), build(model_cls, device)
-    for model_copy in (resumed_model, plain_model):
-        model_copy.load_state_dict(model.state_dict())
-    resumed = ShardedOptimizer(initial_groups(resumed_model), torch.optim.AdamW, **DEFAULTS)
-    resumed.add_param_group(late_group(resumed_model))
-    resumed.load_state_dict(copy.deepcopy(state_dict))
-    plain = torch.optim.AdamW(initial_groups(plain_model), **DEFAULTS)
-    plain.add_param_group(late_group(plain_model))
-    plain.load_state_dict(copy.deepcopy(state_dict))
+    (resumed_model, resumed), (plain_model, plain) = resumed_from(
+        state_dict, model, lambda: build(model_cls, device), ShardedOptimizer, initial_groups, late_group)
     assert_same_state_dicts(resumed.state_dict(), state_dict, f"{context}, after load_state_dict")
     for step in range(STEPS, STEPS + 3):
         for pair in ((model, sharded), (reference, unsharded), (resumed_model, resumed), (plain_model, plain)):

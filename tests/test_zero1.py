@@ -10,7 +10,6 @@ optimizer state (1/W of AdamW's) and the consolidated state dict. One spawn per 
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
@@ -21,6 +20,7 @@ from torch import nn
 from cs336_systems.parallel.distributed import spawn
 from cs336_systems.parallel.zero1 import FlatShardedOptimizer
 from tests._ddp_toy_models import assert_same_tensors
+from tests.test_sharded_optimizer import assert_same_state_dicts, hyperparameters, resumed_from
 
 STEPS = 8
 STEP_ADDING_A_GROUP = 3
@@ -80,17 +80,6 @@ def whole_batch(step: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]
     return torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
 
 
-def hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict]:
-    return [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
-
-
-def assert_same_state_dicts(actual: dict, expected: dict, context: str) -> None:
-    assert actual["param_groups"] == expected["param_groups"], context
-    assert sorted(actual["state"]) == sorted(expected["state"]), context
-    for index, state in expected["state"].items():
-        assert_same_tensors(actual["state"][index], state, f"{context}, state of parameter {index}", **TOLERANCE)
-
-
 def total(values: list[int]) -> list[int]:
     """Each value summed over the ranks."""
     if not dist.is_initialized():
@@ -136,20 +125,12 @@ def check_matches_plain_adamw(rank: int, world_size: int) -> None:
     check_state_is_sharded(flat, model, world_size, context)
 
     state_dict = flat.state_dict()
-    assert_same_state_dicts(state_dict, plain.state_dict(), f"{context}, state_dict()")
+    assert_same_state_dicts(state_dict, plain.state_dict(), f"{context}, state_dict()", **TOLERANCE)
 
-    # Round trip: a fresh flat optimizer (and a plain one) loaded from it continue identically. Each gets
-    # its own deep copy, as the state dict holds tensors that loading may not copy.
-    resumed_model, plain_model = build(), build()
-    for model_copy in (resumed_model, plain_model):
-        model_copy.load_state_dict(model.state_dict())
-    resumed = FlatShardedOptimizer(initial_groups(resumed_model), torch.optim.AdamW, **DEFAULTS)
-    resumed.add_param_group(late_group(resumed_model))
-    resumed.load_state_dict(copy.deepcopy(state_dict))
-    restored = torch.optim.AdamW(initial_groups(plain_model), **DEFAULTS)
-    restored.add_param_group(late_group(plain_model))
-    restored.load_state_dict(copy.deepcopy(state_dict))
-    assert_same_state_dicts(resumed.state_dict(), state_dict, f"{context}, after load_state_dict")
+    # Round trip: a fresh flat optimizer (and a plain one) loaded from it continue identically.
+    (resumed_model, resumed), (plain_model, restored) = resumed_from(
+        state_dict, model, build, FlatShardedOptimizer, initial_groups, late_group)
+    assert_same_state_dicts(resumed.state_dict(), state_dict, f"{context}, after load_state_dict", **TOLERANCE)
     for step in range(STEPS, STEPS + 2):
         train_step(model, flat, rank_batch(step, rank))
         train_step(resumed_model, resumed, rank_batch(step, rank))

@@ -63,7 +63,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.language.core import _aggregate as aggregate
 
 from cs336_systems.attention.flash_triton_kernels import LN_2, LOG2_E
-from cs336_systems.kernels.launch import DescriptorArg, Launcher
+from cs336_systems.kernels.launch import DescriptorArg, Launcher, aligned
 
 BLOCK_N = 128  # keys held per backward program (64 per consumer warpgroup), keys per forward step
 FORWARD_ROWS = 64  # queries per forward consumer warpgroup (two per program)
@@ -737,7 +737,7 @@ def _descriptor(view: Tensor, rows: int, head_dim: int) -> TensorDescriptor:
     return TensorDescriptor(view, list(view.shape), list(view.stride()), block, layout)
 
 
-def _sizes(Q: Tensor, K: Tensor) -> tuple[int, int, int, int, int]:
+def attention_sizes(Q: Tensor, K: Tensor) -> tuple[int, int, int, int, int]:
     """(heads, batch * heads, n_queries, n_keys, d)."""
     n_heads = Q.shape[1] if Q.dim() == 4 else 1
     return n_heads, Q.shape[0] * n_heads, Q.shape[-2], K.shape[-2], Q.shape[-1]
@@ -748,7 +748,7 @@ def forward_launch_arguments(
     O: Float[Tensor, "batch *heads q d"], L: Float[Tensor, "batch *heads q"], is_causal: bool, sm_scale: float,
 ) -> tuple[tuple[int, int], tuple, dict]:
     """``(grid, args, kwargs)`` of the launch ``attn_fwd_hopper_kernel[grid](*args, **kwargs)``."""
-    n_heads, batch_heads, n_queries, n_keys, head_dim = _sizes(Q, K)
+    n_heads, batch_heads, n_queries, n_keys, head_dim = attention_sizes(Q, K)
     (q, q_columns), (k, k_columns), (v, v_columns) = (tma_view(x) for x in (Q, K, V))
     grid = (triton.cdiv(n_queries, 2 * FORWARD_ROWS), batch_heads)
     args = (
@@ -768,7 +768,7 @@ def backward_launch_arguments(
     DQ_acc: Float[Tensor, "batch_heads q d"], is_causal: bool, sm_scale: float,
 ) -> tuple[tuple[int, int], tuple, dict]:
     """``(grid, args, kwargs)`` of the launch ``attn_bwd_hopper_kernel[grid](*args, **kwargs)``."""
-    n_heads, batch_heads, n_queries, n_keys, head_dim = _sizes(Q, K)
+    n_heads, batch_heads, n_queries, n_keys, head_dim = attention_sizes(Q, K)
     rows_m = block_m(head_dim)
     (q, q_columns), (k, k_columns), (v, v_columns), (do, do_columns) = (tma_view(x) for x in (Q, K, V, dO))
     grid = (triton.cdiv(n_keys, BLOCK_N), batch_heads)
@@ -825,7 +825,7 @@ _backward_plans: dict[tuple, _Plan] = {}
 
 
 def _layout_key(x: Tensor) -> tuple:
-    return x.shape, x.stride(), x.data_ptr() % 16 == 0
+    return x.shape, x.stride(), aligned(x)
 
 
 def forward(
@@ -833,8 +833,8 @@ def forward(
     O: Float[Tensor, "batch *heads q d"], L: Float[Tensor, "batch *heads q"], is_causal: bool, sm_scale: float,
 ) -> None:
     """Write O (contiguous, Q's shape and dtype) and the natural-log logsumexp L (contiguous, float32)."""
-    n_heads, _, n_queries, n_keys, _ = _sizes(Q, K)
-    key = (Q.device.index, Q.dtype, is_causal, _layout_key(Q), _layout_key(K), _layout_key(V), L.data_ptr() % 16)
+    n_heads, _, n_queries, n_keys, _ = attention_sizes(Q, K)
+    key = (Q.device.index, Q.dtype, is_causal, _layout_key(Q), _layout_key(K), _layout_key(V), aligned(L))
     _launch(_FORWARD, _forward_plans, key, (Q, K, V, O),
             (L, n_heads, n_queries, n_keys, sm_scale * math.log2(math.e)),
             lambda: forward_launch_arguments(Q, K, V, O, L, is_causal, sm_scale))
@@ -848,9 +848,9 @@ def backward(
 ) -> None:
     """Write dK (scaled by ``sm_scale``) and dV, and add dS K (unscaled) into the zeroed float32 ``DQ_acc``.
     ``dK`` and ``dV`` are contiguous; ``L`` is the forward's natural-log logsumexp, ``Delta`` rowsum(O * dO)."""
-    n_heads, _, n_queries, n_keys, _ = _sizes(Q, K)
+    n_heads, _, n_queries, n_keys, _ = attention_sizes(Q, K)
     key = (Q.device.index, Q.dtype, is_causal, _layout_key(Q), _layout_key(K), _layout_key(V), _layout_key(dO),
-           L.data_ptr() % 16, Delta.data_ptr() % 16)
+           aligned(L, Delta))
     _launch(_BACKWARD, _backward_plans, key, (Q, K, V, dO, dK, dV, DQ_acc),
             (L, Delta, n_heads, n_queries, n_keys, sm_scale, sm_scale * math.log2(math.e)),
             lambda: backward_launch_arguments(Q, K, V, dO, L, Delta, dK, dV, DQ_acc, is_causal, sm_scale))

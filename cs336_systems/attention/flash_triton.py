@@ -54,7 +54,6 @@ from cs336_systems.kernels.launch import (
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
 MAX_GRID_Y = 65535  # CUDA's limit on the second grid dimension, which runs over batch * heads
-HOPPER_TILE = 128  # queries (forward) or keys (backward) per Hopper program: the unit of the program count
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -215,12 +214,6 @@ def _strides(x: Tensor) -> tuple[int, int, int]:
 # ---------------------------------------------------------------------------------------------------
 
 
-def _sizes(Q: Tensor, K: Tensor) -> tuple[int, int, int, int, int]:
-    """(heads, batch * heads, n_queries, n_keys, d)."""
-    n_heads = Q.shape[1] if Q.dim() == 4 else 1
-    return n_heads, Q.shape[0] * n_heads, Q.shape[-2], K.shape[-2], Q.shape[-1]
-
-
 def _uses_hopper(Q: Tensor, batch_heads: int, n_tiles: int, part: str) -> bool:
     if RUNNING_IN_INTERPRETER:
         return False
@@ -234,11 +227,11 @@ def flash_attention_forward(
     is_causal: bool, sm_scale: float | None = None,
 ) -> tuple[Float[Tensor, "batch *heads q d"], Float[Tensor, "batch *heads q"]]:
     """``O`` (Q's shape and dtype, contiguous) and the natural-log logsumexp ``L`` (float32)."""
-    n_heads, batch_heads, n_queries, n_keys, head_dim = _sizes(Q, K)
+    n_heads, batch_heads, n_queries, n_keys, head_dim = flash_hopper.attention_sizes(Q, K)
     O = new_output(Q.shape, Q.dtype, Q.device)
     L = new_output(Q.shape[:-1], torch.float32, Q.device)
     sm_scale = sm_scale or 1.0 / math.sqrt(head_dim)
-    if _uses_hopper(Q, batch_heads, -(-n_queries // HOPPER_TILE), "forward"):
+    if _uses_hopper(Q, batch_heads, -(-n_queries // (2 * flash_hopper.FORWARD_ROWS)), "forward"):
         flash_hopper.forward(Q, K, V, O, L, is_causal, sm_scale)
         return O, L
     args = (
@@ -262,9 +255,9 @@ def flash_attention_backward(
     """``dQ, dK, dV`` (in the inputs' dtype, contiguous) from the saved forward state and the output gradient.
     ``O`` and ``L`` are the forward's (contiguous)."""
     dO = unit_last_stride(dO if dO.dtype == O.dtype else dO.to(O.dtype))  # o.sum().backward() sends stride 0
-    n_heads, batch_heads, n_queries, n_keys, head_dim = _sizes(Q, K)
+    n_heads, batch_heads, n_queries, n_keys, head_dim = flash_hopper.attention_sizes(Q, K)
     sm_scale = sm_scale or 1.0 / math.sqrt(head_dim)
-    hopper = _uses_hopper(Q, batch_heads, -(-n_keys // HOPPER_TILE), "backward")
+    hopper = _uses_hopper(Q, batch_heads, -(-n_keys // flash_hopper.BLOCK_N), "backward")
     Delta = new_output((batch_heads, n_queries), torch.float32, Q.device)
     # The Hopper backward adds dS K over key tiles into a float32 buffer, which the delta kernel zeroes.
     DQ_acc = torch.empty((batch_heads, n_queries, head_dim), dtype=torch.float32, device=Q.device) if hopper else L
@@ -301,9 +294,7 @@ def _padded_head_dim(head_dim: int) -> int:
 
 
 def _pad(x: Tensor, head_dim: int) -> Tensor:
-    """``x`` with zeros appended along ``d`` up to ``head_dim``, else ``x`` with a unit stride along ``d``."""
-    if x.shape[-1] == head_dim:
-        return unit_last_stride(x)
+    """``x`` with zeros appended along ``d`` up to ``head_dim`` (a new, contiguous tensor)."""
     return torch.nn.functional.pad(x, (0, head_dim - x.shape[-1]))
 
 
@@ -326,7 +317,7 @@ def attention_backward(Q: Tensor, K: Tensor, V: Tensor, O: Tensor, L: Tensor, dO
         return flash_attention_backward(unit_last_stride(Q), unit_last_stride(K), unit_last_stride(V), O, L, dO,
                                         is_causal)
     padded = _padded_head_dim(head_dim)
-    Q, K, V, O, dO = (_pad(x, padded) for x in (Q, K, V, O, dO.to(O.dtype)))
+    Q, K, V, O, dO = (_pad(x, padded) for x in (Q, K, V, O, dO))
     dQ, dK, dV = flash_attention_backward(Q, K, V, O, L, dO, is_causal, 1.0 / math.sqrt(head_dim))
     return tuple(g[..., :head_dim].contiguous() for g in (dQ, dK, dV))
 

@@ -51,7 +51,6 @@ PROVIDERS = {
     "cross_entropy": ["ours", "torch_compiled"],
     "adamw": ["ours", "torch_fused"],
 }
-OURS_NEED_GPU = "ours"
 
 
 def parser():
@@ -169,11 +168,16 @@ def make_call(case: dict[str, Any], args, device: torch.device) -> Callable[[], 
 # ---------------------------------------------------------------------------------------------------
 
 
-def issue_and_wall(call: Callable[[], Any], calls: int, repeats: int, device: torch.device) -> dict[str, float]:
-    """Median issue time and wall time per call, microseconds (module docstring)."""
-    for _ in range(3):  # compile, autotune, allocate
+def warm_up(call: Callable[[], Any], device: torch.device) -> None:
+    """A few untimed calls (compile, autotune, allocate), then the device synchronised."""
+    for _ in range(3):
         call()
     timing.synchronize(device)
+
+
+def issue_and_wall(call: Callable[[], Any], calls: int, repeats: int, device: torch.device) -> dict[str, float]:
+    """Median issue time and wall time per call, microseconds (module docstring)."""
+    warm_up(call, device)
     issue, wall = [], []
     for _ in range(repeats):
         timing.synchronize(device)
@@ -191,9 +195,7 @@ def issue_and_wall(call: Callable[[], Any], calls: int, repeats: int, device: to
 
 def profile(call: Callable[[], Any], calls: int, device: torch.device, top: int = 30) -> str:
     """The ``top`` functions by own time over ``calls`` calls, as cProfile prints them."""
-    for _ in range(3):
-        call()
-    timing.synchronize(device)
+    warm_up(call, device)
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(calls):
@@ -208,9 +210,9 @@ def profile(call: Callable[[], Any], calls: int, device: torch.device, top: int 
 def cases_for(args, device: torch.device) -> list[dict[str, Any]]:
     cases = []
     for op in args.ops:
-        providers = [p for p in PROVIDERS[op] if device.type == "cuda" or p != OURS_NEED_GPU]
-        if device.type != "cuda":
-            providers = [p.replace("sdpa_cudnn", "sdpa_math") for p in providers if p != "sdpa_flash"]
+        providers = PROVIDERS[op]
+        if device.type != "cuda":  # ours needs a GPU; SDPA's fused backends too (its math one stands in)
+            providers = [p.replace("sdpa_cudnn", "sdpa_math") for p in providers if p not in ("ours", "sdpa_flash")]
         if op == "attention":
             shapes = ATTENTION_SHAPES if device.type == "cuda" else [(1, 2, 32, 16)]
         elif op == "adamw":
@@ -225,13 +227,11 @@ def cases_for(args, device: torch.device) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parser().parse_args(argv)
-    device = timing.default_device()
-    cli.announce(device, args.quick)
+    args, device, tiny = cli.start(parser(), argv)
     if device.type != "cuda":
         print("# no GPU: PyTorch's providers only, tiny shapes (our kernels would need the interpreter)",
               file=sys.stderr)
-    if args.quick or device.type != "cuda":
+    if tiny:
         args.size, args.context, args.batch, args.calls, args.repeats = "tiny", 16, 2, min(args.calls, 5), min(args.repeats, 2)
     cases = cases_for(args, device)
     if args.profile:
@@ -259,8 +259,6 @@ def main(argv: list[str] | None = None) -> None:
         rows.append(store.add(case, result))
     cli.print_table(rows, ["op", "shape", "pass", "provider", "issue_us", "wall_us", "ours_over_this",
                            "ours_wall_over_this", "oom"])
-    print(f"# rows in {store.path}" if rows else f"# everything already measured in {store.path} (--force to measure "
-          "again)", file=sys.stderr)
 
 
 if __name__ == "__main__":

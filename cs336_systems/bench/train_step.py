@@ -110,7 +110,7 @@ def measure_in_fresh_process(case: dict[str, Any], args) -> dict[str, Any]:
 def measure_case(case: dict[str, Any], args, device: torch.device) -> None:
     """The ``--case`` child: measure one case and print its result as one JSON line."""
     config = LMConfig(case["size"], case["context_length"], case["batch_size"])
-    result = result_store.measure_or_oom(lambda: measure(config, case["stack"], case.get("variant", "default"), args,
+    result = result_store.measure_or_oom(lambda: measure(config, case["stack"], case["variant"], args,
                                                          device))
     print("RESULT " + json.dumps(result))
 

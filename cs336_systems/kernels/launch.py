@@ -21,6 +21,7 @@ from typing import Any, Generic, NamedTuple, TypeVar
 import torch
 import triton
 from torch import Tensor
+from triton.knobs import HookChain
 
 RUNNING_IN_INTERPRETER: bool = triton.knobs.runtime.interpret
 """Whether ``@triton.jit`` built interpreter functions (``TRITON_INTERPRET=1`` when Triton was imported): kernels
@@ -151,6 +152,8 @@ class Launcher:
         grid_y = grid[1] if len(grid) > 1 else 1
         grid_z = grid[2] if len(grid) > 2 else 1
         hooks = triton.knobs.runtime
-        metadata = kernel.launch_metadata(grid, stream, *args, *tail) if hooks.launch_enter_hook else None
+        enter = hooks.launch_enter_hook  # a chain of hooks, usually empty (a profiler adds one)
+        listened = enter.calls if isinstance(enter, HookChain) else enter is not None
+        metadata = kernel.launch_metadata(grid, stream, *args, *tail) if listened else None
         kernel.run(grid[0], grid_y, grid_z, stream, kernel.function, kernel.packed_metadata, metadata,
-                   hooks.launch_enter_hook, hooks.launch_exit_hook, *args, *tail)
+                   enter, hooks.launch_exit_hook, *args, *tail)

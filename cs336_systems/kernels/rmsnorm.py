@@ -386,6 +386,7 @@ def _launcher(kernel, autotune: bool):
 
 _LAUNCHERS = {name: Launcher(fn) for name, fn in _plain.items()}
 _DW_REDUCE = Launcher(rmsnorm_dw_reduce_kernel)
+_ROWS_KEY_AT = {name: fn.arg_names.index("rows_key") for name, fn in _plain.items()}
 _chosen: dict[tuple, triton.Config] = {}
 """The autotuner's choice per (kernel, autotune key, dtype)."""
 
@@ -402,16 +403,16 @@ def _launch(kernel: str, grid, args: tuple, meta: dict, n_cols: int, element_siz
         _launcher(_plain[kernel], autotune)[grid(config.kwargs["BLOCK_M"])](
             *args, **meta, **config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
         return
-    config = fixed_config(kernel, n_cols, element_size)
     if RMSNORM_CONFIG.get().autotune:
-        autotuner = _autotuned[kernel]
-        tune_key = (kernel, signature, *(args[_plain[kernel].arg_names.index(k)] for k in ("n_cols", "rows_key")),
-                    *meta.values())
-        if tune_key not in _chosen:
-            autotuner[lambda META: grid(META["BLOCK_M"])](*args, **meta)
-            _chosen[tune_key] = autotuner.best_config
+        # The autotuner's key: the row length (in the signature) and the coarsened rows per program.
+        tune_key = (kernel, signature, args[_ROWS_KEY_AT[kernel]], *meta.values())
+        config = _chosen.get(tune_key)
+        if config is None:
+            _autotuned[kernel][lambda META: grid(META["BLOCK_M"])](*args, **meta)
+            _chosen[tune_key] = _autotuned[kernel].best_config
             return
-        config = _chosen[tune_key]
+    else:
+        config = fixed_config(kernel, n_cols, element_size)
     key = (signature, *meta.values(), *config.kwargs.values(), config.num_warps, config.num_stages)
     _LAUNCHERS[kernel](key, grid(config.kwargs["BLOCK_M"]), args, {**meta, **config.kwargs},
                        num_warps=config.num_warps, num_stages=config.num_stages)
