@@ -1,9 +1,10 @@
 """Where the 2026 leaderboard step's time goes, per stack: ``--layers`` blocks of the 8B model at context 32,768 on
-2 GPUs (one sequence per rank), warmed up, then ``torch.profiler`` over one step on rank 0; prints the step's wall
-time and its GPU kernel time by category (attention forward/backward, matmuls, collectives, the rest), per
-block where it scales with depth, as JSON lines.
+``--world-size`` GPUs (one sequence per rank; 1: the one-GPU proxy of one rank's work), warmed up, then
+``torch.profiler`` over one step on rank 0; prints the step's wall time and its GPU kernel time by category
+(attention forward/backward, matmuls, collectives, the rest), per block where it scales with depth, as JSON lines.
 
     python scripts/leaderboard_2026_profile.py --layers 4 --stacks ours torch --override ours:keep_attention=false
+    python scripts/leaderboard_2026_profile.py --world-size 1 --layers 4     # the one-GPU proxy
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ def rank(rank: int, world: int, args) -> None:
         for _ in range(3):
             step(x, y)
         torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(device)
         dist.barrier()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             start = time.perf_counter()
@@ -68,7 +70,8 @@ def rank(rank: int, world: int, args) -> None:
                 if event.device_type == torch.autograd.DeviceType.CUDA:
                     by_category[category(event.name)] += event.device_time / 1e3
                     by_kernel[event.name[:90]] += event.device_time / 1e3
-            print(json.dumps({"stack": ROW_NAMES[stack], "parts": overrides, "layers": args.layers, "wall_ms": wall * 1e3,
+            print(json.dumps({"stack": ROW_NAMES[stack], "parts": overrides, "layers": args.layers, "world_size": world,
+                              "wall_ms": wall * 1e3, "peak_gb": torch.cuda.max_memory_allocated(device) / 1e9,
                               "gpu_ms": {k: round(v, 1) for k, v in by_category.most_common()},
                               "top_kernels": {k: round(v, 1) for k, v in by_kernel.most_common(args.top)}}), flush=True)
         del step, model
@@ -82,7 +85,9 @@ def main() -> None:
     p.add_argument("--stacks", nargs="+", default=["ours", "torch"], choices=list(SHARDED_STACKS))
     p.add_argument("--override", nargs="*", default=[], help="stack:part=value, e.g. ours:attention=sdpa")
     p.add_argument("--top", type=int, default=10)
-    spawn(rank, 2, p.parse_args(), backend="nccl", timeout_s=500)
+    p.add_argument("--world-size", type=int, default=2, help="GPUs (1: the one-GPU proxy of one rank's work)")
+    args = p.parse_args()
+    spawn(rank, args.world_size, args, backend="nccl", timeout_s=500)
 
 
 if __name__ == "__main__":

@@ -40,6 +40,19 @@ def test_cli_rows_for_both_stacks(tmp_path):
     assert len((tmp_path / "leaderboard_2026.jsonl").read_text().splitlines()) == 2
 
 
+def test_one_gpu_proxy_rows(tmp_path):
+    """``--world-size 1``: one rank's work (one sequence), both stacks, rows with ``world_size: 1``."""
+    argv = ["--quick", "--results-dir", str(tmp_path), "--rep-ms", "1", "--warmup-ms", "1", "--world-size", "1",
+            "--per-rank-batch", "1", "--stacks", "ours"]
+    leaderboard_2026.main(argv)
+    (row,) = [json.loads(line) for line in (tmp_path / "leaderboard_2026.jsonl").read_text().splitlines()]
+    assert row["world_size"] == 1 and row["batch_size"] == 1 and not row["official"]
+    two_ranks = leaderboard_2026.memory_budget(leaderboard_2026.TINY, "ours", 2, 1)
+    assert row["predicted_memory"]["params_gb"] == pytest.approx(2 * two_ranks["params_gb"])  # nothing sharded
+    with pytest.raises(SystemExit, match="per-rank-batch"):
+        leaderboard_2026.main([*argv, "--per-rank-batch", "0"])
+
+
 @pytest.mark.parametrize("keep_attention", [False, True])
 def test_keep_attention_runs_attention_forward_once(monkeypatch, keep_attention):
     calls = []
@@ -73,3 +86,14 @@ def test_keep_attention_gradients_equal_plain_checkpointing():
         grads[keep] = {name: p.grad.clone() for name, p in model.named_parameters()}
     for name, grad in grads[False].items():
         torch.testing.assert_close(grads[True][name], grad, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+
+
+def test_compiled_blocks_under_our_fsdp_compile_once(monkeypatch):
+    """Our FSDP with compiled blocks (aot_eager here: Inductor's CPU code generation would only cost minutes)."""
+    import functools
+
+    from tests._fsdp_compile import check_compiled_blocks, one_rank_group
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    with one_rank_group("gloo"):
+        check_compiled_blocks(torch.device("cpu"), None, rtol=1e-5, atol=1e-6)

@@ -47,8 +47,7 @@ def test_sharded_parts_are_checked():
         Parts(keep_attention=True)
     with pytest.raises(ValueError, match="sharding"):
         Parts(sharding="zero3")
-    with pytest.raises(ValueError, match="compile='none'"):
-        SHARDED_STACKS["ours"].with_(compile="blocks")
+    assert SHARDED_STACKS["ours"].compile == "blocks"  # our FSDP compiles each block's forward
     with pytest.raises(ValueError, match="sharded"):
         STACKS["torch"].with_(sharding="fsdp2", compile="model")
     assert Parts().with_overrides(["keep_attention=true", "checkpointing=2"]).keep_attention
@@ -65,3 +64,13 @@ def test_reduced_step_matches_one_process_on_two_gpus(capsys):
     """2 layers, context 4096, the full vocabulary: both stacks against one process, bf16 tolerance."""
     leaderboard_2026.main(["--check"])
     assert "check passed" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_compiled_blocks_under_our_fsdp_compile_once_on_gpu():
+    """Inductor, bf16, our kernels, one NCCL rank: one graph for every block, no recompilation over the steps."""
+    from tests._fsdp_compile import check_compiled_blocks, one_rank_group
+
+    with one_rank_group("nccl"):
+        check_compiled_blocks(torch.device("cuda"), torch.bfloat16, rtol=2e-2, atol=2e-2)

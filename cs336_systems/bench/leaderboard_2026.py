@@ -7,7 +7,8 @@ timed as the course does: ``triton.testing.do_bench(train_step, rep=30_000, warm
 the same number of steps). The ranks meet in a barrier before each step. Two stacks of :data:`cs336_systems.train.SHARDED_STACKS`, each in
 its own freshly spawned ranks:
 
-* ``ours``: our FSDP by blocks (fp32 master shards, bf16 gathers, fp32 reduce-scatters), our attention operator,
+* ``ours``: our FSDP by blocks (fp32 master shards, bf16 gathers, fp32 reduce-scatters), compiled blocks (each
+  block's forward: one graph for all), our attention operator,
   fused RMSNorm, fused LM head + cross-entropy, fused AdamW on the shards; every block checkpointed, keeping
   its attention output and log-sum-exp (selective checkpointing: backward recomputes the rest of the block, never
   the attention);
@@ -33,6 +34,12 @@ The FLOP and memory models live in ``bench/common/leaderboard_2026_model.py``, t
     python -m cs336_systems.bench.leaderboard_2026                         # both stacks, official timing
     python -m cs336_systems.bench.leaderboard_2026 --stacks ours --rep-ms 3000 --warmup-ms 1000 --num-layers 4
     python -m cs336_systems.bench.leaderboard_2026 --check
+    python -m cs336_systems.bench.leaderboard_2026 --world-size 1 --per-rank-batch 1 --num-layers 4   # one-GPU proxy
+
+*The one-GPU proxy* (``--world-size 1``): one rank's work of the two-GPU step, on one GPU: one sequence of
+32,768 tokens (``--per-rank-batch 1``), ``--num-layers`` blocks and the full 151,936-word head, both stacks in the
+same invocation. Our FSDP and FSDP2 run on a one-rank group (their gathers and reductions are copies), so the rows
+(``world_size: 1``) measure a rank's compute, launch path and memory, not its communication.
 """
 
 from __future__ import annotations
@@ -58,6 +65,7 @@ from cs336_systems.train import SHARDED_STACKS
 
 PROBLEM = "leaderboard_2026"
 OFFICIAL = dict(rep_ms=30_000, warmup_ms=10_000)
+OFFICIAL_WORLD_SIZE = 2  # one sequence of the batch on each
 CHECKPOINTING = {"ours": "every block; attention output and log-sum-exp kept", "torch": "every block"}
 
 
@@ -72,6 +80,8 @@ def parser():
     p.add_argument("--warm", action="store_true", help="keep the usual Triton/Inductor caches (default: fresh ones)")
     p.add_argument("--check", action="store_true", help="only the correctness check against one process")
     p.add_argument("--world-size", type=int, default=2, help="ranks when not under torchrun (default 2)")
+    p.add_argument("--per-rank-batch", type=int, default=1,
+                   help="sequences per rank (official 1: batch 2 on two ranks); with --world-size 1, one rank's work")
     p.add_argument("--timeout-s", type=float, default=900.0, help="give up on a stack whose ranks hang this long")
     return p
 
@@ -99,7 +109,8 @@ def run_stack(rank: int, world_size: int, args, stack: str, launched_at: float, 
     config = model_config(args, on_gpu)
     compute_dtype = torch.bfloat16 if on_gpu else torch.float32
     step = build(stack, config, device, compute_dtype)
-    x, y = batch_of_rank(config, device, rank, world_size, BATCH)
+    batch = args.per_rank_batch * world_size
+    x, y = batch_of_rank(config, device, rank, world_size, batch)
 
     def train_step() -> None:
         dist.barrier()
@@ -125,7 +136,7 @@ def run_stack(rank: int, world_size: int, args, stack: str, launched_at: float, 
         return
     step_ms = max(r["step_ms"] for r in everyone)
     rates = [r["matmul_tflops"] for r in everyone if r["matmul_tflops"]]
-    step_flop_count = step_flops(config, BATCH)
+    step_flop_count = step_flops(config, batch)
     mfu = step_flop_count / (step_ms / 1e3) / (world_size * min(rates) * 1e12) if rates else None
     store = result_store.ResultStore(PROBLEM, args.results_dir, args.force)
     case = case_of(args, stack, config, world_size)
@@ -145,7 +156,7 @@ def run_stack(rank: int, world_size: int, args, stack: str, launched_at: float, 
         "checkpointing": CHECKPOINTING[stack],
         "parts": dataclasses.asdict(SHARDED_STACKS[stack]),
         "timer": "do_bench_on_ranks (triton do_bench, mean)" if on_gpu else "time_calls (min of 2)",
-        "predicted_memory": memory_budget(config, stack, world_size, BATCH // world_size),
+        "predicted_memory": memory_budget(config, stack, world_size, args.per_rank_batch),
         "loss_after_timing": loss.item() / world_size,
     }
     other = store.newest({**case, "stack": ROW_NAMES["torch" if stack == "ours" else "ours"]})
@@ -158,10 +169,12 @@ def run_stack(rank: int, world_size: int, args, stack: str, launched_at: float, 
 
 
 def case_of(args, stack: str, config: dict[str, int], world_size: int) -> dict[str, Any]:
+    batch = args.per_rank_batch * world_size
     return dict(stack=ROW_NAMES[stack], num_layers=config["num_layers"], context_length=config["context_length"],
-                batch_size=BATCH, world_size=world_size, rep_ms=args.rep_ms, warmup_ms=args.warmup_ms,
+                batch_size=batch, world_size=world_size, rep_ms=args.rep_ms, warmup_ms=args.warmup_ms,
                 official=args.rep_ms == OFFICIAL["rep_ms"] and args.warmup_ms == OFFICIAL["warmup_ms"]
-                and config["num_layers"] == MODEL["num_layers"] and config["context_length"] == MODEL["context_length"])
+                and config["num_layers"] == MODEL["num_layers"] and config["context_length"] == MODEL["context_length"]
+                and world_size == OFFICIAL_WORLD_SIZE and batch == BATCH)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -171,6 +184,8 @@ def case_of(args, stack: str, config: dict[str, int], world_size: int) -> dict[s
 
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
+    if args.per_rank_batch < 1:
+        raise SystemExit(f"--per-rank-batch must be >= 1, got {args.per_rank_batch}")
     world_size = int(os.environ["WORLD_SIZE"]) if dl.under_torchrun() else args.world_size
     backend, reason = dl.choose_backend(world_size)
     on_gpu = backend == "nccl"
