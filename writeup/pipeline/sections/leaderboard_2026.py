@@ -1,6 +1,7 @@
 """The 2026 leaderboard step (issue 20): one training step of the 8B model on two GPUs, both stacks of
 ``cs336_systems.train.SHARDED_STACKS`` (``leaderboard_2026``), its predicted memory budget, and one profiled step
-of each stack at fewer layers (``leaderboard_2026_profile``, written by ``scripts/leaderboard_2026_profile.py``)."""
+of each stack at fewer layers (``leaderboard_2026_profile``, written by ``scripts/leaderboard_2026_profile.py``); and
+the one-GPU proxy of one rank's work (issue 29: rows with ``world_size: 1``) with its profile."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ STACKS = ("ours", "pytorch")
 # Issue 20's targets for our stack: the step at most 5.0 s and at most 0.85x PyTorch's (the milestone before that:
 # at most as slow as PyTorch's), the peak memory per GPU at most 130 GB, a run from empty caches within 10 minutes.
 GOALS = {"step_s": 5.0, "ratio": 0.85, "milestone_ratio": 1.0, "peak_gb": 130.0, "cold_s": 600.0}
+PROXY_GOAL_RATIO = 0.85  # issue 29: the one-GPU proxy, ours at most 0.85x PyTorch's stack
 
 # The parts the leaderboard stacks add to those of the single-GPU step (cs336_systems/train/step.py).
 LB_PART_NAMES = {
@@ -38,7 +40,8 @@ CATEGORIES = {
     "other": "other kernels", "collectives": "collectives", "cross_entropy": "cross-entropy",
     "optimizer": "optimizer", "rmsnorm": "RMSNorm",
 }
-OVERRIDE_NAMES = {"attention=sdpa": "SDPA attention"}
+OVERRIDE_NAMES = {"attention=sdpa": "SDPA attention", "compile=none": "uncompiled blocks",
+                  "keep_attention=false": "whole blocks recomputed"}
 
 # The rows of the memory table: (key of memory_budget, label).
 BUDGET = [("params_gb", "fp32 master parameters (shard)"), ("optimizer_state_gb", "AdamW moments (fp32, shard)"),
@@ -66,10 +69,22 @@ def load_later_trial(res, steps: dict[str, dict[str, Any]]) -> dict[str, dict[st
     id); None if there is no such pair."""
     official = max(r["run"] for r in steps.values())
     rows = [r for r in res.log_rows("leaderboard_2026", measured=lambda row: False)
-            if not r.get("official") and r.get("stack") in STACKS and r.get("run", "") > official]
+            if not r.get("official") and r.get("stack") in STACKS and r.get("run", "") > official
+            and r.get("world_size") == 2]
     latest = {r["stack"]: r for r in sorted(rows, key=lambda r: r["run"])}
     if set(latest) != set(STACKS) or len({r["env"].get("commit") for r in latest.values()}) != 1:
         return None
+    res.used.extend(latest.values())
+    return latest
+
+
+def load_proxy(res) -> dict[str, dict[str, Any]]:
+    """The newest one-GPU proxy rows (``world_size: 1``) of both stacks from one invocation (same commit), by stack."""
+    rows = [r for r in res.log_rows("leaderboard_2026", measured=lambda row: False)
+            if r.get("world_size") == 1 and r.get("stack") in STACKS]
+    latest = {r["stack"]: r for r in sorted(rows, key=lambda r: r["run"])}
+    if set(latest) != set(STACKS) or len({r["env"].get("commit") for r in latest.values()}) != 1:
+        raise Missing("writeup/results/leaderboard_2026.jsonl", "no one-GPU proxy rows (world_size 1) of both stacks")
     res.used.extend(latest.values())
     return latest
 
@@ -84,17 +99,20 @@ def variant_name(r: dict[str, Any]) -> str:
     return r["stack"] + (" with " + ", ".join(OVERRIDE_NAMES.get(p, p) for p in parts) if parts else "")
 
 
-def load_profile(res) -> dict[str, dict[str, Any]]:
-    """The latest profiled step of each variant (stack and overrides) in ``leaderboard_2026_profile.jsonl``:
-    the two stacks as defined first, then the variants."""
-    rows = res.rows("leaderboard_2026_profile", keep=_with_env)
+def load_profile(res, world_size: int) -> dict[str, dict[str, Any]]:
+    """The latest profiled step of each variant (stack and overrides) on ``world_size`` GPUs in
+    ``leaderboard_2026_profile.jsonl`` (rows without ``world_size`` are of 2): the two stacks as defined first, then
+    the variants."""
+    rows = res.rows("leaderboard_2026_profile", one_device=False,
+                    keep=lambda rows: [r for r in _with_env(rows) if r.get("world_size", 2) == world_size])
     latest: dict[str, dict[str, Any]] = {}
     for r in rows:
         name = variant_name(r)
         if name not in latest or r.get("date", "") >= latest[name].get("date", ""):
             latest[name] = r
     if not all(stack in latest for stack in STACKS):
-        raise Missing("writeup/results/leaderboard_2026_profile.jsonl", "no profiled step of each stack")
+        raise Missing("writeup/results/leaderboard_2026_profile.jsonl",
+                      f"no profiled step of each stack on {world_size} GPU(s)")
     return dict(sorted(latest.items(), key=lambda item: (bool(item[1].get("parts")), STACKS.index(item[1]["stack"])
                                                          if item[1]["stack"] in STACKS else len(STACKS), item[0])))
 
@@ -152,6 +170,17 @@ def _categories(profile) -> list[str]:
     return [c for c in CATEGORIES if c in present] + sorted(present - set(CATEGORIES))
 
 
+def _proxy_table(proxy) -> dict[str, Any]:
+    body = [[s, num(r["step_ms"], 1), times(r["step_ms"] / proxy["pytorch"]["step_ms"], 3), pct(r.get("mfu"), 1),
+             num(r.get("peak_gb_per_rank"), 1), num(r.get("first_step_s"), 1), num(r.get("cold_total_s"), 1)]
+            for s, r in proxy.items()]
+    r = proxy["ours"]
+    return table(["stack", "step (ms)", "÷ pytorch", "MFU", "peak GB", "first step (s)", "cold run (s)"], body,
+                 f"The one-GPU proxy: {r['num_layers']} layers, one sequence of {r['context_length']:,} tokens, the full "
+                 f"head, on {r['device']}, do_bench (rep {r['rep_ms']:,.0f} ms, warm-up {r['warmup_ms']:,.0f} ms; its "
+                 "mean), each stack in its own freshly spawned rank with empty caches.", size=8)
+
+
 def _profile_table(profile) -> dict[str, Any]:
     names = list(profile)
     body = [[CATEGORIES.get(c, c), *[num(r["gpu_ms"].get(c), 1) for r in profile.values()]]
@@ -159,15 +188,17 @@ def _profile_table(profile) -> dict[str, Any]:
     body.append(["sum of the kernels", *[num(sum(r["gpu_ms"].values()), 1) for r in profile.values()]])
     body.append(["step (wall)", *[num(r["wall_ms"], 0) for r in profile.values()]])
     r = profile["ours"]
+    world = r.get("world_size", 2)
+    where = f"one sequence per GPU, {world} GPUs" if world > 1 else "one sequence, one GPU: the proxy"
     return table(["GPU ms", *names], body,
-                 f"One profiled step at {r['layers']} layers (context {r['context_length']:,}, one sequence per GPU, "
-                 "2 GPUs), after warm-up steps: the summed GPU time of the kernels of each category on rank 0 "
+                 f"One profiled step at {r['layers']} layers (context {r['context_length']:,}, {where}; {r['device']}), "
+                 "after warm-up steps: the summed GPU time of the kernels of each category on rank 0 "
                  "(torch.profiler), and the step's wall time. The collectives run beside the computation, so the "
                  "kernels may add up to more than the wall time. A dash: no kernel of the category (PyTorch's RMSNorm "
                  "runs inside the compiled blocks' kernels, counted as other).", size=8)
 
 
-def _profile_figure(out: Output, profile) -> dict[str, str]:
+def _profile_figure(out: Output, profile, file_name: str = "leaderboard_2026_profile") -> dict[str, str]:
     categories = _categories(profile)
     fig, axes = figures.new(6.5, 2.6)
     ax = axes[0]
@@ -180,9 +211,9 @@ def _profile_figure(out: Output, profile) -> dict[str, str]:
     ax.set_xticks(range(len(categories)))
     ax.set_xticklabels([CATEGORIES.get(c, c).replace(" ", "\n", 1) for c in categories], fontsize=7)
     ax.set_ylabel("GPU ms (rank 0)")
-    figures.legend_below(fig, ax, ncol=len(profile))
+    figures.legend_below(fig, ax, ncol=len(profile) if len(profile) <= 3 else 2)
     r = profile["ours"]
-    return out.save(fig, "leaderboard_2026_profile",
+    return out.save(fig, file_name,
                     f"GPU kernel time by category of one {r['layers']}-layer step (rank 0), per stack; the legend "
                     "gives each step's wall time.")
 
@@ -201,7 +232,7 @@ def top_kernel(r: dict[str, Any], *keys: str) -> float | None:
 @problem("leaderboard_2026")
 def leaderboard_2026(res, out: Output) -> dict[str, Any]:
     steps = load_steps(res)
-    profile = load_profile(res)
+    profile = load_profile(res, world_size=2)
     ours, torch = steps["ours"], steps["pytorch"]
     config = config_of(ours)
     batch, world = ours["batch_size"], ours["world_size"]
@@ -298,6 +329,52 @@ def leaderboard_2026(res, out: Output) -> dict[str, Any]:
             "sdpa_other": num(gpu(sdpa, "other"), 1), "sdpa_ce": num(gpu(sdpa, "cross_entropy"), 1),
             "sdpa_faster": sdpa["wall_ms"] < p_torch["wall_ms"],
         })
+    proxy, proxy_profile = load_proxy(res), load_profile(res, world_size=1)
+    n["proxy"] = _proxy_numbers(proxy, proxy_profile)
     return {"tables": {"stacks": _stacks_table(steps), "main": _main_table(steps),
-                       "memory": _memory_table(steps, budgets), "profile": _profile_table(profile)},
-            "figures": {"profile": _profile_figure(out, profile)}, "n": n}
+                       "memory": _memory_table(steps, budgets), "profile": _profile_table(profile),
+                       "proxy": _proxy_table(proxy), "proxy_profile": _profile_table(proxy_profile)},
+            "figures": {"profile": _profile_figure(out, profile),
+                        "proxy_profile": _profile_figure(out, proxy_profile, "leaderboard_2026_proxy_profile")},
+            "n": n}
+
+
+def _proxy_numbers(proxy, profile) -> dict[str, Any]:
+    """The proxy's numbers for the text: the ratio and its goal, the elementwise ("other") GPU time of both stacks,
+    and the variants profiled beside them (uncompiled blocks, whole blocks recomputed), when present."""
+    ours, torch = proxy["ours"], proxy["pytorch"]
+    p_ours, p_torch = profile["ours"], profile["pytorch"]
+    ratio = ours["step_ms"] / torch["step_ms"]
+
+    def gpu(r, category):
+        return r["gpu_ms"].get(category, 0.0)
+
+    def variant(parts):
+        return next((r for r in profile.values() if r["stack"] == "ours" and r.get("parts") == parts), None)
+
+    eager, whole = variant(["compile=none"]), variant(["keep_attention=false"])
+    n = {
+        "layers": str(ours["num_layers"]), "device": ours["device"], "commit": str(ours["env"].get("commit")),
+        "ours_ms": num(ours["step_ms"], 1), "torch_ms": num(torch["step_ms"], 1), "ratio": times(ratio, 3),
+        "goal_ratio": times(PROXY_GOAL_RATIO, 2), "met": ratio <= PROXY_GOAL_RATIO,
+        "goal_ms": num(PROXY_GOAL_RATIO * torch["step_ms"], 0),
+        "short_ms": num(ours["step_ms"] - PROXY_GOAL_RATIO * torch["step_ms"], 0),
+        "ours_mfu": pct(ours.get("mfu"), 1), "torch_mfu": pct(torch.get("mfu"), 1),
+        "ours_peak": num(ours.get("peak_gb_per_rank"), 1), "torch_peak": num(torch.get("peak_gb_per_rank"), 1),
+        "ours_first": num(ours["first_step_s"], 1), "torch_first": num(torch["first_step_s"], 1),
+        "ours_other": num(gpu(p_ours, "other"), 1), "torch_other": num(gpu(p_torch, "other"), 1),
+        "other_met": gpu(p_ours, "other") <= gpu(p_torch, "other"),
+        "ours_bwd": num(gpu(p_ours, "attention_backward"), 1), "torch_bwd": num(gpu(p_torch, "attention_backward"), 1),
+        "bwd_ratio": times(gpu(p_ours, "attention_backward") / gpu(p_torch, "attention_backward"), 2),
+        "ours_fwd": num(gpu(p_ours, "attention_forward"), 1), "torch_fwd": num(gpu(p_torch, "attention_forward"), 1),
+        "ours_ce": num(gpu(p_ours, "cross_entropy"), 1), "torch_ce": num(gpu(p_torch, "cross_entropy"), 1),
+        "ours_opt": num(gpu(p_ours, "optimizer"), 1), "torch_opt": num(gpu(p_torch, "optimizer"), 1),
+        "has_eager": eager is not None, "has_whole": whole is not None,
+    }
+    if eager is not None:
+        n.update(eager_wall=num(eager["wall_ms"], 0), eager_other=num(gpu(eager, "other"), 1),
+                 compiled_wall=num(p_ours["wall_ms"], 0))
+    if whole is not None:
+        n.update(whole_wall=num(whole["wall_ms"], 0), whole_fwd=num(gpu(whole, "attention_forward"), 1),
+                 whole_peak=num(whole.get("peak_gb"), 1), kept_peak=num(p_ours.get("peak_gb"), 1))
+    return n
