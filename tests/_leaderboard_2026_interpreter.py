@@ -40,19 +40,6 @@ def test_cli_rows_for_both_stacks(tmp_path):
     assert len((tmp_path / "leaderboard_2026.jsonl").read_text().splitlines()) == 2
 
 
-def test_one_gpu_proxy_rows(tmp_path):
-    """``--world-size 1``: one rank's work (one sequence), both stacks, rows with ``world_size: 1``."""
-    argv = ["--quick", "--results-dir", str(tmp_path), "--rep-ms", "1", "--warmup-ms", "1", "--world-size", "1",
-            "--per-rank-batch", "1", "--stacks", "ours"]
-    leaderboard_2026.main(argv)
-    (row,) = [json.loads(line) for line in (tmp_path / "leaderboard_2026.jsonl").read_text().splitlines()]
-    assert row["world_size"] == 1 and row["batch_size"] == 1 and not row["official"]
-    two_ranks = leaderboard_2026.memory_budget(leaderboard_2026.TINY, "ours", 2, 1)
-    assert row["predicted_memory"]["params_gb"] == pytest.approx(2 * two_ranks["params_gb"])  # nothing sharded
-    with pytest.raises(SystemExit, match="per-rank-batch"):
-        leaderboard_2026.main([*argv, "--per-rank-batch", "0"])
-
-
 @pytest.mark.parametrize("keep_attention", [False, True])
 def test_keep_attention_runs_attention_forward_once(monkeypatch, keep_attention):
     calls = []

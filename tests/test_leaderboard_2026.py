@@ -42,6 +42,17 @@ def test_memory_budget_fits_and_shards():
     assert torch_stack["saved_activations_gb"] == pytest.approx(two["saved_activations_gb"] / 2)
 
 
+def test_one_gpu_proxy_case():
+    """``--world-size 1 --per-rank-batch 1``: one rank's work, a row case of its own, never the official one."""
+    proxy = leaderboard_2026.parser().parse_args(["--world-size", "1", "--per-rank-batch", "1", "--num-layers", "4"])
+    case = leaderboard_2026.case_of(proxy, "ours", leaderboard_2026.model_config(proxy, on_gpu=True), world_size=1)
+    assert (case["world_size"], case["batch_size"], case["num_layers"], case["official"]) == (1, 1, 4, False)
+    official = leaderboard_2026.parser().parse_args([])
+    assert leaderboard_2026.case_of(official, "torch", leaderboard_2026.model_config(official, on_gpu=True), 2)["official"]
+    with pytest.raises(SystemExit, match="per-rank-batch"):
+        leaderboard_2026.main(["--per-rank-batch", "0"])
+
+
 def test_sharded_parts_are_checked():
     with pytest.raises(ValueError, match="keep_attention"):
         Parts(keep_attention=True)
