@@ -3,30 +3,15 @@ by the interpreter test (``_leaderboard_2026_interpreter.py``, CPU) and the GPU 
 
 from __future__ import annotations
 
-import contextlib
-import tempfile
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch._dynamo.utils import counters
 
 from cs336_basics.model import BasicsTransformerLM
 from cs336_systems.train import SHARDED_STACKS, build_training_step
 
 LAYERS = 2
-
-
-@contextlib.contextmanager
-def one_rank_group(backend: str) -> Iterator[None]:
-    """The default process group with this process as its only rank (a file store: no port to find)."""
-    with tempfile.TemporaryDirectory(prefix="cs336-one-rank-") as folder:
-        dist.init_process_group(backend, store=dist.FileStore(f"{folder}/store", 1), rank=0, world_size=1)
-        try:
-            yield
-        finally:
-            dist.destroy_process_group()
 
 
 @dataclass

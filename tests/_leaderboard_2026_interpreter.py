@@ -79,7 +79,8 @@ def test_compiled_blocks_under_our_fsdp_compile_once(monkeypatch):
     """Our FSDP with compiled blocks (aot_eager here: Inductor's CPU code generation would only cost minutes)."""
     import functools
 
-    from tests._fsdp_compile import check_compiled_blocks, one_rank_group
+    from cs336_systems.parallel.distributed import one_rank_group
+    from tests._fsdp_compile import check_compiled_blocks
 
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
     with one_rank_group("gloo"):

@@ -12,7 +12,6 @@ import math
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from cs336_systems.bench import (
     ddp_benchmarking,
@@ -25,6 +24,7 @@ from cs336_systems.bench.common import ddp_step, timeline
 from cs336_systems.bench.common.allreduce_fit import bus_bandwidth, fit_latency_bandwidth
 from cs336_systems.bench.common.lm import LMConfig, build_model, make_optimizer, random_batch
 from cs336_systems.bench.common.timeline import Span, Timeline
+from cs336_systems.parallel.distributed import one_rank_group
 
 CLIS = [distributed_communication_single_node, ddp_benchmarking, optimizer_state_sharding_accounting]
 
@@ -48,13 +48,12 @@ def test_unknown_ddp_variant_is_refused(capsys):
     assert ddp_step.variant_name("bucketed_25mb") == "bucketed_25mb"
 
 
-def test_every_variant_wraps_and_steps_in_a_one_rank_group(tmp_path):
+def test_every_variant_wraps_and_steps_in_a_one_rank_group():
     """World size 1 (in this process, no spawn): every wrapper's gradients equal the unwrapped model's."""
     device = torch.device("cpu")
     config = LMConfig("tiny", context_length=8, batch_size=2)
     batch = random_batch(config, device)
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    try:
+    with one_rank_group("gloo"):
         grads, calls = {}, {}
         for variant in [ddp_step.LOCAL, *ddp_step.VARIANTS, "bucketed_0.5mb"]:
             torch.manual_seed(0)
@@ -78,8 +77,6 @@ def test_every_variant_wraps_and_steps_in_a_one_rank_group(tmp_path):
         assert calls["local"] == 0 and calls["flat"] == 1 and calls["bucketed_1000mb"] == 1
         assert calls["naive"] == calls["overlap"] == n_params and calls["torch_ddp"] is None
         assert 1 < calls["bucketed_1mb"] < calls["bucketed_0.5mb"] <= n_params
-    finally:
-        dist.destroy_process_group()
 
 
 # ---------------------------------------------------------------------------------------------

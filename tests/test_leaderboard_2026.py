@@ -81,7 +81,8 @@ def test_reduced_step_matches_one_process_on_two_gpus(capsys):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_compiled_blocks_under_our_fsdp_compile_once_on_gpu():
     """Inductor, bf16, our kernels, one NCCL rank: one graph for every block, no recompilation over the steps."""
-    from tests._fsdp_compile import check_compiled_blocks, one_rank_group
+    from cs336_systems.parallel.distributed import one_rank_group
+    from tests._fsdp_compile import check_compiled_blocks
 
     with one_rank_group("nccl"):
         check_compiled_blocks(torch.device("cuda"), torch.bfloat16, rtol=2e-2, atol=2e-2)

@@ -6,17 +6,19 @@ Two ways in:
   ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_ADDR``/``MASTER_PORT`` variables torchrun sets.
 * tests and single-command benchmarks: :func:`spawn` starts ``world_size`` processes with
   ``torch.multiprocessing``, joined through a file-backed store, and fails with ``TimeoutError``
-  (instead of hanging) when a collective never completes.
+  (instead of hanging) when a collective never completes; :func:`one_rank_group` makes this process the only
+  rank of a group, with no spawn.
 """
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -101,6 +103,18 @@ def cleanup() -> None:
     """Leave the process group if this process is in one."""
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def one_rank_group(backend: str = "gloo") -> Iterator[torch.device]:
+    """This process as the only rank of the default process group (a file store: no port to find), left on exit;
+    yields the rank's device (GPU 0 under NCCL)."""
+    with tempfile.TemporaryDirectory(prefix="cs336-one-rank-") as folder:
+        device = setup_process_group(0, 1, backend, store=dist.FileStore(os.path.join(folder, "store"), 1))
+        try:
+            yield device
+        finally:
+            cleanup()
 
 
 @torch.no_grad()
