@@ -5,6 +5,7 @@ the one-GPU proxy of one rank's work (issue 29: rows with ``world_size: 1``) wit
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from cs336_systems.bench.common.leaderboard_2026_model import (
@@ -68,23 +69,26 @@ def load_later_trial(res, steps: dict[str, dict[str, Any]]) -> dict[str, dict[st
     official rows and both from one invocation (same commit; each stack runs in its own ranks, hence its own run
     id); None if there is no such pair."""
     official = max(r["run"] for r in steps.values())
-    rows = [r for r in res.log_rows("leaderboard_2026", measured=lambda row: False)
-            if not r.get("official") and r.get("stack") in STACKS and r.get("run", "") > official
-            and r.get("world_size") == 2]
-    latest = {r["stack"]: r for r in sorted(rows, key=lambda r: r["run"])}
-    if set(latest) != set(STACKS) or len({r["env"].get("commit") for r in latest.values()}) != 1:
-        return None
-    res.used.extend(latest.values())
-    return latest
+    return _newest_of_both_stacks(res, lambda r: not r.get("official") and r.get("run", "") > official
+                                  and r.get("world_size") == 2)
 
 
 def load_proxy(res) -> dict[str, dict[str, Any]]:
     """The newest one-GPU proxy rows (``world_size: 1``) of both stacks from one invocation (same commit), by stack."""
+    latest = _newest_of_both_stacks(res, lambda r: r.get("world_size") == 1)
+    if latest is None:
+        raise Missing("writeup/results/leaderboard_2026.jsonl", "no one-GPU proxy rows (world_size 1) of both stacks")
+    return latest
+
+
+def _newest_of_both_stacks(res, accept: Callable[[dict[str, Any]], bool]) -> dict[str, dict[str, Any]] | None:
+    """The newest row of each stack among the ``leaderboard_2026`` rows ``accept`` takes, if both exist and come from
+    one commit (each stack runs in its own ranks, hence its own run id), by stack; else None."""
     rows = [r for r in res.log_rows("leaderboard_2026", measured=lambda row: False)
-            if r.get("world_size") == 1 and r.get("stack") in STACKS]
+            if r.get("stack") in STACKS and accept(r)]
     latest = {r["stack"]: r for r in sorted(rows, key=lambda r: r["run"])}
     if set(latest) != set(STACKS) or len({r["env"].get("commit") for r in latest.values()}) != 1:
-        raise Missing("writeup/results/leaderboard_2026.jsonl", "no one-GPU proxy rows (world_size 1) of both stacks")
+        return None
     res.used.extend(latest.values())
     return latest
 
@@ -165,6 +169,11 @@ def _memory_table(steps, budgets) -> dict[str, Any]:
                  size=8)
 
 
+def gpu(r: dict[str, Any], category: str) -> float:
+    """A profiled step's GPU ms in ``category`` (0 when none of its kernels ran)."""
+    return r["gpu_ms"].get(category, 0.0)
+
+
 def _categories(profile) -> list[str]:
     present = {c for r in profile.values() for c in r["gpu_ms"]}
     return [c for c in CATEGORIES if c in present] + sorted(present - set(CATEGORIES))
@@ -205,7 +214,7 @@ def _profile_figure(out: Output, profile, file_name: str = "leaderboard_2026_pro
     width = 0.8 / len(profile)
     for i, (name, r) in enumerate(profile.items()):
         xs = [x + (i - (len(profile) - 1) / 2) * width for x in range(len(categories))]
-        values = [r["gpu_ms"].get(c, 0.0) for c in categories]
+        values = [gpu(r, c) for c in categories]
         bars = ax.bar(xs, values, width, label=f"{name} (step {r['wall_ms']:,.0f} ms)")
         ax.bar_label(bars, [f"{v:.0f}" if v >= 1 else "" for v in values], fontsize=5.5, padding=1)
     ax.set_xticks(range(len(categories)))
@@ -248,9 +257,6 @@ def leaderboard_2026(res, out: Output) -> dict[str, Any]:
     p_ours, p_torch = profile["ours"], profile["pytorch"]
     variants = {name: r for name, r in profile.items() if r.get("parts")}
     sdpa = next((r for r in variants.values() if r["stack"] == "ours" and r["parts"] == ["attention=sdpa"]), None)
-
-    def gpu(r, category):
-        return r["gpu_ms"].get(category, 0.0)
 
     bwd_gap = gpu(p_ours, "attention_backward") - gpu(p_torch, "attention_backward")
     wall_gap = p_ours["wall_ms"] - p_torch["wall_ms"]
@@ -345,9 +351,6 @@ def _proxy_numbers(proxy, profile) -> dict[str, Any]:
     ours, torch = proxy["ours"], proxy["pytorch"]
     p_ours, p_torch = profile["ours"], profile["pytorch"]
     ratio = ours["step_ms"] / torch["step_ms"]
-
-    def gpu(r, category):
-        return r["gpu_ms"].get(category, 0.0)
 
     def variant(parts):
         return next((r for r in profile.values() if r["stack"] == "ours" and r.get("parts") == parts), None)
