@@ -3,6 +3,7 @@ the CPU, our stack under the Triton interpreter (subprocess), and both stacks on
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
 
@@ -11,6 +12,7 @@ import torch
 
 from cs336_systems.bench.common.lm import LMConfig, build_model, random_batch
 from cs336_systems.train import STACKS, Parts, build_training_step
+from cs336_systems.train.step import chunked_loss, plain_loss
 from tests._flash_checks import run_under_interpreter
 from tests._markers import needs_interpreter_numpy
 
@@ -77,6 +79,26 @@ def test_torch_stack_steps_and_phases_on_cpu():
     assert all(not torch.equal(before[name], p) for name, p in model.named_parameters())
     assert all(p.grad is None for p in model.parameters())
     assert step(x, y).item() < first.item()  # the same batch again: the loss went down
+
+
+@pytest.mark.parametrize("chunk_tokens", [1, 7, 64])
+def test_chunked_loss_matches_the_plain_loss_and_its_gradients(chunk_tokens):
+    """float64, 2 x 13 tokens: chunks that divide the tokens unevenly (7), one token each, and one chunk; some
+    targets ignored (-100), so the mean is over the others as F.cross_entropy's."""
+    generator = torch.Generator().manual_seed(chunk_tokens)
+    hidden = torch.randn(2, 13, 8, dtype=torch.float64, generator=generator)
+    head = torch.nn.Linear(8, 11, bias=False, dtype=torch.float64)
+    targets = torch.randint(0, 11, (2, 13), generator=generator)
+    targets[0, 3] = targets[1, 12] = -100
+    grads = {}
+    for name, loss_head in (("plain", plain_loss), ("chunked", functools.partial(chunked_loss, chunk_tokens=chunk_tokens))):
+        hidden_in = hidden.clone().requires_grad_()
+        head.zero_grad()
+        loss = loss_head(hidden_in, head, targets)
+        loss.backward()
+        grads[name] = (loss.detach(), hidden_in.grad, head.weight.grad.clone())
+    for plain, chunked in zip(grads["plain"], grads["chunked"]):
+        torch.testing.assert_close(chunked, plain, rtol=1e-12, atol=1e-12)
 
 
 @needs_interpreter_numpy

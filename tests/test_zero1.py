@@ -19,7 +19,7 @@ from torch import nn
 
 from cs336_systems.parallel.distributed import spawn
 from cs336_systems.parallel.zero1 import FlatShardedOptimizer
-from tests._ddp_toy_models import assert_same_tensors
+from tests._ddp_toy_models import assert_same_tensors, current_device
 from tests.test_sharded_optimizer import assert_same_state_dicts, hyperparameters, resumed_from
 
 STEPS = 8
@@ -63,7 +63,9 @@ def late_group(model: AwkwardNet) -> dict:
 
 def rank_batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randn(ROWS_PER_RANK, 7, generator=generator), torch.randn(ROWS_PER_RANK, 5, generator=generator)
+    device = torch.get_default_device()  # the rank's GPU under NCCL (run_checks)
+    return (torch.randn(ROWS_PER_RANK, 7, generator=generator, device="cpu").to(device),
+            torch.randn(ROWS_PER_RANK, 5, generator=generator, device="cpu").to(device))
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch, set_to_none_by_model: bool = False) -> None:
@@ -145,12 +147,19 @@ def check_matches_plain_adamw(rank: int, world_size: int) -> None:
 
 def run_checks(rank: int, world_size: int) -> None:
     torch.set_num_threads(1)
+    torch.set_default_device(current_device())  # models, batches and counts on the rank's GPU under NCCL
     check_matches_plain_adamw(rank, world_size)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_flat_sharded_optimizer_matches_plain_adamw_on_gloo(world_size):
     spawn(run_checks, world_size, backend="gloo", timeout_s=180)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_flat_sharded_optimizer_with_nccl():
+    spawn(run_checks, 2, backend="nccl", timeout_s=300)
 
 
 def test_flat_sharded_optimizer_without_process_group_is_one_rank():

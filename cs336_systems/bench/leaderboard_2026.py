@@ -13,8 +13,9 @@ its own freshly spawned ranks:
   its attention output and log-sum-exp (selective checkpointing: backward recomputes the rest of the block, never
   the attention);
 * ``torch`` (rows: ``pytorch``): FSDP2 ``fully_shard`` per block and root (bf16 parameters in compute, fp32 reductions, fp32
-  masters), SDPA, every block checkpointed and compiled, ``F.cross_entropy`` on the full logits,
-  ``torch.optim.AdamW(fused=True)``.
+  masters), SDPA, every block checkpointed and compiled, the LM head and ``F.cross_entropy`` over chunks of
+  4,096 tokens, each recomputed in backward (the full logits, 40 GB with their softmax and gradient, do not fit
+  an 80 GB H100 beside the rest), ``torch.optim.AdamW(fused=True)``.
 
 Both build the same model from the same seed. By default each stack gets fresh, empty Triton and Inductor
 caches (``--warm`` keeps the usual ones), so ``first_step_s`` (the first step, compilation included) and ``cold_total_s``

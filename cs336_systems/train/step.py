@@ -7,7 +7,7 @@ chosen by name in :class:`Parts`, so that the two stacks the benchmarks race dif
 |---|---|
 | ``attention`` | any :func:`cs336_systems.attention.get_attention` name: ``triton`` (our operator), ``sdpa``, ``naive`` |
 | ``rmsnorm`` | ``plain`` (``cs336_basics``) or ``fused`` (our Triton kernel, writing the autocast dtype) |
-| ``loss`` | ``plain``: the LM head, then ``F.cross_entropy`` on the full logits; ``fused``: our LM head + cross-entropy, chunked over tokens, which never holds the logits |
+| ``loss`` | ``plain``: the LM head, then ``F.cross_entropy`` on the full logits; ``chunked``: the same PyTorch operations over chunks of tokens, each recomputed in backward (``torch.utils.checkpoint``), so one chunk's logits exist at a time; ``fused``: our LM head + cross-entropy, chunked over tokens, which never holds the logits |
 | ``optimizer`` | ``basics`` (``cs336_basics`` AdamW, a Python loop), ``torch_fused`` / ``torch_foreach`` (``torch.optim.AdamW(fused=True)`` / ``foreach=True``) or ``fused`` (our Triton AdamW) |
 | ``compile`` | ``none``, ``blocks`` (``torch.compile`` of each Transformer block and, unsharded, of the loss head: compiles one block's graph once, whatever the depth; see :func:`compile_block`) or ``model`` (the whole forward and loss as one graph) |
 | ``checkpointing`` | activation checkpointing group size (0: off; see ``BasicsTransformerLM.set_activation_checkpointing``) |
@@ -22,7 +22,7 @@ and cross-entropy compiled, ``torch.optim.AdamW(fused=True)``). Every stack trai
 input/output behaviour and the AdamW hyper-parameters are the same. :data:`SHARDED_STACKS` names the two stacks
 of the 2026 leaderboard step (one sequence per GPU, every block checkpointed): ``ours`` (our FSDP, compiled
 blocks, attention operator with its outputs kept, fused RMSNorm, fused cross-entropy, fused AdamW on the shards) and ``torch``
-(FSDP2, SDPA, compiled blocks, ``F.cross_entropy`` on the full logits, ``torch.optim.AdamW(fused=True)``).
+(FSDP2, SDPA, compiled blocks, ``F.cross_entropy`` over checkpointed chunks of tokens, ``torch.optim.AdamW(fused=True)``).
 
     step = build_training_step(model, STACKS["ours"])
     loss = step(token_ids, targets)                     # one full training step
@@ -39,7 +39,8 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 import torch.nn.functional as F
-from jaxtyping import Int
+import torch.utils.checkpoint
+from jaxtyping import Float, Int
 from torch import Tensor, nn
 
 from cs336_basics.model import BasicsTransformerLM, Linear
@@ -48,6 +49,8 @@ from cs336_systems.attention import ATTENTION_NAMES, get_attention
 
 ADAMW_HYPERPARAMETERS = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 COMPILE_MODES = ("none", "blocks", "model")
+LOSSES = ("plain", "chunked", "fused")
+LOSS_CHUNK_TOKENS = 4096  # the ``chunked`` loss: 4,096 tokens of a 151,936-word head are 1.2 GB of bf16 logits
 OPTIMIZERS = ("basics", "torch_fused", "torch_foreach", "fused")
 SHARDINGS = ("none", "ours", "fsdp2")
 WEIGHTS = ("fp32", "bf16")
@@ -70,7 +73,7 @@ class Parts:
 
     def __post_init__(self):
         for name, value, allowed in (("attention", self.attention, ATTENTION_NAMES),
-                                     ("rmsnorm", self.rmsnorm, ("plain", "fused")), ("loss", self.loss, ("plain", "fused")),
+                                     ("rmsnorm", self.rmsnorm, ("plain", "fused")), ("loss", self.loss, LOSSES),
                                      ("optimizer", self.optimizer, OPTIMIZERS), ("compile", self.compile, COMPILE_MODES),
                                      ("sharding", self.sharding, SHARDINGS)):
             if value not in allowed:
@@ -125,7 +128,7 @@ STACKS: dict[str, Parts] = {
 SHARDED_STACKS: dict[str, Parts] = {
     "ours": Parts(attention="triton", rmsnorm="fused", loss="fused", optimizer="fused", compile="blocks",
                   checkpointing=1, keep_attention=True, sharding="ours"),
-    "torch": Parts(attention="sdpa", rmsnorm="plain", loss="plain", optimizer="torch_fused", compile="blocks",
+    "torch": Parts(attention="sdpa", rmsnorm="plain", loss="chunked", optimizer="torch_fused", compile="blocks",
                      checkpointing=1, sharding="fsdp2"),
 }
 
@@ -151,11 +154,30 @@ def plain_loss(hidden: Tensor, lm_head: nn.Module, targets: Int[Tensor, "..."]) 
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
+def chunked_loss(hidden: Float[Tensor, "... d_model"], lm_head: nn.Module, targets: Int[Tensor, "..."],
+                 chunk_tokens: int = LOSS_CHUNK_TOKENS) -> Tensor:
+    """The mean cross-entropy of :func:`plain_loss` in PyTorch operations, summed over chunks of ``chunk_tokens``
+    tokens, each chunk's head and loss recomputed in backward: one chunk's logits, softmax and gradients exist at
+    a time instead of the whole batch's (40 GB at one sequence of 32,768 tokens and a 151,936-word head), for one
+    more head matmul."""
+    hidden, targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+
+    def chunk_loss_sum(hidden_chunk: Tensor, target_chunk: Tensor) -> Tensor:
+        return F.cross_entropy(lm_head(hidden_chunk), target_chunk, reduction="sum")
+
+    total = sum(torch.utils.checkpoint.checkpoint(chunk_loss_sum, h, t, use_reentrant=False)
+                for h, t in zip(hidden.split(chunk_tokens), targets.split(chunk_tokens)))
+    return total / (targets != -100).sum()  # F.cross_entropy's mean: over the targets it does not ignore
+
+
 def fused_loss(hidden: Tensor, lm_head: nn.Module, targets: Int[Tensor, "..."]) -> Tensor:
     """The same loss through our fused LM head + cross-entropy (chunked; the logits are never held)."""
     from cs336_systems.kernels.cross_entropy import fused_linear_cross_entropy
 
     return fused_linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), lm_head.weight, targets.reshape(-1))
+
+
+LOSS_HEADS: dict[str, Callable] = {"plain": plain_loss, "chunked": chunked_loss, "fused": fused_loss}
 
 
 @functools.cache
@@ -271,7 +293,7 @@ class TrainingStep:
         self.autocast_dtype = None if sharded else autocast_dtype
         if parts.weights == "bf16":
             hold_linear_weights_in_bf16(model, self.autocast_dtype)
-        head = fused_loss if parts.loss == "fused" else plain_loss
+        head = LOSS_HEADS[parts.loss]
         if parts.compile == "blocks" and not sharded:
             head = torch.compile(head)  # the blocks are compiled modules (below); the loss head is one more graph
         self.net = shard(LanguageModelLoss(model, head), parts.sharding, autocast_dtype)

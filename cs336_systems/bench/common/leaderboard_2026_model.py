@@ -4,6 +4,7 @@ of one step by part, and the memory a rank is predicted to hold. Read by the too
 from __future__ import annotations
 
 from cs336_systems.bench.common import flops
+from cs336_systems.train.step import LOSS_CHUNK_TOKENS, SHARDED_STACKS
 
 MODEL = dict(vocab_size=151_936, context_length=32_768, d_model=4096, d_ff=11_008, num_layers=34, num_heads=32)
 TINY = dict(vocab_size=300, context_length=64, d_model=64, d_ff=128, num_layers=2, num_heads=4)
@@ -35,8 +36,9 @@ def memory_budget(config: dict[str, int], stack: str, world_size: int, per_rank_
     Always held: the rank's fp32 master shard and AdamW's two fp32 moments. Held from forward to the block's
     backward: the activations checkpointing keeps (each block's bf16 input, and for ``ours`` its attention
     output). Built up during backward while those drain: the fp32 gradient shard (``zero_grad`` frees it after
-    the step). Transients: the loss head at the start of backward (``pytorch``: the full bf16 logits, their fp32
-    softmax and bf16 gradient; ``ours``: the gathered bf16 head and its fp32 gradient) and one block's
+    the step). Transients: the loss head at the start of backward (by the stack's ``loss`` part: ``plain``, the
+    full bf16 logits, their fp32 softmax and bf16 gradient; ``chunked``, the same for one chunk of tokens;
+    ``fused``, the gathered bf16 head and its fp32 gradient) and one block's
     recomputation (q, k, v, attention output, the MLP's three d_ff-wide tensors and their gradients, two gathered
     bf16 blocks). ``peak_gb``: the larger of the start of backward (all activations and the larger transient)
     and its end (all gradients and a block's recomputation)."""
@@ -47,7 +49,11 @@ def memory_budget(config: dict[str, int], stack: str, world_size: int, per_rank_
     kept_per_block = tokens * d * 2 * (2 if stack == "ours" else 1)
     block_weights = 4 * d * d + 3 * d * d_ff
     recompute = tokens * (6 * d + 3 * d_ff) * 2 * 2 + 2 * block_weights * 2
-    head = tokens * vocab * (2 + 4 + 2) if stack == "torch" else 2 * vocab * d * 2 + 4 * vocab * d
+    loss = SHARDED_STACKS[stack].loss
+    if loss == "fused":
+        head = 2 * vocab * d * 2 + 4 * vocab * d
+    else:  # the logits of every token (plain) or of one chunk (chunked)
+        head = min(tokens, tokens if loss == "plain" else LOSS_CHUNK_TOKENS) * vocab * (2 + 4 + 2)
     budget = {
         "params_gb": 4 * shard / GB,
         "optimizer_state_gb": 8 * shard / GB,

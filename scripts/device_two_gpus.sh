@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Issue 30's runs on a machine with 2 GPUs (python3 with torch and triton), one part per call, each command under
+# what is left of $DEADLINE_S (default 560 s), into $OUT: part.log (everything printed) and results.tar (the rows).
+#   PART=tests bash scripts/device_two_gpus.sh      # the NCCL tests, leaderboard_2026 --check (what its 2-GPU test
+#                                                   # runs, here with its table), the sharded optimizers
+#   PART=official bash scripts/device_two_gpus.sh   # the 8B step under the official protocol, then its profile
+#   PART=ddp bash scripts/device_two_gpus.sh        # every DDP variant (fp32, bf16) and the independent ratio check
+# Rows go where the tools put them on a GPU, writeup/results, beside the committed ones (a stack's ratio finds the
+# other's row; cases measured on this device are skipped, so a cut-off part resumes next call).
+set -uo pipefail
+source "$(dirname "$0")/device_env.sh"
+deadline=$(( $(date +%s) + ${DEADLINE_S:-560} ))
+log="$OUT/part.log"
+
+capped() {  # capped SECONDS command...: at most SECONDS, and never past the deadline
+    local left=$(( deadline - $(date +%s) ))
+    local cap=$(( $1 < left ? $1 : left ))
+    shift
+    if (( cap < 10 )); then echo "# deadline reached: skipping $*" | tee -a "$log"; return; fi
+    echo "# $(date -u +%H:%M:%S) (at most ${cap}s) $*" | tee -a "$log"
+    timeout --signal=INT --kill-after=15 "$cap" "$@" 2>&1 | grep --line-buffered -v 'it/s\]\|s/it\]' | tee -a "$log"
+}
+
+{
+    date -u +%Y-%m-%dT%H:%M:%SZ
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    nvidia-smi topo -m
+    python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "gpus", torch.cuda.device_count())'
+} 2>&1 | tee -a "$log"
+
+case "${PART:-tests}" in
+tests)
+    capped 260 python3 -m pytest -q -p no:cacheprovider -m gpu -k "nccl or compiled_blocks" \
+        tests/test_ddp.py tests/test_fsdp.py tests/test_sharded_optimizer.py tests/test_zero1.py \
+        tests/test_leaderboard_2026.py
+    capped 150 python3 -m cs336_systems.bench.leaderboard_2026 --check
+    for dtype in fp32 bf16; do
+        capped 200 python3 -m cs336_systems.bench.optimizer_state_sharding_accounting \
+            --dtype "$dtype" --optimizers adamw sharded zero_redundancy zero1_flat
+    done
+    ;;
+official)
+    capped 420 python3 -m cs336_systems.bench.leaderboard_2026
+    capped 200 python3 scripts/leaderboard_2026_profile.py --world-size 2 --layers 4 --stacks ours torch --top 12
+    ;;
+ddp)
+    capped 250 python3 -m cs336_systems.bench.ddp_benchmarking --dtypes bf16
+    capped 100 python3 scripts/ddp_ratio_check.py --dtype bf16 --bucket-mb 100
+    capped 250 python3 -m cs336_systems.bench.ddp_benchmarking --dtypes fp32
+    ;;
+*)
+    echo "unknown PART ${PART}: tests, official or ddp" >&2
+    exit 2
+    ;;
+esac
+tar -cf "$OUT/results.tar" writeup/results/*.jsonl
