@@ -5,6 +5,7 @@
 #                                                   # runs, here with its table), the sharded optimizers
 #   PART=official bash scripts/device_two_gpus.sh   # the 8B step under the official protocol, then its profile
 #   PART=ddp bash scripts/device_two_gpus.sh        # every DDP variant (fp32, bf16) and the independent ratio check
+#   PART="official zero1" bash scripts/device_two_gpus.sh   # parts one after another
 # Rows go where the tools put them on a GPU, writeup/results, beside the committed ones (a stack's ratio finds the
 # other's row; cases measured on this device are skipped, so a cut-off part resumes next call).
 set -uo pipefail
@@ -28,7 +29,8 @@ capped() {  # capped SECONDS command...: at most SECONDS, and never past the dea
     python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "gpus", torch.cuda.device_count())'
 } 2>&1 | tee -a "$log"
 
-case "${PART:-tests}" in
+for part in ${PART:-tests}; do
+case "$part" in
 tests)
     capped 260 python3 -m pytest -q -p no:cacheprovider -m gpu -k "nccl or compiled_blocks" \
         tests/test_ddp.py tests/test_fsdp.py tests/test_sharded_optimizer.py tests/test_zero1.py \
@@ -43,14 +45,21 @@ official)
     capped 420 python3 -m cs336_systems.bench.leaderboard_2026
     capped 200 python3 scripts/leaderboard_2026_profile.py --world-size 2 --layers 4 --stacks ours torch --top 12
     ;;
+zero1)  # the flat ZeRO-1 again (--force), e.g. after a change to it
+    for dtype in fp32 bf16; do
+        capped 100 python3 -m cs336_systems.bench.optimizer_state_sharding_accounting --force \
+            --dtype "$dtype" --optimizers zero1_flat
+    done
+    ;;
 ddp)
     capped 250 python3 -m cs336_systems.bench.ddp_benchmarking --dtypes bf16
     capped 100 python3 scripts/ddp_ratio_check.py --dtype bf16 --bucket-mb 100
     capped 250 python3 -m cs336_systems.bench.ddp_benchmarking --dtypes fp32
     ;;
 *)
-    echo "unknown PART ${PART}: tests, official or ddp" >&2
+    echo "unknown part ${part}: tests, official, zero1 or ddp" >&2
     exit 2
     ;;
 esac
+done
 tar -cf "$OUT/results.tar" writeup/results/*.jsonl

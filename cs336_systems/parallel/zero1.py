@@ -5,8 +5,8 @@ padded to a multiple of the world size W; their gradients become views into a fl
 the same layout. Rank r owns the contiguous slice ``[r * S, (r + 1) * S)`` of every buffer (S = padded
 length / W). A step is three moves (the ZeRO-1 of Rajbhandari et al., 2020):
 
-1. ``reduce_scatter_tensor`` of the flat gradients: rank r receives the sum of its slice over the
-   ranks, divided by W (the average, as DDP computes it);
+1. ``reduce_scatter_tensor`` of the flat gradients, in place: rank r's slice of its flat gradients
+   receives the sum of that slice over the ranks, divided by W (the average, as DDP computes it);
 2. the inner optimizer steps rank r's slice as one float32 parameter, so its state is 1/W of the model's;
 3. ``all_gather_into_tensor`` of the updated slices back into the flat parameter buffer, on every rank.
 
@@ -35,6 +35,8 @@ Design choices:
   A ``.grad`` replaced or set to None behind the optimizer's back (``model.zero_grad()``) is copied into
   (or zeroes) its slice at the next step, which then points ``.grad`` back at the slice.
   :meth:`zero_grad` zeroes the flat gradients in place whatever ``set_to_none`` says.
+  After a step, this rank's slice of the gradients holds the averaged gradient (the reduce-scatter's output)
+  and the rest this rank's own gradient.
 * One flat buffer per param group and (dtype, device) in it, so each inner shard belongs to one group and
   keeps that group's hyper-parameters; a model with one group and one dtype has one buffer, hence one
   reduce-scatter and one all-gather per step.
@@ -83,7 +85,7 @@ class FlatBucket:
     offsets: list[int]  # where each parameter starts in the flat buffers
     flat_param: torch.Tensor  # (padded,)
     flat_grad: torch.Tensor  # (padded,): the parameters' .grad are views into it
-    grad_shard: torch.Tensor  # (shard,): the reduce-scatter's output, already averaged
+    grad_shard: torch.Tensor  # (shard,): this rank's slice of flat_grad, the reduce-scatter's output (averaged)
     master: torch.Tensor  # (shard,) float32: what the inner optimizer steps
     start: int  # this rank's slice: flat[start:start + shard]
 
@@ -179,8 +181,9 @@ class FlatShardedOptimizer(Optimizer):
         start = self.rank * shard
         local = flat_param[start : start + shard]
         master = local if dtype == torch.float32 else local.float()
-        # With one rank the reduced gradient is the flat gradient itself.
-        grad_shard = flat_grad if self.world_size == 1 else torch.empty(shard, dtype=dtype, device=device)
+        # The reduce-scatter runs in place: this rank's slice of the flat gradients receives the reduced slice
+        # (NCCL's in-place form, output = input + rank * shard), so no shard-sized buffer is held.
+        grad_shard = flat_grad[start : start + shard]
         return FlatBucket(params, offsets, flat_param, flat_grad, grad_shard, master, start)
 
     def _all_buckets(self) -> list[FlatBucket]:
