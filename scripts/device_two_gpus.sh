@@ -45,7 +45,8 @@ official)
     capped 420 python3 -m cs336_systems.bench.leaderboard_2026
     capped 200 python3 scripts/leaderboard_2026_profile.py --world-size 2 --layers 4 --stacks ours torch --top 12
     ;;
-zero1)  # the flat ZeRO-1 again (--force), e.g. after a change to it
+zero1)  # the flat ZeRO-1 again (its NCCL test, rows with --force), e.g. after a change to it
+    capped 90 python3 -m pytest -q -p no:cacheprovider -m gpu -k nccl tests/test_zero1.py
     for dtype in fp32 bf16; do
         capped 100 python3 -m cs336_systems.bench.optimizer_state_sharding_accounting --force \
             --dtype "$dtype" --optimizers zero1_flat
