@@ -5,7 +5,7 @@
 #                                                   # runs, here with its table), the sharded optimizers
 #   PART=official bash scripts/device_two_gpus.sh   # the 8B step under the official protocol, then its profile
 #   PART=ddp bash scripts/device_two_gpus.sh        # every DDP variant (fp32, bf16) and the independent ratio check
-#   PART="official zero1" bash scripts/device_two_gpus.sh   # parts one after another
+#   PART="ddp optimizers" STEPS=20 bash scripts/device_two_gpus.sh   # parts one after another (also: zero1)
 # Rows go where the tools put them on a GPU, writeup/results, beside the committed ones (a stack's ratio finds the
 # other's row; cases measured on this device are skipped, so a cut-off part resumes next call).
 set -uo pipefail
@@ -52,10 +52,16 @@ zero1)  # the flat ZeRO-1 again (its NCCL test, rows with --force), e.g. after a
             --dtype "$dtype" --optimizers zero1_flat
     done
     ;;
-ddp)
-    capped 250 python3 -m cs336_systems.bench.ddp_benchmarking --dtypes bf16
+optimizers)  # the four sharded-optimizer variants again in $DTYPES (--force), over $STEPS timed steps
+    for dtype in ${DTYPES:-bf16}; do
+        capped 150 python3 -m cs336_systems.bench.optimizer_state_sharding_accounting --force --steps "${STEPS:-20}" \
+            --dtype "$dtype" --optimizers adamw sharded zero_redundancy zero1_flat
+    done
+    ;;
+ddp)  # bf16 first, over $STEPS timed steps (bf16 steps vary by 10-20 % between launches)
+    capped 250 python3 -m cs336_systems.bench.ddp_benchmarking --dtypes bf16 --steps "${STEPS:-10}"
     capped 100 python3 scripts/ddp_ratio_check.py --dtype bf16 --bucket-mb 100
-    capped 250 python3 -m cs336_systems.bench.ddp_benchmarking --dtypes fp32
+    capped 250 python3 -m cs336_systems.bench.ddp_benchmarking --dtypes fp32 --steps "${STEPS:-10}"
     ;;
 *)
     echo "unknown part ${part}: tests, official, zero1 or ddp" >&2
