@@ -175,6 +175,40 @@ def test_a_missing_results_file_fails_naming_it(tmp_path, fixture_results, capsy
     assert "missing" not in data["sections"]["benchmarking_script"]
 
 
+def test_newer_official_leaderboard_2026_rows_on_other_gpus_take_over(tmp_path):
+    """A newer official pair on 2 H100s (ours compiled, PyTorch's loss chunked) and its profile: the section shows
+    them, the H200 pair as the earlier rows, the memory budget of the rows' own loss parts, and only the profile
+    variants of the H100s (so no SDPA variant)."""
+    results = tmp_path / "results"
+    write_fixture(results, tmp_path / "row-figures")
+    rows = [json.loads(line) for line in (results / "leaderboard_2026.jsonl").read_text().splitlines()]
+    official = [r for r in rows if r.get("official")]
+    gpu = "2x NVIDIA H100 80GB HBM3"
+    newer = []
+    for r, step_ms, loss in ((official[0], 5800.0, "fused"), (official[1], 6200.0, "chunked")):
+        parts = {**r["parts"], "compile": "blocks", "loss": loss}
+        env = {**r["env"], "device": gpu, "date": "2026-11-25T17:00:00Z", "commit": "fedcba9"}
+        newer.append({**r, "run": "20261125T170000Z-" + r["stack"], "step_ms": step_ms, "parts": parts,
+                      "device": gpu, "env": env})
+    with (results / "leaderboard_2026.jsonl").open("a") as f:
+        f.writelines(json.dumps(r) + "\n" for r in newer)
+    profile = [json.loads(line) for line in (results / "leaderboard_2026_profile.jsonl").read_text().splitlines()]
+    stacks = [r for r in profile if r["device"] == "2x NVIDIA H200" and not r["parts"]]
+    with (results / "leaderboard_2026_profile.jsonl").open("a") as f:
+        f.writelines(json.dumps({**r, "device": gpu, "date": "2026-11-25", "wall_ms": r["wall_ms"] - 200 * (
+            r["stack"] == "ours")}) + "\n" for r in stacks)
+
+    assert run_build(tmp_path, results) == 0
+    lb = json.loads((tmp_path / "build" / "generated" / "data.json").read_text())["sections"]["leaderboard_2026"]
+    n = lb["n"]
+    assert (n["device"], n["ratio"], n["ours_compiled"], n["torch_loss_chunked"]) == (gpu, "0.94×", True, True)
+    assert (n["has_earlier"], n["earlier_device"], n["earlier_ratio"]) == (True, "2x NVIDIA H200", "1.25×")
+    memory = {r[0]: r[1:] for r in lb["tables"]["memory"]["rows"]}
+    assert memory["loss head (transient)"] == ["5.0", "5.0"]
+    assert lb["tables"]["profile"]["header"][0] == ["GPU ms", "ours", "pytorch"] and not n["has_sdpa"]
+    assert (n["p_ours_faster"], n["p_wall_lead"]) == (True, "80")  # 1,000 - 200 against 880 ms
+
+
 def test_the_optimisation_log_and_the_probe_history_each_build_alone(tmp_path):
     results = tmp_path / "results"
     write_fixture(results, tmp_path / "row-figures")

@@ -30,8 +30,10 @@ def step_flops(config: dict[str, int], batch: int) -> float:
     return sum(step_flop_parts(config, batch).values())
 
 
-def memory_budget(config: dict[str, int], stack: str, world_size: int, per_rank_batch: int = 1) -> dict[str, float]:
-    """Predicted GB per rank of what the step holds, and its peak.
+def memory_budget(config: dict[str, int], stack: str, world_size: int, per_rank_batch: int = 1,
+                  loss: str | None = None) -> dict[str, float]:
+    """Predicted GB per rank of what the step holds, and its peak (``loss``: the loss part, by default the
+    stack's in ``SHARDED_STACKS``).
 
     Always held: the rank's fp32 master shard and AdamW's two fp32 moments. Held from forward to the block's
     backward: the activations checkpointing keeps (each block's bf16 input, and for ``ours`` its attention
@@ -49,7 +51,7 @@ def memory_budget(config: dict[str, int], stack: str, world_size: int, per_rank_
     kept_per_block = tokens * d * 2 * (2 if stack == "ours" else 1)
     block_weights = 4 * d * d + 3 * d * d_ff
     recompute = tokens * (6 * d + 3 * d_ff) * 2 * 2 + 2 * block_weights * 2
-    loss = SHARDED_STACKS[stack].loss
+    loss = loss or SHARDED_STACKS[stack].loss
     if loss == "fused":
         head = 2 * vocab * d * 2 + 4 * vocab * d
     else:  # the logits of every token (plain) or of one chunk (chunked)

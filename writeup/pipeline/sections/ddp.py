@@ -392,6 +392,7 @@ def ddp_bucketed_benchmarking(res, out: Output) -> dict[str, Any]:
         }
 
     smallest = series[DTYPE_ORDER[0]][0]
+    elsewhere = bf16_pair_elsewhere(res, rows[0]["device"])
     n = {
         **{d: dtype_numbers(d) for d in DTYPE_ORDER}, **local_spread(rows),
         "check_mb": f"{RATIO_CHECK['bucket_mb']:g}", "check_where": RATIO_CHECK["where"],
@@ -402,7 +403,29 @@ def ddp_bucketed_benchmarking(res, out: Output) -> dict[str, Any]:
         "small_mb": f"{smallest['bucket_size_mb']:g}", "small_calls": str(smallest["n_buckets"]),
         "small_naive": num(grad_bytes / (smallest["bucket_size_mb"] * 2**20), 0),
     }
+    n["elsewhere"] = elsewhere or {}
+    n["has_elsewhere"] = elsewhere is not None
     return {"tables": {"main": tab, "model": model_table}, "figures": {"main": figure}, "n": n}
+
+
+def bf16_pair_elsewhere(res, device: str) -> dict[str, str] | None:
+    """The newest bf16 rows of PyTorch's DDP and our bucketed DDP (100 MiB) on another device than ``device``
+    (a re-measurement on other GPUs, e.g. 2 H100s beside the section's 2 H200s), or None."""
+    rows = [r for r in res.log_rows("ddp_benchmarking", measured=lambda row: False)
+            if r.get("device") != device and r.get("dtype") == "bf16" and r.get("variant") in ELSEWHERE_VARIANTS]
+    newest = {r["variant"]: r for r in sorted(rows, key=lambda r: r["run"])}
+    if set(newest) != set(ELSEWHERE_VARIANTS) or len({r["device"] for r in newest.values()}) != 1:
+        return None
+    res.used.extend(newest.values())
+    ours, torch = newest["bucketed_100mb"], newest["torch_ddp"]
+    return {"device": ours["device"], "date": str(ours["env"]["date"])[:10], "steps": str(ours.get("steps")),
+            "ours_ms": num(ours["step_ms"]), "ours_local": num(ours["compute_ms"]),
+            "ours_share": pct(ours["exposed_ms"] / ours["step_ms"]), "torch_ms": num(torch["step_ms"]),
+            "torch_local": num(torch["compute_ms"]), "torch_share": pct(torch["exposed_ms"] / torch["step_ms"]),
+            "ratio": times(ours["step_ms"] / torch["step_ms"], 3)}
+
+
+ELSEWHERE_VARIANTS = ("torch_ddp", "bucketed_100mb")
 
 
 # -----------------------------------------------------------------------------------------------

@@ -9,8 +9,9 @@ from collections.abc import Callable
 from typing import Any
 
 from cs336_systems.bench.common.leaderboard_2026_model import (
-    MODEL, STACK_OF_ROW, memory_budget, step_flop_parts, step_flops,
+    GB, MODEL, STACK_OF_ROW, memory_budget, step_flop_parts, step_flops,
 )
+from cs336_systems.train.step import LOSS_CHUNK_TOKENS
 from pipeline import accounting, figures
 from pipeline.markup import DASH, num, pct, sig, table, times
 from pipeline.results import Missing
@@ -33,6 +34,7 @@ LB_PART_NAMES = {
     ("keep_attention", False): "no: backward recomputes the whole block",
     ("sharding", "ours"): "our FSDP by blocks",
     ("sharding", "fsdp2"): "FSDP2 fully_shard per block",
+    ("loss", "chunked"): f"LM head, F.cross_entropy, over checkpointed chunks of {LOSS_CHUNK_TOKENS:,} tokens",
 }
 
 # The GPU-time categories of the profile (scripts/leaderboard_2026_profile.py), in the order the writeup shows them.
@@ -52,16 +54,18 @@ BUDGET = [("params_gb", "fp32 master parameters (shard)"), ("optimizer_state_gb"
 
 
 def load_steps(res) -> dict[str, dict[str, Any]]:
-    """The official rows (``official``: the course's do_bench timing) of ``leaderboard_2026.jsonl``, by stack."""
-    rows = res.rows("leaderboard_2026", keep=lambda rows: [r for r in rows if r.get("official")
-                                                          and r.get("stack") in STACKS])
-    latest: dict[str, dict[str, Any]] = {}
-    for r in rows:
-        if r["stack"] not in latest or r["env"]["date"] >= latest[r["stack"]]["env"]["date"]:
-            latest[r["stack"]] = r
-    if set(latest) != set(STACKS):
-        raise Missing("writeup/results/leaderboard_2026.jsonl", "no official row of each stack")
+    """The newest official rows (``official``: the course's do_bench timing) of both stacks from one invocation
+    (same commit) in ``leaderboard_2026.jsonl``, by stack."""
+    latest = _newest_of_both_stacks(res, lambda r: r.get("official"))
+    if latest is None:
+        raise Missing("writeup/results/leaderboard_2026.jsonl", "no official row of each stack from one commit")
     return latest
+
+
+def load_earlier_official(res, steps: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]] | None:
+    """The newest official pair measured on another device than ``steps`` (the rows before them), or None."""
+    device = steps["ours"]["device"]
+    return _newest_of_both_stacks(res, lambda r: r.get("official") and r.get("device") != device)
 
 
 def load_later_trial(res, steps: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]] | None:
@@ -107,8 +111,12 @@ def load_profile(res, world_size: int) -> dict[str, dict[str, Any]]:
     """The latest profiled step of each variant (stack and overrides) on ``world_size`` GPUs in
     ``leaderboard_2026_profile.jsonl`` (rows without ``world_size`` are of 2): the two stacks as defined first, then
     the variants."""
-    rows = res.rows("leaderboard_2026_profile", one_device=False,
-                    keep=lambda rows: [r for r in _with_env(rows) if r.get("world_size", 2) == world_size])
+    rows = [r for r in _with_env(res.log_rows("leaderboard_2026_profile", measured=lambda row: False))
+            if r.get("world_size", 2) == world_size]
+    stacks = [r for r in rows if r["stack"] in STACKS and not r.get("parts")]
+    if stacks:  # the device of the newest profile of a stack as defined: the variants profiled there
+        device = max(stacks, key=lambda r: r.get("date", ""))["device"]
+        rows = [r for r in rows if r["device"] == device]
     latest: dict[str, dict[str, Any]] = {}
     for r in rows:
         name = variant_name(r)
@@ -117,6 +125,7 @@ def load_profile(res, world_size: int) -> dict[str, dict[str, Any]]:
     if not all(stack in latest for stack in STACKS):
         raise Missing("writeup/results/leaderboard_2026_profile.jsonl",
                       f"no profiled step of each stack on {world_size} GPU(s)")
+    res.used.extend(latest.values())
     return dict(sorted(latest.items(), key=lambda item: (bool(item[1].get("parts")), STACKS.index(item[1]["stack"])
                                                          if item[1]["stack"] in STACKS else len(STACKS), item[0])))
 
@@ -250,7 +259,8 @@ def leaderboard_2026(res, out: Output) -> dict[str, Any]:
         raise ValueError(f"the row's flops {ours['flops']:.4g} are not step_flops of its configuration {total:.4g}")
     attention = step_flop_parts(config, batch)["attention"]
     budgets = {s: memory_budget(config_of(steps[s]), STACK_OF_ROW[s], world_size=steps[s]["world_size"],
-                                per_rank_batch=steps[s]["batch_size"] // steps[s]["world_size"]) for s in STACKS}
+                                per_rank_batch=steps[s]["batch_size"] // steps[s]["world_size"],
+                                loss=(steps[s].get("parts") or {}).get("loss")) for s in STACKS}
     ratio = ours["step_ms"] / torch["step_ms"]
     peak = max(ours.get("peak_gb_ranks") or [ours["peak_gb_per_rank"]])
 
@@ -309,6 +319,7 @@ def leaderboard_2026(res, out: Output) -> dict[str, Any]:
         "p_torch_bwd": num(gpu(p_torch, "attention_backward"), 1),
         "p_bwd_ratio": times(gpu(p_ours, "attention_backward") / gpu(p_torch, "attention_backward"), 2),
         "p_bwd_gap": num(bwd_gap, 0), "bwd_gap_covers_wall_gap": bwd_gap >= wall_gap,
+        "p_ours_faster": wall_gap < 0, "p_wall_lead": num(-wall_gap, 0),
         "has_kernels": bool(ours_bwd_kernel and cudnn_bwd_kernel),
         "ours_bwd_kernel": num(ours_bwd_kernel, 0), "cudnn_bwd_kernel": num(cudnn_bwd_kernel, 0),
         "p_ours_fwd": num(gpu(p_ours, "attention_forward"), 1),
@@ -317,6 +328,29 @@ def leaderboard_2026(res, out: Output) -> dict[str, Any]:
         "p_ours_other": num(gpu(p_ours, "other"), 1), "p_torch_other": num(gpu(p_torch, "other"), 1),
         "has_sdpa": sdpa is not None,
     }
+    ours_parts, torch_parts = ours.get("parts") or {}, torch.get("parts") or {}
+    n.update({
+        "device": ours["device"], "commit": str(ours["env"].get("commit")), "date": str(ours["env"]["date"])[:10],
+        "ours_compiled": ours_parts.get("compile") == "blocks",
+        "torch_loss_chunked": torch_parts.get("loss") == "chunked", "chunk_tokens": f"{LOSS_CHUNK_TOKENS:,}",
+        "full_logits_gb": num(config["context_length"] * config["vocab_size"] * (2 + 4 + 2) / GB, 0),
+        "p_ours_mm": num(gpu(p_ours, "matmul"), 1), "p_torch_mm": num(gpu(p_torch, "matmul"), 1),
+        "p_ours_coll": num(gpu(p_ours, "collectives"), 1), "p_torch_coll": num(gpu(p_torch, "collectives"), 1),
+        "p_device": p_ours["device"],
+    })
+    earlier = load_earlier_official(res, steps)
+    n["has_earlier"] = earlier is not None
+    if earlier is not None:
+        e_ours, e_torch = earlier["ours"], earlier["pytorch"]
+        n.update({
+            "earlier_device": e_ours["device"], "earlier_date": str(e_ours["env"]["date"])[:10],
+            "earlier_ours": num(e_ours["step_ms"], 1), "earlier_torch": num(e_torch["step_ms"], 1),
+            "earlier_ratio": times(e_ours["step_ms"] / e_torch["step_ms"], 2),
+            "earlier_ours_peak": num(e_ours.get("peak_gb_per_rank"), 1),
+            "earlier_torch_peak": num(e_torch.get("peak_gb_per_rank"), 1),
+            "earlier_ours_compiled": (e_ours.get("parts") or {}).get("compile") == "blocks",
+            "earlier_torch_loss": (e_torch.get("parts") or {}).get("loss", "plain"),
+        })
     trial = load_later_trial(res, steps)
     n["has_trial"] = trial is not None
     if trial is not None:

@@ -114,7 +114,16 @@ def optimizer_state_sharding_accounting(res, out: Output) -> dict[str, Any]:
             "slowdown": times(sharded["step_ms"] / plain["step_ms"]),
             "zero_slowdown": times(zero["step_ms"] / plain["step_ms"]),
             "vs_zero": times(sharded["step_ms"] / zero["step_ms"], 3),
+            **flat_numbers(ok.get((dtype, "zero1_flat")), zero),
         }
+
+    def flat_numbers(flat: dict[str, Any] | None, zero: dict[str, Any]) -> dict[str, Any]:
+        """The ZeRO-1 flat optimizer beside ZeroRedundancyOptimizer, when measured."""
+        if flat is None:
+            return {"has_flat": False}
+        return {"has_flat": True, "step_flat": num(flat["step_ms"]), "peak_flat": num(flat["peak_gb"], 2),
+                "peak_zero_2": num(zero["peak_gb"], 2), "flat_vs_zero": times(flat["step_ms"] / zero["step_ms"], 3),
+                "flat_met": flat["step_ms"] <= zero["step_ms"] and flat["peak_gb"] <= zero["peak_gb"]}
 
     n = {
         "size": size, "world": str(world), "params": f"{params / 1e9:.3f}",
@@ -124,6 +133,7 @@ def optimizer_state_sharding_accounting(res, out: Output) -> dict[str, Any]:
         "all_reduce": gb(traffic["all_reduce"]), "ours_traffic": gb(traffic["ours"]), "zero1": gb(traffic["zero1"]),
         "dtypes": dtypes, **{d: per_dtype(d) for d in dtypes},
     }
+    n["has_flat"] = any(n[d]["has_flat"] for d in dtypes)
     return {"tables": {"summary": summary_table, "breakdown": breakdown_table}, "n": n}
 
 
