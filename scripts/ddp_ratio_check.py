@@ -4,6 +4,9 @@ code: its own model build, steps and synchronisation), alternating the two every
 thermal drift hits both alike, and prints the ratio of their median step times beside the ratio in the CLI's
 newest rows for the same configuration. The two should agree within 5 %.
 
+Each GPU holds both models with their AdamW state: at xl that fits 141 GB H200s but not 80 GB H100s (it ran out of
+memory there on 2026-11-25); on H100s check a smaller ``--size``.
+
     python scripts/ddp_ratio_check.py                         # 2 GPUs (NCCL), xl, context 512, 4 sequences a rank
     python scripts/ddp_ratio_check.py --dtype bf16 --bucket-mb 100
     python scripts/ddp_ratio_check.py --quick                 # 2 gloo ranks on CPU, the tiny model (seconds)
