@@ -73,3 +73,20 @@ def resource_usage(compiled) -> ResourceUsage:
     if match is None:
         raise RuntimeError(f"cannot read the resource usage from cuobjdump:\n{report}")
     return ResourceUsage(int(match.group(1)), int(match.group(2)), compiled.metadata.shared)
+
+
+def serialized_wgmma(compiled) -> str | None:
+    """ptxas's note that it serialised the kernel's ``wgmma.mma_async`` instructions (each waited for before the
+    next is issued: the tensor cores then idle between them), or None. ptxas writes it (info C7514) when a
+    non-wgmma instruction may read the accumulator of a wgmma still in flight, e.g. a loop-carried accumulator
+    whose matmul is waited for only in the next iteration."""
+    with tempfile.TemporaryDirectory() as directory:
+        path = os.path.join(directory, "kernel.ptx")
+        with open(path, "w") as f:
+            f.write(compiled.asm["ptx"])
+        arch = f"sm_{compiled.metadata.target.arch}a" if compiled.metadata.target.arch >= 90 else None
+        done = subprocess.run([_tool("ptxas"), f"-arch={arch}", "-v", path, "-o", os.path.join(directory, "k.o")],
+                              capture_output=True, text=True, check=True)
+    match = re.search(r"wgmma\.mma_async instructions are serialized due to ([^']*)", done.stdout + done.stderr)
+    return match.group(1).strip() if match else None
+
