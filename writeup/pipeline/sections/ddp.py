@@ -408,6 +408,9 @@ def ddp_bucketed_benchmarking(res, out: Output) -> dict[str, Any]:
     return {"tables": {"main": tab, "model": model_table}, "figures": {"main": figure}, "n": n}
 
 
+ELSEWHERE_VARIANTS = ("torch_ddp", "bucketed_100mb")
+
+
 def bf16_pair_elsewhere(res, device: str) -> dict[str, str] | None:
     """The newest bf16 rows of PyTorch's DDP and our bucketed DDP (100 MiB) on another device than ``device``
     (a re-measurement on other GPUs, e.g. 2 H100s beside the section's 2 H200s), or None."""
@@ -423,9 +426,6 @@ def bf16_pair_elsewhere(res, device: str) -> dict[str, str] | None:
             "ours_share": pct(ours["exposed_ms"] / ours["step_ms"]), "torch_ms": num(torch["step_ms"]),
             "torch_local": num(torch["compute_ms"]), "torch_share": pct(torch["exposed_ms"] / torch["step_ms"]),
             "ratio": times(ours["step_ms"] / torch["step_ms"], 3)}
-
-
-ELSEWHERE_VARIANTS = ("torch_ddp", "bucketed_100mb")
 
 
 # -----------------------------------------------------------------------------------------------
