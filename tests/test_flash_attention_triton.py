@@ -174,6 +174,7 @@ def test_fixed_configs_compile_for_h100_without_spills(monkeypatch, dtype, head_
         compile_for_gpu,
         nvidia_toolchain_available,
         resource_usage,
+        serialized_wgmma,
     )
 
     if not nvidia_toolchain_available():
@@ -184,6 +185,21 @@ def test_fixed_configs_compile_for_h100_without_spills(monkeypatch, dtype, head_
         usage = resource_usage(compiled)
         assert usage.spill_bytes == 0, f"{name} {config}: {usage}"
         assert usage.shared_bytes <= H100_SHARED_MEMORY, f"{name} {config}: {usage}"
+        if name == "fwd":
+            assert serialized_wgmma(compiled) is None, f"{name} {config}"
+
+
+@pytest.mark.skipif(RUNNING_IN_INTERPRETER, reason="compiles the GPU kernels")
+@pytest.mark.xfail(strict=True, reason="issue 28: ptxas serialises the backward's wgmma on sm_90 (C7514): its "
+                   "consecutive sweeps carry the dK/dV and dQ accumulators from loop to loop")
+def test_backward_wgmma_are_not_serialized_on_h100(monkeypatch):
+    from tests._flash_aot import compile_for_gpu, nvidia_toolchain_available, serialized_wgmma
+
+    if not nvidia_toolchain_available():
+        pytest.skip("this Triton has no NVIDIA backend or ptxas")
+    kernel, args, meta, name = _captured_launches(monkeypatch, torch.bfloat16, 64, True)[2]
+    config = flash_triton.fixed_config(name, torch.bfloat16, 64)
+    assert serialized_wgmma(compile_for_gpu(kernel, args, {**meta, **config.all_kwargs()})) is None
 
 
 @pytest.mark.slow
