@@ -85,7 +85,6 @@ class FlatBucket:
     offsets: list[int]  # where each parameter starts in the flat buffers
     flat_param: torch.Tensor  # (padded,)
     flat_grad: torch.Tensor  # (padded,): the parameters' .grad are views into it
-    grad_shard: torch.Tensor  # (shard,): this rank's slice of flat_grad, the reduce-scatter's output (averaged)
     master: torch.Tensor  # (shard,) float32: what the inner optimizer steps
     start: int  # this rank's slice: flat[start:start + shard]
 
@@ -181,10 +180,7 @@ class FlatShardedOptimizer(Optimizer):
         start = self.rank * shard
         local = flat_param[start : start + shard]
         master = local if dtype == torch.float32 else local.float()
-        # The reduce-scatter runs in place: this rank's slice of the flat gradients receives the reduced slice
-        # (NCCL's in-place form, output = input + rank * shard), so no shard-sized buffer is held.
-        grad_shard = flat_grad[start : start + shard]
-        return FlatBucket(params, offsets, flat_param, flat_grad, grad_shard, master, start)
+        return FlatBucket(params, offsets, flat_param, flat_grad, master, start)
 
     def _all_buckets(self) -> list[FlatBucket]:
         return [bucket for buckets in self.buckets for bucket in buckets]
@@ -213,17 +209,19 @@ class FlatShardedOptimizer(Optimizer):
         for bucket in self._all_buckets():
             self._attach_gradients(bucket)
             if self.world_size > 1:
+                # In place: this rank's slice of the flat gradients receives the reduced slice (NCCL's in-place
+                # form, output = input + rank * shard), so no shard-sized buffer is held.
                 work = dist.reduce_scatter_tensor(
-                    bucket.grad_shard, bucket.flat_grad, op=dist.ReduceOp.SUM, async_op=True
+                    bucket.local(bucket.flat_grad), bucket.flat_grad, op=dist.ReduceOp.SUM, async_op=True
                 )
                 pending.append((bucket, work))
             else:
                 pending.append((bucket, None))
         for bucket, work in pending:
+            grad = bucket.local(bucket.flat_grad)  # reduced and averaged from here on
             if work is not None:
                 work.wait()
-                bucket.grad_shard.div_(self.world_size)
-            grad = bucket.grad_shard
+                grad.div_(self.world_size)
             bucket.master.grad = grad if grad.dtype == torch.float32 else grad.float()
 
     @staticmethod
