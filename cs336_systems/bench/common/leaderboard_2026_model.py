@@ -55,7 +55,7 @@ def memory_budget(config: dict[str, int], stack: str, world_size: int, per_rank_
     if loss == "fused":
         head = 2 * vocab * d * 2 + 4 * vocab * d
     else:  # the logits of every token (plain) or of one chunk (chunked)
-        head = min(tokens, tokens if loss == "plain" else LOSS_CHUNK_TOKENS) * vocab * (2 + 4 + 2)
+        head = (tokens if loss == "plain" else min(tokens, LOSS_CHUNK_TOKENS)) * vocab * (2 + 4 + 2)
     budget = {
         "params_gb": 4 * shard / GB,
         "optimizer_state_gb": 8 * shard / GB,
