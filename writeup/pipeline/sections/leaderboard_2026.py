@@ -336,7 +336,6 @@ def leaderboard_2026(res, out: Output) -> dict[str, Any]:
         "full_logits_gb": num(config["context_length"] * config["vocab_size"] * (2 + 4 + 2) / GB, 0),
         "p_ours_mm": num(gpu(p_ours, "matmul"), 1), "p_torch_mm": num(gpu(p_torch, "matmul"), 1),
         "p_ours_coll": num(gpu(p_ours, "collectives"), 1), "p_torch_coll": num(gpu(p_torch, "collectives"), 1),
-        "p_device": p_ours["device"],
     })
     earlier = load_earlier_official(res, steps)
     n["has_earlier"] = earlier is not None
