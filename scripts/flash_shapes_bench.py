@@ -1,11 +1,13 @@
-"""Forward, backward and forward + backward of our attention operator or of SDPA's cuDNN backend at a few
-shapes that matter beyond the batch-1, one-head sweep: the 8B leaderboard step's attention (batch 1, 32 heads,
-32,768 x 128), one head of 65,536, 16 heads of 16,384 (bf16, causal, ``triton.testing.do_bench``).
+"""Forward, backward and forward + backward of our attention operator or of SDPA's cuDNN or FlashAttention-2
+backend at a few shapes that matter beyond the batch-1, one-head sweep: the 8B leaderboard step's attention
+(batch 1, 32 heads, 32,768 x 128), one head of 65,536, 16 heads of 16,384, and the sweep's one head of 16,384
+(bf16, causal, ``triton.testing.do_bench``).
 
 Run each provider in its own process (our kernels' configuration comes from ``CS336_FLASH_KERNELS``, see
 ``FlashConfig.from_environment``)::
 
-    python scripts/flash_shapes_bench.py sdpa
+    python scripts/flash_shapes_bench.py sdpa                             # cuDNN
+    python scripts/flash_shapes_bench.py fa2                              # SDPA's FlashAttention-2 backend
     python scripts/flash_shapes_bench.py ours                             # the Hopper kernels on an H100/H200
     CS336_FLASH_KERNELS=triton python scripts/flash_shapes_bench.py ours  # the portable Triton kernels
 
@@ -20,12 +22,13 @@ import torch.nn.functional as F
 import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-SHAPES = [(1, 32, 32768, 128), (1, 1, 65536, 128), (1, 16, 16384, 128), (1, 1, 65536, 64), (16, 1, 16384, 64)]
+SHAPES = [(1, 32, 32768, 128), (1, 1, 65536, 128), (1, 16, 16384, 128), (1, 1, 65536, 64), (16, 1, 16384, 64),
+          (1, 1, 16384, 128), (1, 1, 16384, 64)]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("provider", choices=["ours", "sdpa"])
+    parser.add_argument("provider", choices=["ours", "sdpa", "fa2"])
     parser.add_argument("--head-dim", type=int, choices=[64, 128], help="only the shapes of this head dim")
     args = parser.parse_args()
     from cs336_systems.attention.config import FLASH_CONFIG, FlashConfig
@@ -36,9 +39,11 @@ def main() -> None:
     for shape in [s for s in SHAPES if args.head_dim in (None, s[-1])]:
         q, k, v = (torch.randn(*shape, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
         grad = torch.randn_like(q)
-        if args.provider == "sdpa":
+        if args.provider in ("sdpa", "fa2"):
+            backend = SDPBackend.CUDNN_ATTENTION if args.provider == "sdpa" else SDPBackend.FLASH_ATTENTION
+
             def forward():
-                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                with sdpa_kernel(backend):
                     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
             def forward():

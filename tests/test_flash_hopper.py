@@ -1,8 +1,8 @@
 """The Hopper kernels in Gluon (``cs336_systems/attention/flash_hopper.py``).
 
 On a machine without a GPU: the kernels compile for sm_90 down to a cubin (Triton's own ptxas) at the
-supported head dims with no register spills and within the shared memory of a block, the forward with its
-wgmma kept asynchronous by ptxas (the backward's are serialised: a strict xfail until issue 28 lands); the TMA views of
+supported head dims with no register spills and within the shared memory of a block, the forward's and the
+backward's wgmma kept asynchronous by ptxas (no C7514 serialisation); the TMA views of
 Q/K/V/dO address the right elements without copying where they can; the choice between this backward and the
 Triton one follows the explicit ``FlashConfig`` and refuses to force an impossible one. Its numerics are checked on
 an H200 by the GPU grid of ``test_flash_attention_triton.py``, which runs it by default on Hopper, and by
@@ -70,8 +70,6 @@ def test_forward_compiles_for_sm90_without_spills(d, dtype, is_causal):
     assert serialized_wgmma(compiled) is None  # S_(j+1) is waited for in the next step, yet nothing reads it early
 
 
-@pytest.mark.xfail(strict=True, reason="issue 28: ptxas serialises the backward's wgmma (C7514): S and dP of the "
-                   "next query block are carried into the next step still in flight; the fix waits for them first")
 def test_backward_wgmma_are_not_serialized():
     if not nvidia_toolchain_available():
         pytest.skip("this Triton has no NVIDIA backend or ptxas")

@@ -37,14 +37,15 @@ class FlashConfig:
     ``autotune``: the Triton kernels' tiles picked by ``triton.autotune`` per (coarsened lengths, head dim, causal,
     dtype), tens of seconds per new length bucket, instead of the fixed tiles per dtype and head dim.
     ``hopper_min_programs``: programs are ``batch * heads`` times the tiles of 128 queries (forward) or keys
-    (backward). Below 256 one program per tile leaves SMs idle while the longest sweeps alone, and the Triton
-    kernels win (measured on an H200, one head of 16,384, bf16, causal: the Hopper backward 1.27 ms against the
-    Triton kernels' 0.57 at d = 64).
+    (backward). Since the Hopper backward's wgmma run asynchronously (issue 28) the Hopper kernels are at least as
+    fast as the Triton kernels from one head of 4,096 (32 programs) up (measured on an H100, bf16, causal: one head
+    of 16,384, forward + backward 0.56 ms against 0.61 at d = 64, 0.81 against 1.01 at d = 128); below, both are
+    bound by their launches.
     """
 
     kernels: str = "auto"
     autotune: bool = False
-    hopper_min_programs: int = 256
+    hopper_min_programs: int = 32
 
     def __post_init__(self):
         if self.kernels not in KERNEL_FAMILIES:

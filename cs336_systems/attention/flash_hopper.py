@@ -15,7 +15,9 @@ time; the loader also stores each block's base-2 logsumexp and Delta into the ri
 S = Q K^T and dP = dO V^T from shared memory; P and dS written to shared memory for dV += P^T dO and
 dK += dS^T Q; dQ_j = dS K, added into a float32 buffer by the copy engine's bulk reduction
 (``cp.reduce.async.bulk``) from a double-buffered staging tile, so that the warps go on at once. The next
-block's S and dP are issued behind dV and dK; three CTA-wide barriers per step order the shared buffers.
+block's S and dP are issued behind dV and dK and all four are waited for before the step ends: a wgmma whose
+accumulator crosses the loop's back edge in flight makes ptxas serialise every wgmma of the kernel (its info
+C7514; the test suite compiles the kernel and checks). Two CTA-wide barriers per step order the shared buffers.
 
 Code. The file reads forward, then backward, with the same names on both sides (``_fwd_load_partition`` /
 ``_bwd_load_partition``, ``_fwd_issue_scores``, ``_fwd_step``, ``_fwd_compute_partition`` and their ``_bwd_``
@@ -586,7 +588,9 @@ def _bwd_step(config, program, buffers, ring, dq_desc, qk_scale, state, scores, 
     # live at once: that would spill).
     scores, dp = _bwd_issue_scores(config, program, ring, j + 1, k_smem, v_smem)
     # Each warpgroup reads back only its own keys' columns of P and dS: no barrier before they are rewritten.
-    dv, dk = warpgroup_mma_wait(2, deps=[dv, dk])
+    # Nothing crosses the loop's back edge in flight: an accumulator carried there while its wgmma runs makes
+    # ptxas serialise every wgmma of the kernel (C7514).
+    dv, dk, scores, dp = warpgroup_mma_wait(0, deps=[dv, dk, scores, dp])
     return BwdState(dk, dv), scores, dp
 
 
@@ -598,6 +602,7 @@ def _bwd_compute_partition(config, buffers, ring, dq_desc, program, qk_scale):
                      gl.zeros([config.BLOCK_N, config.HEAD_DIM], gl.float32, config.acc_layout))
     mbarrier.wait(buffers.kv_ready, 0)
     scores, dp = _bwd_issue_scores(config, program, ring, 0, buffers.k_smem.index(0), buffers.v_smem.index(0))
+    scores, dp = warpgroup_mma_wait(0, deps=[scores, dp])
     for j in range(program.n_steps):
         state, scores, dp = _bwd_step(config, program, buffers, ring, dq_desc, qk_scale, state, scores, dp, j)
     warpgroup_mma_wait(0, deps=[scores, dp])
