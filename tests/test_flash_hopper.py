@@ -85,7 +85,8 @@ def _heads(view: torch.Tensor, heads_in_columns: bool, batch: int, heads: int, d
     return view.unflatten(0, (batch, heads))
 
 
-@pytest.mark.parametrize("layout", ["contiguous", "transposed", "three_d", "one_head", "strided_d", "odd_stride"])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "three_d", "one_head", "strided_d", "odd_stride",
+                                    "misaligned"])
 def test_tma_view_addresses_every_head(layout):
     batch, heads, seq, d = 2, 3, 5, 16
     base = torch.randn(batch, seq, heads, 2 * d)
@@ -99,8 +100,11 @@ def test_tma_view_addresses_every_head(layout):
         x = torch.randn(batch, 1, seq, d)[:, :, 1:]
     elif layout == "strided_d":  # the head dim is not unit-stride: needs a copy
         x = torch.randn(batch, heads, seq, 2 * d)[..., ::2]
-    else:  # rows 9 elements apart: not 16-byte aligned, needs a copy
+    elif layout == "odd_stride":  # rows 9 elements apart: not 16-byte aligned, needs a copy
         x = torch.randn(batch, heads, seq, 9)[..., :8]
+    else:  # contiguous, but starting 4 bytes into its allocation: needs a copy
+        x = torch.randn(batch * heads * seq * d + 1)[1:].view(batch, heads, seq, d)
+        assert x.is_contiguous() and x.data_ptr() % 16 != 0
     view, heads_in_columns = flash_hopper.tma_view(x)
     x4 = x if x.dim() == 4 else x.unsqueeze(1)
     b, h, s, dd = x4.shape

@@ -733,7 +733,13 @@ def tma_view(x: Float[Tensor, "batch *heads seq d"]) -> tuple[Float[Tensor, "row
             view = x.as_strided((batch, seq, heads * d), (stride_b, stride_s, 1))
             if aligned(view):
                 return view, True
-    return x.contiguous().view(batch * heads, seq, d), False
+    return _aligned_copy(x).view(batch * heads, seq, d), False
+
+
+def _aligned_copy(x: Tensor) -> Tensor:
+    """A contiguous copy of ``x`` in a new (aligned) allocation: ``x.contiguous()`` would return a contiguous ``x``
+    itself, however misaligned its first element."""
+    return x.clone(memory_format=torch.contiguous_format)
 
 
 def _descriptor(view: Tensor, rows: int, head_dim: int) -> TensorDescriptor:
@@ -817,7 +823,7 @@ def _launch(launcher: Launcher, plans: dict, key: tuple, tensors: tuple[Tensor, 
         plans[key] = _plan(grid, args, tensors)
         return
     descriptors = tuple(
-        DescriptorArg(tensors[index].contiguous() if copied else tensors[index], shape, strides)
+        DescriptorArg(_aligned_copy(tensors[index]) if copied else tensors[index], shape, strides)
         for index, copied, shape, strides in plan.descriptors
     )
     launcher(key, plan.grid, (*descriptors, *scalars), {})
