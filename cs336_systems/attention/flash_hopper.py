@@ -11,13 +11,15 @@ occupy the tensor cores. S_(j+1) = Q K_(j+1)^T is issued behind P V_j; P goes to
 
 Backward. One program holds ``BLOCK_N`` = 128 keys (K and V in shared memory, dK and dV accumulating in
 registers, 64 keys per consumer warpgroup) and sweeps the query blocks that see them, ``BLOCK_M`` queries at a
-time; the loader also stores each block's base-2 logsumexp and Delta into the ring. Per step, five matmuls:
-S = Q K^T and dP = dO V^T from shared memory; P and dS written to shared memory for dV += P^T dO and
-dK += dS^T Q; dQ_j = dS K, added into a float32 buffer by the copy engine's bulk reduction
-(``cp.reduce.async.bulk``) from a double-buffered staging tile, so that the warps go on at once. The next
-block's S and dP are issued behind dV and dK and all four are waited for before the step ends: a wgmma whose
-accumulator crosses the loop's back edge in flight makes ptxas serialise every wgmma of the kernel (its info
-C7514; the test suite compiles the kernel and checks). Two CTA-wide barriers per step order the shared buffers.
+time; the loader also stores each block's base-2 logsumexp and Delta into the ring. Per step, five matmuls, in
+FlashAttention-3's order: S^T = K Q^T and dP^T = V dO^T from shared memory, each warpgroup the rows of its keys,
+so that P^T and dS^T stay in its registers for dV += P^T dO and dK += dS^T Q (register-sourced wgmma; P is
+never written to shared memory); dS^T is written once, for dQ_j = dS K, which is added into a float32 buffer by
+the copy engine's bulk reduction (``cp.reduce.async.bulk``) from a double-buffered staging tile, so that the
+warps go on at once. The next block's S^T and dP^T are issued behind dK and all matmuls are waited for before
+the step ends: a wgmma whose accumulator crosses the loop's back edge in flight makes ptxas serialise every
+wgmma of the kernel (its info C7514; the test suite compiles the kernel and checks). Two CTA-wide barriers per
+step order the shared buffers.
 
 Code. The file reads forward, then backward, with the same names on both sides (``_fwd_load_partition`` /
 ``_bwd_load_partition``, ``_fwd_issue_scores``, ``_fwd_step``, ``_fwd_compute_partition`` and their ``_bwd_``
@@ -362,8 +364,8 @@ def attn_fwd_hopper_kernel(
 # Backward
 # ---------------------------------------------------------------------------------------------------
 # A program holds BLOCK_N = 128 keys: two consumer warpgroups in one partition, each owning 64 of the keys'
-# columns of S and rows of dK and dV, meeting at CTA-wide barriers around the shared P and dS. A one-warp
-# partition streams Q and dO blocks, with their rows' logsumexp and Delta, through a ring.
+# rows of S^T, dP^T, dK and dV, meeting at CTA-wide barriers around the shared dS^T and the dQ staging tile. A
+# one-warp partition streams Q and dO blocks, with their rows' logsumexp and Delta, through a ring.
 
 
 @aggregate
@@ -380,7 +382,7 @@ class BwdConfig:
     K_COLUMNS: gl.constexpr
     V_COLUMNS: gl.constexpr
     DO_COLUMNS: gl.constexpr
-    s_layout: gl.constexpr
+    st_layout: gl.constexpr
     acc_layout: gl.constexpr
     dq_layout: gl.constexpr
 
@@ -395,10 +397,10 @@ class BwdConfig:
         self.K_COLUMNS = gl.constexpr(K_COLUMNS)
         self.V_COLUMNS = gl.constexpr(V_COLUMNS)
         self.DO_COLUMNS = gl.constexpr(DO_COLUMNS)
-        # S = Q K^T (BLOCK_M, BLOCK_N): warpgroup w computes the columns of its keys. The query-wise logsumexp
-        # and Delta are then two values per thread.
-        self.s_layout = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                               instr_shape=[16, BLOCK_N // 2, 16]))
+        # S^T = K Q^T (BLOCK_N, BLOCK_M): warpgroup w computes the rows of its keys, so that P^T and dS^T are in
+        # the registers of the warpgroup whose dV and dK rows they feed (register-sourced wgmma).
+        self.st_layout = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
+                                                                instr_shape=[16, BLOCK_M, 16]))
         # dK, dV (BLOCK_N, HEAD_DIM): warpgroup w accumulates the rows of its keys.
         self.acc_layout = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
                                                                  instr_shape=[16, HEAD_DIM, 16]))
@@ -458,20 +460,19 @@ class BwdRing:
 @aggregate
 class BwdBuffers:
     """The backward's other shared memory: K and V (1, BLOCK_N, HEAD_DIM), landed at ``kv_ready`` (later dK and
-    dV); P and dS (1, BLOCK_M, BLOCK_N); the double-buffered float32 dQ staging tile (2, BLOCK_M, HEAD_DIM)."""
+    dV); dS^T (1, BLOCK_N, BLOCK_M), for dQ = dS K; the double-buffered float32 dQ staging tile
+    (2, BLOCK_M, HEAD_DIM)."""
 
     k_smem: gl.shared_memory_descriptor
     v_smem: gl.shared_memory_descriptor
-    p_smem: gl.shared_memory_descriptor
     ds_smem: gl.shared_memory_descriptor
     dq_smem: gl.shared_memory_descriptor
     kv_ready: gl.shared_memory_descriptor
 
     @gluon.constexpr_function
-    def __init__(self, k_smem, v_smem, p_smem, ds_smem, dq_smem, kv_ready):
+    def __init__(self, k_smem, v_smem, ds_smem, dq_smem, kv_ready):
         self.k_smem = k_smem
         self.v_smem = v_smem
-        self.p_smem = p_smem
         self.ds_smem = ds_smem
         self.dq_smem = dq_smem
         self.kv_ready = kv_ready
@@ -519,79 +520,74 @@ def _bwd_load_partition(config, q_desc, do_desc, ring, L_row, Delta_row, program
 
 @gluon.jit
 def _bwd_issue_scores(config, program, ring, j, k_smem, v_smem):
-    """Start S_j = Q_j K^T and dP_j = dO_j V^T on the tensor cores once block ``j`` has landed (see
+    """Start S_j^T = K Q_j^T and dP_j^T = V dO_j^T on the tensor cores once block ``j`` has landed (see
     :func:`_landed_stage` past the last block); ``k_smem`` and ``v_smem`` are (BLOCK_N, HEAD_DIM)."""
     s = _landed_stage(j, program.n_steps, ring.ready, config.STAGES)
-    zero = gl.zeros([config.BLOCK_M, config.BLOCK_N], gl.float32, config.s_layout)
-    scores = warpgroup_mma(ring.q.index(s), k_smem.permute((1, 0)), zero, use_acc=False, is_async=True)
-    dp = warpgroup_mma(ring.do.index(s), v_smem.permute((1, 0)), zero, use_acc=False, is_async=True)
-    return scores, dp
+    zero = gl.zeros([config.BLOCK_N, config.BLOCK_M], gl.float32, config.st_layout)
+    scores_t = warpgroup_mma(k_smem, ring.q.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
+    dp_t = warpgroup_mma(v_smem, ring.do.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
+    return scores_t, dp_t
 
 
 @gluon.jit
-def _bwd_step(config, program, buffers, ring, dq_desc, qk_scale, state, scores, dp, j):
-    """Query block ``j`` of the sweep, whose S and dP matmuls are in flight: accumulate its share of dK and dV,
-    add its dQ rows by TMA, and start block ``j + 1``'s S and dP before finishing this one's dQ, dK and dV.
+def _bwd_step(config, program, buffers, ring, dq_desc, qk_scale, state, scores_t, dp_t, j):
+    """Query block ``j`` of the sweep, whose S^T and dP^T have landed: accumulate its share of dK and dV, add its dQ
+    rows by TMA, and compute block ``j + 1``'s S^T and dP^T behind dK.
+
+    P^T and dS^T never leave the registers of the warpgroup that computed them for dV += P^T dO and dK += dS^T Q
+    (register-sourced wgmma, as FlashAttention-3 does); dS^T is written to shared memory once, for dQ = dS K.
 
     The single-tile buffers (``(1, rows, cols)``) are indexed by ``j >> 30``, always 0, which the compiler cannot
     prove: the matmuls' shared-memory descriptors are then recomputed each step (a few uniform integer adds)
     instead of being hoisted out of the loop, where the 40-odd 64-bit values spilled to local memory."""
     BLOCK_M: gl.constexpr = config.BLOCK_M
     STAGES: gl.constexpr = config.STAGES
-    s_layout: gl.constexpr = config.s_layout
+    st_layout: gl.constexpr = config.st_layout
+    operand_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=config.acc_layout, k_width=2)
     zero = j >> 30
     k_smem = buffers.k_smem.index(zero)
     v_smem = buffers.v_smem.index(zero)
-    p_smem = buffers.p_smem.index(zero)
     ds_smem = buffers.ds_smem.index(zero)
     s = j % STAGES
     m = program.query_start + j * BLOCK_M
-    offs_m = m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-    in_bounds = offs_m < program.n_queries
-    lse = ring.lse.index(s).load(gl.SliceLayout(1, s_layout))
-    delta = ring.delta.index(s).load(gl.SliceLayout(1, s_layout))
+    offs_m = m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
+    lse = ring.lse.index(s).load(gl.SliceLayout(0, st_layout))
+    delta = ring.delta.index(s).load(gl.SliceLayout(0, st_layout))
     q = ring.q.index(s)
     do = ring.do.index(s)
 
-    scores = warpgroup_mma_wait(1, deps=[scores])
-    p = gl.exp2(scores * qk_scale - lse[:, None])
-    # Every step is masked: a three-loop split into masked and unmasked steps (as the Triton kernels do) compiled
-    # to more spills than it saved.
-    visible = in_bounds[:, None]
+    p_t = gl.exp2(scores_t * qk_scale - lse[None, :])
+    # Every step is masked: a split into masked and unmasked steps compiled to more spills than it saved.
+    visible = (offs_m < program.n_queries)[None, :]
     if config.IS_CAUSAL:
-        offs_n = program.start_n + gl.arange(0, config.BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        visible = visible & (offs_m[:, None] >= offs_n[None, :])
-    p = gl.where(visible, p, 0.0)
-    p_smem.store(p.to(q.dtype))
-    dp = warpgroup_mma_wait(0, deps=[dp])
-    ds = p * (dp - delta[:, None])
-    ds_smem.store(ds.to(q.dtype))
+        offs_n = program.start_n + gl.arange(0, config.BLOCK_N, layout=gl.SliceLayout(1, st_layout))
+        visible = visible & (offs_m[None, :] >= offs_n[:, None])
+    p_t = gl.where(visible, p_t, 0.0)
+    dv = warpgroup_mma(gl.convert_layout(p_t.to(q.dtype), operand_layout), do, state.dv, is_async=True)
+    ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
+    ds_smem.store(ds_t)
     fence_async_shared()
     dq_buffer = buffers.dq_smem.index(j % 2)
     tma.store_wait(1)  # the reduction of block j - 2, from the same buffer, has read it
-    # One barrier for three orders: dQ_j = dS K reads both warpgroups' columns of dS; dq_buffer is free for every
-    # thread; both warpgroups have waited for block j - 1's last matmuls (dV, dK), so that its stage is free.
+    # One barrier for three orders: dQ_j = dS K reads both warpgroups' rows of dS^T; dq_buffer is free for every
+    # thread; both warpgroups have waited for block j - 1's last matmuls, so that its stage is free.
     gl.thread_barrier()
     mbarrier.arrive(ring.free.index((j + STAGES - 1) % STAGES), pred=j > 0)
 
     zero_dq = gl.zeros([BLOCK_M, config.HEAD_DIM], gl.float32, config.dq_layout)
-    dq = warpgroup_mma(ds_smem, k_smem, zero_dq, use_acc=False, is_async=True)
-    dv = warpgroup_mma(p_smem.permute((1, 0)), do, state.dv, is_async=True)
-    dk = warpgroup_mma(ds_smem.permute((1, 0)), q, state.dk, is_async=True)
-    dq = warpgroup_mma_wait(2, deps=[dq])
+    dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem, zero_dq, use_acc=False, is_async=True)
+    dk = warpgroup_mma(gl.convert_layout(ds_t, operand_layout), q, state.dk, is_async=True)
+    dq = warpgroup_mma_wait(1, deps=[dq])
     dq_buffer.store(dq)
     fence_async_shared()
-    # Also orders this step's dS reads (every warpgroup's dQ matmul is done) before next step's dS writes.
+    # Also orders this step's dS^T reads (every warpgroup's dQ matmul is done) before next step's dS^T writes.
     gl.thread_barrier()
     _tma_reduce_add(dq_desc, [program.bh, m, 0], dq_buffer.reshape([1, BLOCK_M, config.HEAD_DIM]))
-    # Queued behind dV and dK (issued after dQ's epilogue, so that their accumulators and dQ's are never all
-    # live at once: that would spill).
-    scores, dp = _bwd_issue_scores(config, program, ring, j + 1, k_smem, v_smem)
-    # Each warpgroup reads back only its own keys' columns of P and dS: no barrier before they are rewritten.
+    scores_t, dp_t = _bwd_issue_scores(config, program, ring, j + 1, k_smem, v_smem)
     # Nothing crosses the loop's back edge in flight: an accumulator carried there while its wgmma runs makes
     # ptxas serialise every wgmma of the kernel (C7514).
-    dv, dk, scores, dp = warpgroup_mma_wait(0, deps=[dv, dk, scores, dp])
-    return BwdState(dk, dv), scores, dp
+    dv, dk, scores_t, dp_t = warpgroup_mma_wait(0, deps=[dv, dk, scores_t, dp_t])
+    return BwdState(dk, dv), scores_t, dp_t
 
 
 @gluon.jit
@@ -601,11 +597,11 @@ def _bwd_compute_partition(config, buffers, ring, dq_desc, program, qk_scale):
     state = BwdState(gl.zeros([config.BLOCK_N, config.HEAD_DIM], gl.float32, config.acc_layout),
                      gl.zeros([config.BLOCK_N, config.HEAD_DIM], gl.float32, config.acc_layout))
     mbarrier.wait(buffers.kv_ready, 0)
-    scores, dp = _bwd_issue_scores(config, program, ring, 0, buffers.k_smem.index(0), buffers.v_smem.index(0))
-    scores, dp = warpgroup_mma_wait(0, deps=[scores, dp])
+    scores_t, dp_t = _bwd_issue_scores(config, program, ring, 0, buffers.k_smem.index(0), buffers.v_smem.index(0))
+    scores_t, dp_t = warpgroup_mma_wait(0, deps=[scores_t, dp_t])
     for j in range(program.n_steps):
-        state, scores, dp = _bwd_step(config, program, buffers, ring, dq_desc, qk_scale, state, scores, dp, j)
-    warpgroup_mma_wait(0, deps=[scores, dp])
+        state, scores_t, dp_t = _bwd_step(config, program, buffers, ring, dq_desc, qk_scale, state, scores_t, dp_t,
+                                          j)
     tma.store_wait(0)
     return state.dk, state.dv
 
@@ -641,14 +637,13 @@ def attn_bwd_hopper_kernel(
 
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
-    s_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
+    st_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
     dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], gl.float32)
     k_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, HEAD_DIM], kv_layout)
     v_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, HEAD_DIM], kv_layout)
     q_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_layout)
     do_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_layout)
-    p_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_M, BLOCK_N], s_layout)
-    ds_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_M, BLOCK_N], s_layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, BLOCK_M], st_layout)
     dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM], dq_layout)
     row_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
     lse_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_layout)
@@ -662,7 +657,7 @@ def attn_bwd_hopper_kernel(
     mbarrier.init(kv_ready, count=1)
     fence_async_shared()
     ring = BwdRing(q_ring, do_ring, lse_ring, delta_ring, ready, free)
-    buffers = BwdBuffers(k_smem, v_smem, p_smem, ds_smem, dq_smem, kv_ready)
+    buffers = BwdBuffers(k_smem, v_smem, ds_smem, dq_smem, kv_ready)
 
     mbarrier.expect(kv_ready, 2 * BLOCK_N * HEAD_DIM * dtype.primitive_bitwidth // 8)
     tma.async_copy_global_to_shared(k_desc, _block_coord(b, h, start_n, n_heads, HEAD_DIM, K_COLUMNS), kv_ready,
@@ -703,10 +698,9 @@ def attn_bwd_hopper_kernel(
 _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}
 
 
-def block_m(head_dim: int) -> int:
-    """Queries per backward step: 128 up to d = 64 (the accumulators leave room; measured on an H200, 3 %
-    faster than 64 at the leaderboard shape), 64 at d = 128 (more spills registers)."""
-    return 128 if head_dim <= 64 else 64
+BACKWARD_ROWS = 64
+"""Queries per backward step, every head dim: S^T, dP^T, dK and dV then fit in the consumers' registers (at 128,
+S^T and dP^T alone would take 128 of them at d = 64)."""
 
 
 STAGES = 2
@@ -780,18 +774,17 @@ def backward_launch_arguments(
 ) -> tuple[tuple[int, int], tuple, dict]:
     """``(grid, args, kwargs)`` of the launch ``attn_bwd_hopper_kernel[grid](*args, **kwargs)``."""
     n_heads, batch_heads, n_queries, n_keys, head_dim = attention_sizes(Q, K)
-    rows_m = block_m(head_dim)
     (q, q_columns), (k, k_columns), (v, v_columns), (do, do_columns) = (tma_view(x) for x in (Q, K, V, dO))
     grid = (triton.cdiv(n_keys, BLOCK_N), batch_heads)
     args = (
-        _descriptor(q, rows_m, head_dim), _descriptor(k, BLOCK_N, head_dim), _descriptor(v, BLOCK_N, head_dim),
-        _descriptor(do, rows_m, head_dim),
+        _descriptor(q, BACKWARD_ROWS, head_dim), _descriptor(k, BLOCK_N, head_dim),
+        _descriptor(v, BLOCK_N, head_dim), _descriptor(do, BACKWARD_ROWS, head_dim),
         _descriptor(dK.view(batch_heads, n_keys, head_dim), BLOCK_N, head_dim),
         _descriptor(dV.view(batch_heads, n_keys, head_dim), BLOCK_N, head_dim),
-        _descriptor(DQ_acc, rows_m, head_dim),
+        _descriptor(DQ_acc, BACKWARD_ROWS, head_dim),
         L, Delta, n_heads, n_queries, n_keys, sm_scale, sm_scale * math.log2(math.e),
     )
-    kwargs = dict(HEAD_DIM=head_dim, IS_CAUSAL=is_causal, BLOCK_M=rows_m, BLOCK_N=BLOCK_N, STAGES=STAGES,
+    kwargs = dict(HEAD_DIM=head_dim, IS_CAUSAL=is_causal, BLOCK_M=BACKWARD_ROWS, BLOCK_N=BLOCK_N, STAGES=STAGES,
                   Q_COLUMNS=q_columns, K_COLUMNS=k_columns, V_COLUMNS=v_columns, DO_COLUMNS=do_columns, num_warps=8)
     return grid, args, kwargs
 
