@@ -621,8 +621,9 @@ def write_fixture(results: Path, figures: Path) -> None:
             file.writelines(json.dumps(r) + "\n" for r in rows)
     flash_probe(results)
     train_step_profiles(results)
-    (results / "h200-tests").mkdir(exist_ok=True)
-    (results / "h200-tests" / "flash_attention_triton_errors.json").write_text(json.dumps(flash_errors()))
+    errors = results / "h100-issue28" / "tests" / "flash_attention_triton_errors.json"  # flash.ERRORS_FILE
+    errors.parent.mkdir(parents=True, exist_ok=True)
+    errors.write_text(json.dumps(flash_errors()))
     (results / "h200x2-tests").mkdir(exist_ok=True)
     (results / "h200x2-tests" / "toy_training.log").write_text(
         "backend: nccl (2 GPUs, one per rank); world size 2; batch 32\n"
