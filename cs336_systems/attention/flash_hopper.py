@@ -570,7 +570,8 @@ def _bwd_step(config, program, buffers, ring, dq_desc, qk_scale, state, scores_t
     dq_buffer = buffers.dq_smem.index(j % 2)
     tma.store_wait(1)  # the reduction of block j - 2, from the same buffer, has read it
     # One barrier for three orders: dQ_j = dS K reads both warpgroups' rows of dS^T; dq_buffer is free for every
-    # thread; both warpgroups have waited for block j - 1's last matmuls, so that its stage is free.
+    # thread; both warpgroups have waited for block j - 1's last matmuls, so that its stage is free. (Triton
+    # follows the single-thread arrive with a bar.sync of its own: three per step in the PTX.)
     gl.thread_barrier()
     mbarrier.arrive(ring.free.index((j + STAGES - 1) % STAGES), pred=j > 0)
 
