@@ -5,8 +5,8 @@ supported head dims with no register spills and within the shared memory of a bl
 backward's wgmma kept asynchronous by ptxas (no C7514 serialisation); the TMA views of
 Q/K/V/dO address the right elements without copying where they can; the choice between this backward and the
 Triton one follows the explicit ``FlashConfig`` and refuses to force an impossible one. Its numerics are checked on
-an H200 by the GPU grid of ``test_flash_attention_triton.py``, which runs it by default on Hopper, and by
-``test_hopper_and_triton_kernels_agree_gpu`` below.
+a Hopper GPU (H100 or H200) by the GPU grid of ``test_flash_attention_triton.py``, which runs it by default on
+Hopper, and by ``test_hopper_and_triton_kernels_agree_gpu`` below.
 """
 
 from __future__ import annotations
