@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# Issue 30's runs on a machine with 2 GPUs (python3 with torch and triton), one part per call, each command under
-# what is left of $DEADLINE_S (default 560 s), into $OUT: part.log (everything printed) and results.tar (the rows).
-#   PART=tests bash scripts/device_two_gpus.sh      # the NCCL tests, leaderboard_2026 --check (what its 2-GPU test
+# Distributed runs on a machine with several GPUs (python3 with torch and triton), one or more parts per call, each
+# command under what is left of $DEADLINE_S (default 560 s), into $OUT: part.log (everything printed) and results.tar
+# (the rows). $WORLD (default 2) is the number of ranks of the DDP and optimizer parts.
+#   PART=tests bash scripts/device_gpus.sh          # the NCCL tests, leaderboard_2026 --check (what its 2-GPU test
 #                                                   # runs, here with its table), the sharded optimizers
-#   PART=official bash scripts/device_two_gpus.sh   # the 8B step under the official protocol, then its profile
-#   PART=ddp bash scripts/device_two_gpus.sh        # every DDP variant (fp32, bf16) and the independent ratio check
-#   PART="ddp optimizers" STEPS=20 bash scripts/device_two_gpus.sh   # parts one after another (also: zero1)
+#   PART=official bash scripts/device_gpus.sh       # the 8B step under the official protocol, then its profile
+#   PART=allreduce bash scripts/device_gpus.sh      # all-reduce on NCCL at 2 and 4 ranks (as many as there are GPUs)
+#   PART=ddp WORLD=4 bash scripts/device_gpus.sh    # every DDP variant (bf16, then fp32)
+#   PART=pairs bash scripts/device_gpus.sh          # PyTorch DDP and our best bucketed, alternating launches, 3 each
+#   PART="ddp optimizers" STEPS=20 bash scripts/device_gpus.sh   # parts one after another (also: zero1)
 # Rows go where the tools put them on a GPU, writeup/results, beside the committed ones (a stack's ratio finds the
 # other's row; cases measured on this device are skipped, so a cut-off part resumes next call).
 set -uo pipefail
@@ -55,16 +58,32 @@ zero1)  # the flat ZeRO-1 again (its NCCL test, rows with --force), e.g. after a
 optimizers)  # the four sharded-optimizer variants again in $DTYPES (--force), over $STEPS timed steps
     for dtype in ${DTYPES:-bf16}; do
         capped 150 python3 -m cs336_systems.bench.optimizer_state_sharding_accounting --force --steps "${STEPS:-20}" \
-            --dtype "$dtype" --optimizers adamw sharded zero_redundancy zero1_flat
+            --world-size "${WORLD:-2}" --dtype "$dtype" --optimizers adamw sharded zero_redundancy zero1_flat
     done
     ;;
+allreduce)  # the handout's grid of sizes on NCCL at every world size the GPUs allow (2 and 4 here)
+    gpus=$(nvidia-smi -L | wc -l)
+    sizes=(2); (( gpus >= 4 )) && sizes+=(4); (( gpus >= 6 )) && sizes+=(6)
+    capped 200 python3 -m cs336_systems.bench.distributed_communication_single_node --backends nccl \
+        --world-sizes "${sizes[@]}"
+    ;;
 ddp)  # bf16 first, over $STEPS timed steps (bf16 steps vary by 10-20 % between launches)
-    capped 250 python3 -m cs336_systems.bench.ddp_benchmarking --dtypes bf16 --steps "${STEPS:-10}"
-    capped 100 python3 scripts/ddp_ratio_check.py --dtype bf16 --bucket-mb 100
-    capped 250 python3 -m cs336_systems.bench.ddp_benchmarking --dtypes fp32 --steps "${STEPS:-10}"
+    capped 280 python3 -m cs336_systems.bench.ddp_benchmarking --world-size "${WORLD:-2}" --dtypes bf16 \
+        --steps "${STEPS:-10}"
+    capped 280 python3 -m cs336_systems.bench.ddp_benchmarking --world-size "${WORLD:-2}" --dtypes fp32 \
+        --steps "${STEPS:-10}"
+    ;;
+pairs)  # the deciding pair in alternating launches (three each); every launch's rows carry their own run id
+    for round in 1 2 3; do
+        for variant in torch_ddp "${BEST:-bucketed_100mb}"; do
+            capped 90 python3 -m cs336_systems.bench.ddp_benchmarking --world-size "${WORLD:-2}" --force \
+                --dtypes "${DTYPES:-bf16}" --variants "$variant" --steps "${STEPS:-10}"
+        done
+    done
+    capped 100 python3 scripts/ddp_ratio_check.py --dtype bf16 --bucket-mb 100 --size large
     ;;
 *)
-    echo "unknown part ${part}: tests, official, zero1 or ddp" >&2
+    echo "unknown part ${part}: tests, official, allreduce, ddp, pairs, zero1 or optimizers" >&2
     exit 2
     ;;
 esac
