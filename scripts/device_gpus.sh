@@ -77,7 +77,7 @@ pairs)  # the deciding pair in alternating launches (three each); every launch's
     for round in 1 2 3; do
         for variant in torch_ddp "${BEST:-bucketed_100mb}"; do
             capped 90 python3 -m cs336_systems.bench.ddp_benchmarking --world-size "${WORLD:-2}" --force \
-                --dtypes "${DTYPES:-bf16}" --variants "$variant" --steps "${STEPS:-10}"
+                --dtypes "${PAIR_DTYPE:-bf16}" --variants "$variant" --steps "${STEPS:-10}"
         done
     done
     capped 100 python3 scripts/ddp_ratio_check.py --dtype bf16 --bucket-mb 100 --size large
