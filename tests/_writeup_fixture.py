@@ -271,23 +271,54 @@ def ddp_benchmarking(figures: Path) -> list[dict]:
                 measured["trace_overlap_share"] = 0.0 if variant == "naive" else 0.9
                 measured["trace_comm_busy_ms"] = 50.0
             rows.append(row("ddp_benchmarking", config, measured, gpus=2, gpu="NVIDIA H200"))
+    return rows + ddp_on_four_gpus()
+
+
+def ddp_on_four_gpus() -> list[dict]:
+    """A later host of 4 GPUs: every variant at 4 ranks once, then PyTorch's DDP and our 1000 MiB bucketed DDP in
+    alternating launches (three each) at 2 and 4 ranks, bf16."""
+    rows = []
+    gpu = "NVIDIA H100 80GB HBM3"
+    for dtype, local in (("fp32", 800.0), ("bf16", 320.0)):
+        for variant in ("local", "naive", "flat", "overlap", "bucketed_100mb", "bucketed_1000mb", "torch_ddp"):
+            mb = {"bucketed_100mb": 100.0, "bucketed_1000mb": 1000.0}.get(variant)
+            exposed = {"local": 0.0, "naive": 80.0, "flat": 70.0, "overlap": 60.0}.get(variant, 30.0)
+            config = {"variant": variant, "dtype": dtype, "size": "xl", "world_size": 4}
+            measured = {"bucket_mb": mb, "step_ms": local + exposed, "comm_ms": None if variant == "torch_ddp" else 20.0,
+                        "exposed_ms": exposed, "compute_ms": local, "n_buckets": 8, "grad_bytes": GRAD_BYTES}
+            rows.append(row("ddp_benchmarking", config, measured, gpus=4, gpu=gpu))
+    for ws in (2, 4):
+        for launch in range(3):
+            for variant, exposed in (("torch_ddp", 40.0 + launch), ("bucketed_1000mb", 30.0 + 2 * launch)):
+                config = {"variant": variant, "dtype": "bf16", "size": "xl", "world_size": ws}
+                measured = {"bucket_mb": 1000.0 if variant != "torch_ddp" else None, "step_ms": 320.0 + exposed,
+                            "comm_ms": 20.0, "exposed_ms": exposed, "compute_ms": 320.0, "n_buckets": 8,
+                            "grad_bytes": GRAD_BYTES}
+                rows.append(row("ddp_benchmarking", config, measured, gpus=4, gpu=gpu))
     return rows
 
 
 def optimizer_state_sharding_accounting() -> list[dict]:
+    """Three optimizers on 2 GPUs, and the four (flat ZeRO-1 too) on a host of 4."""
+    return sharding_rows(2, "NVIDIA H200", ("adamw", "sharded", "zero_redundancy")) + sharding_rows(
+        4, "NVIDIA H100 80GB HBM3", ("adamw", "sharded", "zero_redundancy", "zero1_flat"))
+
+
+def sharding_rows(world: int, gpu: str, optimizers: tuple[str, ...]) -> list[dict]:
     rows = []
     for dtype, activations in (("fp32", 34.0), ("bf16", 26.0)):
-        for optimizer, state in (("adamw", 16.0), ("sharded", 8.0), ("zero_redundancy", 8.0)):
+        for optimizer in optimizers:
+            state = 16.0 if optimizer == "adamw" else 16.0 / world
             memory = {stage: {"params_gb": 8.0, "grads_gb": 8.0 if stage != "after_init" else 0.0,
                               "optimizer_state_gb": state if stage != "after_init" else 0.0,
                               "peak_gb": 16.0 + state + (activations if stage == "before_step" else 0.0)}
                       for stage in ("after_init", "before_step", "after_step")}
             rows.append(row("optimizer_state_sharding_accounting",
-                            {"optimizer": optimizer, "dtype": dtype, "size": "xl", "world_size": 2, "ddp": "bucketed_100mb",
-                             "context_length": 512, "batch_size": 4},
+                            {"optimizer": optimizer, "dtype": dtype, "size": "xl", "world_size": world,
+                             "ddp": "bucketed_100mb", "context_length": 512, "batch_size": 4},
                             {"step_ms": (700.0 if dtype == "fp32" else 300.0) + state, "steps": 5,
                              "peak_gb": 16.0 + state + activations, "peak_at": "before_step",
-                             "optimizer_state_gb": state, "memory": memory}, gpus=2, gpu="NVIDIA H200"))
+                             "optimizer_state_gb": state, "memory": memory}, gpus=world, gpu=gpu))
     return rows
 
 

@@ -82,13 +82,19 @@ class Results:
         return self.results_dir / name
 
     def rows(self, problem: str, one_device: bool = True,
-             keep: Callable[[list[dict[str, Any]]], list[dict[str, Any]]] | None = None) -> list[dict[str, Any]]:
-        """Latest row per configuration of ``<problem>.jsonl``; only the main device's rows if ``one_device``;
-        only those ``keep`` returns, if given (the rows a section leaves out stay out of its environment line).
+             keep: Callable[[list[dict[str, Any]]], list[dict[str, Any]]] | None = None,
+             world_size: int | None = None) -> list[dict[str, Any]]:
+        """Latest row per configuration of ``<problem>.jsonl``; only rows of ``world_size`` ranks, if given; then
+        only the main device's rows if ``one_device``; only those ``keep`` returns, if given (the rows a section
+        leaves out stay out of its environment line).
 
         Raises :class:`Missing` naming the file when it does not exist.
         """
         rows = latest_per_config(read_jsonl(self.path(f"{problem}.jsonl")))
+        if world_size is not None:
+            rows = [row for row in rows if row.get("world_size") == world_size]
+            if not rows:
+                raise Missing(display_path(self.path(f"{problem}.jsonl")), f"no rows of {world_size} ranks")
         if one_device:
             device = main_device(rows)
             rows = [row for row in rows if row.get("device", "") == device]

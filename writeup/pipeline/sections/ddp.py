@@ -4,6 +4,7 @@ communication accounting of the XXL model."""
 from __future__ import annotations
 
 import math
+import statistics
 from typing import Any
 
 from cs336_basics.model import MODEL_SIZES
@@ -30,32 +31,100 @@ def first_key(row: dict[str, Any], *keys: str) -> Any:
 # -----------------------------------------------------------------------------------------------
 
 
-def load_all_reduce(res) -> list[dict[str, Any]]:
-    """Rows ``{backend, world_size, size_mb, time_ms, algbw, busbw}`` (several machines: all devices kept)."""
+def short_device(device: str) -> str:
+    """``'4x NVIDIA H100 80GB HBM3'`` -> ``'H100 host of 4'``; CPU rows keep their name."""
+    count, _, name = device.partition("x ")
+    if not name:
+        return device
+    gpu = next((word for word in name.split() if word[:1] in "HAB" and word[1:2].isdigit()), name)
+    return f"{gpu} host of {count}"
+
+
+def load_all_reduce(res, device: str | None = None) -> list[dict[str, Any]]:
+    """Rows ``{backend, world_size, size_mb, time_ms, algbw, busbw, device}`` (all devices, or ``device``'s)."""
     rows = []
     for row in res.rows("distributed_communication_single_node", one_device=False):
-        if row.get("oom"):
+        if row.get("oom") or (device is not None and row.get("device") != device):
             continue
         rows.append({
             "backend": row["backend"], "world_size": row["world_size"], "size_mb": row["size_mb"],
             "time_ms": first_key(row, "time_ms", "mean_ms", "median_ms", "ms"),
             "algbw": first_key(row, "algbw_gbps", "algbw_gb_s", "algbw"),
-            "busbw": first_key(row, "busbw_gbps", "busbw_gb_s", "busbw"),
+            "busbw": first_key(row, "busbw_gbps", "busbw_gb_s", "busbw"), "device": row.get("device", ""),
         })
     return rows
 
 
+def newest_host_per_setting(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """For each (backend, world size), the rows of one host: the one measured most recently (a later machine that
+    measured more world sizes replaces an earlier one's rows of the same setting)."""
+    newest: dict[tuple[str, int], str] = {}
+    for r in rows:  # rows come in file order: the last device of a setting is the newest
+        newest[(r["backend"], r["world_size"])] = r["device"]
+    return [r for r in rows if newest[(r["backend"], r["world_size"])] == r["device"]]
+
+
+def all_reduce_fits(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``t = alpha + bytes / beta`` per (backend, world size), with the fit's worst relative error on its rows."""
+    fits = []
+    for backend, ws in sorted({(r["backend"], r["world_size"]) for r in rows}):
+        pts = [r for r in rows if r["backend"] == backend and r["world_size"] == ws]
+        per_call, bandwidth = accounting.fit_latency_bandwidth([p["size_mb"] * 1e6 for p in pts],
+                                                               [p["time_ms"] / 1e3 for p in pts])
+        error = max(abs((per_call + p["size_mb"] * 1e6 / bandwidth) / (p["time_ms"] / 1e3) - 1) for p in pts)
+        fits.append({"backend": backend, "world_size": ws, "alpha_us": per_call * 1e6, "beta_gbps": bandwidth / 1e9,
+                     "busbw_gbps": bandwidth / 1e9 * 2 * (ws - 1) / ws, "error": error, "measured": True,
+                     "device": pts[0]["device"]})
+    return fits
+
+
+def nccl_prediction(fits: list[dict[str, Any]], world_size: int) -> dict[str, Any] | None:
+    """NCCL at ``world_size`` ranks predicted from the measured fits: the per-call latency extrapolated linearly in
+    the number of ring steps ``n - 1``, and the largest measured bus bandwidth held (NVLink gives every pair the
+    same links, so a ring's bus bandwidth does not fall with more ranks)."""
+    nccl = sorted((f for f in fits if f["backend"] == "nccl"), key=lambda f: f["world_size"])
+    if len(nccl) < 2 or any(f["world_size"] >= world_size for f in nccl):
+        return None
+    (a, b), busbw = nccl[-2:], max(f["busbw_gbps"] for f in nccl)
+    slope = (b["alpha_us"] - a["alpha_us"]) / (b["world_size"] - a["world_size"])
+    alpha = b["alpha_us"] + slope * (world_size - b["world_size"])
+    return {"backend": "nccl", "world_size": world_size, "alpha_us": alpha, "busbw_gbps": busbw,
+            "beta_gbps": busbw * world_size / (2 * (world_size - 1)), "error": None, "measured": False, "device": ""}
+
+
+def all_reduce_tables(rows: list[dict[str, Any]], fits: list[dict[str, Any]], sizes: list[float]) -> dict[str, Any]:
+    body = [[r["backend"], str(r["world_size"]), short_device(r["device"]) if r["backend"] == "nccl" else "CPU",
+             num(r["size_mb"], 0), sig(r["time_ms"], 3), sig(r["algbw"], 3), sig(r["busbw"], 3)] for r in rows]
+    for f in fits:
+        if not f["measured"]:
+            body += [[f["backend"], str(f["world_size"]), "not measured", num(size, 0),
+                      sig(f["alpha_us"] / 1e3 + size * 1e6 / (f["beta_gbps"] * 1e9) * 1e3, 3) + " (model)", DASH, DASH]
+                     for size in sizes]
+    main = table(["backend", "processes", "where", "size (MB)", "time (ms)", "algbw (GB/s)", "busbw (GB/s)"], body,
+                 "All-reduce of float32 tensors, one process per GPU (NCCL) or per CPU core group (gloo): time over "
+                 "ranks after warm-up, algorithm bandwidth = size / time, bus bandwidth = algbw · 2(n − 1)/n. No "
+                 "machine with 6 GPUs could be had: the NCCL rows at 6 processes are the model's prediction (table "
+                 "below), not measurements.",
+                 align=["left", "right", "left", "right", "right", "right", "right"], size=8)
+    fit_body = [[f["backend"], str(f["world_size"]), num(f["alpha_us"], 0), num(f["beta_gbps"], 1),
+                 num(f["busbw_gbps"], 1), pct(f["error"]) if f["measured"] else "predicted"] for f in fits]
+    fit_table = table(["backend", "processes", "α (μs)", "β (GB/s)", "β · 2(n − 1)/n (GB/s)", "worst error"], fit_body,
+                      "The latency-bandwidth model t = α + size / β fitted per backend and process count (least "
+                      "squares on relative errors) and its worst relative error on the measured sizes. NCCL at 6 "
+                      "processes is predicted: α extrapolated linearly in n, the bus bandwidth of the measured fits "
+                      "held.", align=["left", "right", "right", "right", "right", "right"], size=8)
+    return {"main": main, "fits": fit_table}
+
+
 @problem("distributed_communication_single_node")
 def distributed_communication_single_node(res, out: Output) -> dict[str, Any]:
-    rows = sorted(load_all_reduce(res), key=lambda r: (r["backend"], r["world_size"], r["size_mb"]))
-    body = [[r["backend"], str(r["world_size"]), num(r["size_mb"], 0), sig(r["time_ms"], 3), sig(r["algbw"], 3),
-             sig(r["busbw"], 3)] for r in rows]
-    tab = table(["backend", "processes", "size (MB)", "time (ms)", "algbw (GB/s)", "busbw (GB/s)"], body,
-                "All-reduce of float32 tensors, one process per GPU (NCCL) or per CPU core group (gloo): time over "
-                "ranks after warm-up, algorithm bandwidth = size / time, bus bandwidth = algbw · 2(n − 1)/n.",
-                align=["left", "right", "right", "right", "right", "right"], size=8)
-    fig, axes = figures.new(6.5, 2.7, ncols=2)
+    rows = sorted(newest_host_per_setting(load_all_reduce(res)),
+                  key=lambda r: (r["backend"], r["world_size"], r["size_mb"]))
     sizes = sorted({r["size_mb"] for r in rows})
+    fits = all_reduce_fits(rows)
+    six = nccl_prediction(fits, 6)
+    fits += [six] if six else []
+    fig, axes = figures.new(6.5, 2.7, ncols=2)
     for backend in sorted({r["backend"] for r in rows}):
         for ws in sorted({r["world_size"] for r in rows if r["backend"] == backend}):
             pts = [r for r in rows if r["backend"] == backend and r["world_size"] == ws]
@@ -84,14 +153,23 @@ def distributed_communication_single_node(res, out: Output) -> dict[str, Any]:
     nccl_big, gloo_big = (at("nccl", ws, largest), at("gloo", ws, largest)) if ws else (None, None)
     nccl_busbw = [r["busbw"] for r in rows if r["backend"] == "nccl" and r["size_mb"] == largest]
     nccl_small = [r["busbw"] for r in rows if r["backend"] == "nccl" and r["size_mb"] == smallest]
+    measured = [f for f in fits if f["measured"]]
+    nccl_ws = sorted(f["world_size"] for f in measured if f["backend"] == "nccl")
     n = {
         "ws": str(ws), "largest": num(largest, 0), "smallest": num(smallest, 0),
         "nccl_over_gloo": times(gloo_big["time_ms"] / nccl_big["time_ms"], 0) if nccl_big and gloo_big else DASH,
         "nccl_busbw_lo": sig(min(nccl_busbw, default=math.nan), 3), "nccl_busbw_hi": sig(max(nccl_busbw, default=math.nan), 3),
         "nccl_small_busbw": sig(max(nccl_small, default=math.nan), 3),
         "gloo_busbw": sig(gloo_big and gloo_big["busbw"], 3),
+        "nccl_world_sizes": " and ".join(map(str, nccl_ws)),
+        "nccl_where": short_device(next((f["device"] for f in measured if f["backend"] == "nccl"), "")),
+        "fit_error": pct(max((f["error"] for f in measured), default=None)),
+        "six_alpha": num(six and six["alpha_us"], 0), "six_busbw": num(six and six["busbw_gbps"], 0),
+        "six_big_ms": sig(six and six["alpha_us"] / 1e3 + largest * 1e6 / (six["beta_gbps"] * 1e9) * 1e3, 3),
+        "has_six": six is not None,
     }
-    return {"tables": {"main": tab}, "figures": {"main": figure}, "n": n}
+    tables = all_reduce_tables(rows, fits, sizes)
+    return {"tables": tables, "figures": {"main": figure}, "n": n}
 
 
 # -----------------------------------------------------------------------------------------------
@@ -139,13 +217,13 @@ def _order(values: list[str], value: Any) -> int:
     return values.index(value) if value in values else len(values)
 
 
-def load_ddp(res) -> list[dict[str, Any]]:
+def load_ddp(res, world_size: int = 2) -> list[dict[str, Any]]:
     """Rows ``{variant, dtype, step_ms, compute_ms, comm_ms, exposed_ms, n_buckets, grad_bytes}`` (+
     ``bucket_size_mb`` from ``bucket_mb``, ``figure`` from ``trace_figure``), ``variant`` normalised to
     :data:`VARIANT_ORDER`. Every variant ran on freshly spawned ranks that first timed the step without
     communication (``local``): ``compute_ms`` is that launch's local step and ``exposed_ms = step_ms - compute_ms``."""
     rows = []
-    for row in res.rows("ddp_benchmarking"):
+    for row in res.rows("ddp_benchmarking", world_size=world_size):
         row = dict(row, variant=variant_of(row["variant"]), bucket_size_mb=row.get("bucket_mb"))
         if row.get("trace_figure"):  # a path on the GPU machine; Output.existing falls back to the figures dir
             row["figure"] = row["trace_figure"]
@@ -310,10 +388,12 @@ def ddp_bucketed_benchmarking(res, out: Output) -> dict[str, Any]:
     world = rows[0].get("world_size", 2)
     params = accounting.parameter_count(vocab_size=10_000, **MODEL_SIZES[size])
     grad_bytes = bucketed[0]["grad_bytes"]
-    collective = [r for r in load_all_reduce(res) if r["backend"] == "nccl" and r["world_size"] == world]
+    collective = [r for r in load_all_reduce(res, device=rows[0]["device"])
+                  if r["backend"] == "nccl" and r["world_size"] == world]
     if len(collective) < 2:
         raise Missing("writeup/results/distributed_communication_single_node.jsonl",
-                      f"NCCL rows for {world} processes (the overhead model's bandwidth and latency)")
+                      f"NCCL rows for {world} processes on {rows[0]['device']} (the overhead model's bandwidth and "
+                      "latency)")
     fits = overhead_fits(bucketed, collective)
     per_call, bandwidth, fitted = fits["per_call"], fits["bandwidth"], fits["fitted"]
     optimum = accounting.optimal_bucket(grad_bytes, bandwidth, per_call)
@@ -392,7 +472,6 @@ def ddp_bucketed_benchmarking(res, out: Output) -> dict[str, Any]:
         }
 
     smallest = series[DTYPE_ORDER[0]][0]
-    elsewhere = bf16_pair_elsewhere(res, rows[0]["device"])
     n = {
         **{d: dtype_numbers(d) for d in DTYPE_ORDER}, **local_spread(rows),
         "check_mb": f"{RATIO_CHECK['bucket_mb']:g}", "check_where": RATIO_CHECK["where"],
@@ -403,29 +482,59 @@ def ddp_bucketed_benchmarking(res, out: Output) -> dict[str, Any]:
         "small_mb": f"{smallest['bucket_size_mb']:g}", "small_calls": str(smallest["n_buckets"]),
         "small_naive": num(grad_bytes / (smallest["bucket_size_mb"] * 2**20), 0),
     }
-    n["elsewhere"] = elsewhere or {}
-    n["has_elsewhere"] = elsewhere is not None
-    return {"tables": {"main": tab, "model": model_table}, "figures": {"main": figure}, "n": n}
+    pairs = ddp_pairs(res)
+    n["pairs"] = pairs["n"]
+    four = load_ddp(res, world_size=4)
+    four_table = ddp_table(four, CAPTION.format(setup=ddp_setup(four)) + f" {short_device(four[0]['device'])}.")
+    n["four"] = {d: {"best": best_bucketed(four, d), "torch": ddp_numbers(four, "torch_ddp", d)} for d in DTYPE_ORDER}
+    return {"tables": {"main": tab, "model": model_table, "pairs": pairs["table"], "four": four_table},
+            "figures": {"main": figure}, "n": n}
 
 
-ELSEWHERE_VARIANTS = ("torch_ddp", "bucketed_100mb")
+def best_bucketed(rows: list[dict[str, Any]], dtype: str) -> dict[str, Any]:
+    """The fastest bucketed row of ``dtype``: its bucket size, step, exposed share and ratio to PyTorch DDP's."""
+    best = min(by_variant(rows, "bucketed", dtype), key=lambda r: r["step_ms"])
+    torch_ms = ddp_numbers(rows, "torch_ddp", dtype)["_step"]
+    return {"mb": f"{best['bucket_size_mb']:g}", "step": num(best["step_ms"]),
+            "share": pct(exposed_of(best) / best["step_ms"]), "vs_torch": times(best["step_ms"] / torch_ms, 3)}
 
 
-def bf16_pair_elsewhere(res, device: str) -> dict[str, str] | None:
-    """The newest bf16 rows of PyTorch's DDP and our bucketed DDP (100 MiB) on another device than ``device``
-    (a re-measurement on other GPUs, e.g. 2 H100s beside the section's 2 H200s), or None."""
+PAIR_VARIANTS = ("torch_ddp", "bucketed_1000mb")
+
+
+def ddp_pairs(res) -> dict[str, Any]:
+    """PyTorch's DDP against our best bucketed DDP over every launch of each on the newest multi-GPU host (the
+    alternating launches and the sweep's): per world size and dtype, each launch's step, the median and spread."""
     rows = [r for r in res.log_rows("ddp_benchmarking", measured=lambda row: False)
-            if r.get("device") != device and r.get("dtype") == "bf16" and r.get("variant") in ELSEWHERE_VARIANTS]
-    newest = {r["variant"]: r for r in sorted(rows, key=lambda r: r["run"])}
-    if set(newest) != set(ELSEWHERE_VARIANTS) or len({r["device"] for r in newest.values()}) != 1:
-        return None
-    res.used.extend(newest.values())
-    ours, torch = newest["bucketed_100mb"], newest["torch_ddp"]
-    return {"device": ours["device"], "date": str(ours["env"]["date"])[:10], "steps": str(ours.get("steps")),
-            "ours_ms": num(ours["step_ms"]), "ours_local": num(ours["compute_ms"]),
-            "ours_share": pct(ours["exposed_ms"] / ours["step_ms"]), "torch_ms": num(torch["step_ms"]),
-            "torch_local": num(torch["compute_ms"]), "torch_share": pct(torch["exposed_ms"] / torch["step_ms"]),
-            "ratio": times(ours["step_ms"] / torch["step_ms"], 3)}
+            if r.get("variant") in PAIR_VARIANTS and not r.get("oom")]
+    host = rows[-1]["device"]
+    res.used.extend(r for r in rows if r["device"] == host)
+    groups: dict[tuple[int, str], dict[str, list[dict[str, Any]]]] = {}
+    for r in rows:
+        if r["device"] == host:
+            groups.setdefault((r["world_size"], r["dtype"]), {}).setdefault(r["variant"], []).append(r)
+    body, numbers = [], {}
+    for (ws, dtype), by in sorted(groups.items(), key=lambda item: (item[0][0], _order(DTYPE_ORDER, item[0][1]))):
+        if len(by) < 2 or min(len(v) for v in by.values()) < 3:
+            continue
+        medians = {v: statistics.median(r["step_ms"] for r in launches) for v, launches in by.items()}
+        for variant in PAIR_VARIANTS:
+            steps = [r["step_ms"] for r in by[variant]]
+            shares = [r["exposed_ms"] / r["step_ms"] for r in by[variant] if r.get("exposed_ms") is not None]
+            body.append([str(ws), dtype, variant_label(dict(variant=variant_of(variant),
+                                                            bucket_size_mb=by[variant][0].get("bucket_mb"))),
+                         ", ".join(num(t, 0) for t in steps), num(medians[variant]),
+                         pct(max(steps) / min(steps) - 1), f"{pct(min(shares))} to {pct(max(shares))}"])
+        ratio = medians["bucketed_1000mb"] / medians["torch_ddp"]
+        numbers[f"w{ws}_{dtype}"] = {"ratio": times(ratio, 3), "launches": str(len(by["torch_ddp"]))}
+    caption = (f"PyTorch's DDP and our bucketed DDP (1000 MiB), every launch of each on {short_device(host)} "
+               "(alternating launches, three each, and the sweep's where it measured the same case); each launch "
+               "spawns fresh ranks, times its own step without communication, then the wrapper's: its median step "
+               "over 10 timed steps. Spread: largest over smallest launch.")
+    tab = table(["processes", "dtype", "variant", "steps of each launch (ms)", "median (ms)", "spread",
+                 "exposed share"], body, caption, align=["right", "left", "left", "left", "right", "right", "right"],
+                size=8)
+    return {"table": tab, "n": numbers}
 
 
 # -----------------------------------------------------------------------------------------------

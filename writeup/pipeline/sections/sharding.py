@@ -49,9 +49,11 @@ def optimizer_kind(name: str) -> str:
     return "zero_redundancy" if "zero" in name else "sharded" if "shard" in name else "adamw"
 
 
-def load_sharding_accounting(res) -> list[dict[str, Any]]:
-    """The rows by dtype, then AdamW, ours, ZeRO; ``kind`` normalised (each case ran on freshly spawned ranks)."""
-    rows = [dict(r, kind=optimizer_kind(r["optimizer"])) for r in res.rows("optimizer_state_sharding_accounting")]
+def load_sharding_accounting(res, world_size: int = 2) -> list[dict[str, Any]]:
+    """The rows of ``world_size`` ranks by dtype, then AdamW, ours, ZeRO; ``kind`` normalised (each case ran on
+    freshly spawned ranks)."""
+    rows = [dict(r, kind=optimizer_kind(r["optimizer"]))
+            for r in res.rows("optimizer_state_sharding_accounting", world_size=world_size)]
     order = list(OPTIMIZER_LABEL)
     return sorted(rows, key=lambda r: (DTYPE_ORDER.index(r["dtype"]) if r.get("dtype") in DTYPE_ORDER else 9,
                                        order.index(r["kind"])))
@@ -66,22 +68,9 @@ def optimizer_state_sharding_accounting(res, out: Output) -> dict[str, Any]:
     if dtypes != DTYPE_ORDER:
         raise Missing(SHARDING_FILE, f"AdamW, sharded and zero_redundancy rows in {' and '.join(DTYPE_ORDER)}")
 
-    def ratio(r: dict[str, Any], kind: str) -> str:
-        base = ok.get((r.get("dtype"), kind))
-        return times(r["step_ms"] / base["step_ms"], 3) if base and not r.get("oom") else DASH
-
-    summary = [[OPTIMIZER_LABEL[r["kind"]], r.get("dtype", DASH)]
-               + (["OOM", DASH, DASH, DASH, DASH] if r.get("oom") else
-                  [num(r.get("step_ms")), ratio(r, "adamw"), ratio(r, "zero_redundancy"), num(r.get("peak_gb"), 2),
-                   num(r.get("optimizer_state_gb"), 2)]) for r in rows]
-    first = rows[0]
-    summary_table = table(["optimizer", "dtype", "step (ms)", "vs AdamW", "vs ZeRO", "peak (GB)", "optimizer state (GB)"],
-                          summary,
-                          f"{size} model on {world} GPUs under our bucketed DDP ({first.get('ddp', DASH)}), context "
-                          f"{first.get('context_length')}, batch {first.get('batch_size')} per GPU, each case on freshly "
-                          f"spawned ranks: median step time over {first.get('steps')} steps, its ratio to AdamW and to "
-                          "ZeroRedundancyOptimizer of the same dtype, peak memory per GPU and the optimizer state each "
-                          "GPU holds.", size=8)
+    summary_table = sharding_summary(rows)
+    four = load_sharding_accounting(res, world_size=4)
+    four_table = sharding_summary(four)
     body = []
     components = []
     for r in rows:
@@ -134,7 +123,42 @@ def optimizer_state_sharding_accounting(res, out: Output) -> dict[str, Any]:
         "dtypes": dtypes, **{d: per_dtype(d) for d in dtypes},
     }
     n["has_flat"] = any(n[d]["has_flat"] for d in dtypes)
-    return {"tables": {"summary": summary_table, "breakdown": breakdown_table}, "n": n}
+    n["four"] = flat_at_four(four)
+    return {"tables": {"summary": summary_table, "breakdown": breakdown_table, "four": four_table}, "n": n}
+
+
+def flat_at_four(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Flat ZeRO-1 against ``ZeroRedundancyOptimizer`` per dtype (the rows of one world size)."""
+    ok = {(r.get("dtype"), r["kind"]): r for r in rows if not r.get("oom")}
+    out = {"world": str(rows[0].get("world_size")), "where": rows[0].get("device", DASH)}
+    for dtype in DTYPE_ORDER:
+        flat, zero = ok.get((dtype, "zero1_flat")), ok.get((dtype, "zero_redundancy"))
+        out[dtype] = {"vs_zero": times(flat["step_ms"] / zero["step_ms"], 3) if flat and zero else DASH,
+                      "peak_flat": num(flat and flat["peak_gb"], 2), "peak_zero": num(zero and zero["peak_gb"], 2)}
+    return out
+
+
+def sharding_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Step, ratios to AdamW and to ``ZeroRedundancyOptimizer`` of the same dtype, peak and state, per row."""
+    size, _, world = model_params(rows)
+    ok = {(r.get("dtype"), r["kind"]): r for r in rows if not r.get("oom")}
+
+    def ratio(r: dict[str, Any], kind: str) -> str:
+        base = ok.get((r.get("dtype"), kind))
+        return times(r["step_ms"] / base["step_ms"], 3) if base and not r.get("oom") else DASH
+
+    summary = [[OPTIMIZER_LABEL[r["kind"]], r.get("dtype", DASH)]
+               + (["OOM", DASH, DASH, DASH, DASH] if r.get("oom") else
+                  [num(r.get("step_ms")), ratio(r, "adamw"), ratio(r, "zero_redundancy"), num(r.get("peak_gb"), 2),
+                   num(r.get("optimizer_state_gb"), 2)]) for r in rows]
+    first = rows[0]
+    return table(["optimizer", "dtype", "step (ms)", "vs AdamW", "vs ZeRO", "peak (GB)", "optimizer state (GB)"],
+                 summary,
+                 f"{size} model on {world} GPUs ({first.get('device', DASH)}) under our bucketed DDP "
+                 f"({first.get('ddp', DASH)}), context {first.get('context_length')}, batch {first.get('batch_size')} "
+                 f"per GPU, each case on freshly spawned ranks: median step time over {first.get('steps')} steps, its "
+                 "ratio to AdamW and to ZeroRedundancyOptimizer of the same dtype, peak memory per GPU and the "
+                 "optimizer state each GPU holds.", size=8)
 
 
 @problem("fsdp")
