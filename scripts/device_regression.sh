@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The same measurements on two checkouts in one call, alternating, so that a change's effect on speed is read on
+# one machine: the leaderboard protocol (ours and cuDNN) and the xl training step (ours, eager and CUDA graphs).
+#   git worktree add /tmp/base <commit> && mkdir -p .baseline && cp -r /tmp/base/cs336_systems /tmp/base/cs336-basics .baseline/
+#   bash scripts/device_regression.sh .baseline .      # on the GPU machine: rows under $OUT/<label>/
+set -uo pipefail
+source "$(dirname "$0")/device_env.sh"
+root=$PWD
+for round in 1 2; do
+    for tree in "$@"; do
+        label=$( [[ "$tree" == "." ]] && echo current || basename "$tree" | tr -d . )
+        mkdir -p "$OUT/$label"
+        echo "# $(date -u +%H:%M:%S) round $round: $label" | tee -a "$OUT/regression.log"
+        (cd "$tree" && PYTHONPATH=$PWD:$PWD/cs336-basics timeout 200 python3 -m cs336_systems.bench.leaderboard \
+            --providers ours sdpa_cudnn --no-fwd --results-dir "$OUT/$label" 2>&1 \
+            | grep -v 'it/s\]\|s/it\]' | tail -n 8) | tee -a "$OUT/regression.log"
+        (cd "$tree" && PYTHONPATH=$PWD:$PWD/cs336-basics timeout 200 python3 -m cs336_systems.bench.train_step \
+            --sizes xl --shapes 512:4 --stacks ours --force --results-dir "$OUT/$label" 2>&1 \
+            | grep -v 'it/s\]\|s/it\]' | tail -n 6) | tee -a "$OUT/regression.log"
+    done
+done
+cd "$root"
