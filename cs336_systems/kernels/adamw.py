@@ -71,11 +71,11 @@ import triton.language as tl
 from torch import Tensor
 
 from cs336_basics.optimizer import AdamW
-from cs336_systems.kernels.launch import FLOAT_DTYPES, RUNNING_IN_INTERPRETER
+from cs336_systems.kernels.launch import FLOAT_DTYPES, Kernel, check_device, interpreting
 
 SUPPORTED_DTYPES = FLOAT_DTYPES
 
-BLOCK: int = 256 if RUNNING_IN_INTERPRETER else 2048
+BLOCK: int = 256 if interpreting() else 2048
 """Elements per program. On a GPU, with :data:`NUM_WARPS` 8: 8 elements a thread, two 16-byte vectors per
 float32 stream. Chosen from ptxas's register counts for sm_90a, not yet from timings: 64 registers a thread
 in float32 (about 100 with bfloat16 parameters) and no spills, so 2 to 4 programs (16 to 32 warps) share an
@@ -178,18 +178,11 @@ def fused_adamw_kernel(
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
-def _check_device(x: Tensor) -> None:
-    if RUNNING_IN_INTERPRETER:
-        if x.device.type != "cpu":
-            raise ValueError(
-                f"under TRITON_INTERPRET=1 the fused AdamW takes CPU tensors only (its tables hold raw addresses, "
-                f"which the interpreter reads in host memory), got a tensor on {x.device}"
-            )
-    elif x.device.type != "cuda":
-        raise ValueError(
-            f"the fused AdamW kernel needs CUDA tensors, got a tensor on {x.device}; to run it on the CPU through "
-            "the Triton interpreter, set TRITON_INTERPRET=1 before cs336_systems.kernels.adamw is imported"
-        )
+_KERNEL = Kernel(fused_adamw_kernel)
+
+
+def _launch_config() -> triton.Config:
+    return triton.Config({}, num_warps=NUM_WARPS)
 
 
 class _Tables:
@@ -270,7 +263,7 @@ def fused_adamw_(
     if n == 0:
         return
     device, param_dtype, grad_dtype = params[0].device, params[0].dtype, grads[0].dtype
-    _check_device(params[0])
+    check_device(params[0], "the fused AdamW kernel", "cs336_systems.kernels.adamw", reads_host_addresses=True)
     for dtype, what in ((param_dtype, "parameter"), (grad_dtype, "gradient")):
         if dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"unsupported {what} dtype {dtype}: the fused AdamW takes float32, bfloat16 or float16")
@@ -307,14 +300,16 @@ def fused_adamw_(
     beta1, beta2 = betas
     bias_correction2_sqrt = math.sqrt(1 - beta2**step)
     # Triton launches on the current device, which need not be the tensors'.
+    has_master = masters is not None
+    # The table and the block map are fresh allocations, aligned: the dtypes, the alignment of the addresses in the
+    # table, the master weights and BLOCK determine the compilation.
+    key = (param_dtype, grad_dtype, tables.aligned, has_master, BLOCK)
+    args = (tables.table, tables.block_tensor, float(1 - lr * weight_decay), float(1 - beta1), float(beta2),
+            float(1 - beta2), float(lr * bias_correction2_sqrt / (1 - beta1**step)), float(eps * bias_correction2_sqrt))
+    constexprs = dict(PARAM_DTYPE=_TL_DTYPES[param_dtype], GRAD_DTYPE=_TL_DTYPES[grad_dtype], ALIGNED=tables.aligned,
+                      HAS_MASTER=has_master, BLOCK=BLOCK)
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-        fused_adamw_kernel[(tables.n_blocks,)](
-            tables.table, tables.block_tensor,
-            float(1 - lr * weight_decay), float(1 - beta1), float(beta2), float(1 - beta2),
-            float(lr * bias_correction2_sqrt / (1 - beta1**step)), float(eps * bias_correction2_sqrt),
-            PARAM_DTYPE=_TL_DTYPES[param_dtype], GRAD_DTYPE=_TL_DTYPES[grad_dtype], ALIGNED=tables.aligned,
-            HAS_MASTER=masters is not None, BLOCK=BLOCK, num_warps=NUM_WARPS,
-        )
+        _KERNEL(key, lambda tiles: (tables.n_blocks,), args, constexprs, _launch_config)
 
 
 # ---------------------------------------------------------------------------------------------------
