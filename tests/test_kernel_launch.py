@@ -26,6 +26,8 @@ class Recorder:
         self.launches: list[tuple] = []
         self.best_config = best_config
         self.arg_names = ["X", "n", "BLOCK", "FLAG"]
+        self.compiled_keys: set = set()
+        self.short_launches: list[tuple] = []
 
     def __getitem__(self, grid):
         def launch_(*args, **kwargs):
@@ -35,8 +37,14 @@ class Recorder:
 
         return launch_
 
-    def __call__(self, key, grid, args, constexprs, **options):  # as a Launcher
+    def __call__(self, key, grid, args, constexprs, **options):  # as a Launcher: compiles for key, and launches
         self.launches.append((key, grid, args, {**constexprs, **options}))
+        self.compiled_keys.add(key)
+
+    def launch_compiled(self, key, grid, args) -> bool:  # as a Launcher: the short path of a compiled key
+        if key in self.compiled_keys:
+            self.short_launches.append((key, grid, args))
+        return key in self.compiled_keys
 
 
 def fixed_rule(calls: list, block: int = 16):
@@ -98,8 +106,10 @@ def test_autotuned_key_tunes_once_then_launches_its_pick(monkeypatch):
     for _ in range(3):
         kernel("k1", grid, ("x", 5), {"FLAG": True}, fixed_rule(calls), autotune=True)
     assert len(autotuner.launches) == 1 and kernel.configs.autotuned == 1  # the first call tuned, and launched
-    assert launcher.launches == 2 * [((True, "k1"), (8,), ("x", 5), {"FLAG": True, "BLOCK": 8, "num_warps": 4,
-                                                                       "num_stages": 2})]
+    # The second compiled the pick, the third took the short path.
+    assert launcher.launches == [((True, "k1"), (8,), ("x", 5), {"FLAG": True, "BLOCK": 8, "num_warps": 4,
+                                                                   "num_stages": 2})]
+    assert launcher.short_launches == [((True, "k1"), (8,), ("x", 5))]
     assert calls == [] and fn.launches == []
     kernel("k2", grid, ("y", 6), {"FLAG": False}, fixed_rule(calls), autotune=True)
     assert len(autotuner.launches) == 2 and kernel.configs.autotuned == 2  # a new key tunes again
@@ -112,9 +122,9 @@ def test_fixed_configuration_is_chosen_once_per_key(monkeypatch):
         kernel("k1", grid, ("x", 5), {"FLAG": True}, fixed_rule(calls, 16))
     kernel("k2", grid, ("x", 5), {"FLAG": True}, fixed_rule(calls, 32))
     assert calls == [16, 32] and autotuner.launches == [] and fn.launches == []
-    assert [(key, grid_) for key, grid_, _, _ in launcher.launches] == [((False, "k1"), (4,)), ((False, "k1"), (4,)),
-                                                                      ((False, "k2"), (2,))]
+    assert [(key, grid_) for key, grid_, _, _ in launcher.launches] == [((False, "k1"), (4,)), ((False, "k2"), (2,))]
     assert launcher.launches[0][3] == {"FLAG": True, "BLOCK": 16, "num_warps": 2, "num_stages": 1}
+    assert launcher.short_launches == [((False, "k1"), (4,), ("x", 5))]
 
 
 def test_autotuning_off_and_autotuning_on_keep_separate_choices(monkeypatch):
@@ -249,7 +259,7 @@ def interpreter_reads(path: Path) -> list[str]:
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Constant) and node.value == "TRITON_INTERPRET":
             found.append(f"line {node.lineno}: the environment variable")
-        elif isinstance(node, ast.Attribute) and node.attr == "interpret" and getattr(node.value, "attr", "") == "runtime":
+        elif isinstance(node, ast.Attribute) and (node.attr, getattr(node.value, "attr", "")) == ("interpret", "runtime"):
             found.append(f"line {node.lineno}: triton.knobs.runtime.interpret")
         elif isinstance(node, (ast.Name, ast.Attribute)) and "RUNNING_IN_INTERPRETER" in (
                 getattr(node, "id", None), getattr(node, "attr", None)):

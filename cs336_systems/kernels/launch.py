@@ -182,18 +182,18 @@ class Launcher:
     def __call__(self, key, grid: tuple[int, ...], args: tuple, constexprs: dict[str, Any], **options) -> None:
         """``fn[grid](*args, **constexprs, **options)``; ``args`` are the leading parameters in order, ``constexprs``
         the trailing ones (the kernel's last parameters), ``options`` launch options such as ``num_warps``."""
+        if not self.launch_compiled(key, grid, args):
+            self._compile_and_launch(key, grid, args, constexprs, options)
+
+    def launch_compiled(self, key, grid: tuple[int, ...], args: tuple) -> bool:
+        """Launch the kernel compiled for ``key`` on the current device, if there is one (True); else do nothing
+        (False). The constexprs and options are the ones of the key's first call."""
         if _INTERPRETING:
-            self.fn[grid](*args, **constexprs, **options)
-            return
+            return False
         device = torch._C._cuda_getDevice()  # a compiled kernel is loaded on one device
         entry = self._compiled.get((device, key))
         if entry is None:
-            kernel = self.fn[grid](*args, **constexprs, **options)
-            names = self.fn.arg_names
-            if set(names[len(args):]) != set(constexprs):
-                raise TypeError(f"{self.fn.__name__}: the keyword arguments must be its trailing parameters")
-            self._compiled[(device, key)] = (kernel, tuple(constexprs[name] for name in names[len(args):]))
-            return
+            return False
         kernel, tail = entry
         stream = torch._C._cuda_getCurrentRawStream(device)
         grid_y = grid[1] if len(grid) > 1 else 1
@@ -204,6 +204,18 @@ class Launcher:
         metadata = kernel.launch_metadata(grid, stream, *args, *tail) if listened else None
         kernel.run(grid[0], grid_y, grid_z, stream, kernel.function, kernel.packed_metadata, metadata,
                    enter, hooks.launch_exit_hook, *args, *tail)
+        return True
+
+    def _compile_and_launch(self, key, grid: tuple[int, ...], args: tuple, constexprs: dict[str, Any],
+                            options: dict[str, Any]) -> None:
+        kernel = self.fn[grid](*args, **constexprs, **options)
+        if _INTERPRETING:
+            return
+        names = self.fn.arg_names
+        if set(names[len(args):]) != set(constexprs):
+            raise TypeError(f"{self.fn.__name__}: the keyword arguments must be its trailing parameters")
+        tail = tuple(constexprs[name] for name in names[len(args):])
+        self._compiled[(torch._C._cuda_getDevice(), key)] = (kernel, tail)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -215,34 +227,29 @@ Grid = Callable[[dict[str, Any]], tuple[int, ...]]
 all keyword arguments, which include them)."""
 
 
-class ConfigCache:
+class ConfigCache(dict[Hashable, triton.Config]):
     """Launch configurations by key, each chosen once and then reused: by a rule (the fixed configuration for the
-    key) or by the autotuner (its pick at the key's first call). A key holds everything the choice depends on."""
+    key) or by the autotuner (its pick at the key's first call). A key holds everything the choice depends on.
+    A dict, so that the look-up of every launch is ``get``, in C."""
 
     def __init__(self):
-        self._chosen: dict[Hashable, triton.Config] = {}
+        super().__init__()
         self.autotuned = 0
         """Autotuner runs so far (tests)."""
 
-    def get(self, key: Hashable) -> triton.Config | None:
-        return self._chosen.get(key)
-
     def fixed(self, key: Hashable, rule: Callable[[], triton.Config]) -> triton.Config:
         """The configuration of ``key``, from ``rule()`` the first time."""
-        config = self._chosen.get(key)
+        config = self.get(key)
         if config is None:
-            config = self._chosen[key] = rule()
+            config = self[key] = rule()
         return config
 
     def autotune(self, key: Hashable, autotuner, grid: Grid, args: tuple, constexprs: dict[str, Any]) -> None:
         """Run ``autotuner`` (``triton.autotune`` of the kernel) on these arguments, which benchmarks its candidates
         and launches the fastest, and keep its pick for ``key``."""
         autotuner[grid](*args, **constexprs)
-        self._chosen[key] = autotuner.best_config
+        self[key] = autotuner.best_config
         self.autotuned += 1
-
-    def clear(self) -> None:
-        self._chosen.clear()
 
 
 class Kernel:
@@ -282,6 +289,8 @@ class Kernel:
                 self.configs.autotune(config_key, self._autotuner, grid, args, constexprs)
                 return
             config = self.configs.fixed(config_key, fixed)
+        elif self._launcher.launch_compiled(config_key, grid(config.kwargs), args):
+            return  # the common case: no keyword arguments to gather
         self._launcher(config_key, grid(config.kwargs), args, {**constexprs, **config.kwargs},
                        num_warps=config.num_warps, num_stages=config.num_stages)
 
