@@ -153,9 +153,8 @@ def _rows_step_triton(logits: Tensor, targets: Tensor, row_loss: Tensor, scale: 
     # MAX_BLOCK_V: the tile rule's bound, which tests lower.
     key = (logits.dtype, targets.dtype, logits.stride(0), n_cols, ignore_index, aligned(logits, targets, row_loss),
            write_grad, MAX_BLOCK_V)
-    _ROWS_KERNEL(key, lambda tiles: (n_rows,), (logits, targets, row_loss, scale, logits.stride(0), n_cols,
-                                                 ignore_index), {"WRITE_GRAD": write_grad},
-                 lambda: _rows_config(n_cols))
+    args = (logits, targets, row_loss, scale, logits.stride(0), n_cols, ignore_index)
+    _ROWS_KERNEL(key, lambda tiles: (n_rows,), args, {"WRITE_GRAD": write_grad}, lambda: _rows_config(n_cols))
 
 
 def _rows_step_torch(logits: Tensor, targets: Tensor, row_loss: Tensor, scale: Tensor, ignore_index: int,
