@@ -47,9 +47,9 @@ _INTERPRETING: bool = triton.knobs.runtime.interpret
 
 
 def interpreting() -> bool:
-    """Whether our kernels run in Triton's CPU interpreter: ``TRITON_INTERPRET=1`` when this module was imported,
-    which is before any of our kernels is defined (``@triton.jit`` reads the same setting when it decorates a
-    kernel). Kernels then run on CPU tensors, as NumPy, one program at a time. Fixed for the process."""
+    """Whether our kernels run in Triton's CPU interpreter: ``TRITON_INTERPRET=1`` when this module was imported
+    (``@triton.jit`` reads the same setting when it decorates a kernel, and the kernel modules import this one
+    first). Kernels then run on CPU tensors, as NumPy, one program at a time. Fixed for the process."""
     return _INTERPRETING
 
 
