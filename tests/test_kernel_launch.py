@@ -245,7 +245,7 @@ def test_rmsnorm_operators_are_triton_ops_outside_the_interpreter():
 # ---------------------------------------------------------------------------------------------------
 
 ALLOWED_READERS = {
-    # The attention operator still imports the constant; it moves to interpreting() with its split into backends.
+    # The attention operator reads RUNNING_IN_INTERPRETER, launch.py's constant of interpreting().
     "cs336_systems/attention/flash_triton.py",
     # A command-line tool that hands TRITON_INTERPRET=1 to the CPU ranks it spawns when its own process lacks it.
     "cs336_systems/bench/leaderboard_2026.py",
