@@ -273,12 +273,11 @@ def test_torch_compile_traces_without_graph_breaks():
 def test_row_kernel_compiles_for_h100_without_spills():
     """Ahead-of-time compile for sm_90 (see ``_flash_aot.py``): the interpreter does not check what only the
     compiler does (types of loop-carried values, layouts); no register spills at the default tile."""
-    import triton
-
     from cs336_systems.kernels import cross_entropy
+    from cs336_systems.kernels.launch import interpreting
     from tests._flash_aot import compile_for_gpu, nvidia_toolchain_available, resource_usage
 
-    if triton.knobs.runtime.interpret or not nvidia_toolchain_available():
+    if interpreting() or not nvidia_toolchain_available():
         pytest.skip("needs Triton's NVIDIA backend and ptxas, outside the interpreter")
     for dtype in (torch.bfloat16, torch.float32):
         for vocab in (151936, 1000):

@@ -144,12 +144,11 @@ def test_every_autotune_candidate_compiles_for_h100_without_spills(n_cols):
     """Ahead-of-time compile for sm_90 (see ``_flash_aot.py``) of the configurations the pruner lets the
     autotuner try, for each warp count the one with the most elements per thread (the most registers), and of
     the fixed configuration that the operators launch."""
-    import triton
-
     from cs336_systems.kernels import rmsnorm
+    from cs336_systems.kernels.launch import interpreting
     from tests._flash_aot import compile_for_gpu, nvidia_toolchain_available, resource_usage
 
-    if triton.knobs.runtime.interpret or not nvidia_toolchain_available():
+    if interpreting() or not nvidia_toolchain_available():
         pytest.skip("needs Triton's NVIDIA backend and ptxas, outside the interpreter")
     block_n, single_tile = rmsnorm._block_n(n_cols)
     for dtype in (torch.bfloat16, torch.float32):

@@ -71,11 +71,11 @@ import triton.language as tl
 from torch import Tensor
 
 from cs336_basics.optimizer import AdamW
-from cs336_systems.kernels.launch import FLOAT_DTYPES, RUNNING_IN_INTERPRETER
+from cs336_systems.kernels.launch import FLOAT_DTYPES, Kernel, check_device, interpreting
 
 SUPPORTED_DTYPES = FLOAT_DTYPES
 
-BLOCK: int = 256 if RUNNING_IN_INTERPRETER else 2048
+BLOCK: int = 256 if interpreting() else 2048
 """Elements per program. On a GPU, with :data:`NUM_WARPS` 8: 8 elements a thread, two 16-byte vectors per
 float32 stream. Chosen from ptxas's register counts for sm_90a, not yet from timings: 64 registers a thread
 in float32 (about 100 with bfloat16 parameters) and no spills, so 2 to 4 programs (16 to 32 warps) share an
@@ -178,18 +178,11 @@ def fused_adamw_kernel(
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
-def _check_device(x: Tensor) -> None:
-    if RUNNING_IN_INTERPRETER:
-        if x.device.type != "cpu":
-            raise ValueError(
-                f"under TRITON_INTERPRET=1 the fused AdamW takes CPU tensors only (its tables hold raw addresses, "
-                f"which the interpreter reads in host memory), got a tensor on {x.device}"
-            )
-    elif x.device.type != "cuda":
-        raise ValueError(
-            f"the fused AdamW kernel needs CUDA tensors, got a tensor on {x.device}; to run it on the CPU through "
-            "the Triton interpreter, set TRITON_INTERPRET=1 before cs336_systems.kernels.adamw is imported"
-        )
+_KERNEL = Kernel(fused_adamw_kernel)
+
+
+def _launch_config() -> triton.Config:
+    return triton.Config({}, num_warps=NUM_WARPS)
 
 
 class _Tables:
@@ -239,6 +232,42 @@ def _name(tensor_name: str, index: int) -> str:
     return f"{tensor_name}[{index}]"
 
 
+def _table_key(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
+               exp_avg_sqs: Sequence[Tensor], masters: Sequence[Tensor] | None) -> tuple[tuple[int, ...], list[Tensor]]:
+    """Check every tensor of a launch against the first parameter and its gradient (dtype, device, shape, layout);
+    return the tables' key (per tensor: the addresses of p, g, exp_avg, exp_avg_sq, its element count, the master
+    weights' address or 0) and the gradients copied to a contiguous layout, which must live until the kernel has
+    run."""
+    device, param_dtype, grad_dtype = params[0].device, params[0].dtype, grads[0].dtype
+    key, kept = [], []
+    for i, (p, g, m, v) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs)):
+        if not p.is_contiguous():
+            raise ValueError(f"{_name('params', i)} (shape {tuple(p.shape)}, strides {p.stride()}) is not contiguous: "
+                             "the fused AdamW updates parameters as flat memory")
+        if g.is_sparse:
+            raise ValueError(f"{_name('grads', i)} is sparse: the fused AdamW takes dense gradients only")
+        if not g.is_contiguous():
+            g = g.contiguous()
+            kept.append(g)
+        if p.dtype != param_dtype or g.dtype != grad_dtype:
+            raise TypeError(f"one launch takes one parameter dtype and one gradient dtype: {_name('params', i)} is "
+                            f"{p.dtype} with a {g.dtype} gradient, {_name('params', 0)} {param_dtype} with "
+                            f"{grad_dtype}")
+        for name, t in (("grads", g), ("exp_avgs", m), ("exp_avg_sqs", v)):
+            if t.shape != p.shape:
+                raise ValueError(f"{_name(name, i)} has shape {tuple(t.shape)}, its parameter {tuple(p.shape)}")
+            if t.device != device or p.device != device:
+                raise ValueError(f"all tensors of a launch must be on one device: {_name(name, i)} is on {t.device}, "
+                                 f"{_name('params', i)} on {p.device}, {_name('params', 0)} on {device}")
+        w = masters[i] if masters is not None else None
+        for name, t in (("exp_avgs", m), ("exp_avg_sqs", v), ("masters", w)):
+            if t is not None and (t.dtype != torch.float32 or not t.is_contiguous() or t.shape != p.shape):
+                raise ValueError(f"{_name(name, i)} must be a contiguous float32 tensor of its parameter's shape "
+                                 f"{tuple(p.shape)}, got {t.dtype} {tuple(t.shape)} with strides {t.stride()}")
+        key += (p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), p.numel(), 0 if w is None else w.data_ptr())
+    return tuple(key), kept
+
+
 def fused_adamw_(
     params: Sequence[Tensor],
     grads: Sequence[Tensor],
@@ -270,51 +299,28 @@ def fused_adamw_(
     if n == 0:
         return
     device, param_dtype, grad_dtype = params[0].device, params[0].dtype, grads[0].dtype
-    _check_device(params[0])
+    check_device(params[0], "the fused AdamW kernel", "cs336_systems.kernels.adamw", reads_host_addresses=True)
     for dtype, what in ((param_dtype, "parameter"), (grad_dtype, "gradient")):
         if dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"unsupported {what} dtype {dtype}: the fused AdamW takes float32, bfloat16 or float16")
-    key = []
-    kept = []  # gradients copied to a contiguous layout must live until the kernel has run
-    for i, (p, g, m, v) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs)):
-        if not p.is_contiguous():
-            raise ValueError(f"{_name('params', i)} (shape {tuple(p.shape)}, strides {p.stride()}) is not contiguous: "
-                             "the fused AdamW updates parameters as flat memory")
-        if g.is_sparse:
-            raise ValueError(f"{_name('grads', i)} is sparse: the fused AdamW takes dense gradients only")
-        if not g.is_contiguous():
-            g = g.contiguous()
-            kept.append(g)
-        if p.dtype != param_dtype or g.dtype != grad_dtype:
-            raise TypeError(f"one launch takes one parameter dtype and one gradient dtype: {_name('params', i)} is "
-                            f"{p.dtype} with a {g.dtype} gradient, {_name('params', 0)} {param_dtype} with "
-                            f"{grad_dtype}")
-        for name, t in (("grads", g), ("exp_avgs", m), ("exp_avg_sqs", v)):
-            if t.shape != p.shape:
-                raise ValueError(f"{_name(name, i)} has shape {tuple(t.shape)}, its parameter {tuple(p.shape)}")
-            if t.device != device or p.device != device:
-                raise ValueError(f"all tensors of a launch must be on one device: {_name(name, i)} is on {t.device}, "
-                                 f"{_name('params', i)} on {p.device}, {_name('params', 0)} on {device}")
-        w = masters[i] if masters is not None else None
-        for name, t in (("exp_avgs", m), ("exp_avg_sqs", v), ("masters", w)):
-            if t is not None and (t.dtype != torch.float32 or not t.is_contiguous() or t.shape != p.shape):
-                raise ValueError(f"{_name(name, i)} must be a contiguous float32 tensor of its parameter's shape "
-                                 f"{tuple(p.shape)}, got {t.dtype} {tuple(t.shape)} with strides {t.stride()}")
-        key += (p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), p.numel(), 0 if w is None else w.data_ptr())
-    tables = (cache or TableCache(1)).get(device, tuple(key))
+    addresses, copied_grads = _table_key(params, grads, exp_avgs, exp_avg_sqs, masters)  # copies live to the launch
+    tables = (cache or TableCache(1)).get(device, addresses)
     if tables.n_blocks == 0:
         return
     beta1, beta2 = betas
     bias_correction2_sqrt = math.sqrt(1 - beta2**step)
+    has_master = masters is not None
+    # The table and the block map are fresh allocations, aligned: the dtypes, the alignment of the addresses in the
+    # table, the master weights and BLOCK determine the compilation.
+    key = (param_dtype, grad_dtype, tables.aligned, has_master, BLOCK)
+    args = (tables.table, tables.block_tensor, float(1 - lr * weight_decay), float(1 - beta1), float(beta2),
+            float(1 - beta2), float(lr * bias_correction2_sqrt / (1 - beta1**step)), float(eps * bias_correction2_sqrt))
+    constexprs = dict(PARAM_DTYPE=_TL_DTYPES[param_dtype], GRAD_DTYPE=_TL_DTYPES[grad_dtype], ALIGNED=tables.aligned,
+                      HAS_MASTER=has_master, BLOCK=BLOCK)
     # Triton launches on the current device, which need not be the tensors'.
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-        fused_adamw_kernel[(tables.n_blocks,)](
-            tables.table, tables.block_tensor,
-            float(1 - lr * weight_decay), float(1 - beta1), float(beta2), float(1 - beta2),
-            float(lr * bias_correction2_sqrt / (1 - beta1**step)), float(eps * bias_correction2_sqrt),
-            PARAM_DTYPE=_TL_DTYPES[param_dtype], GRAD_DTYPE=_TL_DTYPES[grad_dtype], ALIGNED=tables.aligned,
-            HAS_MASTER=masters is not None, BLOCK=BLOCK, num_warps=NUM_WARPS,
-        )
+        _KERNEL(key, lambda tiles: (tables.n_blocks,), args, constexprs, _launch_config)
+    del copied_grads
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -64,7 +64,7 @@ import triton.language as tl
 from jaxtyping import Float, Int
 from torch import Tensor, nn
 
-from cs336_systems.kernels.launch import FLOAT_DTYPES, RUNNING_IN_INTERPRETER, Launcher, aligned
+from cs336_systems.kernels.launch import FLOAT_DTYPES, Kernel, aligned, define_operator, interpreting
 
 SUPPORTED_DTYPES = FLOAT_DTYPES
 
@@ -137,7 +137,12 @@ def _block_v(n_cols: int) -> tuple[int, int]:
     return block_v, max(1, min(8, block_v // 512))
 
 
-_ROWS_KERNEL = Launcher(cross_entropy_rows_kernel)
+def _rows_config(n_cols: int) -> triton.Config:
+    block_v, num_warps = _block_v(n_cols)
+    return triton.Config({"BLOCK_V": block_v}, num_warps=num_warps)
+
+
+_ROWS_KERNEL = Kernel(cross_entropy_rows_kernel)
 
 
 def _rows_step_triton(logits: Tensor, targets: Tensor, row_loss: Tensor, scale: Tensor, ignore_index: int,
@@ -145,11 +150,11 @@ def _rows_step_triton(logits: Tensor, targets: Tensor, row_loss: Tensor, scale: 
     n_rows, n_cols = logits.shape
     if n_rows == 0:
         return
-    block_v, num_warps = _block_v(n_cols)
+    # MAX_BLOCK_V: the tile rule's bound, which tests lower.
     key = (logits.dtype, targets.dtype, logits.stride(0), n_cols, ignore_index, aligned(logits, targets, row_loss),
-           write_grad)
-    _ROWS_KERNEL(key, (n_rows,), (logits, targets, row_loss, scale, logits.stride(0), n_cols, ignore_index),
-                 dict(BLOCK_V=block_v, WRITE_GRAD=write_grad), num_warps=num_warps)
+           write_grad, MAX_BLOCK_V)
+    args = (logits, targets, row_loss, scale, logits.stride(0), n_cols, ignore_index)
+    _ROWS_KERNEL(key, lambda tiles: (n_rows,), args, {"WRITE_GRAD": write_grad}, lambda: _rows_config(n_cols))
 
 
 def _rows_step_torch(logits: Tensor, targets: Tensor, row_loss: Tensor, scale: Tensor, ignore_index: int,
@@ -172,7 +177,7 @@ def _rows_step_torch(logits: Tensor, targets: Tensor, row_loss: Tensor, scale: T
 
 
 def _rows_step(logits: Tensor, *args) -> None:
-    if logits.device.type == "cuda" or (logits.device.type == "cpu" and RUNNING_IN_INTERPRETER):
+    if logits.device.type == "cuda" or (logits.device.type == "cpu" and interpreting()):
         _rows_step_triton(logits, *args)
     else:
         _rows_step_torch(logits, *args)
@@ -247,12 +252,12 @@ def linear_cross_entropy_forward(
 
 
 # ---------------------------------------------------------------------------------------------------
-# Custom op, autograd formula
+# The operator, its shapes and its autograd formula. Opaque to torch.compile: Inductor calls it as it is, so the
+# chunk loop keeps its one reused logits buffer.
 # ---------------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("cs336_systems::fused_linear_cross_entropy", mutates_args=())
-def _fused_linear_cross_entropy_op(
+def _forward_op(
     hidden: Tensor, weight: Tensor, targets: Tensor, chunk_tokens: int, compute_dtype: torch.dtype,
     ignore_index: int, need_dh: bool, need_dw: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -260,8 +265,7 @@ def _fused_linear_cross_entropy_op(
                                         need_dh, need_dw)
 
 
-@_fused_linear_cross_entropy_op.register_fake
-def _(hidden, weight, targets, chunk_tokens, compute_dtype, ignore_index, need_dh, need_dw):
+def _forward_shapes(hidden, weight, targets, chunk_tokens, compute_dtype, ignore_index, need_dh, need_dw):
     return (hidden.new_empty((), dtype=torch.float32), hidden.new_empty(hidden.shape if need_dh else (0,)),
             weight.new_empty(weight.shape if need_dw else (0,)))
 
@@ -279,7 +283,8 @@ def _backward(ctx, grad_loss: Tensor, _grad_dh, _grad_dw):
     return (dh if need_dh else None), (dw if need_dw else None), None, None, None, None, None, None
 
 
-_fused_linear_cross_entropy_op.register_autograd(_backward, setup_context=_setup_context)
+define_operator("cs336_systems::fused_linear_cross_entropy", _forward_op, traceable=False, fake=_forward_shapes,
+                backward=_backward, setup_context=_setup_context)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -31,14 +31,15 @@ on the current one, so that loads are always in flight (Triton pipelines only lo
 
 Launch parameters: on a GPU ``triton.autotune`` picks ``BLOCK_M`` and ``num_warps`` per row length, a
 coarse row count and dtype, the first time each is seen (``RMSNORM_CONFIG``: ``RMSNormConfig(autotune=False)``
-for a fixed heuristic instead); under ``TRITON_INTERPRET=1`` (CPU) one small configuration. Later eager calls
-launch the chosen configuration's compiled kernel directly (``cs336_systems.kernels.launch.Launcher``).
+for a fixed heuristic instead); under ``TRITON_INTERPRET=1`` (CPU) one small configuration. Each kernel is a
+``cs336_systems.kernels.launch.Kernel``: the configuration is chosen once per key, and later eager calls launch
+its compiled kernel directly.
 
 ``torch.compile``: eager calls launch the kernels directly (the least host overhead); while Dynamo traces,
-the Function calls the same launch code through two ``torch.library`` operators instead. On a GPU these are
-``triton_op``s whose launches go through ``wrap_triton``, so Inductor emits the kernel launches into its own
-generated code (no Python launch code per norm in a compiled model, and CUDA graphs capture them); under the
-interpreter they are opaque ``custom_op``s.
+the Function calls the same launch code, traced (``traced=True``: the fixed configuration, launched through
+``wrap_triton``), through two ``torch.library`` operators instead. On a GPU these are ``triton_op``s, so
+Inductor emits the kernel launches into its own generated code (no Python launch code per norm in a compiled
+model, and CUDA graphs capture them); under the interpreter they are opaque ``custom_op``s.
 
 Under autocast, ``FusedRMSNorm.autocast_output`` (off by default) writes the output directly in the
 autocast dtype, which the matmuls that consume it would cast to anyway: half the bytes written, no cast
@@ -58,16 +59,16 @@ import triton
 import triton.language as tl
 from jaxtyping import Float
 from torch import Tensor, nn
-from torch.library import wrap_triton as _wrap_triton
 
 from cs336_basics.model import RMSNorm
 from cs336_systems.kernels.launch import (
     FLOAT_DTYPES,
-    RUNNING_IN_INTERPRETER,
     CurrentConfig,
-    Launcher,
+    Kernel,
     aligned,
     check_device,
+    define_operator,
+    interpreting,
     new_output,
     unit_last_stride,
 )
@@ -77,8 +78,8 @@ SUPPORTED_DTYPES = FLOAT_DTYPES
 
 @dataclass(frozen=True)
 class RMSNormConfig:
-    """``autotune``: eager calls autotune ``BLOCK_M`` and ``num_warps`` on a GPU (default), else take
-    :func:`fixed_config`. The operators that compiled graphs call always take the fixed configuration."""
+    """``autotune``: eager calls autotune ``BLOCK_M`` and ``num_warps`` on a GPU (default), once per key, else take
+    :func:`fixed_config`. Traced launches (the operators that compiled graphs call) always take the fixed one."""
 
     autotune: bool = True
 
@@ -346,15 +347,12 @@ def _pruner(kernel: str):
     return prune
 
 
-# The row length and the coarsened row count are the keys; the dtypes of the tensor arguments are part
+# The row length and the coarsened row count are the autotuner's keys; the dtypes of the tensor arguments are part
 # of every key automatically.
-_plain = {"fwd": rmsnorm_fwd_kernel, "bwd": rmsnorm_bwd_kernel}
-_autotuned = {
-    "fwd": triton.autotune(FWD_CONFIGS, key=["n_cols", "rows_key"],
-                           prune_configs_by={"early_config_prune": _pruner("fwd")})(rmsnorm_fwd_kernel),
-    "bwd": triton.autotune(BWD_CONFIGS, key=["n_cols", "rows_key", "PREFETCH", "COMPUTE_DX", "COMPUTE_DW"],
-                           prune_configs_by={"early_config_prune": _pruner("bwd")})(rmsnorm_bwd_kernel),
-}
+_FORWARD = Kernel(rmsnorm_fwd_kernel, FWD_CONFIGS, ["n_cols", "rows_key"], _pruner("fwd"))
+_BACKWARD = Kernel(rmsnorm_bwd_kernel, BWD_CONFIGS, ["n_cols", "rows_key", "PREFETCH", "COMPUTE_DX", "COMPUTE_DW"],
+                   _pruner("bwd"))
+_DW_REDUCE = Kernel(rmsnorm_dw_reduce_kernel)
 
 
 def _block_n(n_cols: int) -> tuple[int, bool]:
@@ -371,7 +369,7 @@ def _prefetch(block_n: int, single_tile: bool, element_size: int) -> bool:
 def fixed_config(kernel: str, n_cols: int, element_size: int) -> triton.Config:
     """The launch configuration when not autotuning: about 4096 elements a tile and 32 bytes of it a thread (the
     backward of a float32 768-column row: 4 rows, 16 warps; bfloat16: 4 rows, 8 warps)."""
-    if RUNNING_IN_INTERPRETER:
+    if interpreting():
         return _config(INTERPRETER_BLOCK_M, 4)
     block_n, single_tile = _block_n(n_cols)
     block_m = max(1, min(16, 4096 // block_n)) if single_tile else 1
@@ -379,48 +377,13 @@ def fixed_config(kernel: str, n_cols: int, element_size: int) -> triton.Config:
     return _config(block_m, num_warps)
 
 
-def _launcher(kernel, autotune: bool):
-    """``kernel`` itself (eager calls, the interpreter) or wrapped for a traced graph (the operators)."""
-    return kernel if RUNNING_IN_INTERPRETER or autotune else _wrap_triton(kernel)
-
-
-_LAUNCHERS = {name: Launcher(fn) for name, fn in _plain.items()}
-_DW_REDUCE = Launcher(rmsnorm_dw_reduce_kernel)
-_ROWS_KEY_AT = {name: fn.arg_names.index("rows_key") for name, fn in _plain.items()}
-_chosen: dict[tuple, triton.Config] = {}
-"""The autotuner's choice per (kernel, autotune key, dtype)."""
-
-
-def _launch(kernel: str, grid, args: tuple, meta: dict, n_cols: int, element_size: int, signature: tuple,
-            autotune: bool = True) -> None:
-    """Run ``kernel`` ("fwd" or "bwd"): eager calls (``autotune=True``) with the autotuner's choice (when the
-    configuration says so) or :func:`fixed_config`, through a :class:`Launcher` keyed by ``signature`` (what the
-    compilation depends on besides the constexprs); the operators (``autotune=False``) with :func:`fixed_config`,
-    through ``wrap_triton`` so that a traced graph holds the launch and Inductor emits it. ``grid(block_m)``."""
-    if not autotune or RUNNING_IN_INTERPRETER:
-        config = fixed_config(kernel, n_cols, element_size)
-        # Only the tiles, warps and stages: torch.compile refuses num_ctas passed as a launch argument.
-        _launcher(_plain[kernel], autotune)[grid(config.kwargs["BLOCK_M"])](
-            *args, **meta, **config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
-        return
-    if RMSNORM_CONFIG.get().autotune:
-        # The autotuner's key: the row length (in the signature) and the coarsened rows per program.
-        tune_key = (kernel, signature, args[_ROWS_KEY_AT[kernel]], *meta.values())
-        config = _chosen.get(tune_key)
-        if config is None:
-            _autotuned[kernel][lambda META: grid(META["BLOCK_M"])](*args, **meta)
-            _chosen[tune_key] = _autotuned[kernel].best_config
-            return
-    else:
-        config = fixed_config(kernel, n_cols, element_size)
-    key = (signature, *meta.values(), *config.kwargs.values(), config.num_warps, config.num_stages)
-    _LAUNCHERS[kernel](key, grid(config.kwargs["BLOCK_M"]), args, {**meta, **config.kwargs},
-                       num_warps=config.num_warps, num_stages=config.num_stages)
+def _reduce_config() -> triton.Config:
+    return triton.Config({"BLOCK_P": REDUCE_BLOCK_P, "BLOCK_C": REDUCE_BLOCK_C}, num_warps=REDUCE_NUM_WARPS)
 
 
 @functools.cache
 def _multiprocessor_count(device_index: int | None) -> int:
-    if RUNNING_IN_INTERPRETER:
+    if interpreting():
         return 2  # the interpreter runs programs one by one; few programs keep every path exercised
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
@@ -430,13 +393,14 @@ def _rows_key(n: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Launch wrappers: (n_rows, N) tensors with a unit column stride, checked by the caller
+# Launch wrappers: (n_rows, N) tensors with a unit column stride, checked by the caller. Eager calls (traced=False)
+# autotune when RMSNORM_CONFIG says so; the operators' bodies (traced=True) run inside a compiled graph.
 # ---------------------------------------------------------------------------------------------------
 
 
 def rmsnorm_forward(
     x: Float[Tensor, "n_rows N"], weight: Float[Tensor, "N"], eps: float, out_dtype: torch.dtype | None = None,
-    autotune: bool = True,
+    traced: bool = False,
 ) -> tuple[Float[Tensor, "n_rows N"], Float[Tensor, "n_rows"]]:
     """``y`` (``out_dtype``, by default x's; contiguous) and ``1 / rms`` per row (float32)."""
     n_rows, n_cols = x.shape
@@ -446,18 +410,20 @@ def rmsnorm_forward(
         return y, rstd
     block_n, single_tile = _block_n(n_cols)
     max_programs = _multiprocessor_count(x.device.index) * FWD_PROGRAMS_PER_SM
-    args = (x, weight, y, rstd, x.stride(0), y.stride(0), n_rows, n_cols,
-            _rows_key(triton.cdiv(n_rows, max_programs)), eps)
-    # What the eager launch's compilation depends on (none while an operator is traced: fake tensors have no data).
-    signature = (x.dtype, weight.dtype, y.dtype, x.stride(0), n_cols, aligned(x, weight)) if autotune else None
-    _launch("fwd", lambda block_m: (min(triton.cdiv(n_rows, block_m), max_programs),), args,
-            dict(BLOCK_N=block_n, SINGLE_TILE=single_tile), n_cols, x.element_size(), signature, autotune)
+    rows_key = _rows_key(triton.cdiv(n_rows, max_programs))
+    args = (x, weight, y, rstd, x.stride(0), y.stride(0), n_rows, n_cols, rows_key, eps)
+    # What the configuration and the compilation depend on (nothing while traced: fake tensors have no data).
+    key = None if traced else (x.dtype, weight.dtype, y.dtype, x.stride(0), n_cols, aligned(x, weight), rows_key,
+                               block_n)
+    _FORWARD(key, lambda tiles: (min(triton.cdiv(n_rows, tiles["BLOCK_M"]), max_programs),), args,
+             {"BLOCK_N": block_n, "SINGLE_TILE": single_tile}, lambda: fixed_config("fwd", n_cols, x.element_size()),
+             traced=traced, autotune=RMSNORM_CONFIG.get().autotune)
     return y, rstd
 
 
 def rmsnorm_backward(
     dy: Float[Tensor, "n_rows N"], x: Float[Tensor, "n_rows N"], weight: Float[Tensor, "N"], rstd: Float[Tensor, "n_rows"],
-    compute_dx: bool = True, compute_dw: bool = True, autotune: bool = True,
+    compute_dx: bool = True, compute_dw: bool = True, traced: bool = False,
 ) -> tuple[Float[Tensor, "n_rows N"] | None, Float[Tensor, "N"] | None]:
     """``dx`` (x's dtype, contiguous) and ``dg`` (weight's dtype); None for a gradient not asked for."""
     n_rows, n_cols = x.shape
@@ -471,63 +437,60 @@ def rmsnorm_backward(
     dw_partial = new_output((n_programs, n_cols), torch.float32, x.device) if compute_dw else rstd
     coef = torch.empty((n_rows,), dtype=torch.float32, device=x.device) if compute_dx and not single_tile else rstd
     dx_arg = dx if compute_dx else x  # never written when COMPUTE_DX is off
+    rows_key = _rows_key(triton.cdiv(n_rows, n_programs))
     args = (dy, x, weight, rstd, dx_arg, dw_partial, coef, dy.stride(0), x.stride(0), dx_arg.stride(0),
-            n_rows, n_cols, _rows_key(triton.cdiv(n_rows, n_programs)))
+            n_rows, n_cols, rows_key)
     prefetch = _prefetch(block_n, single_tile, max(x.element_size(), dy.element_size()))
-    meta = dict(BLOCK_N=block_n, SINGLE_TILE=single_tile, PREFETCH=prefetch, COMPUTE_DX=compute_dx,
-                COMPUTE_DW=compute_dw)
-    signature = (dy.dtype, x.dtype, weight.dtype, dy.stride(0), x.stride(0), n_cols, aligned(dy, x, weight)) \
-        if autotune else None
-    _launch("bwd", lambda block_m: (n_programs,), args, meta, n_cols, x.element_size(), signature, autotune)
+    key = None if traced else (dy.dtype, x.dtype, weight.dtype, dy.stride(0), x.stride(0), n_cols,
+                               aligned(dy, x, weight), rows_key, block_n, prefetch, compute_dx, compute_dw)
+    _BACKWARD(key, lambda tiles: (n_programs,), args,
+              dict(BLOCK_N=block_n, SINGLE_TILE=single_tile, PREFETCH=prefetch, COMPUTE_DX=compute_dx,
+                   COMPUTE_DW=compute_dw),
+              lambda: fixed_config("bwd", n_cols, x.element_size()), traced=traced,
+              autotune=RMSNORM_CONFIG.get().autotune)
     if not compute_dw:
         return dx, None
     # One small launch that sums the partials and rounds to the gain's dtype (torch would take two: sum, cast).
     dw = new_output((n_cols,), weight.dtype, x.device)
-    grid, constexprs = (triton.cdiv(n_cols, REDUCE_BLOCK_C),), dict(BLOCK_P=REDUCE_BLOCK_P, BLOCK_C=REDUCE_BLOCK_C)
-    if autotune and not RUNNING_IN_INTERPRETER:  # an eager call
-        _DW_REDUCE((weight.dtype, n_programs, n_cols), grid, (dw_partial, dw, n_programs, n_cols), constexprs,
-                   num_warps=REDUCE_NUM_WARPS)
-    else:
-        _launcher(rmsnorm_dw_reduce_kernel, autotune)[grid](dw_partial, dw, n_programs, n_cols, **constexprs,
-                                                            num_warps=REDUCE_NUM_WARPS)
+    _DW_REDUCE(None if traced else (weight.dtype, n_programs, n_cols),
+               lambda tiles: (triton.cdiv(n_cols, tiles["BLOCK_C"]),), (dw_partial, dw, n_programs, n_cols), {},
+               _reduce_config, traced=traced)
     return dx, dw
 
 
 # ---------------------------------------------------------------------------------------------------
 # Operators: torch.compile traces them into its graph (no graph break). On a GPU they are triton_ops, whose
-# launches Inductor emits itself, so a compiled model pays no Python launch code per norm. Under the
-# interpreter the kernels are not jit functions, which triton_op cannot trace: opaque custom ops there.
+# launches Inductor emits itself, so a compiled model pays no Python launch code per norm; under the interpreter
+# opaque custom ops (see define_operator).
 # ---------------------------------------------------------------------------------------------------
 
-_define_op = torch.library.custom_op if RUNNING_IN_INTERPRETER else torch.library.triton_op
 
-
-@_define_op("cs336_systems::rmsnorm_forward", mutates_args=())
-def _rmsnorm_forward_op(x: Tensor, weight: Tensor, eps: float, out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+def _forward_op(x: Tensor, weight: Tensor, eps: float, out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     # Fixed tiles: an autotuned user kernel inside a compiled graph re-ran its benchmarks on every call (measured
     # on an H200: a compiled xl step took 2.1 s instead of 0.1 s).
-    return rmsnorm_forward(x, weight, eps, out_dtype, autotune=False)
+    return rmsnorm_forward(x, weight, eps, out_dtype, traced=True)
 
 
-@_define_op("cs336_systems::rmsnorm_backward", mutates_args=())
-def _rmsnorm_backward_op(
+def _forward_shapes(x: Tensor, weight: Tensor, eps: float, out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    return x.new_empty(x.shape, dtype=out_dtype), x.new_empty(x.shape[:1], dtype=torch.float32)
+
+
+def _backward_op(
     dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor, compute_dx: bool, compute_dw: bool
 ) -> tuple[Tensor, Tensor]:
-    dx, dw = rmsnorm_backward(dy, x, weight, rstd, compute_dx, compute_dw, autotune=False)
+    dx, dw = rmsnorm_backward(dy, x, weight, rstd, compute_dx, compute_dw, traced=True)
     # An operator returns tensors, never None: empty ones stand for gradients not asked for.
     return (dx if dx is not None else x.new_empty(0)), (dw if dw is not None else weight.new_empty(0))
 
 
-if RUNNING_IN_INTERPRETER:
+def _backward_shapes(
+    dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor, compute_dx: bool, compute_dw: bool
+) -> tuple[Tensor, Tensor]:
+    return x.new_empty(x.shape if compute_dx else (0,)), weight.new_empty(weight.shape if compute_dw else (0,))
 
-    @_rmsnorm_forward_op.register_fake
-    def _(x: Tensor, weight: Tensor, eps: float, out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        return x.new_empty(x.shape, dtype=out_dtype), x.new_empty(x.shape[:1], dtype=torch.float32)
 
-    @_rmsnorm_backward_op.register_fake
-    def _(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor, compute_dx: bool, compute_dw: bool) -> tuple[Tensor, Tensor]:
-        return x.new_empty(x.shape if compute_dx else (0,)), weight.new_empty(weight.shape if compute_dw else (0,))
-
+define_operator("cs336_systems::rmsnorm_forward", _forward_op, traceable=True, fake=_forward_shapes)
+define_operator("cs336_systems::rmsnorm_backward", _backward_op, traceable=True, fake=_backward_shapes)
 
 # ---------------------------------------------------------------------------------------------------
 # Autograd function, functional entry point, module, model switch

@@ -13,7 +13,8 @@ the partial sums, shape ``(n_row_tiles, D)``, are added up by PyTorch afterwards
 result does not depend on the order programs run in).
 
 Runs on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1`` (set before this module is
-imported).
+imported). Each kernel launches through ``cs336_systems.kernels.launch.Kernel`` with fixed tiles, chosen once per
+key of what determines the launch (dtypes, strides, ``D``, alignment).
 """
 
 from __future__ import annotations
@@ -24,11 +25,15 @@ import triton.language as tl
 from jaxtyping import Float
 from torch import Tensor
 
+from cs336_systems.kernels.launch import FLOAT_DTYPES, Kernel, aligned, check_device
+
 ROWS_TILE = 32
 MAX_D_TILE = 128
 
 
-@triton.jit
+# Row counts vary from call to call: no variant compiled per value (Triton otherwise specialises integers on
+# divisibility by 16 and on equality to 1).
+@triton.jit(do_not_specialize=["n_rows"])
 def weighted_sum_fwd_kernel(
     X,  # input (n_rows, D)
     W,  # weights (D,)
@@ -54,7 +59,7 @@ def weighted_sum_fwd_kernel(
     tl.store(Y_block, acc.to(Y.dtype.element_ty), boundary_check=(0,))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def weighted_sum_bwd_kernel(
     X,  # input (n_rows, D)
     W,  # weights (D,)
@@ -98,14 +103,25 @@ def _check_inputs(x: Tensor, weight: Tensor) -> None:
         raise ValueError(f"need x of shape (..., D) and weight of shape (D,), got {tuple(x.shape)} and {tuple(weight.shape)}")
     if x.device != weight.device:
         raise ValueError(f"x and weight must be on one device, got {x.device} and {weight.device}")
-    if not (x.dtype.is_floating_point and weight.dtype.is_floating_point) or torch.float64 in (x.dtype, weight.dtype):
+    if x.dtype not in FLOAT_DTYPES or weight.dtype not in FLOAT_DTYPES:
         raise TypeError(f"need float16, bfloat16 or float32 tensors, got {x.dtype} and {weight.dtype}")
-    if x.device.type != "cuda" and not triton.knobs.runtime.interpret:
-        raise ValueError(f"the Triton kernels need CUDA tensors, got {x.device}; set TRITON_INTERPRET=1 to run on the CPU")
+    check_device(x, "the weighted-sum kernels", "cs336_systems.kernels.weighted_sum")
 
 
 def _d_tile(D: int) -> int:
     return min(triton.next_power_of_2(D), MAX_D_TILE)
+
+
+def _tiles(D: int) -> triton.Config:
+    return triton.Config({"ROWS_TILE": ROWS_TILE, "D_TILE": _d_tile(D)}, num_warps=4)
+
+
+def _row_tiles(tiles: dict[str, int], n_rows: int) -> tuple[int]:
+    return (triton.cdiv(n_rows, tiles["ROWS_TILE"]),)
+
+
+_FORWARD = Kernel(weighted_sum_fwd_kernel)
+_BACKWARD = Kernel(weighted_sum_bwd_kernel)
 
 
 class WeightedSumFunction(torch.autograd.Function):
@@ -118,10 +134,10 @@ class WeightedSumFunction(torch.autograd.Function):
         x_rows = x.reshape(-1, D)  # (n_rows, D), a view when x's layout allows
         n_rows = x_rows.shape[0]
         y = torch.empty(n_rows, dtype=x.dtype, device=x.device)
-        weighted_sum_fwd_kernel[(triton.cdiv(n_rows, ROWS_TILE),)](
-            x_rows, weight, y, x_rows.stride(0), x_rows.stride(1), weight.stride(0), y.stride(0), n_rows, D,
-            ROWS_TILE=ROWS_TILE, D_TILE=_d_tile(D),
-        )
+        strides = (x_rows.stride(0), x_rows.stride(1), weight.stride(0), y.stride(0))
+        _FORWARD((x.dtype, weight.dtype, *strides, D, aligned(x_rows, weight)),
+                 lambda tiles: _row_tiles(tiles, n_rows), (x_rows, weight, y, *strides, n_rows, D), {},
+                 lambda: _tiles(D))
         ctx.save_for_backward(x_rows, weight)
         ctx.x_shape = x.shape
         return y.view(output_shape)
@@ -134,12 +150,11 @@ class WeightedSumFunction(torch.autograd.Function):
         n_row_tiles = triton.cdiv(n_rows, ROWS_TILE)
         grad_x = torch.empty_like(x_rows, memory_format=torch.contiguous_format)
         partial_grad_w = torch.empty(n_row_tiles, D, dtype=torch.float32, device=x_rows.device)
-        weighted_sum_bwd_kernel[(n_row_tiles,)](
-            x_rows, weight, grad_y, grad_x, partial_grad_w,
-            x_rows.stride(0), x_rows.stride(1), weight.stride(0), grad_y.stride(0),
-            grad_x.stride(0), grad_x.stride(1), partial_grad_w.stride(0),
-            n_rows, D, ROWS_TILE=ROWS_TILE, D_TILE=_d_tile(D),
-        )
+        strides = (x_rows.stride(0), x_rows.stride(1), weight.stride(0), grad_y.stride(0),
+                   grad_x.stride(0), grad_x.stride(1), partial_grad_w.stride(0))
+        _BACKWARD((x_rows.dtype, weight.dtype, grad_y.dtype, *strides, D, aligned(x_rows, weight, grad_y)),
+                  lambda tiles: _row_tiles(tiles, n_rows),
+                  (x_rows, weight, grad_y, grad_x, partial_grad_w, *strides, n_rows, D), {}, lambda: _tiles(D))
         return grad_x.view(ctx.x_shape), partial_grad_w.sum(dim=0).to(weight.dtype)
 
 

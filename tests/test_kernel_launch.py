@@ -1,0 +1,290 @@
+"""The launch scaffold every kernel module uses (``cs336_systems.kernels.launch``), on the CPU without a GPU: the
+configuration cache (a fixed configuration per key; autotuning once per key), the eager and traced launches of a
+:class:`Kernel` (with the jit function, the autotuner and the :class:`Launcher` replaced by recorders), the device
+check's messages, operator registration, and the interpreter decision read in one place."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+import triton
+
+from cs336_systems.kernels import launch
+from cs336_systems.kernels.launch import ConfigCache, Kernel, check_device, define_operator
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Recorder:
+    """Stands for a jit function, an autotuner or a Launcher: records each launch ``fn[grid](*args, **kwargs)`` (or a
+    Launcher's call) and, as an autotuner, picks ``best_config``."""
+
+    def __init__(self, best_config: triton.Config | None = None):
+        self.launches: list[tuple] = []
+        self.best_config = best_config
+        self.arg_names = ["X", "n", "BLOCK", "FLAG"]
+        self.compiled_keys: set = set()
+        self.short_launches: list[tuple] = []
+
+    def __getitem__(self, grid):
+        def launch_(*args, **kwargs):
+            # An autotuner calls the grid with its pick's tile sizes among the keyword arguments.
+            meta = {**kwargs, **self.best_config.kwargs} if self.best_config else kwargs
+            self.launches.append((grid(meta) if callable(grid) else grid, args, kwargs))
+
+        return launch_
+
+    def __call__(self, key, grid, args, constexprs, **options):  # as a Launcher: compiles for key, and launches
+        self.launches.append((key, grid, args, {**constexprs, **options}))
+        self.compiled_keys.add(key)
+
+    def launch_compiled(self, key, grid, args) -> bool:  # as a Launcher: the short path of a compiled key
+        if key in self.compiled_keys:
+            self.short_launches.append((key, grid, args))
+        return key in self.compiled_keys
+
+
+def fixed_rule(calls: list, block: int = 16):
+    def rule() -> triton.Config:
+        calls.append(block)
+        return triton.Config({"BLOCK": block}, num_warps=2, num_stages=1)
+
+    return rule
+
+
+def recorded_kernel(monkeypatch, best: triton.Config | None = None) -> tuple[Kernel, Recorder, Recorder, Recorder]:
+    """A Kernel whose jit function, autotuner and Launcher are recorders (nothing compiles or runs)."""
+    fn, autotuner, launcher = Recorder(), Recorder(best), Recorder()
+    kernel = Kernel(fn)
+    kernel._autotuner, kernel._launcher = autotuner, launcher
+    monkeypatch.setattr(launch, "wrap_triton", lambda f: f)  # traced launches call the recorder itself
+    monkeypatch.setattr(launch, "_INTERPRETING", False)  # as on a GPU, whatever this process runs under
+    return kernel, fn, autotuner, launcher
+
+
+def grid(tiles) -> tuple[int]:
+    return (64 // tiles["BLOCK"],)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Configuration cache
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_config_cache_applies_the_rule_once_per_key():
+    cache, calls = ConfigCache(), []
+    first = cache.fixed(("fp32", 768), fixed_rule(calls, 16))
+    assert cache.fixed(("fp32", 768), fixed_rule(calls, 32)) is first  # kept: the second rule never runs
+    assert calls == [16] and cache.get(("fp32", 768)) is first
+    other = cache.fixed(("bf16", 768), fixed_rule(calls, 32))
+    assert other.kwargs == {"BLOCK": 32} and calls == [16, 32]
+    assert cache.get(("fp16", 768)) is None
+    cache.clear()
+    assert cache.get(("fp32", 768)) is None
+
+
+def test_config_cache_keeps_the_autotuners_pick():
+    best = triton.Config({"BLOCK": 8}, num_warps=4)
+    cache, autotuner = ConfigCache(), Recorder(best)
+    cache.autotune("key", autotuner, grid, ("x", 5), {"FLAG": True})
+    assert cache.get("key") is best and cache.autotuned == 1
+    assert autotuner.launches == [((8,), ("x", 5), {"FLAG": True})]  # grid from the autotuner's keyword arguments
+
+
+# ---------------------------------------------------------------------------------------------------
+# Kernel: eager and traced launches
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_autotuned_key_tunes_once_then_launches_its_pick(monkeypatch):
+    best = triton.Config({"BLOCK": 8}, num_warps=4, num_stages=2)
+    kernel, fn, autotuner, launcher = recorded_kernel(monkeypatch, best)
+    calls = []
+    for _ in range(3):
+        kernel("k1", grid, ("x", 5), {"FLAG": True}, fixed_rule(calls), autotune=True)
+    assert len(autotuner.launches) == 1 and kernel.configs.autotuned == 1  # the first call tuned, and launched
+    # The second compiled the pick, the third took the short path.
+    assert launcher.launches == [((True, "k1"), (8,), ("x", 5), {"FLAG": True, "BLOCK": 8, "num_warps": 4,
+                                                                   "num_stages": 2})]
+    assert launcher.short_launches == [((True, "k1"), (8,), ("x", 5))]
+    assert calls == [] and fn.launches == []
+    kernel("k2", grid, ("y", 6), {"FLAG": False}, fixed_rule(calls), autotune=True)
+    assert len(autotuner.launches) == 2 and kernel.configs.autotuned == 2  # a new key tunes again
+
+
+def test_fixed_configuration_is_chosen_once_per_key(monkeypatch):
+    kernel, fn, autotuner, launcher = recorded_kernel(monkeypatch)
+    calls = []
+    for _ in range(2):
+        kernel("k1", grid, ("x", 5), {"FLAG": True}, fixed_rule(calls, 16))
+    kernel("k2", grid, ("x", 5), {"FLAG": True}, fixed_rule(calls, 32))
+    assert calls == [16, 32] and autotuner.launches == [] and fn.launches == []
+    assert [(key, grid_) for key, grid_, _, _ in launcher.launches] == [((False, "k1"), (4,)), ((False, "k2"), (2,))]
+    assert launcher.launches[0][3] == {"FLAG": True, "BLOCK": 16, "num_warps": 2, "num_stages": 1}
+    assert launcher.short_launches == [((False, "k1"), (4,), ("x", 5))]
+
+
+def test_autotuning_off_and_autotuning_on_keep_separate_choices(monkeypatch):
+    kernel, _, autotuner, launcher = recorded_kernel(monkeypatch, triton.Config({"BLOCK": 8}, num_warps=4))
+    calls = []
+    kernel("k", grid, ("x",), {}, fixed_rule(calls, 16), autotune=False)
+    kernel("k", grid, ("x",), {}, fixed_rule(calls, 16), autotune=True)
+    kernel("k", grid, ("x",), {}, fixed_rule(calls, 16), autotune=True)
+    assert calls == [16] and len(autotuner.launches) == 1
+    assert [launched[1] for launched in launcher.launches] == [(4,), (8,)]
+
+
+def test_a_kernel_without_candidates_never_autotunes(monkeypatch):
+    kernel, _, _, launcher = recorded_kernel(monkeypatch)
+    kernel._autotuner = None
+    calls = []
+    kernel("k", grid, ("x",), {}, fixed_rule(calls), autotune=True)
+    assert calls == [16] and launcher.launches[0][0] == (False, "k")
+
+
+def test_traced_launch_takes_the_fixed_configuration_through_wrap_triton(monkeypatch):
+    kernel, fn, autotuner, launcher = recorded_kernel(monkeypatch, triton.Config({"BLOCK": 8}, num_warps=4))
+    wrapped = []
+    monkeypatch.setattr(launch, "wrap_triton", lambda f: wrapped.append(f) or f)
+    calls = []
+    for _ in range(2):  # fake tensors have no data: no key, the rule each time
+        kernel(None, grid, ("x", 5), {"FLAG": True}, fixed_rule(calls, 16), traced=True, autotune=True)
+    assert calls == [16, 16] and wrapped == [fn, fn]
+    assert fn.launches == 2 * [((4,), ("x", 5), {"FLAG": True, "BLOCK": 16, "num_warps": 2, "num_stages": 1})]
+    assert autotuner.launches == [] and launcher.launches == []
+
+
+def test_interpreter_takes_the_fixed_configuration_and_never_wraps(monkeypatch):
+    kernel, fn, autotuner, launcher = recorded_kernel(monkeypatch, triton.Config({"BLOCK": 8}, num_warps=4))
+    monkeypatch.setattr(launch, "_INTERPRETING", True)
+    monkeypatch.setattr(launch, "wrap_triton", lambda f: pytest.fail("interpreted kernels cannot be wrapped"))
+    calls = []
+    kernel("k", grid, ("x",), {}, fixed_rule(calls, 16), autotune=True)
+    kernel(None, grid, ("x",), {}, fixed_rule(calls, 16), traced=True)
+    assert calls == [16, 16] and autotuner.launches == []
+    assert launcher.launches[0][:2] == ((False, "k"), (4,)) and fn.launches[0][0] == (4,)
+
+
+def test_kernel_builds_an_autotuner_over_its_candidates():
+    @triton.jit
+    def copy_kernel(X, Y, n, BLOCK: triton.language.constexpr):
+        offs = triton.language.program_id(0) * BLOCK + triton.language.arange(0, BLOCK)
+        triton.language.store(Y + offs, triton.language.load(X + offs, mask=offs < n), mask=offs < n)
+
+    candidates = [triton.Config({"BLOCK": 64}, num_warps=2), triton.Config({"BLOCK": 128}, num_warps=4)]
+    tuned = Kernel(copy_kernel, candidates, ["n"])
+    assert tuned.fn is copy_kernel and tuned._autotuner.configs == candidates and tuned._autotuner.keys == ["n"]
+    assert Kernel(copy_kernel)._autotuner is None
+
+
+# ---------------------------------------------------------------------------------------------------
+# Device check
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_device_check_messages(monkeypatch):
+    monkeypatch.setattr(launch, "_INTERPRETING", False)
+    with pytest.raises(ValueError, match=r"the fused things need CUDA tensors, got tensors on cpu; .*set "
+                                         r"TRITON_INTERPRET=1 before cs336_systems.kernels.things is imported"):
+        check_device(torch.zeros(2), "the fused things", "cs336_systems.kernels.things")
+    monkeypatch.setattr(launch, "_INTERPRETING", True)
+    check_device(torch.zeros(2), "the fused things", "cs336_systems.kernels.things", reads_host_addresses=True)
+    check_device(torch.zeros(2, device="meta"), "the fused things", "cs336_systems.kernels.things")
+    with pytest.raises(ValueError, match="under TRITON_INTERPRET=1 the fused things take CPU tensors only .* got a "
+                                         "tensor on meta"):
+        check_device(torch.zeros(2, device="meta"), "the fused things", "cs336_systems.kernels.things",
+                     reads_host_addresses=True)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Operators
+# ---------------------------------------------------------------------------------------------------
+
+
+def _scaled(x: torch.Tensor, factor: float) -> torch.Tensor:
+    return x * factor
+
+
+def _scaled_shape(x: torch.Tensor, factor: float) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def test_opaque_operator_with_shapes_and_autograd():
+    def setup_context(ctx, inputs, output):
+        ctx.factor = inputs[1]
+
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
+
+    define_operator("cs336_systems_test::scaled", _scaled, traceable=False, fake=_scaled_shape, backward=backward,
+                    setup_context=setup_context)
+    x = torch.randn(5, requires_grad=True)
+    torch.library.opcheck(torch.ops.cs336_systems_test.scaled.default, (x, 3.0))
+    torch.ops.cs336_systems_test.scaled(x, 3.0).sum().backward()
+    torch.testing.assert_close(x.grad, torch.full((5,), 3.0))
+    with pytest.raises(TypeError, match="needs a fake"):
+        define_operator("cs336_systems_test::shapeless", _scaled, traceable=False)
+
+
+def test_rmsnorm_operators_are_triton_ops_outside_the_interpreter():
+    from torch._library.triton import triton_ops_to_kernels
+
+    from cs336_systems.kernels import rmsnorm  # noqa: F401 (registers the operators)
+
+    if launch.interpreting():
+        pytest.skip("the interpreter's operators are opaque custom ops")
+    for name in ("rmsnorm_forward", "rmsnorm_backward"):
+        assert f"cs336_systems::{name}" in triton_ops_to_kernels
+
+
+# ---------------------------------------------------------------------------------------------------
+# The interpreter decision, read in one place
+# ---------------------------------------------------------------------------------------------------
+
+ALLOWED_READERS = {
+    # The attention operator reads RUNNING_IN_INTERPRETER, launch.py's constant of interpreting().
+    "cs336_systems/attention/flash_triton.py",
+    # A command-line tool that hands TRITON_INTERPRET=1 to the CPU ranks it spawns when its own process lacks it.
+    "cs336_systems/bench/leaderboard_2026.py",
+}
+
+
+def interpreter_reads(path: Path) -> list[str]:
+    """Where ``path`` reads the interpreter setting itself: the variable's name as a string (an environment
+    look-up), Triton's knob, or the module constant."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Constant) and node.value == "TRITON_INTERPRET":
+            found.append(f"line {node.lineno}: the environment variable")
+        elif isinstance(node, ast.Attribute) and (node.attr, getattr(node.value, "attr", "")) == ("interpret", "runtime"):
+            found.append(f"line {node.lineno}: triton.knobs.runtime.interpret")
+        elif isinstance(node, (ast.Name, ast.Attribute)) and "RUNNING_IN_INTERPRETER" in (
+                getattr(node, "id", None), getattr(node, "attr", None)):
+            found.append(f"line {node.lineno}: RUNNING_IN_INTERPRETER")
+        elif isinstance(node, ast.ImportFrom) and any(a.name == "RUNNING_IN_INTERPRETER" for a in node.names):
+            found.append(f"line {node.lineno}: imports RUNNING_IN_INTERPRETER")
+    return found
+
+
+def test_the_interpreter_decision_is_read_in_launch_only():
+    readers = {}
+    for path in sorted((ROOT / "cs336_systems").rglob("*.py")):
+        relative = path.relative_to(ROOT).as_posix()
+        if relative != "cs336_systems/kernels/launch.py" and (found := interpreter_reads(path)):
+            readers[relative] = found
+    assert set(readers) <= ALLOWED_READERS, {k: v for k, v in readers.items() if k not in ALLOWED_READERS}
+    assert interpreter_reads(ROOT / "cs336_systems" / "kernels" / "launch.py")  # the one reading
+
+
+def test_interpreting_is_the_setting_the_kernels_were_defined_under():
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from cs336_systems.kernels import adamw, cross_entropy, rmsnorm, weighted_sum
+
+    for kernel in (adamw.fused_adamw_kernel, cross_entropy.cross_entropy_rows_kernel, rmsnorm.rmsnorm_fwd_kernel,
+                   weighted_sum.weighted_sum_fwd_kernel):
+        assert isinstance(kernel, InterpretedFunction) == launch.interpreting()
+    assert launch.RUNNING_IN_INTERPRETER == launch.interpreting()
