@@ -12,7 +12,7 @@ import torch
 
 from cs336_systems.attention import flash_pytorch
 from cs336_systems.attention.flash_pytorch import FlashAttention2PyTorch, flash_attention_forward_tiled
-from cs336_systems.attention.reference import check_is_causal
+from cs336_systems.attention.op import check_is_causal
 from tests import adapters
 from tests._flash_checks import QUANTITIES, check_sum_backward, make_qkv, relative_error, run_function, run_reference
 
