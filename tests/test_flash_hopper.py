@@ -16,12 +16,13 @@ import math
 
 import pytest
 import torch
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from cs336_systems.attention import op
 from cs336_systems.attention.backends import hopper
 from cs336_systems.attention.backends import triton as triton_backend
 from cs336_systems.attention.config import FLASH_CONFIG, FlashConfig
-from cs336_systems.kernels.launch import RUNNING_IN_INTERPRETER, poisoned_outputs
+from cs336_systems.kernels.launch import RUNNING_IN_INTERPRETER, DescriptorArg, poisoned_outputs
 from tests._flash_aot import compile_for_gpu, nvidia_toolchain_available, resource_usage, serialized_wgmma
 from tests._flash_checks import hopper_gpu, relative_error
 
@@ -199,3 +200,47 @@ def test_hopper_and_triton_kernels_agree_gpu(d, layout):
         for name, value, expected in results:
             error = relative_error(value, expected)
             assert error < 1e-2, f"{kernels}: {name} relative error {error:.2e}"
+
+
+class _RecordingLauncher:
+    """Stands in for a :class:`Launcher`: records each launch; compiled once it has launched a key."""
+
+    def __init__(self):
+        self.launches = []
+
+    def compiled(self, key) -> bool:
+        return any(launch[0] == key for launch in self.launches)
+
+    def __call__(self, key, grid, args, constexprs, **options):
+        self.launches.append((key, grid, args, constexprs, options))
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "misaligned"])
+def test_short_path_launches_what_the_first_launch_compiled(monkeypatch, layout):
+    """The second call of a key (descriptors rebuilt from the cached plan) passes the kernel the same views, sizes
+    and scales as the first (full descriptors, from which the kernel is compiled)."""
+    launcher = _RecordingLauncher()
+    monkeypatch.setattr(hopper, "_FORWARD", launcher)
+    monkeypatch.setattr(hopper, "_plans", {})
+    batch, heads, seq, d = 2, 3, 200, 64
+    if layout == "transposed":
+        Q, K, V = (torch.randn(batch, seq, heads, d, dtype=torch.bfloat16).transpose(1, 2) for _ in range(3))
+    elif layout == "misaligned":
+        Q, K, V = (torch.randn(batch * heads * seq * d + 1, dtype=torch.bfloat16)[1:].view(batch, heads, seq, d)
+                   for _ in range(3))
+    else:
+        Q, K, V = (torch.randn(batch, heads, seq, d, dtype=torch.bfloat16) for _ in range(3))
+    for _ in range(2):
+        hopper.forward(Q, K, V, True, 0.125)
+    (key, grid, first, constexprs, options), (key_again, grid_again, second, short, _) = launcher.launches
+    assert key == key_again and grid == grid_again == (2, 6) and short == {} and options == {"num_warps": 4}
+    assert constexprs["Q_COLUMNS"] == (layout == "transposed") and constexprs["HEAD_DIM"] == d
+    assert first._fields == second._fields == hopper.ForwardArgs._fields
+    for name in ("q_desc", "k_desc", "v_desc", "o_desc"):
+        full, short_desc = getattr(first, name), getattr(second, name)
+        assert isinstance(full, TensorDescriptor) and isinstance(short_desc, DescriptorArg)
+        assert (list(full.shape), list(full.strides)) == (list(short_desc.shape), list(short_desc.strides)), name
+        assert short_desc.base.data_ptr() % 16 == 0, name
+        assert torch.equal(full.base.flatten(), short_desc.base.flatten()) or name == "o_desc", name
+    assert (first.n_heads, first.n_queries, first.n_keys) == (second.n_heads, second.n_queries, second.n_keys)
+    assert first.qk_scale == second.qk_scale == pytest.approx(0.125 * math.log2(math.e))

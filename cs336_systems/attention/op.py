@@ -137,9 +137,12 @@ def choose_backend(config: FlashConfig, device: torch.device, dtype: torch.dtype
 def _backend(part: str, Q: Tensor, K: Tensor) -> ModuleType:
     """The backend for ``part`` of a call on these (checked) inputs."""
     config = FLASH_CONFIG.get()
-    batch_heads = Q.shape[0] * Q.shape[1] if Q.dim() == 4 else Q.shape[0]
-    enough = hopper.programs(part, batch_heads, Q.shape[-2], K.shape[-2]) >= config.hopper_min_programs
-    return choose_backend(config, Q.device, Q.dtype, Q.shape[-1], part, enough)
+    shape = Q.shape
+    batch_heads = shape[0] * shape[1] if len(shape) == 4 else shape[0]
+    # The Hopper kernels' programs: batch * heads times the tiles of their rows (queries forward, keys backward).
+    rows = shape[-2] if part == "forward" else K.shape[-2]
+    enough = batch_heads * -(-rows // hopper.ROWS_PER_PROGRAM) >= config.hopper_min_programs
+    return choose_backend(config, Q.device, Q.dtype, shape[-1], part, enough)
 
 
 # ---------------------------------------------------------------------------------------------------

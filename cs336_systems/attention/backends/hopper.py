@@ -1,7 +1,7 @@
 """The Hopper backend: the host side of the Gluon kernels of ``hopper_kernels.py`` (H100/H200, float16/bfloat16,
-head dims 16 to 128). Same interface as every backend: :func:`supports`, :func:`forward`, :func:`backward`, and
-:func:`programs` (how many programs a call would launch, which the operator weighs against
-``FlashConfig.hopper_min_programs``).
+head dims 16 to 128). Same interface as every backend: :func:`supports`, :func:`forward`, :func:`backward`; the operator weighs the
+programs a call would launch (``batch * heads`` times the tiles of ``ROWS_PER_PROGRAM`` queries forward, keys
+backward) against ``FlashConfig.hopper_min_programs``.
 
 Tensor views. TMA descriptors need a unit stride along ``d`` and 16-byte aligned other strides. A 4-D tensor
 ``(batch, heads, seq, d)`` is seen as 3-D in one of two ways, without copying: ``(batch * heads, seq, d)`` when
@@ -75,13 +75,6 @@ def supports(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | N
     return None
 
 
-def programs(part: str, batch_heads: int, n_queries: int, n_keys: int) -> int:
-    """Programs that ``part`` ("forward" or "backward") launches: ``batch * heads`` times the tiles of 128 queries
-    (forward) or keys (backward)."""
-    rows = n_queries if part == "forward" else n_keys
-    return batch_heads * -(-rows // ROWS_PER_PROGRAM)
-
-
 # ---------------------------------------------------------------------------------------------------
 # Views and descriptors
 # ---------------------------------------------------------------------------------------------------
@@ -146,12 +139,22 @@ def _output_plan(shape: tuple[int, ...], rows: int) -> DescriptorPlan:
 
 class Plan(NamedTuple):
     """A planned launch: the grid, one :class:`DescriptorPlan` per descriptor argument (in the kernel's order), the
-    kernel's constexprs and its warps."""
+    scalar arguments (sizes and scales, fixed by the call's key), the kernel's constexprs and its warps."""
 
     grid: tuple[int, int]
     descriptors: tuple[DescriptorPlan, ...]
+    scalars: tuple
     constexprs: dict[str, Any]
     num_warps: int
+
+    def descriptor_args(self, tensors: tuple[Tensor, ...]) -> tuple[DescriptorArg, ...]:
+        """What the compiled kernel's launcher reads of each descriptor on ``tensors`` (in the plan's order)."""
+        return tuple(DescriptorArg(_aligned_copy(x) if p.copied else x, p.shape, p.strides)
+                     for p, x in zip(self.descriptors, tensors))
+
+    def full_descriptors(self, tensors: tuple[Tensor, ...]) -> tuple[TensorDescriptor, ...]:
+        """The descriptors on ``tensors`` that Triton compiles the kernel from."""
+        return tuple(p.full_descriptor(x) for p, x in zip(self.descriptors, tensors, strict=True))
 
 
 class ForwardArgs(NamedTuple):
@@ -216,23 +219,12 @@ class Launch(NamedTuple):
     kwargs: dict[str, Any]
 
 
-def _descriptors(plan: Plan, tensors: tuple[Tensor, ...], compiling: bool) -> tuple:
-    """The descriptor arguments of a planned launch on ``tensors`` (in the plan's order)."""
-    if compiling:
-        return tuple(p.full_descriptor(x) for p, x in zip(plan.descriptors, tensors, strict=True))
-    return tuple(DescriptorArg(_aligned_copy(x) if p.copied else x, p.shape, p.strides)
-                 for p, x in zip(plan.descriptors, tensors))
-
-
-def _run(launcher: Launcher, key: tuple, plan: Plan, args: tuple, compiling: bool) -> None:
-    if compiling:
-        launcher(key, plan.grid, args, plan.constexprs, num_warps=plan.num_warps)
-    else:
-        launcher(key, plan.grid, args, {})
-
-
 def _layout_key(x: Tensor) -> tuple:
     return x.shape, x.stride(), aligned(x)
+
+
+_plans: dict[tuple, Plan] = {}
+"""The backend's cache: the launch plan per ("forward" | "backward", device, dtype, causal, scale, layouts)."""
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -240,25 +232,18 @@ def _layout_key(x: Tensor) -> tuple:
 # ---------------------------------------------------------------------------------------------------
 
 _FORWARD = Launcher(attn_fwd_hopper_kernel)
-_forward_plans: dict[tuple, Plan] = {}
 
 
-def _forward_plan(Q: Tensor, K: Tensor, V: Tensor, is_causal: bool) -> Plan:
+def _forward_plan(Q: Tensor, K: Tensor, V: Tensor, is_causal: bool, sm_scale: float) -> Plan:
     """The plan of the forward on inputs laid out as these (Q, K, V, then the contiguous output O)."""
-    _, batch_heads, n_queries, _, head_dim = _sizes(Q, K)
+    n_heads, batch_heads, n_queries, n_keys, head_dim = _sizes(Q, K)
     (q, q_columns), (k, k_columns), (v, v_columns) = (
         DescriptorPlan.of(x, rows) for x, rows in ((Q, FORWARD_ROWS), (K, BLOCK_N), (V, BLOCK_N)))
     o = _output_plan((batch_heads, n_queries, head_dim), FORWARD_ROWS)
     constexprs = dict(HEAD_DIM=head_dim, IS_CAUSAL=is_causal, ROWS=FORWARD_ROWS, BLOCK_N=BLOCK_N, STAGES=STAGES,
                       Q_COLUMNS=q_columns, K_COLUMNS=k_columns, V_COLUMNS=v_columns)
-    return Plan((triton.cdiv(n_queries, ROWS_PER_PROGRAM), batch_heads), (q, k, v, o), constexprs, 4)
-
-
-def _forward_args(plan: Plan, Q: Tensor, K: Tensor, V: Tensor, O: Tensor, L: Tensor, sm_scale: float,
-                  compiling: bool) -> ForwardArgs:
-    n_heads, _, n_queries, n_keys, _ = _sizes(Q, K)
-    return ForwardArgs(*_descriptors(plan, (Q, K, V, O), compiling), L=L, n_heads=n_heads, n_queries=n_queries,
-                       n_keys=n_keys, qk_scale=sm_scale * _LOG2_E)
+    return Plan((triton.cdiv(n_queries, ROWS_PER_PROGRAM), batch_heads), (q, k, v, o),
+                (n_heads, n_queries, n_keys, sm_scale * _LOG2_E), constexprs, 4)
 
 
 def forward(
@@ -268,19 +253,22 @@ def forward(
     """``O`` (contiguous, Q's shape and dtype) and the natural-log logsumexp ``L`` (contiguous, float32)."""
     O = new_output(Q.shape, Q.dtype, Q.device)
     L = new_output(Q.shape[:-1], torch.float32, Q.device)
-    key = (Q.device.index, Q.dtype, is_causal, _layout_key(Q), _layout_key(K), _layout_key(V), aligned(L))
-    plan = _forward_plans.get(key)
-    compiling = plan is None or not _FORWARD.compiled(key)
-    if plan is None:
-        plan = _forward_plans[key] = _forward_plan(Q, K, V, is_causal)
-    _run(_FORWARD, key, plan, _forward_args(plan, Q, K, V, O, L, sm_scale, compiling), compiling)
+    key = ("forward", Q.device.index, Q.dtype, is_causal, sm_scale, _layout_key(Q), _layout_key(K), _layout_key(V),
+           aligned(L))
+    plan = _plans.get(key)
+    if plan is not None and _FORWARD.compiled(key):  # the short path: only what holds the tensors' addresses
+        _FORWARD(key, plan.grid, ForwardArgs(*plan.descriptor_args((Q, K, V, O)), L, *plan.scalars), {})
+    else:
+        plan = _plans[key] = _forward_plan(Q, K, V, is_causal, sm_scale)
+        _FORWARD(key, plan.grid, ForwardArgs(*plan.full_descriptors((Q, K, V, O)), L, *plan.scalars),
+                 plan.constexprs, num_warps=plan.num_warps)
     return O, L
 
 
 def forward_launch(Q: Tensor, K: Tensor, V: Tensor, O: Tensor, L: Tensor, is_causal: bool, sm_scale: float) -> Launch:
     """The forward's launch on these tensors (``O`` contiguous), without running it."""
-    plan = _forward_plan(Q, K, V, is_causal)
-    return Launch(attn_fwd_hopper_kernel, plan.grid, _forward_args(plan, Q, K, V, O, L, sm_scale, True),
+    plan = _forward_plan(Q, K, V, is_causal, sm_scale)
+    return Launch(attn_fwd_hopper_kernel, plan.grid, ForwardArgs(*plan.full_descriptors((Q, K, V, O)), L, *plan.scalars),
                   dict(plan.constexprs, num_warps=plan.num_warps))
 
 
@@ -290,29 +278,20 @@ def forward_launch(Q: Tensor, K: Tensor, V: Tensor, O: Tensor, L: Tensor, is_cau
 
 _BACKWARD = Launcher(attn_bwd_hopper_kernel)
 _DQ_CONVERT = Launcher(triton_kernels.attn_bwd_dq_convert_kernel)
-_backward_plans: dict[tuple, Plan] = {}
 
 
-def _backward_plan(Q: Tensor, K: Tensor, V: Tensor, dO: Tensor, is_causal: bool) -> Plan:
+def _backward_plan(Q: Tensor, K: Tensor, V: Tensor, dO: Tensor, is_causal: bool, sm_scale: float) -> Plan:
     """The plan of the Gluon backward on inputs laid out as these (Q, K, V, dO, then the contiguous dK, dV and the
     float32 dQ accumulator)."""
-    _, batch_heads, n_queries, n_keys, head_dim = _sizes(Q, K)
+    n_heads, batch_heads, n_queries, n_keys, head_dim = _sizes(Q, K)
     (q, q_columns), (k, k_columns), (v, v_columns), (do, do_columns) = (
         DescriptorPlan.of(x, rows) for x, rows in ((Q, BACKWARD_ROWS), (K, BLOCK_N), (V, BLOCK_N), (dO, BACKWARD_ROWS)))
     dk = dv = _output_plan((batch_heads, n_keys, head_dim), BLOCK_N)
     dq = _output_plan((batch_heads, n_queries, head_dim), BACKWARD_ROWS)
     constexprs = dict(HEAD_DIM=head_dim, IS_CAUSAL=is_causal, BLOCK_M=BACKWARD_ROWS, BLOCK_N=BLOCK_N, STAGES=STAGES,
                       Q_COLUMNS=q_columns, K_COLUMNS=k_columns, V_COLUMNS=v_columns, DO_COLUMNS=do_columns)
-    return Plan((triton.cdiv(n_keys, BLOCK_N), batch_heads), (q, k, v, do, dk, dv, dq), constexprs, 8)
-
-
-def _backward_args(plan: Plan, tensors: tuple[Tensor, ...], L: Tensor, Delta: Tensor, sm_scale: float,
-                   compiling: bool) -> BackwardArgs:
-    """``tensors``: Q, K, V, dO, dK, dV, DQ_acc."""
-    n_heads, _, n_queries, n_keys, _ = _sizes(tensors[0], tensors[1])
-    return BackwardArgs(*_descriptors(plan, tensors, compiling), L=L, Delta=Delta, n_heads=n_heads,
-                        n_queries=n_queries, n_keys=n_keys, sm_scale=sm_scale,
-                        qk_scale=sm_scale * _LOG2_E)
+    return Plan((triton.cdiv(n_keys, BLOCK_N), batch_heads), (q, k, v, do, dk, dv, dq),
+                (n_heads, n_queries, n_keys, sm_scale, sm_scale * _LOG2_E), constexprs, 8)
 
 
 def backward(
@@ -325,21 +304,22 @@ def backward(
     n_heads, batch_heads, n_queries, _, head_dim = _sizes(Q, K)
     # The Gluon kernel adds dS K over key tiles into a float32 buffer, which the Delta kernel zeroes.
     DQ_acc = torch.empty((batch_heads, n_queries, head_dim), dtype=torch.float32, device=Q.device)
-    Delta = launch_delta(O, dO, n_heads, batch_heads, n_queries, DQ_acc)
+    Delta = launch_delta(O, dO, DQ_acc)
     dQ = new_output(Q.shape, Q.dtype, Q.device)
     dK = new_output(K.shape, K.dtype, K.device)
     dV = new_output(V.shape, V.dtype, V.device)
-    key = (Q.device.index, Q.dtype, is_causal, _layout_key(Q), _layout_key(K), _layout_key(V), _layout_key(dO),
-           aligned(L, Delta))
-    plan = _backward_plans.get(key)
-    compiling = plan is None or not _BACKWARD.compiled(key)
-    if plan is None:
-        plan = _backward_plans[key] = _backward_plan(Q, K, V, dO, is_causal)
+    key = ("backward", Q.device.index, Q.dtype, is_causal, sm_scale, _layout_key(Q), _layout_key(K), _layout_key(V),
+           _layout_key(dO), aligned(L, Delta))
+    plan = _plans.get(key)
     tensors = (Q, K, V, dO, dK, dV, DQ_acc)
-    _run(_BACKWARD, key, plan, _backward_args(plan, tensors, L, Delta, sm_scale, compiling), compiling)
+    if plan is not None and _BACKWARD.compiled(key):
+        _BACKWARD(key, plan.grid, BackwardArgs(*plan.descriptor_args(tensors), L, Delta, *plan.scalars), {})
+    else:
+        plan = _plans[key] = _backward_plan(Q, K, V, dO, is_causal, sm_scale)
+        _BACKWARD(key, plan.grid, BackwardArgs(*plan.full_descriptors(tensors), L, Delta, *plan.scalars),
+                  plan.constexprs, num_warps=plan.num_warps)
     _DQ_CONVERT((dQ.dtype, dQ.shape), (triton.cdiv(n_queries, DELTA_ROWS), batch_heads),
-                DqConvertArgs(DQ_acc, dQ, *batch_head_strides(dQ), n_heads=n_heads, n_queries=n_queries,
-                              sm_scale=sm_scale),
+                DqConvertArgs(DQ_acc, dQ, *batch_head_strides(dQ), n_heads, n_queries, sm_scale),
                 dict(HEAD_DIM=head_dim, BLOCK_M=DELTA_ROWS), num_warps=4)
     return dQ, dK, dV
 
@@ -347,6 +327,6 @@ def backward(
 def backward_launch(Q: Tensor, K: Tensor, V: Tensor, dO: Tensor, L: Tensor, Delta: Tensor, dK: Tensor, dV: Tensor,
                     DQ_acc: Tensor, is_causal: bool, sm_scale: float) -> Launch:
     """The Gluon backward's launch on these tensors (``dK``, ``dV``, ``DQ_acc`` contiguous), without running it."""
-    plan = _backward_plan(Q, K, V, dO, is_causal)
-    args = _backward_args(plan, (Q, K, V, dO, dK, dV, DQ_acc), L, Delta, sm_scale, True)
+    plan = _backward_plan(Q, K, V, dO, is_causal, sm_scale)
+    args = BackwardArgs(*plan.full_descriptors((Q, K, V, dO, dK, dV, DQ_acc)), L, Delta, *plan.scalars)
     return Launch(attn_bwd_hopper_kernel, plan.grid, args, dict(plan.constexprs, num_warps=plan.num_warps))

@@ -141,8 +141,19 @@ def fixed_config(kernel: str, dtype: torch.dtype, head_dim: int) -> triton.Confi
     return _bwd_config(128, 64, 8, 3) if head_dim <= 64 else _bwd_config(128, 32, 8, 3)
 
 
-_chosen: dict[tuple, triton.Config] = {}
-"""The autotuner's choice per (kernel, autotune key)."""
+class LaunchPlan(NamedTuple):
+    """What a launch needs beyond its tensors, fixed by the call's signature (dtype, shapes, strides, alignment) and
+    scale: the arguments after the tensors (strides, sizes, coarsened lengths, scales), the extent the grid's first
+    dimension covers, and ``batch * heads``."""
+
+    tail: tuple
+    n_parallel: int
+    batch_heads: int
+
+
+_cache: dict[tuple, LaunchPlan | triton.Config] = {}
+"""The backend's cache: the launch plan per ("fwd" | "bwd", signature, scale) and ("delta", signature), and the
+autotuner's choice per ("autotuned", kernel, autotune key)."""
 
 
 def _tiles(kernel: str, dtype: torch.dtype, head_dim: int, args: tuple, meta: dict, n_parallel: int,
@@ -151,13 +162,13 @@ def _tiles(kernel: str, dtype: torch.dtype, head_dim: int, args: tuple, meta: di
     autotuner has just run, and launched, for it)."""
     if not FLASH_CONFIG.get().autotune or RUNNING_IN_INTERPRETER:
         return fixed_config(kernel, dtype, head_dim)
-    key = (kernel, dtype, args.n_queries_key, args.n_keys_key, *meta.values())
-    if key not in _chosen:
+    key = ("autotuned", kernel, dtype, args.n_queries_key, args.n_keys_key, *meta.values())
+    if key not in _cache:
         block = _PARALLEL_BLOCK[kernel]
         _AUTOTUNED[kernel][lambda META: (triton.cdiv(n_parallel, META[block]), batch_heads)](*args, **meta)
-        _chosen[key] = _AUTOTUNED[kernel].best_config
+        _cache[key] = _AUTOTUNED[kernel].best_config
         return None
-    return _chosen[key]
+    return _cache[key]
 
 
 def _launch(kernel: str, n_parallel: int, batch_heads: int, signature: tuple, args: ForwardArgs | BackwardArgs,
@@ -315,30 +326,40 @@ def forward(
     if RUNNING_IN_INTERPRETER and Q.dtype == torch.bfloat16:
         O, L = forward(Q.float(), K.float(), V.float(), is_causal, sm_scale)
         return O.to(torch.bfloat16), L
-    n_heads, batch_heads, n_queries, n_keys, head_dim = _sizes(Q, K)
     O = new_output(Q.shape, Q.dtype, Q.device)
     L = new_output(Q.shape[:-1], torch.float32, Q.device)
-    args = ForwardArgs(Q, K, V, O, L, *batch_head_strides(Q), *batch_head_strides(K), *batch_head_strides(V),
-                       *batch_head_strides(O), n_heads=n_heads, n_queries=n_queries, n_keys=n_keys,
-                       n_queries_key=_length_key(n_queries), n_keys_key=_length_key(n_keys),
-                       qk_scale=sm_scale * _LOG2_E)
-    meta = dict(HEAD_DIM=head_dim, IS_CAUSAL=is_causal, DOT_PRECISION=_dot_precision(Q.dtype))
     # Triton specialises the strides (and the pointers' alignment); O's follow from Q's shape.
     signature = (Q.dtype, Q.shape, K.shape, Q.stride(), K.stride(), V.stride(), aligned(Q, K, V))
-    _launch("fwd", n_queries, batch_heads, signature, args, meta)
+    plan = _cache.get(("fwd", signature, sm_scale))
+    if plan is None:
+        plan = _cache[("fwd", signature, sm_scale)] = _forward_plan(Q, K, V, O, sm_scale)
+    meta = dict(HEAD_DIM=Q.shape[-1], IS_CAUSAL=is_causal, DOT_PRECISION=_dot_precision(Q.dtype))
+    _launch("fwd", plan.n_parallel, plan.batch_heads, signature, ForwardArgs(Q, K, V, O, L, *plan.tail), meta)
     return O, L
 
 
-def launch_delta(O: Tensor, dO: Tensor, n_heads: int, batch_heads: int, n_queries: int,
-                 DQ_acc: Tensor | None = None) -> Float[Tensor, "batch_heads q"]:
-    """Delta = rowsum(O * dO), float32; also zeroes the float32 ``DQ_acc`` (batch_heads, q, d) when given."""
-    Delta = new_output((batch_heads, n_queries), torch.float32, O.device)
+def _forward_plan(Q: Tensor, K: Tensor, V: Tensor, O: Tensor, sm_scale: float) -> LaunchPlan:
+    n_heads, batch_heads, n_queries, n_keys, _ = _sizes(Q, K)
+    tail = (*batch_head_strides(Q), *batch_head_strides(K), *batch_head_strides(V), *batch_head_strides(O),
+            n_heads, n_queries, n_keys, _length_key(n_queries), _length_key(n_keys), sm_scale * _LOG2_E)
+    return LaunchPlan(tail, n_queries, batch_heads)
+
+
+def launch_delta(O: Float[Tensor, "batch *heads q d"], dO: Float[Tensor, "batch *heads q d"],
+                 DQ_acc: Float[Tensor, "batch_heads q d"] | None = None) -> Float[Tensor, "batch_heads q"]:
+    """Delta = rowsum(O * dO), float32; also zeroes the float32 ``DQ_acc`` when given (the Hopper backward's)."""
     zero_dq_acc = DQ_acc is not None
-    grid = (-(-n_queries // DELTA_CONFIG.kwargs["BLOCK_M"]), batch_heads)
-    args = DeltaArgs(O, dO, Delta, *batch_head_strides(O), *batch_head_strides(dO), n_heads=n_heads,
-                     n_queries=n_queries, DQ_acc=DQ_acc if zero_dq_acc else Delta)
-    _DELTA((O.dtype, O.shape, O.stride(), dO.stride(), aligned(O, dO), zero_dq_acc), grid, args,
-           dict(HEAD_DIM=O.shape[-1], ZERO_DQ_ACC=zero_dq_acc, **DELTA_CONFIG.kwargs), num_warps=DELTA_CONFIG.num_warps)
+    key = (O.dtype, O.shape, O.stride(), dO.stride(), aligned(O, dO), zero_dq_acc)
+    plan = _cache.get(("delta", key))
+    if plan is None:
+        n_heads, batch_heads, n_queries, _, _ = _sizes(O, O)
+        plan = _cache[("delta", key)] = LaunchPlan(
+            (*batch_head_strides(O), *batch_head_strides(dO), n_heads, n_queries), n_queries, batch_heads)
+    Delta = new_output((plan.batch_heads, plan.n_parallel), torch.float32, O.device)
+    grid = (-(-plan.n_parallel // DELTA_CONFIG.kwargs["BLOCK_M"]), plan.batch_heads)
+    args = DeltaArgs(O, dO, Delta, *plan.tail, DQ_acc if zero_dq_acc else Delta)
+    _DELTA(key, grid, args, dict(HEAD_DIM=O.shape[-1], ZERO_DQ_ACC=zero_dq_acc, **DELTA_CONFIG.kwargs),
+           num_warps=DELTA_CONFIG.num_warps)
     return Delta
 
 
@@ -352,19 +373,23 @@ def backward(
     if RUNNING_IN_INTERPRETER and Q.dtype == torch.bfloat16:
         grads = backward(*(x.float() for x in (Q, K, V, O)), L, dO.float(), is_causal, sm_scale)
         return tuple(g.to(torch.bfloat16) for g in grads)
-    n_heads, batch_heads, n_queries, n_keys, head_dim = _sizes(Q, K)
-    Delta = launch_delta(O, dO, n_heads, batch_heads, n_queries)
+    Delta = launch_delta(O, dO)
     dQ = new_output(Q.shape, Q.dtype, Q.device)
     dK = new_output(K.shape, K.dtype, K.device)
     dV = new_output(V.shape, V.dtype, V.device)
-    args = BackwardArgs(
-        Q, K, V, dO, L, Delta, dQ, dK, dV,
-        *batch_head_strides(Q), *batch_head_strides(K), *batch_head_strides(V), *batch_head_strides(dO),
-        *batch_head_strides(dQ), *batch_head_strides(dK), *batch_head_strides(dV),
-        n_heads=n_heads, n_queries=n_queries, n_keys=n_keys, n_queries_key=_length_key(n_queries),
-        n_keys_key=_length_key(n_keys), sm_scale=sm_scale, qk_scale=sm_scale * _LOG2_E,
-    )
-    meta = dict(HEAD_DIM=head_dim, IS_CAUSAL=is_causal, DOT_PRECISION=_dot_precision(Q.dtype))
     signature = (Q.dtype, Q.shape, K.shape, Q.stride(), K.stride(), V.stride(), dO.stride(), aligned(Q, K, V, dO))
-    _launch("bwd", max(n_queries, n_keys), batch_heads, signature, args, meta)
+    plan = _cache.get(("bwd", signature, sm_scale))
+    if plan is None:
+        plan = _cache[("bwd", signature, sm_scale)] = _backward_plan(Q, K, V, dO, dQ, dK, dV, sm_scale)
+    meta = dict(HEAD_DIM=Q.shape[-1], IS_CAUSAL=is_causal, DOT_PRECISION=_dot_precision(Q.dtype))
+    args = BackwardArgs(Q, K, V, dO, L, Delta, dQ, dK, dV, *plan.tail)
+    _launch("bwd", plan.n_parallel, plan.batch_heads, signature, args, meta)
     return dQ, dK, dV
+
+
+def _backward_plan(Q: Tensor, K: Tensor, V: Tensor, dO: Tensor, dQ: Tensor, dK: Tensor, dV: Tensor,
+                   sm_scale: float) -> LaunchPlan:
+    n_heads, batch_heads, n_queries, n_keys, _ = _sizes(Q, K)
+    tail = (*(stride for x in (Q, K, V, dO, dQ, dK, dV) for stride in batch_head_strides(x)),
+            n_heads, n_queries, n_keys, _length_key(n_queries), _length_key(n_keys), sm_scale, sm_scale * _LOG2_E)
+    return LaunchPlan(tail, max(n_queries, n_keys), batch_heads)
