@@ -1,4 +1,4 @@
-"""A quick screen of a FlashAttention kernel variant on a GPU (issue 28): the relative errors of our operator's O,
+"""A quick screen of a FlashAttention kernel variant on a GPU: the relative errors of our operator's O,
 dQ, dK and dV against float64 attention on the same inputs, with the Hopper kernels and with the portable Triton
 kernels forced, at shapes that exercise each path (causal or not, ragged lengths, head dims 64 and 128). One line
 per case; exits non-zero when an error passes the bf16 bound. The full correctness grid stays

@@ -1,4 +1,4 @@
-"""The tiled PyTorch FlashAttention-2 (SPEC section 3.1) against a float64 reference, gradients included.
+"""The tiled PyTorch FlashAttention-2 against a float64 reference, gradients included.
 
 Runs on CPU. The backward is ``torch.compile``d: the first call compiles for ~15-30 s, later shapes
 reuse the graph (``dynamic=True``), except for sizes of 1 and for the other value of ``is_causal``.

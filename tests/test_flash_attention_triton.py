@@ -208,7 +208,7 @@ def test_fixed_configs_compile_for_h100_without_spills(monkeypatch, dtype, head_
 @pytest.mark.skipif(RUNNING_IN_INTERPRETER, reason="compiles the GPU kernels")
 @pytest.mark.xfail(strict=True, reason="ptxas serialises the Triton backward's wgmma on sm_90 (C7514): its consecutive "
                    "sweeps carry the dK/dV and dQ accumulators from loop to loop. One masked sweep each fixes it, but "
-                   "lost its measurement (issue 28: H100, d = 64 backward 4-10 % slower); on Hopper the Gluon "
+                   "lost its measurement (H100, d = 64 backward 4-10 % slower); on Hopper the Gluon "
                    "kernels run 16-bit attention instead")
 def test_backward_wgmma_are_not_serialized_on_h100(monkeypatch):
     from tests._flash_aot import compile_for_gpu, nvidia_toolchain_available, serialized_wgmma

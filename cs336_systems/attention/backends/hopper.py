@@ -18,7 +18,6 @@ compiled kernel directly (:class:`cs336_systems.kernels.launch.Launcher`).
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any, NamedTuple
 
@@ -54,18 +53,14 @@ _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.floa
 # ---------------------------------------------------------------------------------------------------
 
 
-@functools.cache
-def _capability(device_index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device_index)
-
-
 def supports(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
-    """Why these kernels cannot run on such inputs, or None when they can."""
+    """Why these kernels cannot run on such inputs, or None when they can (asked once per device, dtype and head
+    dim: the operator caches its choice)."""
     if RUNNING_IN_INTERPRETER:
         return "the Triton interpreter (TRITON_INTERPRET=1) runs no Gluon kernels"
     if device.type != "cuda":
         return f"tensors on {device}"
-    capability = _capability(device.index if device.index is not None else torch.cuda.current_device())
+    capability = torch.cuda.get_device_capability(device)
     if capability[0] != 9:
         return f"compute capability {capability} (needs 9.x, Hopper)"
     if dtype not in (torch.float16, torch.bfloat16):
