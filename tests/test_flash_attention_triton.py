@@ -456,3 +456,23 @@ def test_error_grid_bounds():
     fp16 = _record("fp16", dtypes={name: "torch.float32" if name == "L" else "torch.float16" for name in QUANTITIES},
                    grader_close=not_close)
     assert failures(fp16) == ["O: not within the grader's rtol = atol = 1e-2 of float64"]
+
+
+def test_error_grid_cases_are_those_of_the_committed_errors_file():
+    """``scripts/flash_error_grid.py`` measures the cases the committed errors file (the writeup's input) holds, in
+    its order: the grid with the default kernels, its 16-bit cases with the Hopper kernels, the awkward ones with
+    the Triton kernels; then three notes."""
+    import json
+    from pathlib import Path
+
+    from tests._flash_error_grid import ERRORS_FILE_NAME, GROUPS
+
+    path = Path(__file__).parents[1] / "writeup" / "results" / "h100-issue28" / "tests" / ERRORS_FILE_NAME
+    records = json.loads(path.read_text())["records"]
+    cases = [tuple(case) for group in GROUPS.values() for case in group()]
+    fields = ("precision", "batch", "heads", "n_queries", "n_keys", "d", "is_causal")
+    assert [tuple(record[field] for field in fields) for record in records if "note" not in record] == cases
+    assert [record["note"] for record in records if "note" in record] == [
+        "autotuned", "autotuned", "leaderboard shape (16, 16384, 64), causal, vs fp32 SDPA"]
+    assert {key for record in records if "note" not in record for key in record} == {
+        *fields, "errors", "torch_errors", "max_abs_errors"}

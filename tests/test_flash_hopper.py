@@ -244,3 +244,29 @@ def test_short_path_launches_what_the_first_launch_compiled(monkeypatch, layout)
         assert torch.equal(full.base.flatten(), short_desc.base.flatten()) or name == "o_desc", name
     assert (first.n_heads, first.n_queries, first.n_keys) == (second.n_heads, second.n_queries, second.n_keys)
     assert first.qk_scale == second.qk_scale == pytest.approx(0.125 * math.log2(math.e))
+
+
+def test_backend_choice_weighs_the_hopper_programs(monkeypatch):
+    """Where both backends can run, "auto" takes the Hopper kernels from ``hopper_min_programs`` programs of 128
+    queries (forward) or keys (backward) up; "hopper" and "triton" take theirs whatever the size."""
+    monkeypatch.setattr(hopper, "supports", lambda device, dtype, head_dim: None)
+    monkeypatch.setattr(triton_backend, "supports", lambda device, dtype, head_dim: None)
+    op.choose_backend.cache_clear()
+    try:
+        def chosen(part, n_queries, n_keys, heads=1, **config):
+            Q = torch.empty(2, heads, n_queries, 64, dtype=torch.bfloat16)
+            K = torch.empty(2, heads, n_keys, 64, dtype=torch.bfloat16)
+            with FLASH_CONFIG.use(FlashConfig(**config)):
+                return op._backend(part, Q, K)
+
+        assert chosen("forward", 16 * 128, 64) is hopper  # 2 x 16 tiles of queries: 32 programs
+        assert chosen("forward", 16 * 128 - 128, 64) is triton_backend  # 30
+        assert chosen("forward", 15 * 128 + 1, 64) is hopper  # a ragged last tile counts
+        assert chosen("backward", 64, 16 * 128) is hopper  # tiles of keys
+        assert chosen("backward", 16 * 128, 64) is triton_backend
+        assert chosen("forward", 128, 128, heads=16) is hopper  # 2 x 16 heads x 1 tile
+        assert chosen("forward", 128, 128, kernels="hopper") is hopper
+        assert chosen("forward", 16 * 128, 64, kernels="triton") is triton_backend
+        assert chosen("forward", 16 * 128, 64, hopper_min_programs=33) is triton_backend
+    finally:
+        op.choose_backend.cache_clear()
