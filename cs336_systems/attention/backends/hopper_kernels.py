@@ -94,12 +94,14 @@ class Ring:
             mbarrier.init(self.free.index(s), count=free_count)
 
     @gluon.jit
-    def acquire(self, j):
+    def acquire(self, j, nbytes: gl.constexpr):
         """Producer: the stage for block ``j``, once the consumers have released its previous block (the first
-        ``STAGES`` fills need no wait)."""
+        ``STAGES`` fills need no wait), and its ``ready`` barrier, told to expect ``nbytes`` from the copy engine."""
         s = j % self.STAGES
         mbarrier.wait(self.free.index(s), ((j // self.STAGES) & 1) ^ 1, pred=j >= self.STAGES)
-        return s
+        landed = self.ready.index(s)
+        mbarrier.expect(landed, nbytes)
+        return s, landed
 
     @gluon.jit
     def wait_landed(self, j, n_blocks):
@@ -243,16 +245,14 @@ def _fwd_load_partition(config, q_desc, k_desc, v_desc, buffers, program):
             q_desc, _block_coord(program.b, program.h, program.start_m + w * rows, program.n_heads, config.HEAD_DIM,
                                  config.Q_COLUMNS), buffers.q_ready, q_smem.index(w))
     for j in range(program.n_blocks):
-        s = buffers.kv.acquire(j)
-        mbarrier.expect(buffers.kv.ready.index(s),
-                        2 * config.BLOCK_N * config.HEAD_DIM * k_desc.dtype.primitive_bitwidth // 8)
+        s, landed = buffers.kv.acquire(j, 2 * config.BLOCK_N * config.HEAD_DIM * k_desc.dtype.primitive_bitwidth // 8)
         n = j * config.BLOCK_N
         tma.async_copy_global_to_shared(
             k_desc, _block_coord(program.b, program.h, n, program.n_heads, config.HEAD_DIM, config.K_COLUMNS),
-            buffers.kv.ready.index(s), buffers.k_ring.index(s))
+            landed, buffers.k_ring.index(s))
         tma.async_copy_global_to_shared(
             v_desc, _block_coord(program.b, program.h, n, program.n_heads, config.HEAD_DIM, config.V_COLUMNS),
-            buffers.kv.ready.index(s), buffers.v_ring.index(s))
+            landed, buffers.v_ring.index(s))
 
 
 @gluon.jit
@@ -509,22 +509,20 @@ def _bwd_load_partition(config, q_desc, do_desc, ring, L_row, Delta_row, program
     ready after two arrivals: the copy engine's bytes and this warp's stores."""
     BLOCK_M: gl.constexpr = config.BLOCK_M
     row_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
-    ready = ring.barriers.ready
     for j in range(program.n_steps):
-        s = ring.barriers.acquire(j)
-        mbarrier.expect(ready.index(s), 2 * BLOCK_M * config.HEAD_DIM * q_desc.dtype.primitive_bitwidth // 8)
+        s, landed = ring.barriers.acquire(j, 2 * BLOCK_M * config.HEAD_DIM * q_desc.dtype.primitive_bitwidth // 8)
         m = program.query_start + j * BLOCK_M
         tma.async_copy_global_to_shared(
             q_desc, _block_coord(program.b, program.h, m, program.n_heads, config.HEAD_DIM, config.Q_COLUMNS),
-            ready.index(s), ring.q.index(s))
+            landed, ring.q.index(s))
         tma.async_copy_global_to_shared(
             do_desc, _block_coord(program.b, program.h, m, program.n_heads, config.HEAD_DIM, config.DO_COLUMNS),
-            ready.index(s), ring.do.index(s))
+            landed, ring.do.index(s))
         offs_m = m + gl.arange(0, BLOCK_M, layout=row_layout)
         in_bounds = offs_m < program.n_queries
         ring.lse.index(s).store(gl.load(L_row + offs_m, mask=in_bounds, other=0.0) * LOG2_E)
         ring.delta.index(s).store(gl.load(Delta_row + offs_m, mask=in_bounds, other=0.0))
-        mbarrier.arrive(ready.index(s))
+        mbarrier.arrive(landed)
 
 
 @gluon.jit
