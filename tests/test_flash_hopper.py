@@ -215,35 +215,48 @@ class _RecordingLauncher:
         self.launches.append((key, grid, args, constexprs, options))
 
 
+def _inputs(layout: str, batch: int, heads: int, seq: int, d: int) -> torch.Tensor:
+    if layout == "transposed":
+        return torch.randn(batch, seq, heads, d, dtype=torch.bfloat16).transpose(1, 2)
+    if layout == "misaligned":
+        return torch.randn(batch * heads * seq * d + 1, dtype=torch.bfloat16)[1:].view(batch, heads, seq, d)
+    return torch.randn(batch, heads, seq, d, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("part", ["forward", "backward"])
 @pytest.mark.parametrize("layout", ["contiguous", "transposed", "misaligned"])
-def test_short_path_launches_what_the_first_launch_compiled(monkeypatch, layout):
+def test_short_path_launches_what_the_first_launch_compiled(monkeypatch, part, layout):
     """The second call of a key (descriptors rebuilt from the cached plan) passes the kernel the same views, sizes
     and scales as the first (full descriptors, from which the kernel is compiled)."""
     launcher = _RecordingLauncher()
-    monkeypatch.setattr(hopper, "_FORWARD", launcher)
+    monkeypatch.setattr(hopper, "_FORWARD" if part == "forward" else "_BACKWARD", launcher)
+    monkeypatch.setattr(hopper, "_DQ_CONVERT", _RecordingLauncher())  # the Triton kernels around the backward
+    monkeypatch.setattr(triton_backend, "_DELTA", _RecordingLauncher())
     monkeypatch.setattr(hopper, "_plans", {})
     batch, heads, seq, d = 2, 3, 200, 64
-    if layout == "transposed":
-        Q, K, V = (torch.randn(batch, seq, heads, d, dtype=torch.bfloat16).transpose(1, 2) for _ in range(3))
-    elif layout == "misaligned":
-        Q, K, V = (torch.randn(batch * heads * seq * d + 1, dtype=torch.bfloat16)[1:].view(batch, heads, seq, d)
-                   for _ in range(3))
-    else:
-        Q, K, V = (torch.randn(batch, heads, seq, d, dtype=torch.bfloat16) for _ in range(3))
+    Q, K, V, dO = (_inputs(layout, batch, heads, seq, d) for _ in range(4))
+    O, L = torch.randn(batch, heads, seq, d, dtype=torch.bfloat16), torch.randn(batch, heads, seq)
     for _ in range(2):
-        hopper.forward(Q, K, V, True, 0.125)
+        if part == "forward":
+            hopper.forward(Q, K, V, True, 0.125)
+        else:
+            hopper.backward(Q, K, V, O, L, dO, True, 0.125)
     (key, grid, first, constexprs, options), (key_again, grid_again, second, short, _) = launcher.launches
-    assert key == key_again and grid == grid_again == (2, 6) and short == {} and options == {"num_warps": 4}
+    assert key == key_again and grid == grid_again == (2, 6) and short == {}
+    assert options == {"num_warps": 4 if part == "forward" else 8}
     assert constexprs["Q_COLUMNS"] == (layout == "transposed") and constexprs["HEAD_DIM"] == d
-    assert first._fields == second._fields == hopper.ForwardArgs._fields
-    for name in ("q_desc", "k_desc", "v_desc", "o_desc"):
-        full, short_desc = getattr(first, name), getattr(second, name)
-        assert isinstance(full, TensorDescriptor) and isinstance(short_desc, DescriptorArg)
-        assert (list(full.shape), list(full.strides)) == (list(short_desc.shape), list(short_desc.strides)), name
-        assert short_desc.base.data_ptr() % 16 == 0, name
-        assert torch.equal(full.base.flatten(), short_desc.base.flatten()) or name == "o_desc", name
-    assert (first.n_heads, first.n_queries, first.n_keys) == (second.n_heads, second.n_queries, second.n_keys)
-    assert first.qk_scale == second.qk_scale == pytest.approx(0.125 * math.log2(math.e))
+    assert type(first) is type(second)
+    for name in first._fields:
+        full, again = getattr(first, name), getattr(second, name)
+        if not name.endswith("_desc"):
+            assert type(full) is type(again) and (isinstance(full, torch.Tensor) or full == again), name
+            continue
+        assert isinstance(full, TensorDescriptor) and isinstance(again, DescriptorArg)
+        assert (list(full.shape), list(full.strides)) == (list(again.shape), list(again.strides)), name
+        assert again.base.data_ptr() % 16 == 0, name
+        if name[:-5] in ("q", "k", "v", "do"):  # inputs (copied where misaligned): the same values
+            assert torch.equal(full.base.flatten(), again.base.flatten()), name
+    assert first.qk_scale == pytest.approx(0.125 * math.log2(math.e))
 
 
 def test_backend_choice_weighs_the_hopper_programs(monkeypatch):
