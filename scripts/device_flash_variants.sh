@@ -4,8 +4,9 @@
 # ("main") and for every folder _variants/NAME/ (files laid over a copy of the checkout), each in its own copy
 # and processes: the errors against float64 (scripts/flash_variant_check.py) and our operator's times at the
 # same shapes. Make the variants here from branches, and carry the folder (it is git-ignored):
-#   mkdir -p _variants/NAME/cs336_systems/attention
-#   git show BRANCH:cs336_systems/attention/flash_hopper.py > _variants/NAME/cs336_systems/attention/flash_hopper.py
+#   mkdir -p _variants/NAME/cs336_systems/attention/backends
+#   git show BRANCH:cs336_systems/attention/backends/hopper_kernels.py \
+#       > _variants/NAME/cs336_systems/attention/backends/hopper_kernels.py
 #   (device) VARIANT_SECONDS=150 bash scripts/device_flash_variants.sh      # run with carry ["_variants"]
 # VARIANT_KERNELS="auto hopper triton" times each variant once per kernel family (CS336_FLASH_KERNELS).
 set -uo pipefail

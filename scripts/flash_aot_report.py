@@ -16,8 +16,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from cs336_systems.attention import flash_triton  # noqa: E402
-from cs336_systems.attention.config import FLASH_CONFIG  # noqa: E402
+from cs336_systems.attention.backends import triton as triton_backend  # noqa: E402
+from cs336_systems.attention.backends import triton_kernels  # noqa: E402
 from tests._flash_aot import compile_for_gpu, cuobjdump, resource_usage  # noqa: E402
 
 SASS_PATTERNS = {"HGMMA": r"\bHGMMA\b", "HMMA": r"\bHMMA\b", "EX2": r"MUFU\.EX2", "RED": r"\bRED\b|\bATOM",
@@ -27,16 +27,15 @@ SASS_PATTERNS = {"HGMMA": r"\bHGMMA\b", "HMMA": r"\bHMMA\b", "EX2": r"MUFU\.EX2"
 def captured_launches(dtype: torch.dtype, head_dim: int, is_causal: bool) -> list[tuple[str, tuple, dict]]:
     """(kernel, args, meta) of one forward and backward at a small size, without running anything."""
     launches = []
-    original = flash_triton._launch, flash_triton._DELTA
-    flash_triton._launch = lambda kernel, n, bh, signature, args, meta, key: launches.append((kernel, args, meta))
-    flash_triton._DELTA = lambda key, grid, args, meta, **options: launches.append(("delta", args, meta))
+    original = triton_backend._launch, triton_backend._DELTA
+    triton_backend._launch = lambda kernel, n, bh, signature, args, meta: launches.append((kernel, args, meta))
+    triton_backend._DELTA = lambda key, grid, args, meta, **options: launches.append(("delta", args, meta))
     try:
         q, k, v = (torch.randn(2, 3, 256, head_dim).to(dtype) for _ in range(3))
-        with FLASH_CONFIG.use(kernels="triton"):
-            O, L = flash_triton.flash_attention_forward(q, k, v, is_causal)
-            flash_triton.flash_attention_backward(q, k, v, O, L, torch.randn_like(O), is_causal)
+        O, L = triton_backend.forward(q, k, v, is_causal, head_dim ** -0.5)
+        triton_backend.backward(q, k, v, O, L, torch.randn_like(O), is_causal, head_dim ** -0.5)
     finally:
-        flash_triton._launch, flash_triton._DELTA = original
+        triton_backend._launch, triton_backend._DELTA = original
     return launches
 
 
@@ -56,13 +55,13 @@ def main() -> None:
     for kernel, launch_args, meta in captured_launches(dtype, args.head_dim, not args.not_causal):
         if args.kernels and kernel not in args.kernels:
             continue
-        if kernel in flash_triton._AUTOTUNED:
-            autotuner = flash_triton._AUTOTUNED[kernel]
+        if kernel in triton_backend._AUTOTUNED:
+            autotuner = triton_backend._AUTOTUNED[kernel]
             configs = autotuner.early_config_prune(autotuner.configs, {"Q": launch_args[0]}, **meta)
-            function = flash_triton._PLAIN[kernel]
+            function = triton_backend._PLAIN[kernel]
         else:
-            configs, function = [flash_triton.DELTA_CONFIG], flash_triton.kernels.attn_bwd_delta_kernel
-            meta = {k: v for k, v in meta.items() if k not in flash_triton.DELTA_CONFIG.kwargs}
+            configs, function = [triton_backend.DELTA_CONFIG], triton_kernels.attn_bwd_delta_kernel
+            meta = {k: v for k, v in meta.items() if k not in triton_backend.DELTA_CONFIG.kwargs}
         for config in configs:
             try:
                 compiled = compile_for_gpu(function, tuple(launch_args), {**meta, **config.all_kwargs()})

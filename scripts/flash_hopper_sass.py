@@ -1,4 +1,4 @@
-"""Fingerprint the Hopper Gluon kernels (``cs336_systems/attention/flash_hopper.py``) on a machine without a GPU:
+"""Fingerprint the Hopper Gluon kernels (``cs336_systems/attention/backends/hopper_kernels.py``) on a machine without a GPU:
 compile the forward and the backward for sm_90 (bf16, causal, head dims 64 and 128, the shapes of
 ``tests/test_flash_hopper.py``) and print per kernel a hash of its SASS, its registers, spills and shared memory.
 A refactor that should not change the generated code is checked by comparing this output before and after.
@@ -17,7 +17,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from cs336_systems.attention import flash_hopper  # noqa: E402
+from cs336_systems.attention.backends import hopper  # noqa: E402
 from tests._flash_aot import compile_for_gpu, cuobjdump, resource_usage  # noqa: E402
 
 
@@ -27,15 +27,14 @@ def launches(head_dim: int, dtype: torch.dtype, is_causal: bool) -> dict[str, tu
     scale = 1 / math.sqrt(head_dim)
     Q, K, V, O = (torch.empty(batch, heads, n_queries, head_dim, dtype=dtype) for _ in range(4))
     L = torch.empty(batch * heads, n_queries)
-    _, args, kwargs = flash_hopper.forward_launch_arguments(Q, K, V, O, L, is_causal, scale)
-    result = {f"fwd_d{head_dim}": (flash_hopper.attn_fwd_hopper_kernel, args, kwargs)}
+    launch = hopper.forward_launch(Q, K, V, O, L, is_causal, scale)
+    result = {f"fwd_d{head_dim}": (launch.kernel, launch.args, launch.kwargs)}
     Q, dO = (torch.empty(batch, heads, n_queries, head_dim, dtype=dtype) for _ in range(2))
     K, V, dK, dV = (torch.empty(batch, heads, n_keys, head_dim, dtype=dtype) for _ in range(4))
     L, Delta = (torch.empty(batch * heads, n_queries) for _ in range(2))
     DQ_acc = torch.empty(batch * heads, n_queries, head_dim)
-    _, args, kwargs = flash_hopper.backward_launch_arguments(Q, K, V, dO, L, Delta, dK, dV, DQ_acc, is_causal,
-                                                             scale)
-    result[f"bwd_d{head_dim}"] = (flash_hopper.attn_bwd_hopper_kernel, args, kwargs)
+    launch = hopper.backward_launch(Q, K, V, dO, L, Delta, dK, dV, DQ_acc, is_causal, scale)
+    result[f"bwd_d{head_dim}"] = (launch.kernel, launch.args, launch.kwargs)
     return result
 
 

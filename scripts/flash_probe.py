@@ -18,7 +18,8 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.functional import scaled_dot_product_attention
 
-from cs336_systems.attention import flash_triton
+from cs336_systems.attention import op
+from cs336_systems.attention.backends import triton as triton_backend
 from cs336_systems.attention.config import FLASH_CONFIG, FlashConfig
 
 SHAPES = {"lb": (16, None, 16384, 64), "4096x64": (1, 1, 4096, 64), "16384x64": (1, 1, 16384, 64),
@@ -35,7 +36,7 @@ def sdpa(backend):
 def ours(mode):
     def f(q, k, v, causal):
         FLASH_CONFIG.set(FlashConfig(kernels=mode))  # read again by the backward of this call
-        return flash_triton.FlashAttention2Triton.apply(q, k, v, causal)
+        return op.FlashAttention2Triton.apply(q, k, v, causal)
     return f
 
 
@@ -89,7 +90,7 @@ def main():
     args = p.parse_args()
     providers = {("ours" if len(args.modes) == 1 else f"ours-{mode}"): ours(mode) for mode in args.modes}
     if args.baseline:
-        providers["baseline"] = importlib.import_module("_baseline.flash_triton").FlashAttention2Triton.apply
+        providers["baseline"] = importlib.import_module("_baseline.op").FlashAttention2Triton.apply
     providers["cudnn"] = sdpa(SDPBackend.CUDNN_ATTENTION)
     providers["fa2"] = sdpa(SDPBackend.FLASH_ATTENTION)
     is_ours = lambda name: name.startswith(("ours", "baseline"))  # noqa: E731
@@ -138,7 +139,7 @@ _printed: set = set()
 
 def print_autotune_timings(label: str) -> None:
     """Each of our autotuners' timings (median ms per configuration) for the keys first tuned since the last call."""
-    for kname, tuner in flash_triton._AUTOTUNED.items():
+    for kname, tuner in triton_backend._AUTOTUNED.items():
         for key, config in tuner.cache.items():
             if (kname, key) in _printed:
                 continue

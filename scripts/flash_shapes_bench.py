@@ -32,7 +32,7 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, choices=[64, 128], help="only the shapes of this head dim")
     args = parser.parse_args()
     from cs336_systems.attention.config import FLASH_CONFIG, FlashConfig
-    from cs336_systems.attention.flash_triton import flash_attention
+    from cs336_systems.attention.op import flash_attention
 
     FLASH_CONFIG.set(FlashConfig.from_environment())
 

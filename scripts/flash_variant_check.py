@@ -1,4 +1,4 @@
-"""A quick screen of a FlashAttention kernel variant on a GPU (issue 28): the relative errors of our operator's O,
+"""A quick screen of a FlashAttention kernel variant on a GPU: the relative errors of our operator's O,
 dQ, dK and dV against float64 attention on the same inputs, with the Hopper kernels and with the portable Triton
 kernels forced, at shapes that exercise each path (causal or not, ragged lengths, head dims 64 and 128). One line
 per case; exits non-zero when an error passes the bf16 bound. The full correctness grid stays
@@ -15,7 +15,7 @@ import sys
 import torch
 from torch.nn.functional import scaled_dot_product_attention
 
-from cs336_systems.attention import flash_triton
+from cs336_systems.attention import op
 from cs336_systems.attention.config import FLASH_CONFIG
 
 BOUND = 2e-2  # bf16, as the GPU grid's floor
@@ -34,7 +34,7 @@ def errors(batch: int, heads: int, n_queries: int, n_keys: int, head_dim: int, i
         return torch.randn(batch, heads, n, head_dim, device="cuda", generator=generator).to(torch.bfloat16)
     q, k, v = (randn(n).requires_grad_() for n in (n_queries, n_keys, n_keys))
     do = randn(n_queries)
-    out = flash_triton.FlashAttention2Triton.apply(q, k, v, is_causal)
+    out = op.FlashAttention2Triton.apply(q, k, v, is_causal)
     grads = torch.autograd.grad(out, (q, k, v), do)
     q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
     ref = scaled_dot_product_attention(q64, k64, v64, is_causal=is_causal)

@@ -21,8 +21,8 @@ import torch
 if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("runs under TRITON_INTERPRET=1 (see the module docstring)", allow_module_level=True)
 
-from cs336_systems.attention import flash_triton
-from cs336_systems.attention.flash_triton import FlashAttention2Triton
+from cs336_systems.attention.backends.triton import batch_head_strides
+from cs336_systems.attention.op import FlashAttention2Triton
 from cs336_systems.kernels.launch import RUNNING_IN_INTERPRETER, poisoned_outputs
 from tests._flash_checks import (
     QUANTITIES,
@@ -187,19 +187,19 @@ def test_head_dims_between_the_kernels_runs_padded(d, is_causal):
 def test_hopper_backward_helpers_zero_and_convert():
     """The two small kernels around the Hopper backward, which the interpreter cannot run itself: the delta kernel
     also zeroes the float32 dQ buffer, and the conversion scales and casts it into dQ (strided, 4-D)."""
-    from cs336_systems.attention import flash_triton_kernels as kernels
+    from cs336_systems.attention.backends import triton_kernels as kernels
 
     batch, heads, n, d = 2, 3, 70, 32
     O, dO = torch.randn(batch, heads, n, d), torch.randn(batch, heads, n, d)
     Delta = torch.full((batch * heads, n), float("nan"))
     DQ_acc = torch.full((batch * heads, n, d), float("nan"))
     grid = (3, batch * heads)
-    kernels.attn_bwd_delta_kernel[grid](O, dO, Delta, *flash_triton._strides(O), *flash_triton._strides(dO), heads, n,
+    kernels.attn_bwd_delta_kernel[grid](O, dO, Delta, *batch_head_strides(O), *batch_head_strides(dO), heads, n,
                                         DQ_acc, HEAD_DIM=d, ZERO_DQ_ACC=True, BLOCK_M=32)
     torch.testing.assert_close(Delta, (O * dO).sum(-1).reshape(batch * heads, n))
     assert torch.equal(DQ_acc, torch.zeros_like(DQ_acc))
     DQ_acc = torch.randn(batch * heads, n, d)
     dQ = torch.full((batch, n, heads, d), float("nan"), dtype=torch.float16).transpose(1, 2)
-    kernels.attn_bwd_dq_convert_kernel[grid](DQ_acc, dQ, *flash_triton._strides(dQ), heads, n, 0.25, HEAD_DIM=d,
+    kernels.attn_bwd_dq_convert_kernel[grid](DQ_acc, dQ, *batch_head_strides(dQ), heads, n, 0.25, HEAD_DIM=d,
                                              BLOCK_M=32)
     torch.testing.assert_close(dQ, (DQ_acc * 0.25).to(torch.float16).view(batch, heads, n, d))

@@ -13,7 +13,7 @@ import torch
 if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("runs under TRITON_INTERPRET=1", allow_module_level=True)
 
-import cs336_systems.attention.flash_triton as flash_triton
+import cs336_systems.attention.backends.triton as triton_backend
 from cs336_basics.model import BasicsTransformerLM
 from cs336_systems.bench import leaderboard_2026
 from cs336_systems.train import STACKS, build_training_step
@@ -43,13 +43,13 @@ def test_cli_rows_for_both_stacks(tmp_path):
 @pytest.mark.parametrize("keep_attention", [False, True])
 def test_keep_attention_runs_attention_forward_once(monkeypatch, keep_attention):
     calls = []
-    original = flash_triton.flash_attention_forward
+    original = triton_backend.forward
 
     def counted(*args, **kwargs):
         calls.append(torch.is_grad_enabled())
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(flash_triton, "flash_attention_forward", counted)
+    monkeypatch.setattr(triton_backend, "forward", counted)
     torch.manual_seed(0)
     model = BasicsTransformerLM(vocab_size=100, context_length=16, d_model=32, num_layers=3, num_heads=2, d_ff=64)
     parts = STACKS["ours"].with_(compile="none", checkpointing=1, keep_attention=keep_attention, weights="fp32")

@@ -22,7 +22,7 @@ def get_flashattention_autograd_function_pytorch() -> Type:
 
 def get_flashattention_autograd_function_triton() -> Type:
     """The Triton FlashAttention-2 ``torch.autograd.Function`` class (not an instance)."""
-    from cs336_systems.attention.flash_triton import FlashAttention2Triton
+    from cs336_systems.attention.op import FlashAttention2Triton
 
     return FlashAttention2Triton
 

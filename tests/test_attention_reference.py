@@ -70,3 +70,21 @@ def test_transformer_lm_with_flash_pytorch_attention_matches_naive():
     model = BasicsTransformerLM(vocab_size=50, context_length=32, d_model=64, num_layers=2, num_heads=2, d_ff=128)
     token_ids = torch.randint(0, 50, (2, 24))
     assert_lm_matches_naive(model, token_ids, "flash_pytorch", logits_tol=(1e-4, 1e-5))
+
+
+@pytest.mark.parametrize("name", ["naive", "annotated", "flash_pytorch", "sdpa"])
+def test_attention_implementations_are_causal_by_default(name):
+    """Every ``get_attention`` function defaults to ``is_causal=True``, the model's protocol."""
+    Q, K, V = (torch.randn(1, 2, 9, 16) for _ in range(3))
+    attention = get_attention(name)
+    torch.testing.assert_close(attention(Q, K, V), attention(Q, K, V, True), rtol=0, atol=0)
+    assert not torch.allclose(attention(Q, K, V), attention(Q, K, V, False))
+
+
+@pytest.mark.parametrize("name", ATTENTION_NAMES)
+def test_every_attention_signature_defaults_to_causal(name):
+    import inspect
+
+    attention = get_attention(name)
+    attention = getattr(attention, "_torchdynamo_orig_callable", attention)  # "compiled": the function it wraps
+    assert inspect.signature(attention).parameters["is_causal"].default is True

@@ -1,4 +1,4 @@
-"""The tiled PyTorch FlashAttention-2 (SPEC section 3.1) against a float64 reference, gradients included.
+"""The tiled PyTorch FlashAttention-2 against a float64 reference, gradients included.
 
 Runs on CPU. The backward is ``torch.compile``d: the first call compiles for ~15-30 s, later shapes
 reuse the graph (``dynamic=True``), except for sizes of 1 and for the other value of ``is_causal``.
@@ -12,7 +12,7 @@ import torch
 
 from cs336_systems.attention import flash_pytorch
 from cs336_systems.attention.flash_pytorch import FlashAttention2PyTorch, flash_attention_forward_tiled
-from cs336_systems.attention.reference import check_is_causal
+from cs336_systems.attention.op import check_is_causal
 from tests import adapters
 from tests._flash_checks import QUANTITIES, check_sum_backward, make_qkv, relative_error, run_function, run_reference
 

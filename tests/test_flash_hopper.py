@@ -1,4 +1,5 @@
-"""The Hopper kernels in Gluon (``cs336_systems/attention/flash_hopper.py``).
+"""The Hopper backend: Gluon kernels (``cs336_systems/attention/backends/hopper_kernels.py``) and their host side
+(``backends/hopper.py``).
 
 On a machine without a GPU: the kernels compile for sm_90 down to a cubin (Triton's own ptxas) at the
 supported head dims with no register spills and within the shared memory of a block, the forward's and the
@@ -15,10 +16,13 @@ import math
 
 import pytest
 import torch
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from cs336_systems.attention import flash_hopper
-from cs336_systems.attention.config import FLASH_CONFIG, FlashConfig, runs_hopper, why_not_hopper
-from cs336_systems.kernels.launch import poisoned_outputs
+from cs336_systems.attention import op
+from cs336_systems.attention.backends import hopper
+from cs336_systems.attention.backends import triton as triton_backend
+from cs336_systems.attention.config import FLASH_CONFIG, FlashConfig
+from cs336_systems.kernels.launch import RUNNING_IN_INTERPRETER, DescriptorArg, poisoned_outputs
 from tests._flash_aot import compile_for_gpu, nvidia_toolchain_available, resource_usage, serialized_wgmma
 from tests._flash_checks import hopper_gpu, relative_error
 
@@ -32,7 +36,7 @@ def _launch_on_cpu_tensors(batch, heads, n_queries, n_keys, d, dtype, is_causal)
     K, V, dK, dV = (torch.empty(shape_k, dtype=dtype) for _ in range(4))
     L, Delta = (torch.empty(batch * heads, n_queries) for _ in range(2))
     DQ_acc = torch.empty(batch * heads, n_queries, d)
-    return flash_hopper.backward_launch_arguments(Q, K, V, dO, L, Delta, dK, dV, DQ_acc, is_causal, 1 / math.sqrt(d))
+    return hopper.backward_launch(Q, K, V, dO, L, Delta, dK, dV, DQ_acc, is_causal, 1 / math.sqrt(d))
 
 
 # Two configurations each (a few seconds of ptxas apiece): the largest head dim, causal, and the smallest, not
@@ -41,9 +45,9 @@ def _launch_on_cpu_tensors(batch, heads, n_queries, n_keys, d, dtype, is_causal)
 def test_compiles_for_sm90_without_spills(d, dtype, is_causal):
     if not nvidia_toolchain_available():
         pytest.skip("this Triton has no NVIDIA backend or ptxas")
-    grid, args, kwargs = _launch_on_cpu_tensors(2, 3, 1000, 777, d, dtype, is_causal)
-    assert grid == (math.ceil(777 / flash_hopper.BLOCK_N), 6)
-    compiled = compile_for_gpu(flash_hopper.attn_bwd_hopper_kernel, args, kwargs)
+    launch = _launch_on_cpu_tensors(2, 3, 1000, 777, d, dtype, is_causal)
+    assert launch.grid == (math.ceil(777 / hopper.BLOCK_N), 6)
+    compiled = compile_for_gpu(launch.kernel, launch.args, launch.kwargs)
     usage = resource_usage(compiled)
     assert usage.spill_bytes == 0, usage
     assert usage.shared_bytes <= HOPPER_SHARED_MEMORY, usage
@@ -59,9 +63,9 @@ def test_forward_compiles_for_sm90_without_spills(d, dtype, is_causal):
         pytest.skip("this Triton has no NVIDIA backend or ptxas")
     Q, K, V, O = (torch.empty(2, 3, 1000, d, dtype=dtype) for _ in range(4))
     L = torch.empty(6, 1000)
-    grid, args, kwargs = flash_hopper.forward_launch_arguments(Q, K, V, O, L, is_causal, 1 / math.sqrt(d))
-    assert grid == (math.ceil(1000 / (2 * flash_hopper.FORWARD_ROWS)), 6)
-    compiled = compile_for_gpu(flash_hopper.attn_fwd_hopper_kernel, args, kwargs)
+    launch = hopper.forward_launch(Q, K, V, O, L, is_causal, 1 / math.sqrt(d))
+    assert launch.grid == (math.ceil(1000 / (2 * hopper.FORWARD_ROWS)), 6)
+    compiled = compile_for_gpu(launch.kernel, launch.args, launch.kwargs)
     usage = resource_usage(compiled)
     assert usage.spill_bytes == 0, usage
     assert usage.shared_bytes <= HOPPER_SHARED_MEMORY, usage
@@ -73,8 +77,8 @@ def test_forward_compiles_for_sm90_without_spills(d, dtype, is_causal):
 def test_backward_wgmma_are_not_serialized():
     if not nvidia_toolchain_available():
         pytest.skip("this Triton has no NVIDIA backend or ptxas")
-    grid, args, kwargs = _launch_on_cpu_tensors(2, 3, 1000, 777, 128, torch.bfloat16, True)
-    compiled = compile_for_gpu(flash_hopper.attn_bwd_hopper_kernel, args, kwargs)
+    launch = _launch_on_cpu_tensors(2, 3, 1000, 777, 128, torch.bfloat16, True)
+    compiled = compile_for_gpu(launch.kernel, launch.args, launch.kwargs)
     assert serialized_wgmma(compiled) is None
 
 
@@ -105,7 +109,7 @@ def test_tma_view_addresses_every_head(layout):
     else:  # contiguous, but starting 4 bytes into its allocation: needs a copy
         x = torch.randn(batch * heads * seq * d + 1)[1:].view(batch, heads, seq, d)
         assert x.is_contiguous() and x.data_ptr() % 16 != 0
-    view, heads_in_columns = flash_hopper.tma_view(x)
+    view, heads_in_columns = hopper.tma_view(x)
     x4 = x if x.dim() == 4 else x.unsqueeze(1)
     b, h, s, dd = x4.shape
     assert view.dim() == 3 and view.stride(-1) == 1
@@ -118,12 +122,38 @@ def test_tma_view_addresses_every_head(layout):
 
 def test_kernel_choice_follows_the_configuration():
     cpu = torch.device("cpu")
+    if RUNNING_IN_INTERPRETER:
+        pytest.skip("under the interpreter CPU tensors run the Triton backend for another reason")
     for kernels in ("auto", "triton"):
-        for part in ("forward", "backward"):  # CPU tensors: the Triton path
-            assert not runs_hopper(FlashConfig(kernels=kernels), cpu, torch.bfloat16, 64, part, True)
+        for part in ("forward", "backward"):  # CPU tensors: not the Hopper backend, and no backend at all
+            with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+                op.choose_backend(FlashConfig(kernels=kernels), cpu, torch.bfloat16, 64, part, True)
     with pytest.raises(ValueError, match="backward cannot run: tensors on cpu"):
-        runs_hopper(FlashConfig(kernels="hopper"), cpu, torch.bfloat16, 64, "backward", True)
-    assert why_not_hopper(cpu, torch.bfloat16, 64) == "tensors on cpu"
+        op.choose_backend(FlashConfig(kernels="hopper"), cpu, torch.bfloat16, 64, "backward", True)
+    assert hopper.supports(cpu, torch.bfloat16, 64) == "tensors on cpu"
+    assert triton_backend.supports(cpu, torch.float64, 64).startswith("unsupported dtype")
+    assert triton_backend.supports(cpu, torch.float32, 80) == "head dim 80 (needs one of (16, 32, 64, 128))"
+
+
+def test_backends_share_one_interface():
+    for backend in (hopper, triton_backend):
+        for name in ("supports", "forward", "backward"):
+            assert callable(getattr(backend, name)), (backend.__name__, name)
+
+
+def test_launch_arguments_are_the_kernels_parameters():
+    """The named launch arguments are the kernels' leading parameters, in order."""
+    from cs336_systems.attention.backends import hopper_kernels, triton_kernels
+
+    pairs = [(hopper.ForwardArgs, hopper_kernels.attn_fwd_hopper_kernel),
+             (hopper.BackwardArgs, hopper_kernels.attn_bwd_hopper_kernel),
+             (hopper.DqConvertArgs, triton_kernels.attn_bwd_dq_convert_kernel),
+             (triton_backend.ForwardArgs, triton_kernels.attn_fwd_kernel),
+             (triton_backend.BackwardArgs, triton_kernels.attn_bwd_kernel),
+             (triton_backend.DeltaArgs, triton_kernels.attn_bwd_delta_kernel)]
+    for args, kernel in pairs:
+        assert list(args._fields) == kernel.arg_names[:len(args._fields)], kernel.__name__
+        assert all(param.is_constexpr for param in kernel.params[len(args._fields):]), kernel.__name__
 
 
 @pytest.mark.gpu
@@ -132,13 +162,12 @@ def test_kernel_choice_on_hopper_gpu():
     gpu = torch.device("cuda", torch.cuda.current_device())
     auto, forced = FlashConfig(), FlashConfig(kernels="hopper")
     for part in ("forward", "backward"):
-        assert runs_hopper(auto, gpu, torch.bfloat16, 64, part, True)
-        assert not runs_hopper(auto, gpu, torch.bfloat16, 64, part, False)  # too few programs: Triton
-        assert not runs_hopper(auto, gpu, torch.float32, 64, part, True)
-        assert not runs_hopper(auto, gpu, torch.bfloat16, 80, part, True)
-    assert runs_hopper(forced, gpu, torch.bfloat16, 64, "forward", False)
+        assert op.choose_backend(auto, gpu, torch.bfloat16, 64, part, True) is hopper
+        assert op.choose_backend(auto, gpu, torch.bfloat16, 64, part, False) is triton_backend  # too few programs
+        assert op.choose_backend(auto, gpu, torch.float32, 64, part, True) is triton_backend
+    assert op.choose_backend(forced, gpu, torch.bfloat16, 64, "forward", False) is hopper
     with pytest.raises(ValueError, match="float32"):
-        runs_hopper(forced, gpu, torch.float32, 64, "backward", True)
+        op.choose_backend(forced, gpu, torch.float32, 64, "backward", True)
 
 
 @pytest.mark.gpu
@@ -148,8 +177,6 @@ def test_kernel_choice_on_hopper_gpu():
 def test_hopper_and_triton_kernels_agree_gpu(d, layout):
     """Forced Gluon and forced Triton forwards and backwards against float64, at a length with many key tiles and
     a ragged end, for the two TMA views; gradients NaN-poisoned so that unwritten rows show."""
-    from cs336_systems.attention import flash_triton
-
     torch.manual_seed(d)
     batch, heads, seq = 2, 4, 1000 + d
     if layout == "contiguous":
@@ -166,10 +193,93 @@ def test_hopper_and_triton_kernels_agree_gpu(d, layout):
     for kernels in ("hopper", "triton"):
         inputs = [x.detach().requires_grad_() for x in (Q, K, V)]
         with FLASH_CONFIG.use(kernels=kernels), poisoned_outputs():
-            output = flash_triton.flash_attention(*inputs, True)
+            output = op.flash_attention(*inputs, True)
             output.backward(dO)
         results = [("O", output.detach(), expected_output)] + [
             (f"d{name}", x.grad, expected) for name, x, expected in zip("QKV", inputs, reference)]
         for name, value, expected in results:
             error = relative_error(value, expected)
             assert error < 1e-2, f"{kernels}: {name} relative error {error:.2e}"
+
+
+class _RecordingLauncher:
+    """Stands in for a :class:`Launcher`: records each launch; compiled once it has launched a key."""
+
+    def __init__(self):
+        self.launches = []
+
+    def compiled(self, key) -> bool:
+        return any(launch[0] == key for launch in self.launches)
+
+    def __call__(self, key, grid, args, constexprs, **options):
+        self.launches.append((key, grid, args, constexprs, options))
+
+
+def _inputs(layout: str, batch: int, heads: int, seq: int, d: int) -> torch.Tensor:
+    if layout == "transposed":
+        return torch.randn(batch, seq, heads, d, dtype=torch.bfloat16).transpose(1, 2)
+    if layout == "misaligned":
+        return torch.randn(batch * heads * seq * d + 1, dtype=torch.bfloat16)[1:].view(batch, heads, seq, d)
+    return torch.randn(batch, heads, seq, d, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("part", ["forward", "backward"])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "misaligned"])
+def test_short_path_launches_what_the_first_launch_compiled(monkeypatch, part, layout):
+    """The second call of a key (descriptors rebuilt from the cached plan) passes the kernel the same views, sizes
+    and scales as the first (full descriptors, from which the kernel is compiled)."""
+    launcher = _RecordingLauncher()
+    monkeypatch.setattr(hopper, "_FORWARD" if part == "forward" else "_BACKWARD", launcher)
+    monkeypatch.setattr(hopper, "_DQ_CONVERT", _RecordingLauncher())  # the Triton kernels around the backward
+    monkeypatch.setattr(triton_backend, "_DELTA", _RecordingLauncher())
+    monkeypatch.setattr(hopper, "_plans", {})
+    batch, heads, seq, d = 2, 3, 200, 64
+    Q, K, V, dO = (_inputs(layout, batch, heads, seq, d) for _ in range(4))
+    O, L = torch.randn(batch, heads, seq, d, dtype=torch.bfloat16), torch.randn(batch, heads, seq)
+    for _ in range(2):
+        if part == "forward":
+            hopper.forward(Q, K, V, True, 0.125)
+        else:
+            hopper.backward(Q, K, V, O, L, dO, True, 0.125)
+    (key, grid, first, constexprs, options), (key_again, grid_again, second, short, _) = launcher.launches
+    assert key == key_again and grid == grid_again == (2, 6) and short == {}
+    assert options == {"num_warps": 4 if part == "forward" else 8}
+    assert constexprs["Q_COLUMNS"] == (layout == "transposed") and constexprs["HEAD_DIM"] == d
+    assert type(first) is type(second)
+    for name in first._fields:
+        full, again = getattr(first, name), getattr(second, name)
+        if not name.endswith("_desc"):
+            assert type(full) is type(again) and (isinstance(full, torch.Tensor) or full == again), name
+            continue
+        assert isinstance(full, TensorDescriptor) and isinstance(again, DescriptorArg)
+        assert (list(full.shape), list(full.strides)) == (list(again.shape), list(again.strides)), name
+        assert again.base.data_ptr() % 16 == 0, name
+        if name[:-5] in ("q", "k", "v", "do"):  # inputs (copied where misaligned): the same values
+            assert torch.equal(full.base.flatten(), again.base.flatten()), name
+    assert first.qk_scale == pytest.approx(0.125 * math.log2(math.e))
+
+
+def test_backend_choice_weighs_the_hopper_programs(monkeypatch):
+    """Where both backends can run, "auto" takes the Hopper kernels from ``hopper_min_programs`` programs of 128
+    queries (forward) or keys (backward) up; "hopper" and "triton" take theirs whatever the size."""
+    monkeypatch.setattr(hopper, "supports", lambda device, dtype, head_dim: None)
+    monkeypatch.setattr(triton_backend, "supports", lambda device, dtype, head_dim: None)
+    op.choose_backend.cache_clear()
+    try:
+        def chosen(part, n_queries, n_keys, heads=1, **config):
+            Q = torch.empty(2, heads, n_queries, 64, dtype=torch.bfloat16)
+            K = torch.empty(2, heads, n_keys, 64, dtype=torch.bfloat16)
+            with FLASH_CONFIG.use(FlashConfig(**config)):
+                return op._backend(part, Q, K)
+
+        assert chosen("forward", 16 * 128, 64) is hopper  # 2 x 16 tiles of queries: 32 programs
+        assert chosen("forward", 16 * 128 - 128, 64) is triton_backend  # 30
+        assert chosen("forward", 15 * 128 + 1, 64) is hopper  # a ragged last tile counts
+        assert chosen("backward", 64, 16 * 128) is hopper  # tiles of keys
+        assert chosen("backward", 16 * 128, 64) is triton_backend
+        assert chosen("forward", 128, 128, heads=16) is hopper  # 2 x 16 heads x 1 tile
+        assert chosen("forward", 128, 128, kernels="hopper") is hopper
+        assert chosen("forward", 16 * 128, 64, kernels="triton") is triton_backend
+        assert chosen("forward", 16 * 128, 64, hopper_min_programs=33) is triton_backend
+    finally:
+        op.choose_backend.cache_clear()

@@ -1,6 +1,6 @@
-"""Which FlashAttention kernels run, as explicit configuration (SPEC section 9): a frozen :class:`FlashConfig`, set
-for the process or for a block, and the per-call choice it implies, resolved once per (device, dtype, head dim,
-shape class) and cached.
+"""Which FlashAttention kernels run, as explicit configuration: a frozen :class:`FlashConfig`, set for the process
+or for a block. The operator (``op.py``) resolves the choice it implies once per (device, dtype, head dim, shape
+class) and caches it.
 
     from cs336_systems.attention.config import FLASH_CONFIG
     with FLASH_CONFIG.use(kernels="triton"):      # the portable kernels only, e.g. to compare
@@ -14,30 +14,26 @@ from it, so that a variant can be chosen per process.
 
 from __future__ import annotations
 
-import functools
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-import torch
-
 from cs336_systems.kernels.launch import CurrentConfig
 
 KERNEL_FAMILIES = ("auto", "hopper", "triton")
-HOPPER_HEAD_DIMS = (16, 32, 64, 128)
 
 
 @dataclass(frozen=True)
 class FlashConfig:
     """How our attention operator chooses and launches its kernels.
 
-    ``kernels``: "auto" runs the Gluon kernels of ``flash_hopper.py`` on Hopper GPUs (compute capability 9.x) for
+    ``kernels``: "auto" runs the Gluon kernels (``backends/hopper.py``) on Hopper GPUs (compute capability 9.x) for
     float16/bfloat16 inputs with at least ``hopper_min_programs`` programs, else the portable Triton kernels;
     "hopper" runs them wherever they can run and raises where they cannot; "triton" never runs them.
     ``autotune``: the Triton kernels' tiles picked by ``triton.autotune`` per (coarsened lengths, head dim, causal,
     dtype), tens of seconds per new length bucket, instead of the fixed tiles per dtype and head dim.
     ``hopper_min_programs``: programs are ``batch * heads`` times the tiles of 128 queries (forward) or keys
-    (backward). Since the Hopper backward's wgmma run asynchronously (issue 28) the Hopper kernels are at least as
+    (backward). Since the Hopper backward's wgmma run asynchronously the Hopper kernels are at least as
     fast as the Triton kernels from one head of 4,096 (32 programs) up (measured on an H100, bf16, causal: one head
     of 16,384, forward + backward 0.56 ms against 0.61 at d = 64, 0.81 against 1.01 at d = 128); below, both are
     bound by their launches.
@@ -63,36 +59,3 @@ class FlashConfig:
 
 FLASH_CONFIG: CurrentConfig[FlashConfig] = CurrentConfig(FlashConfig())
 """The configuration our attention runs with (``.get()``, ``.set()``, ``with .use(...)``)."""
-
-
-@functools.cache
-def _capability(device_index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device_index)
-
-
-def why_not_hopper(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
-    """Why the Hopper kernels cannot run on such inputs, or None when they can."""
-    if device.type != "cuda":
-        return f"tensors on {device}"
-    capability = _capability(device.index if device.index is not None else torch.cuda.current_device())
-    if capability[0] != 9:
-        return f"compute capability {capability} (needs 9.x, Hopper)"
-    if dtype not in (torch.float16, torch.bfloat16):
-        return f"dtype {dtype} (needs float16 or bfloat16)"
-    if head_dim not in HOPPER_HEAD_DIMS:
-        return f"head dim {head_dim} (needs one of {HOPPER_HEAD_DIMS})"
-    return None
-
-
-@functools.cache
-def runs_hopper(config: FlashConfig, device: torch.device, dtype: torch.dtype, head_dim: int, part: str,
-                enough_programs: bool) -> bool:
-    """Whether ``part`` ("forward" or "backward") runs the Hopper kernels under ``config``; ``enough_programs``
-    (the shape class): at least ``config.hopper_min_programs`` programs. Raises where ``config`` asks for the
-    Hopper kernels and they cannot run."""
-    if config.kernels == "triton":
-        return False
-    reason = why_not_hopper(device, dtype, head_dim)
-    if reason is not None and config.kernels == "hopper":
-        raise ValueError(f"FlashConfig(kernels='hopper'), but the Hopper {part} cannot run: {reason}")
-    return reason is None and (config.kernels == "hopper" or enough_programs)

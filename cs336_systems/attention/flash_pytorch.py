@@ -1,8 +1,8 @@
-"""FlashAttention-2 in plain PyTorch (SPEC section 3.1): the tiled forward of Algorithm 1 and a
+"""FlashAttention-2 in plain PyTorch: the tiled forward of Algorithm 1 and a
 backward by recomputation, compiled with ``torch.compile``.
 
 Nothing here is fast; it is the algorithm written out so that each step can be read and checked, and
-the Triton version (``flash_triton.py``) follows the same structure tile by tile.
+the Triton kernels (``backends/triton_kernels.py``) follow the same structure tile by tile.
 
 Forward (Dao, "FlashAttention-2", 2023, Algorithm 1), per query tile ``Q_i`` and key tiles ``K_j, V_j``::
 
@@ -26,7 +26,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from cs336_systems.attention.reference import CAUSAL_MASK_VALUE, check_attention_inputs, check_is_causal
+from cs336_systems.attention.reference import CAUSAL_MASK_VALUE
 
 
 def flash_attention_forward_tiled(
@@ -136,6 +136,9 @@ class FlashAttention2PyTorch(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, Q: Tensor, K: Tensor, V: Tensor, is_causal: bool = False) -> Tensor:
+        # The operator's checks, imported here: importing this module (the grader's adapters do) imports no Triton.
+        from cs336_systems.attention.op import check_attention_inputs, check_is_causal
+
         check_attention_inputs(Q, K, V)
         is_causal = check_is_causal(is_causal)
         O, L = flash_attention_forward_tiled(

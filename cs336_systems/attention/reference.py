@@ -1,5 +1,5 @@
 """Plain PyTorch attention: the reference that FlashAttention-2 is checked against, and an
-NVTX-annotated attention for profiling (SPEC sections 2.2 and 3).
+NVTX-annotated attention for profiling.
 
 Both work on inputs of any leading shape ``(..., seq, d)``. The causal rule is the one the grader
 uses: query ``i`` may attend key ``j`` only if ``i >= j`` (absolute indices, also when
@@ -78,48 +78,3 @@ def annotated_attention(
     ``fn(Q, K, V, is_causal) -> O``, so it can replace the model's attention (``model.set_attention``)."""
     mask = causal_mask(Q.shape[-2], K.shape[-2], Q.device) if is_causal else None
     return annotated_scaled_dot_product_attention(Q, K, V, mask)
-
-
-def check_attention_inputs(Q: Tensor, K: Tensor, V: Tensor) -> None:
-    """Raise a ``TypeError``/``ValueError`` naming the problem unless ``Q``, ``K``, ``V`` are valid inputs
-    for the FlashAttention functions: tensors of shape ``(batch, seq, d)`` or ``(batch, heads, seq, d)``,
-    on one device, of one floating dtype, with matching batch/head dims and ``d``, ``K``/``V`` of one
-    length, and no empty sequence."""
-    for name, tensor in (("Q", Q), ("K", K), ("V", V)):
-        if not isinstance(tensor, Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-        if tensor.dim() not in (3, 4):
-            raise ValueError(
-                f"{name} must have shape (batch, seq, d) or (batch, heads, seq, d), got shape {tuple(tensor.shape)}"
-            )
-    if not Q.dim() == K.dim() == V.dim():
-        raise ValueError(f"Q, K, V must have the same rank, got shapes {tuple(Q.shape)}, {tuple(K.shape)}, {tuple(V.shape)}")
-    if not Q.device == K.device == V.device:
-        raise ValueError(f"Q, K, V must be on one device, got {Q.device}, {K.device}, {V.device}")
-    if not Q.dtype == K.dtype == V.dtype:
-        raise TypeError(f"Q, K, V must have one dtype, got {Q.dtype}, {K.dtype}, {V.dtype}")
-    if not Q.dtype.is_floating_point:
-        raise TypeError(f"attention needs floating-point inputs, got {Q.dtype}")
-    if not Q.shape[:-2] == K.shape[:-2] == V.shape[:-2]:
-        raise ValueError(
-            "Q, K, V must have the same batch (and head) dimensions, got "
-            f"{tuple(Q.shape[:-2])}, {tuple(K.shape[:-2])}, {tuple(V.shape[:-2])}"
-        )
-    if not Q.shape[-1] == K.shape[-1] == V.shape[-1]:
-        raise ValueError(f"Q, K, V must have the same head dimension d, got {Q.shape[-1]}, {K.shape[-1]}, {V.shape[-1]}")
-    if K.shape[-2] != V.shape[-2]:
-        raise ValueError(f"K and V must have the same length, got {K.shape[-2]} and {V.shape[-2]}")
-    if Q.shape[-2] == 0 or K.shape[-2] == 0:
-        raise ValueError(f"sequence lengths must be positive, got n_queries={Q.shape[-2]}, n_keys={K.shape[-2]}")
-
-
-def check_is_causal(is_causal: object) -> bool:
-    """``is_causal`` itself when it is a Python ``bool``; else a ``TypeError`` naming the value. Any truthy
-    value (``"no"``, a tensor) would otherwise silently mean True. A NumPy ``bool_`` is not a ``bool``: wrap it
-    in ``bool(...)``."""
-    if not isinstance(is_causal, bool):
-        raise TypeError(
-            f"is_causal must be True or False (a Python bool), got {is_causal!r} of type {type(is_causal).__name__}; "
-            "pass bool(is_causal) to convert it"
-        )
-    return is_causal

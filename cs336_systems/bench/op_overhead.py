@@ -11,7 +11,7 @@ For each operator, provider, shape and pass, two numbers per call, both medians 
 
 | op | providers | shapes | passes |
 |---|---|---|---|
-| ``attention`` (bf16, causal) | ``ours`` (:func:`cs336_systems.attention.flash_triton.flash_attention`), ``sdpa_cudnn``, ``sdpa_flash`` | ``(b, h, s, d)``: (1, 1, 128, 64), (4, 25, 512, 64), (4, 16, 512, 64) | ``forward``, ``forward_backward`` |
+| ``attention`` (bf16, causal) | ``ours`` (:func:`cs336_systems.attention.op.flash_attention`), ``sdpa_cudnn``, ``sdpa_flash`` | ``(b, h, s, d)``: (1, 1, 128, 64), (4, 25, 512, 64), (4, 16, 512, 64) | ``forward``, ``forward_backward`` |
 | ``rmsnorm`` (bf16 rows) | ``ours`` (:class:`~cs336_systems.kernels.rmsnorm.FusedRMSNormFunction`), ``torch_compiled`` (``cs336_basics`` RMSNorm, compiled) | the xl model's ``(batch * context, d_model)`` | ``forward``, ``forward_backward`` |
 | ``cross_entropy`` (bf16) | ``ours`` (fused LM head + cross-entropy), ``torch_compiled`` (``F.cross_entropy(h @ W.T)``, compiled) | the xl model's ``(tokens, d_model, vocab)`` | ``forward``, ``forward_backward`` |
 | ``adamw`` (fp32) | ``ours`` (:class:`~cs336_systems.kernels.adamw.FusedAdamW`), ``torch_fused`` (``AdamW(fused=True)``) | the xl model's parameters | ``step`` |
@@ -77,7 +77,7 @@ def _attention_call(provider: str, shape: tuple[int, ...], pass_: str, device: t
     q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=pass_ != "forward") for _ in range(3))
     grad_out = torch.randn(shape, device=device, dtype=dtype)
     if provider == "ours":
-        from cs336_systems.attention.flash_triton import flash_attention
+        from cs336_systems.attention.op import flash_attention
 
         def attend():
             return flash_attention(q, k, v, True)

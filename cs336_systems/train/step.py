@@ -183,7 +183,7 @@ LOSS_HEADS: dict[str, Callable] = {"plain": plain_loss, "chunked": chunked_loss,
 @functools.cache
 def attention_operations() -> frozenset:
     """The operators whose outputs ``keep_attention`` keeps: our attention forward and SDPA's fused kernels."""
-    import cs336_systems.attention.flash_triton  # noqa: F401  (registers our operator)
+    import cs336_systems.attention.op  # noqa: F401  (registers our operator)
 
     aten = torch.ops.aten
     return frozenset({

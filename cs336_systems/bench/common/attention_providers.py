@@ -77,7 +77,7 @@ class Provider:
 
 
 def _ours() -> AttentionFn:
-    from cs336_systems.attention.flash_triton import FlashAttention2Triton
+    from cs336_systems.attention.op import FlashAttention2Triton
 
     return FlashAttention2Triton.apply
 
@@ -85,7 +85,7 @@ def _ours() -> AttentionFn:
 @functools.cache
 def _ours_compiled() -> AttentionFn:
     # Exactly the leaderboard's wrapper; one per process so that every caller shares its compiled graphs.
-    from cs336_systems.attention.flash_triton import FlashAttention2Triton
+    from cs336_systems.attention.op import FlashAttention2Triton
 
     _keep_compiled_backward_reusable()
     return torch.compile(FlashAttention2Triton.apply)
@@ -381,10 +381,10 @@ def our_kernel_names() -> set[str]:
     """Names of the Triton and Gluon kernels in our attention modules (autotuner wrappers unwrapped)."""
     import triton
 
-    from cs336_systems.attention import flash_hopper, flash_triton, flash_triton_kernels
+    from cs336_systems.attention.backends import hopper_kernels, triton_kernels
 
     names = set()
-    for module in (flash_triton_kernels, flash_triton, flash_hopper):
+    for module in (triton_kernels, hopper_kernels):
         for obj in vars(module).values():
             while isinstance(obj, triton.runtime.KernelInterface) and not isinstance(obj, triton.runtime.JITFunction):
                 obj = obj.fn

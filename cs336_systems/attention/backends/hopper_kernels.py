@@ -1,5 +1,5 @@
-"""FlashAttention on Hopper (sm_90) in Gluon: a forward and a backward written with Hopper's own machinery
-(issue 21; SPEC section 3), behind the same operators as the Triton kernels.
+"""FlashAttention on Hopper (sm_90) in Gluon: a forward and a backward written with Hopper's own machinery. The host
+side (descriptors, launch plans, when these kernels run) is ``hopper.py``.
 
 Both are warp-specialised (``gl.warp_specialize``): a one-warp worker partition streams tiles through the copy
 engine (TMA) into a ring of shared-memory stages guarded by mbarriers, refilling a stage once the consumers have
@@ -21,41 +21,29 @@ the step ends: a wgmma whose accumulator crosses the loop's back edge in flight 
 wgmma of the kernel (its info C7514; the test suite compiles the kernel and checks). Two CTA-wide barriers per
 step order the shared buffers.
 
-Code. The file reads forward, then backward, with the same names on both sides (``_fwd_load_partition`` /
-``_bwd_load_partition``, ``_fwd_issue_scores``, ``_fwd_step``, ``_fwd_compute_partition`` and their ``_bwd_``
-twins). The state a function needs travels in ``@aggregate`` classes: the kernel's constexpr configuration
-(``FwdConfig`` / ``BwdConfig``: tile sizes, flags, register layouts), the program's coordinates
-(``FwdProgram`` / ``BwdProgram``), the shared-memory buffers with their mbarriers (``FwdBuffers``; the backward's
-``BwdBuffers`` and its Q/dO ring ``BwdRing``) and the accumulators a loop carries (``FwdState`` / ``BwdState``).
-An aggregate adds no instruction: it is flattened into its fields where a function is called. The order of the
-arguments of a worker partition is kept as it was when they were spelled out one by one: it orders the values
-that ``gl.warp_specialize`` hands to the workers, and so the generated code.
+Code. The file reads: what both directions share (the :class:`Ring` of stages with its barriers), the forward,
+then the backward, with the same names on both sides (``_fwd_load_partition`` / ``_bwd_load_partition``,
+``_fwd_issue_scores``, ``_fwd_step``, ``_fwd_compute_partition`` and their ``_bwd_`` twins). The state a function
+needs travels in aggregates: the kernel's constexpr configuration (``FwdConfig`` / ``BwdConfig``: tile sizes,
+flags, register layouts), the program's coordinates (``FwdProgram`` / ``BwdProgram``), the shared-memory buffers
+(``FwdBuffers``; the backward's ``BwdBuffers`` and its Q/dO ring ``BwdRing``), each ring's barriers and phases
+(``Ring``) and the accumulators a loop carries (``FwdState`` / ``BwdState``). An aggregate adds no instruction:
+it is flattened into its fields where a function is called. The order of the fields of the aggregates a worker
+partition takes is the order its arguments had when they were spelled out one by one: it orders the values that
+``gl.warp_specialize`` hands to the workers, and so the generated code.
 
-The Triton kernels (``flash_triton_kernels.py``) stay the portable path: other GPUs, float32, small problems, the
-CPU interpreter. ``flash_triton`` picks these as :data:`cs336_systems.attention.config.FLASH_CONFIG` says (by
-default on compute capability 9.x for 16-bit inputs with enough programs to fill the GPU).
-
-Tensor views. TMA descriptors need a unit stride along ``d`` and 16-byte aligned other strides. A 4-D tensor
-``(batch, heads, seq, d)`` is seen as 3-D in one of two ways, without copying: ``(batch * heads, seq, d)`` when
-the batch stride is ``heads`` head strides (contiguous tensors), or ``(batch, seq, heads * d)`` when the head
-stride is ``d`` (a ``(batch, seq, heads, d)`` tensor transposed, as attention layers make them); anything else is
-copied. The kernel addresses a block at ``[b * heads + h, m, 0]`` or ``[b, m, h * d]`` accordingly.
+Tensor views. TMA descriptors need a unit stride along ``d`` and 16-byte aligned other strides. The host sees a
+4-D tensor ``(batch, heads, seq, d)`` as 3-D in one of two ways, without copying: ``(batch * heads, seq, d)``
+(contiguous tensors) or ``(batch, seq, heads * d)`` (a ``(batch, seq, heads, d)`` tensor transposed, as attention
+layers make them); the ``*_COLUMNS`` flags say which, and the kernel addresses a block at ``[b * heads + h, m, 0]``
+or ``[b, m, h * d]`` accordingly.
 """
 
 # No ``from __future__ import annotations`` here: an aggregate checks the values of its fields against its
 # annotations, which must then be types, not strings.
 
-import math
-from typing import NamedTuple
-
-import torch
-import triton
-from jaxtyping import Float
-from torch import Tensor
-from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -63,27 +51,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-from triton.language.core import _aggregate as aggregate
 
-from cs336_systems.attention.flash_triton_kernels import LN_2, LOG2_E
-from cs336_systems.kernels.launch import DescriptorArg, Launcher, aligned
-
-BLOCK_N = 128  # keys held per backward program (64 per consumer warpgroup), keys per forward step
-FORWARD_ROWS = 64  # queries per forward consumer warpgroup (two per program)
-
+from cs336_systems.attention.backends.gluon_compat import aggregate, tma_reduce_add
+from cs336_systems.attention.backends.triton_kernels import LN_2, LOG2_E
 
 # ---------------------------------------------------------------------------------------------------
 # Shared by the forward and the backward
 # ---------------------------------------------------------------------------------------------------
-
-
-@builtin
-def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
-    """Add the shared-memory block ``src`` into global memory at ``coord`` by the copy engine
-    (``cp.reduce.async.bulk.tensor ... .add``); completion as for ``tma.async_copy_shared_to_global``."""
-    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
-    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
 
 
 @gluon.jit
@@ -95,15 +69,64 @@ def _block_coord(b, h, m, n_heads, HEAD_DIM: gl.constexpr, HEADS_IN_COLUMNS: gl.
         return [b * n_heads + h, m, 0]
 
 
-@gluon.jit
-def _landed_stage(j, n_blocks, ready, STAGES: gl.constexpr):
-    """The ring stage of block ``j`` once it has landed. Past the last block (``j == n_blocks``) the last block's
-    stage, unwaited: the caller recomputes that block instead of waiting for one that never comes, so that every
-    step of its loop finds the next matmuls in flight."""
-    j_valid = gl.maximum(gl.minimum(j, n_blocks - 1), 0)
-    s = j_valid % STAGES
-    mbarrier.wait(ready.index(s), (j_valid // STAGES) & 1, pred=j < n_blocks)
-    return s
+@aggregate
+class Ring:
+    """The barriers of a ring of ``STAGES`` shared-memory stages that a producer fills with blocks ``0, 1, 2, ..``
+    and consumers drain in the same order: block ``j`` goes to stage ``j % STAGES``, landed when ``ready[s]``
+    completes its phase ``(j // STAGES) & 1``, and the stage is refilled once ``free[s]`` completes the same phase
+    (each barrier (STAGES, 1) int64)."""
+
+    ready: gl.shared_memory_descriptor
+    free: gl.shared_memory_descriptor
+    STAGES: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, ready, free, STAGES):
+        self.ready = ready
+        self.free = free
+        self.STAGES = gl.constexpr(STAGES)
+
+    @gluon.jit
+    def init(self, ready_count: gl.constexpr, free_count: gl.constexpr):
+        """Each stage's barriers: ``ready`` completes after ``ready_count`` arrivals, ``free`` after ``free_count``."""
+        for s in gl.static_range(self.STAGES):
+            mbarrier.init(self.ready.index(s), count=ready_count)
+            mbarrier.init(self.free.index(s), count=free_count)
+
+    @gluon.jit
+    def acquire(self, j, nbytes: gl.constexpr):
+        """Producer: the stage for block ``j``, once the consumers have released its previous block (the first
+        ``STAGES`` fills need no wait), and its ``ready`` barrier, told to expect ``nbytes`` from the copy engine."""
+        s = j % self.STAGES
+        mbarrier.wait(self.free.index(s), ((j // self.STAGES) & 1) ^ 1, pred=j >= self.STAGES)
+        landed = self.ready.index(s)
+        mbarrier.expect(landed, nbytes)
+        return s, landed
+
+    @gluon.jit
+    def wait_landed(self, j, n_blocks):
+        """Consumer: the stage of block ``j`` once it has landed. Past the last block (``j == n_blocks``) the last
+        block's stage, unwaited: the caller recomputes that block instead of waiting for one that never comes, so
+        that every step of its loop finds the next matmuls in flight."""
+        j_valid = gl.maximum(gl.minimum(j, n_blocks - 1), 0)
+        s = j_valid % self.STAGES
+        mbarrier.wait(self.ready.index(s), (j_valid // self.STAGES) & 1, pred=j < n_blocks)
+        return s
+
+    @gluon.jit
+    def stage(self, j):
+        """The stage of block ``j``."""
+        return j % self.STAGES
+
+    @gluon.jit
+    def release(self, j):
+        """Consumer: done with block ``j``'s stage (one arrival)."""
+        mbarrier.arrive(self.free.index(j % self.STAGES))
+
+    @gluon.jit
+    def release_previous(self, j):
+        """Consumer: done with block ``j - 1``'s stage (no arrival for ``j == 0``)."""
+        mbarrier.arrive(self.free.index((j + self.STAGES - 1) % self.STAGES), pred=j > 0)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -124,7 +147,6 @@ class FwdConfig:
     IS_CAUSAL: gl.constexpr
     ROWS: gl.constexpr  # queries per consumer warpgroup (the program holds 2 * ROWS)
     BLOCK_N: gl.constexpr  # keys per step
-    STAGES: gl.constexpr  # depth of the K/V ring
     Q_COLUMNS: gl.constexpr  # whether the heads are in the columns of Q's, K's, V's views (module docstring)
     K_COLUMNS: gl.constexpr
     V_COLUMNS: gl.constexpr
@@ -132,12 +154,11 @@ class FwdConfig:
     o_layout: gl.constexpr  # O (ROWS, HEAD_DIM) of one warpgroup
 
     @gluon.constexpr_function
-    def __init__(self, HEAD_DIM, IS_CAUSAL, ROWS, BLOCK_N, STAGES, Q_COLUMNS, K_COLUMNS, V_COLUMNS):
+    def __init__(self, HEAD_DIM, IS_CAUSAL, ROWS, BLOCK_N, Q_COLUMNS, K_COLUMNS, V_COLUMNS):
         self.HEAD_DIM = gl.constexpr(HEAD_DIM)
         self.IS_CAUSAL = gl.constexpr(IS_CAUSAL)
         self.ROWS = gl.constexpr(ROWS)
         self.BLOCK_N = gl.constexpr(BLOCK_N)
-        self.STAGES = gl.constexpr(STAGES)
         self.Q_COLUMNS = gl.constexpr(Q_COLUMNS)
         self.K_COLUMNS = gl.constexpr(K_COLUMNS)
         self.V_COLUMNS = gl.constexpr(V_COLUMNS)
@@ -178,24 +199,22 @@ class FwdProgram:
 @aggregate
 class FwdBuffers:
     """The forward's shared memory: the two warpgroups' Q tiles (2, ROWS, HEAD_DIM), later their O, landed at
-    ``q_ready``; the K/V ring (STAGES, BLOCK_N, HEAD_DIM), stage ``s`` landed at ``kv_ready[s]`` and released
-    by both warpgroups at ``kv_free[s]``."""
+    ``q_ready``; the K/V ring (STAGES, BLOCK_N, HEAD_DIM) and its barriers ``kv`` (a stage is released by both
+    warpgroups)."""
 
     q_smem: gl.shared_memory_descriptor
     k_ring: gl.shared_memory_descriptor
     v_ring: gl.shared_memory_descriptor
     q_ready: gl.shared_memory_descriptor
-    kv_ready: gl.shared_memory_descriptor
-    kv_free: gl.shared_memory_descriptor
+    kv: Ring
 
     @gluon.constexpr_function
-    def __init__(self, q_smem, k_ring, v_ring, q_ready, kv_ready, kv_free):
+    def __init__(self, q_smem, k_ring, v_ring, q_ready, kv):
         self.q_smem = q_smem
         self.k_ring = k_ring
         self.v_ring = v_ring
         self.q_ready = q_ready
-        self.kv_ready = kv_ready
-        self.kv_free = kv_free
+        self.kv = kv
 
 
 @aggregate
@@ -216,8 +235,8 @@ class FwdState:
 
 @gluon.jit
 def _fwd_load_partition(config, q_desc, k_desc, v_desc, buffers, program):
-    """Worker partition: both warpgroups' Q tiles, then K and V blocks into the ring, ``STAGES`` ahead of the
-    consumers."""
+    """Worker partition: both warpgroups' Q tiles, then K and V blocks into the ring, as far ahead of the consumers
+    as it has stages."""
     q_smem = buffers.q_smem
     mbarrier.expect(buffers.q_ready, 2 * q_smem.index(0).numel * q_desc.dtype.primitive_bitwidth // 8)
     for w in gl.static_range(2):
@@ -226,23 +245,20 @@ def _fwd_load_partition(config, q_desc, k_desc, v_desc, buffers, program):
             q_desc, _block_coord(program.b, program.h, program.start_m + w * rows, program.n_heads, config.HEAD_DIM,
                                  config.Q_COLUMNS), buffers.q_ready, q_smem.index(w))
     for j in range(program.n_blocks):
-        s = j % config.STAGES
-        mbarrier.wait(buffers.kv_free.index(s), ((j // config.STAGES) & 1) ^ 1, pred=j >= config.STAGES)
-        mbarrier.expect(buffers.kv_ready.index(s),
-                        2 * config.BLOCK_N * config.HEAD_DIM * k_desc.dtype.primitive_bitwidth // 8)
+        s, landed = buffers.kv.acquire(j, 2 * config.BLOCK_N * config.HEAD_DIM * k_desc.dtype.primitive_bitwidth // 8)
         n = j * config.BLOCK_N
         tma.async_copy_global_to_shared(
             k_desc, _block_coord(program.b, program.h, n, program.n_heads, config.HEAD_DIM, config.K_COLUMNS),
-            buffers.kv_ready.index(s), buffers.k_ring.index(s))
+            landed, buffers.k_ring.index(s))
         tma.async_copy_global_to_shared(
             v_desc, _block_coord(program.b, program.h, n, program.n_heads, config.HEAD_DIM, config.V_COLUMNS),
-            buffers.kv_ready.index(s), buffers.v_ring.index(s))
+            landed, buffers.v_ring.index(s))
 
 
 @gluon.jit
 def _fwd_issue_scores(config, program, buffers, j, q):
-    """Start S_j = Q K_j^T once block ``j`` has landed (see :func:`_landed_stage` past the last block)."""
-    s = _landed_stage(j, program.n_blocks, buffers.kv_ready, config.STAGES)
+    """Start S_j = Q K_j^T once block ``j`` has landed (see :meth:`Ring.wait_landed` past the last block)."""
+    s = buffers.kv.wait_landed(j, program.n_blocks)
     zero = gl.zeros([config.ROWS, config.BLOCK_N], gl.float32, config.s_layout)
     return warpgroup_mma(q, buffers.k_ring.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
 
@@ -250,7 +266,7 @@ def _fwd_issue_scores(config, program, buffers, j, q):
 @gluon.jit
 def _fwd_step(config, program, buffers, state, scores, j, q, offs_m, qk_scale, MASKED: gl.constexpr):
     """Key block ``j``, whose S is in flight: online softmax, then P V_j, with S_(j+1) started behind it."""
-    s = j % config.STAGES
+    s = buffers.kv.stage(j)
     scores = warpgroup_mma_wait(0, deps=[scores])
     if MASKED:
         offs_n = j * config.BLOCK_N + gl.arange(0, config.BLOCK_N, layout=gl.SliceLayout(0, config.s_layout))
@@ -269,7 +285,7 @@ def _fwd_step(config, program, buffers, state, scores, j, q, offs_m, qk_scale, M
     scores = _fwd_issue_scores(config, program, buffers, j + 1, q)
     acc = warpgroup_mma_wait(1, deps=[acc])
     # This warpgroup is done with stage s (K_j long since, V_j now): one arrive from it, after its own barrier.
-    mbarrier.arrive(buffers.kv_free.index(s))
+    buffers.kv.release(j)
     return FwdState(acc, row_sum, new_row_max), scores
 
 
@@ -318,7 +334,7 @@ def attn_fwd_hopper_kernel(
     Q_COLUMNS: gl.constexpr, K_COLUMNS: gl.constexpr, V_COLUMNS: gl.constexpr,
 ):
     """Program ``(i, bh)``: O and L of the queries of tile ``n_tiles - 1 - i`` (heavy causal tiles first)."""
-    config = FwdConfig(HEAD_DIM, IS_CAUSAL, ROWS, BLOCK_N, STAGES, Q_COLUMNS, K_COLUMNS, V_COLUMNS)
+    config = FwdConfig(HEAD_DIM, IS_CAUSAL, ROWS, BLOCK_N, Q_COLUMNS, K_COLUMNS, V_COLUMNS)
     dtype: gl.constexpr = q_desc.dtype
     start_m = (gl.num_programs(0) - 1 - gl.program_id(0)) * (2 * ROWS)
     bh = gl.program_id(1)
@@ -342,12 +358,11 @@ def attn_fwd_hopper_kernel(
     q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv = Ring(kv_ready, kv_free, STAGES)
     mbarrier.init(q_ready, count=1)
-    for s in gl.static_range(STAGES):
-        mbarrier.init(kv_ready.index(s), count=1)
-        mbarrier.init(kv_free.index(s), count=2)  # one arrive per consumer warpgroup
+    kv.init(1, 2)  # landed by the copy engine's bytes; released by both consumer warpgroups
     fence_async_shared()
-    buffers = FwdBuffers(q_smem, k_ring, v_ring, q_ready, kv_ready, kv_free)
+    buffers = FwdBuffers(q_smem, k_ring, v_ring, q_ready, kv)
 
     gl.warp_specialize(
         [
@@ -377,7 +392,6 @@ class BwdConfig:
     IS_CAUSAL: gl.constexpr
     BLOCK_M: gl.constexpr  # queries per step
     BLOCK_N: gl.constexpr  # keys per program
-    STAGES: gl.constexpr  # depth of the Q/dO ring
     Q_COLUMNS: gl.constexpr  # whether the heads are in the columns of Q's, K's, V's, dO's views (module docstring)
     K_COLUMNS: gl.constexpr
     V_COLUMNS: gl.constexpr
@@ -387,12 +401,11 @@ class BwdConfig:
     dq_layout: gl.constexpr
 
     @gluon.constexpr_function
-    def __init__(self, HEAD_DIM, IS_CAUSAL, BLOCK_M, BLOCK_N, STAGES, Q_COLUMNS, K_COLUMNS, V_COLUMNS, DO_COLUMNS):
+    def __init__(self, HEAD_DIM, IS_CAUSAL, BLOCK_M, BLOCK_N, Q_COLUMNS, K_COLUMNS, V_COLUMNS, DO_COLUMNS):
         self.HEAD_DIM = gl.constexpr(HEAD_DIM)
         self.IS_CAUSAL = gl.constexpr(IS_CAUSAL)
         self.BLOCK_M = gl.constexpr(BLOCK_M)
         self.BLOCK_N = gl.constexpr(BLOCK_N)
-        self.STAGES = gl.constexpr(STAGES)
         self.Q_COLUMNS = gl.constexpr(Q_COLUMNS)
         self.K_COLUMNS = gl.constexpr(K_COLUMNS)
         self.V_COLUMNS = gl.constexpr(V_COLUMNS)
@@ -438,23 +451,21 @@ class BwdProgram:
 @aggregate
 class BwdRing:
     """The Q/dO ring: per stage a block of Q and of dO (STAGES, BLOCK_M, HEAD_DIM) and their rows' base-2
-    logsumexp and Delta (STAGES, BLOCK_M); stage ``s`` landed at ``ready[s]``, released at ``free[s]``."""
+    logsumexp and Delta (STAGES, BLOCK_M), and the stages' barriers ``barriers``."""
 
     q: gl.shared_memory_descriptor
     do: gl.shared_memory_descriptor
     lse: gl.shared_memory_descriptor
     delta: gl.shared_memory_descriptor
-    ready: gl.shared_memory_descriptor
-    free: gl.shared_memory_descriptor
+    barriers: Ring
 
     @gluon.constexpr_function
-    def __init__(self, q, do, lse, delta, ready, free):
+    def __init__(self, q, do, lse, delta, barriers):
         self.q = q
         self.do = do
         self.lse = lse
         self.delta = delta
-        self.ready = ready
-        self.free = free
+        self.barriers = barriers
 
 
 @aggregate
@@ -494,35 +505,31 @@ class BwdState:
 @gluon.jit
 def _bwd_load_partition(config, q_desc, do_desc, ring, L_row, Delta_row, program):
     """Worker partition: stream Q and dO blocks (copy engine) and their rows' base-2 logsumexp and Delta (plain
-    loads, stored to shared memory) into the ring, ``STAGES`` ahead of the consumers. A stage is ready after two
-    arrivals: the copy engine's bytes and this warp's stores."""
+    loads, stored to shared memory) into the ring, as far ahead of the consumers as it has stages. A stage is
+    ready after two arrivals: the copy engine's bytes and this warp's stores."""
     BLOCK_M: gl.constexpr = config.BLOCK_M
-    STAGES: gl.constexpr = config.STAGES
     row_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
     for j in range(program.n_steps):
-        s = j % STAGES
-        # The consumers release a stage once per use; the first STAGES fills need no wait.
-        mbarrier.wait(ring.free.index(s), ((j // STAGES) & 1) ^ 1, pred=j >= STAGES)
-        mbarrier.expect(ring.ready.index(s), 2 * BLOCK_M * config.HEAD_DIM * q_desc.dtype.primitive_bitwidth // 8)
+        s, landed = ring.barriers.acquire(j, 2 * BLOCK_M * config.HEAD_DIM * q_desc.dtype.primitive_bitwidth // 8)
         m = program.query_start + j * BLOCK_M
         tma.async_copy_global_to_shared(
             q_desc, _block_coord(program.b, program.h, m, program.n_heads, config.HEAD_DIM, config.Q_COLUMNS),
-            ring.ready.index(s), ring.q.index(s))
+            landed, ring.q.index(s))
         tma.async_copy_global_to_shared(
             do_desc, _block_coord(program.b, program.h, m, program.n_heads, config.HEAD_DIM, config.DO_COLUMNS),
-            ring.ready.index(s), ring.do.index(s))
+            landed, ring.do.index(s))
         offs_m = m + gl.arange(0, BLOCK_M, layout=row_layout)
         in_bounds = offs_m < program.n_queries
         ring.lse.index(s).store(gl.load(L_row + offs_m, mask=in_bounds, other=0.0) * LOG2_E)
         ring.delta.index(s).store(gl.load(Delta_row + offs_m, mask=in_bounds, other=0.0))
-        mbarrier.arrive(ring.ready.index(s))
+        mbarrier.arrive(landed)
 
 
 @gluon.jit
 def _bwd_issue_scores(config, program, ring, j, k_smem, v_smem):
     """Start S_j^T = K Q_j^T and dP_j^T = V dO_j^T on the tensor cores once block ``j`` has landed (see
-    :func:`_landed_stage` past the last block); ``k_smem`` and ``v_smem`` are (BLOCK_N, HEAD_DIM)."""
-    s = _landed_stage(j, program.n_steps, ring.ready, config.STAGES)
+    :meth:`Ring.wait_landed` past the last block); ``k_smem`` and ``v_smem`` are (BLOCK_N, HEAD_DIM)."""
+    s = ring.barriers.wait_landed(j, program.n_steps)
     zero = gl.zeros([config.BLOCK_N, config.BLOCK_M], gl.float32, config.st_layout)
     scores_t = warpgroup_mma(k_smem, ring.q.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
     dp_t = warpgroup_mma(v_smem, ring.do.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
@@ -541,14 +548,13 @@ def _bwd_step(config, program, buffers, ring, dq_desc, qk_scale, state, scores_t
     prove: the matmuls' shared-memory descriptors are then recomputed each step (a few uniform integer adds)
     instead of being hoisted out of the loop, where the 40-odd 64-bit values spilled to local memory."""
     BLOCK_M: gl.constexpr = config.BLOCK_M
-    STAGES: gl.constexpr = config.STAGES
     st_layout: gl.constexpr = config.st_layout
     operand_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=config.acc_layout, k_width=2)
     zero = j >> 30
     k_smem = buffers.k_smem.index(zero)
     v_smem = buffers.v_smem.index(zero)
     ds_smem = buffers.ds_smem.index(zero)
-    s = j % STAGES
+    s = ring.barriers.stage(j)
     m = program.query_start + j * BLOCK_M
     offs_m = m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
     lse = ring.lse.index(s).load(gl.SliceLayout(0, st_layout))
@@ -573,7 +579,7 @@ def _bwd_step(config, program, buffers, ring, dq_desc, qk_scale, state, scores_t
     # thread; both warpgroups have waited for block j - 1's last matmuls, so that its stage is free. (Triton
     # follows the single-thread arrive with a bar.sync of its own: three per step in the PTX.)
     gl.thread_barrier()
-    mbarrier.arrive(ring.free.index((j + STAGES - 1) % STAGES), pred=j > 0)
+    ring.barriers.release_previous(j)
 
     zero_dq = gl.zeros([BLOCK_M, config.HEAD_DIM], gl.float32, config.dq_layout)
     dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem, zero_dq, use_acc=False, is_async=True)
@@ -583,7 +589,7 @@ def _bwd_step(config, program, buffers, ring, dq_desc, qk_scale, state, scores_t
     fence_async_shared()
     # Also orders this step's dS^T reads (every warpgroup's dQ matmul is done) before next step's dS^T writes.
     gl.thread_barrier()
-    _tma_reduce_add(dq_desc, [program.bh, m, 0], dq_buffer.reshape([1, BLOCK_M, config.HEAD_DIM]))
+    tma_reduce_add(dq_desc, [program.bh, m, 0], dq_buffer.reshape([1, BLOCK_M, config.HEAD_DIM]))
     scores_t, dp_t = _bwd_issue_scores(config, program, ring, j + 1, k_smem, v_smem)
     # Nothing crosses the loop's back edge in flight: an accumulator carried there while its wgmma runs makes
     # ptxas serialise every wgmma of the kernel (C7514).
@@ -623,7 +629,7 @@ def attn_bwd_hopper_kernel(
     Q_COLUMNS: gl.constexpr, K_COLUMNS: gl.constexpr, V_COLUMNS: gl.constexpr, DO_COLUMNS: gl.constexpr,
 ):
     """Program ``(i, bh)``: dK and dV of keys ``i * BLOCK_N ..`` of batch-head ``bh``, and their share of dQ."""
-    config = BwdConfig(HEAD_DIM, IS_CAUSAL, BLOCK_M, BLOCK_N, STAGES, Q_COLUMNS, K_COLUMNS, V_COLUMNS, DO_COLUMNS)
+    config = BwdConfig(HEAD_DIM, IS_CAUSAL, BLOCK_M, BLOCK_N, Q_COLUMNS, K_COLUMNS, V_COLUMNS, DO_COLUMNS)
     dtype: gl.constexpr = q_desc.dtype
     start_n = gl.program_id(0) * BLOCK_N
     bh = gl.program_id(1)
@@ -652,12 +658,11 @@ def attn_bwd_hopper_kernel(
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=2)  # the copy engine's bytes (with the expect) and the loader's stores
-        mbarrier.init(free.index(s), count=1)
+    barriers = Ring(ready, free, STAGES)
+    barriers.init(2, 1)  # landed by the copy engine's bytes (with the expect) and the loader's stores
     mbarrier.init(kv_ready, count=1)
     fence_async_shared()
-    ring = BwdRing(q_ring, do_ring, lse_ring, delta_ring, ready, free)
+    ring = BwdRing(q_ring, do_ring, lse_ring, delta_ring, barriers)
     buffers = BwdBuffers(k_smem, v_smem, ds_smem, dq_smem, kv_ready)
 
     mbarrier.expect(kv_ready, 2 * BLOCK_N * HEAD_DIM * dtype.primitive_bitwidth // 8)
@@ -687,175 +692,3 @@ def attn_bwd_hopper_kernel(
     tma.async_copy_shared_to_global(dk_desc, [bh, start_n, 0], k_smem.index(0))
     tma.async_copy_shared_to_global(dv_desc, [bh, start_n, 0], v_smem.index(0))
     tma.store_wait(0)
-
-
-# ---------------------------------------------------------------------------------------------------
-# Host side
-# ---------------------------------------------------------------------------------------------------
-# A call's launch is planned once per (device, dtype, shapes, strides, alignment, causal): the 3-D views the
-# descriptors address and the grid. Later calls with the same key rebuild only what holds the tensors' addresses
-# (DescriptorArg) and launch the compiled kernel directly (cs336_systems.kernels.launch.Launcher).
-
-_GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}
-
-
-BACKWARD_ROWS = 64
-"""Queries per backward step, every head dim: S^T, dP^T, dK and dV then fit in the consumers' registers (at 128,
-S^T and dP^T alone would take 128 of them at d = 64)."""
-
-
-STAGES = 2
-"""Depth of the Q/dO ring (3 measured no faster at d = 64; at d = 128 it does not fit in shared memory)."""
-
-
-def tma_view(x: Float[Tensor, "batch *heads seq d"]) -> tuple[Float[Tensor, "rows seq cols"], bool]:
-    """A 3-D view of ``x`` that a TMA descriptor can address, and whether the heads are in its columns (see the
-    module docstring); a contiguous copy when neither view exists."""
-    if x.dim() == 3:
-        x = x.unsqueeze(1)
-    batch, heads, seq, d = x.shape
-
-    def aligned(t: Tensor) -> bool:
-        return t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
-
-    if x.stride(-1) == 1:
-        stride_b, stride_h, stride_s, _ = x.stride()
-        if heads == 1 or batch == 1 or stride_b == heads * stride_h:
-            view = x.as_strided((batch * heads, seq, d), (stride_h if heads > 1 else stride_b, stride_s, 1))
-            if aligned(view):
-                return view, False
-        if stride_h == d:
-            view = x.as_strided((batch, seq, heads * d), (stride_b, stride_s, 1))
-            if aligned(view):
-                return view, True
-    return _aligned_copy(x).view(batch * heads, seq, d), False
-
-
-def _aligned_copy(x: Tensor) -> Tensor:
-    """A contiguous copy of ``x`` in a new (aligned) allocation: ``x.contiguous()`` would return a contiguous ``x``
-    itself, however misaligned its first element."""
-    return x.clone(memory_format=torch.contiguous_format)
-
-
-def _descriptor(view: Tensor, rows: int, head_dim: int) -> TensorDescriptor:
-    block = [1, rows, head_dim]
-    layout = gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[view.dtype])
-    return TensorDescriptor(view, list(view.shape), list(view.stride()), block, layout)
-
-
-def attention_sizes(Q: Tensor, K: Tensor) -> tuple[int, int, int, int, int]:
-    """(heads, batch * heads, n_queries, n_keys, d)."""
-    n_heads = Q.shape[1] if Q.dim() == 4 else 1
-    return n_heads, Q.shape[0] * n_heads, Q.shape[-2], K.shape[-2], Q.shape[-1]
-
-
-def forward_launch_arguments(
-    Q: Float[Tensor, "batch *heads q d"], K: Float[Tensor, "batch *heads k d"], V: Float[Tensor, "batch *heads k d"],
-    O: Float[Tensor, "batch *heads q d"], L: Float[Tensor, "batch *heads q"], is_causal: bool, sm_scale: float,
-) -> tuple[tuple[int, int], tuple, dict]:
-    """``(grid, args, kwargs)`` of the launch ``attn_fwd_hopper_kernel[grid](*args, **kwargs)``."""
-    n_heads, batch_heads, n_queries, n_keys, head_dim = attention_sizes(Q, K)
-    (q, q_columns), (k, k_columns), (v, v_columns) = (tma_view(x) for x in (Q, K, V))
-    grid = (triton.cdiv(n_queries, 2 * FORWARD_ROWS), batch_heads)
-    args = (
-        _descriptor(q, FORWARD_ROWS, head_dim), _descriptor(k, BLOCK_N, head_dim), _descriptor(v, BLOCK_N, head_dim),
-        _descriptor(O.view(batch_heads, n_queries, head_dim), FORWARD_ROWS, head_dim),
-        L, n_heads, n_queries, n_keys, sm_scale * math.log2(math.e),
-    )
-    kwargs = dict(HEAD_DIM=head_dim, IS_CAUSAL=is_causal, ROWS=FORWARD_ROWS, BLOCK_N=BLOCK_N, STAGES=STAGES,
-                  Q_COLUMNS=q_columns, K_COLUMNS=k_columns, V_COLUMNS=v_columns, num_warps=4)
-    return grid, args, kwargs
-
-
-def backward_launch_arguments(
-    Q: Float[Tensor, "batch *heads q d"], K: Float[Tensor, "batch *heads k d"], V: Float[Tensor, "batch *heads k d"],
-    dO: Float[Tensor, "batch *heads q d"], L: Float[Tensor, "batch *heads q"], Delta: Float[Tensor, "batch_heads q"],
-    dK: Float[Tensor, "batch *heads k d"], dV: Float[Tensor, "batch *heads k d"],
-    DQ_acc: Float[Tensor, "batch_heads q d"], is_causal: bool, sm_scale: float,
-) -> tuple[tuple[int, int], tuple, dict]:
-    """``(grid, args, kwargs)`` of the launch ``attn_bwd_hopper_kernel[grid](*args, **kwargs)``."""
-    n_heads, batch_heads, n_queries, n_keys, head_dim = attention_sizes(Q, K)
-    (q, q_columns), (k, k_columns), (v, v_columns), (do, do_columns) = (tma_view(x) for x in (Q, K, V, dO))
-    grid = (triton.cdiv(n_keys, BLOCK_N), batch_heads)
-    args = (
-        _descriptor(q, BACKWARD_ROWS, head_dim), _descriptor(k, BLOCK_N, head_dim),
-        _descriptor(v, BLOCK_N, head_dim), _descriptor(do, BACKWARD_ROWS, head_dim),
-        _descriptor(dK.view(batch_heads, n_keys, head_dim), BLOCK_N, head_dim),
-        _descriptor(dV.view(batch_heads, n_keys, head_dim), BLOCK_N, head_dim),
-        _descriptor(DQ_acc, BACKWARD_ROWS, head_dim),
-        L, Delta, n_heads, n_queries, n_keys, sm_scale, sm_scale * math.log2(math.e),
-    )
-    kwargs = dict(HEAD_DIM=head_dim, IS_CAUSAL=is_causal, BLOCK_M=BACKWARD_ROWS, BLOCK_N=BLOCK_N, STAGES=STAGES,
-                  Q_COLUMNS=q_columns, K_COLUMNS=k_columns, V_COLUMNS=v_columns, DO_COLUMNS=do_columns, num_warps=8)
-    return grid, args, kwargs
-
-
-class _Plan(NamedTuple):
-    """A planned launch: its grid, and per descriptor argument the tensor's position among the call's tensors,
-    whether it must be copied (no TMA view of it exists), and the view's shape and strides."""
-
-    grid: tuple[int, int]
-    descriptors: tuple[tuple[int, bool, tuple[int, ...], tuple[int, ...]], ...]
-
-
-def _plan(grid: tuple[int, int], args: tuple, tensors: tuple[Tensor, ...]) -> _Plan:
-    """The plan of a launch whose descriptor arguments view ``tensors``, in order."""
-    descriptors = [arg for arg in args if isinstance(arg, TensorDescriptor)]
-    return _Plan(grid, tuple((index, d.base.data_ptr() != t.data_ptr(), tuple(d.shape), tuple(d.strides))
-                             for index, (d, t) in enumerate(zip(descriptors, tensors, strict=True))))
-
-
-def _launch(launcher: Launcher, plans: dict, key: tuple, tensors: tuple[Tensor, ...], scalars: tuple,
-            arguments) -> None:
-    """Launch through ``launcher``: planned (the short path) or, the first time for ``key``, planned now from
-    ``arguments()`` (``(grid, args, kwargs)``)."""
-    plan = plans.get(key)
-    if plan is None or not launcher.compiled(key):
-        grid, args, kwargs = arguments()
-        num_warps = kwargs.pop("num_warps")
-        launcher(key, grid, args, kwargs, num_warps=num_warps)
-        plans[key] = _plan(grid, args, tensors)
-        return
-    descriptors = tuple(
-        DescriptorArg(_aligned_copy(tensors[index]) if copied else tensors[index], shape, strides)
-        for index, copied, shape, strides in plan.descriptors
-    )
-    launcher(key, plan.grid, (*descriptors, *scalars), {})
-
-
-_FORWARD = Launcher(attn_fwd_hopper_kernel)
-_BACKWARD = Launcher(attn_bwd_hopper_kernel)
-_forward_plans: dict[tuple, _Plan] = {}
-_backward_plans: dict[tuple, _Plan] = {}
-
-
-def _layout_key(x: Tensor) -> tuple:
-    return x.shape, x.stride(), aligned(x)
-
-
-def forward(
-    Q: Float[Tensor, "batch *heads q d"], K: Float[Tensor, "batch *heads k d"], V: Float[Tensor, "batch *heads k d"],
-    O: Float[Tensor, "batch *heads q d"], L: Float[Tensor, "batch *heads q"], is_causal: bool, sm_scale: float,
-) -> None:
-    """Write O (contiguous, Q's shape and dtype) and the natural-log logsumexp L (contiguous, float32)."""
-    n_heads, _, n_queries, n_keys, _ = attention_sizes(Q, K)
-    key = (Q.device.index, Q.dtype, is_causal, _layout_key(Q), _layout_key(K), _layout_key(V), aligned(L))
-    _launch(_FORWARD, _forward_plans, key, (Q, K, V, O),
-            (L, n_heads, n_queries, n_keys, sm_scale * math.log2(math.e)),
-            lambda: forward_launch_arguments(Q, K, V, O, L, is_causal, sm_scale))
-
-
-def backward(
-    Q: Float[Tensor, "batch *heads q d"], K: Float[Tensor, "batch *heads k d"], V: Float[Tensor, "batch *heads k d"],
-    dO: Float[Tensor, "batch *heads q d"], L: Float[Tensor, "batch *heads q"], Delta: Float[Tensor, "batch_heads q"],
-    dK: Float[Tensor, "batch *heads k d"], dV: Float[Tensor, "batch *heads k d"],
-    DQ_acc: Float[Tensor, "batch_heads q d"], is_causal: bool, sm_scale: float,
-) -> None:
-    """Write dK (scaled by ``sm_scale``) and dV, and add dS K (unscaled) into the zeroed float32 ``DQ_acc``.
-    ``dK`` and ``dV`` are contiguous; ``L`` is the forward's natural-log logsumexp, ``Delta`` rowsum(O * dO)."""
-    n_heads, _, n_queries, n_keys, _ = attention_sizes(Q, K)
-    key = (Q.device.index, Q.dtype, is_causal, _layout_key(Q), _layout_key(K), _layout_key(V), _layout_key(dO),
-           aligned(L, Delta))
-    _launch(_BACKWARD, _backward_plans, key, (Q, K, V, dO, dK, dV, DQ_acc),
-            (L, Delta, n_heads, n_queries, n_keys, sm_scale, sm_scale * math.log2(math.e)),
-            lambda: backward_launch_arguments(Q, K, V, dO, L, Delta, dK, dV, DQ_acc, is_causal, sm_scale))

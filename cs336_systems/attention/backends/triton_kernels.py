@@ -1,5 +1,5 @@
-"""Triton kernels of FlashAttention-2 (SPEC sections 3.2-3.3); the launch code, input checks and the
-``torch.autograd.Function`` are in ``flash_triton.py``.
+"""Triton kernels of FlashAttention-2; their launch code is the portable backend, ``triton.py`` beside this file
+(also the Delta and dQ-conversion kernels of the Hopper backend, ``hopper.py``).
 
 Layout. Every kernel sees its tensors as ``(batch, heads, seq, HEAD_DIM)`` through explicit strides
 (3-D inputs pass a head stride of 0 and ``n_heads = 1``), with a unit stride along ``HEAD_DIM``.

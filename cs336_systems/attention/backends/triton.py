@@ -1,0 +1,395 @@
+"""The portable Triton backend: FlashAttention-2's launch code for the kernels of ``triton_kernels.py`` (any CUDA
+GPU; float16, bfloat16, float32; head dims 16, 32, 64, 128; the CPU under ``TRITON_INTERPRET=1``). Same interface
+as every backend: :func:`supports`, :func:`forward`, :func:`backward`.
+
+The forward is one launch; the backward two: Delta = rowsum(O * dO), then one kernel whose program ``i`` computes
+dK and dV of key tile ``i`` and dQ of query tile ``i``, recomputing P for each (no atomics, deterministic).
+
+Launch parameters: on a GPU, fixed tiles per dtype and head dim (:func:`fixed_config`, from autotuner timings),
+compiled once per (dtype, head dim, causal) whatever the lengths; ``FlashConfig.autotune`` lets
+``triton.autotune`` pick them per length bucket instead. Under ``TRITON_INTERPRET=1`` (CPU), one small
+configuration with unequal tiles, so that the tests exercise every masking path at small sizes in seconds; the
+interpreter's ``tl.dot`` is wrong on bfloat16, so bfloat16 inputs run there in float32 (rounded back at the end).
+
+Host cost. The launch code keys what determines a compilation (dtype, shapes, strides, alignment, constexprs) and
+launches through :class:`cs336_systems.kernels.launch.Launcher` (no per-call argument binding by Triton). Float32
+matmuls use TF32 exactly when PyTorch's may (``torch.backends.cuda.matmul.allow_tf32 = True`` or
+``torch.set_float32_matmul_precision("high")``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import triton
+from jaxtyping import Float
+from torch import Tensor
+
+from cs336_systems.attention.backends import triton_kernels
+from cs336_systems.attention.config import FLASH_CONFIG
+from cs336_systems.kernels.launch import FLOAT_DTYPES, RUNNING_IN_INTERPRETER, Launcher, aligned, new_output
+
+HEAD_DIMS = (16, 32, 64, 128)
+_LOG2_E = math.log2(math.e)
+
+
+def supports(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+    """Why these kernels cannot run on such inputs, or None when they can."""
+    if dtype not in FLOAT_DTYPES:
+        return f"unsupported dtype {dtype}: the Triton kernels take float16, bfloat16 or float32"
+    if head_dim not in HEAD_DIMS:
+        return f"head dim {head_dim} (needs one of {HEAD_DIMS})"
+    if device.type != "cuda" and not RUNNING_IN_INTERPRETER:
+        return (f"the Triton kernels need CUDA tensors, got tensors on {device}; to run them on the CPU through the "
+                "Triton interpreter, set TRITON_INTERPRET=1 before cs336_systems.attention is imported")
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------
+# Launch parameters of the Triton kernels
+# ---------------------------------------------------------------------------------------------------
+
+
+def _config(block_m: int, block_n: int, num_warps: int, num_stages: int) -> triton.Config:
+    """A forward configuration: BLOCK_M queries held, BLOCK_N keys per step."""
+    return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=num_warps, num_stages=num_stages)
+
+
+def _bwd_config(tile: int, slice_: int, num_warps: int, num_stages: int) -> triton.Config:
+    """A backward configuration: TILE keys (then queries) held, SLICE queries (then keys) per step."""
+    return triton.Config({"TILE": tile, "SLICE": slice_}, num_warps=num_warps, num_stages=num_stages)
+
+
+# The forward holds a query tile and sweeps key tiles. The backward holds a large tile (keys for dK/dV, then
+# queries for dQ) and sweeps small slices, which keeps its two float32 accumulators in registers. Float32 gets
+# smaller tiles: without TF32, tl.dot runs on the FMA units and larger tiles spill registers (checked by compiling
+# for sm_90 with ptxas).
+AUTOTUNE_CONFIGS = {
+    "fwd": {
+        "16-bit": [_config(128, 64, 4, 3), _config(128, 64, 8, 3), _config(128, 128, 8, 3), _config(128, 32, 4, 4),
+                   _config(128, 64, 4, 4), _config(128, 128, 8, 4), _config(64, 64, 4, 3), _config(64, 32, 4, 2)],
+        "32-bit": [_config(32, 16, 4, 2), _config(32, 16, 8, 2), _config(32, 32, 4, 2), _config(64, 16, 8, 2)],
+    },
+    "bwd": {
+        "16-bit": [_bwd_config(128, 64, 8, 3), _bwd_config(128, 32, 8, 3), _bwd_config(128, 32, 8, 4),
+                   _bwd_config(64, 64, 4, 2), _bwd_config(64, 64, 4, 3), _bwd_config(64, 32, 4, 3),
+                   _bwd_config(64, 32, 8, 2), _bwd_config(64, 16, 4, 3)],
+        "32-bit": [_bwd_config(32, 16, 4, 1), _bwd_config(32, 16, 8, 1), _bwd_config(32, 32, 8, 1)],
+    },
+}
+INTERPRETER_CONFIGS = {"fwd": _config(32, 16, 4, 1), "bwd": _bwd_config(32, 16, 4, 1)}
+DELTA_CONFIG = triton.Config({"BLOCK_M": 64}, num_warps=4, num_stages=1)  # also the dQ conversion's
+
+SHARED_MEMORY_BUDGET = 200 * 1024  # bytes; an H100 has 227 KiB per block, leave room for the compiler's own
+
+
+def _shared_memory_estimate(kernel: str, config: triton.Config, head_dim: int, element_size: int) -> int:
+    """Bytes of the tiles a kernel keeps in shared memory: held tiles once, the two swept ones per stage
+    (the forward holds q; the backward k and v, or q and dO)."""
+    if kernel == "fwd":
+        held, swept, n_held = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], 1
+    else:
+        held, swept, n_held = config.kwargs["TILE"], config.kwargs["SLICE"], 2
+    return element_size * head_dim * (n_held * held + 2 * swept * max(config.num_stages, 1))
+
+
+def _precision_class(element_size: int) -> str:
+    return "32-bit" if element_size == 4 else "16-bit"
+
+
+def _pruner(kernel: str):
+    """Keep the configurations meant for the input's precision that fit in shared memory."""
+
+    def prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
+        head_dim, element_size = kwargs["HEAD_DIM"], named_args["Q"].element_size()
+        meant_for_this_precision = AUTOTUNE_CONFIGS[kernel][_precision_class(element_size)]
+        candidates = [c for c in configs if c in meant_for_this_precision]
+        fitting = [c for c in candidates
+                   if _shared_memory_estimate(kernel, c, head_dim, element_size) <= SHARED_MEMORY_BUDGET]
+        return fitting or [min(candidates, key=lambda c: _shared_memory_estimate(kernel, c, head_dim, element_size))]
+
+    return prune
+
+
+_PLAIN = {"fwd": triton_kernels.attn_fwd_kernel, "bwd": triton_kernels.attn_bwd_kernel}
+_PARALLEL_BLOCK = {"fwd": "BLOCK_M", "bwd": "TILE"}
+# Coarsened lengths (next power of two) bound how often the autotuner runs; the dtype of the tensor arguments
+# is part of every key automatically.
+_AUTOTUNE_KEY = ["n_queries_key", "n_keys_key", "HEAD_DIM", "IS_CAUSAL", "DOT_PRECISION"]
+_AUTOTUNED = {
+    name: triton.autotune([c for group in AUTOTUNE_CONFIGS[name].values() for c in group], key=_AUTOTUNE_KEY,
+                          prune_configs_by={"early_config_prune": _pruner(name)})(_PLAIN[name])
+    for name in _PLAIN
+}
+_LAUNCHERS = {name: Launcher(fn) for name, fn in _PLAIN.items()}
+_DELTA = Launcher(triton_kernels.attn_bwd_delta_kernel)
+
+
+def fixed_config(kernel: str, dtype: torch.dtype, head_dim: int) -> triton.Config:
+    """The configuration of ``kernel`` ("fwd" or "bwd") when not autotuning: the fastest in the autotuner's H100
+    timings at 16384 tokens (bf16, causal) among those with no register spills at any head dim (checked with
+    ptxas for sm_90)."""
+    if RUNNING_IN_INTERPRETER:
+        return INTERPRETER_CONFIGS[kernel]
+    if dtype == torch.float32:
+        num_warps = 4 if head_dim <= 64 else 8
+        return _config(32, 16, num_warps, 2) if kernel == "fwd" else _bwd_config(32, 16, num_warps, 1)
+    if kernel == "fwd":
+        return _config(128, 64, 8, 3)
+    return _bwd_config(128, 64, 8, 3) if head_dim <= 64 else _bwd_config(128, 32, 8, 3)
+
+
+class LaunchPlan(NamedTuple):
+    """What a launch needs beyond its tensors, fixed by the call's signature (dtype, shapes, strides, alignment) and
+    scale: the arguments after the tensors (strides, sizes, coarsened lengths, scales), the extent the grid's first
+    dimension covers, and ``batch * heads``."""
+
+    tail: tuple
+    n_parallel: int
+    batch_heads: int
+
+
+_cache: dict[tuple, LaunchPlan | triton.Config] = {}
+"""The backend's cache: the launch plan per ("fwd" | "bwd", signature, scale) and ("delta", signature), and the
+autotuner's choice per ("autotuned", kernel, autotune key)."""
+
+
+def _tiles(kernel: str, dtype: torch.dtype, head_dim: int, args: tuple, meta: dict, n_parallel: int,
+           batch_heads: int) -> triton.Config | None:
+    """The configuration to launch ``kernel`` with: fixed, or the autotuner's choice for this key (None when the
+    autotuner has just run, and launched, for it)."""
+    if not FLASH_CONFIG.get().autotune or RUNNING_IN_INTERPRETER:
+        return fixed_config(kernel, dtype, head_dim)
+    key = ("autotuned", kernel, dtype, args.n_queries_key, args.n_keys_key, *meta.values())
+    if key not in _cache:
+        block = _PARALLEL_BLOCK[kernel]
+        _AUTOTUNED[kernel][lambda META: (triton.cdiv(n_parallel, META[block]), batch_heads)](*args, **meta)
+        _cache[key] = _AUTOTUNED[kernel].best_config
+        return None
+    return _cache[key]
+
+
+def _launch(kernel: str, n_parallel: int, batch_heads: int, signature: tuple, args: ForwardArgs | BackwardArgs,
+            meta: dict) -> None:
+    """Run ``kernel`` on the grid ``(cdiv(n_parallel, tile), batch * heads)``; ``signature`` holds what its
+    compilation depends on beyond ``meta`` (dtype, strides, alignment)."""
+    dtype, head_dim = signature[0], meta["HEAD_DIM"]
+    config = _tiles(kernel, dtype, head_dim, args, meta, n_parallel, batch_heads)
+    if config is None:
+        return
+    grid = (triton.cdiv(n_parallel, config.kwargs[_PARALLEL_BLOCK[kernel]]), batch_heads)
+    key = (signature, *meta.values(), *config.kwargs.values(), config.num_warps, config.num_stages)
+    # Only the tiles, warps and stages: torch.compile refuses num_ctas passed as a launch argument.
+    _LAUNCHERS[kernel](key, grid, args, {**meta, **config.kwargs}, num_warps=config.num_warps,
+                       num_stages=config.num_stages)
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    """TF32 for float32 exactly when PyTorch's own matmuls may use it; 16-bit inputs take the default.
+
+    Reads ``torch.backends.cuda.matmul.fp32_precision``, which ``allow_tf32 = True`` and
+    ``torch.set_float32_matmul_precision("high")`` also set, and which (unlike ``allow_tf32``) does not
+    raise once a program has mixed the legacy and the new precision APIs.
+    """
+    if dtype == torch.float32 and torch.backends.cuda.matmul.fp32_precision != "tf32":
+        return "ieee"
+    return "tf32"
+
+
+def _length_key(n: int) -> int:
+    """The next power of two (plain Python: ``triton.next_power_of_2`` costs microseconds per call)."""
+    return 1 << (n - 1).bit_length()
+
+
+def _length_key(n: int) -> int:
+    """The next power of two (plain Python: ``triton.next_power_of_2`` costs microseconds per call)."""
+    return 1 << (n - 1).bit_length()
+
+
+def batch_head_strides(x: Tensor) -> tuple[int, int, int]:
+    """(batch, head, sequence) strides, with head stride 0 for 3-D tensors."""
+    if x.dim() == 3:
+        return x.stride(0), 0, x.stride(1)
+    return x.stride(0), x.stride(1), x.stride(2)
+
+
+def _sizes(Q: Tensor, K: Tensor) -> tuple[int, int, int, int, int]:
+    """(heads, batch * heads, n_queries, n_keys, d)."""
+    n_heads = Q.shape[1] if Q.dim() == 4 else 1
+    return n_heads, Q.shape[0] * n_heads, Q.shape[-2], K.shape[-2], Q.shape[-1]
+
+
+# ---------------------------------------------------------------------------------------------------
+# The kernels' arguments before their constexprs, by name
+# ---------------------------------------------------------------------------------------------------
+
+
+class ForwardArgs(NamedTuple):
+    """``attn_fwd_kernel``'s arguments; strides are (batch, head, sequence) (:func:`batch_head_strides`)."""
+
+    Q: Tensor
+    K: Tensor
+    V: Tensor
+    O: Tensor
+    L: Tensor
+    stride_qb: int
+    stride_qh: int
+    stride_qm: int
+    stride_kb: int
+    stride_kh: int
+    stride_kn: int
+    stride_vb: int
+    stride_vh: int
+    stride_vn: int
+    stride_ob: int
+    stride_oh: int
+    stride_om: int
+    n_heads: int
+    n_queries: int
+    n_keys: int
+    n_queries_key: int  # coarsened lengths: the autotuner's key
+    n_keys_key: int
+    qk_scale: float
+
+
+class BackwardArgs(NamedTuple):
+    """``attn_bwd_kernel``'s arguments; strides are (batch, head, sequence) (:func:`batch_head_strides`)."""
+
+    Q: Tensor
+    K: Tensor
+    V: Tensor
+    dO: Tensor
+    L: Tensor
+    Delta: Tensor
+    dQ: Tensor
+    dK: Tensor
+    dV: Tensor
+    stride_qb: int
+    stride_qh: int
+    stride_qm: int
+    stride_kb: int
+    stride_kh: int
+    stride_kn: int
+    stride_vb: int
+    stride_vh: int
+    stride_vn: int
+    stride_dob: int
+    stride_doh: int
+    stride_dom: int
+    stride_dqb: int
+    stride_dqh: int
+    stride_dqm: int
+    stride_dkb: int
+    stride_dkh: int
+    stride_dkn: int
+    stride_dvb: int
+    stride_dvh: int
+    stride_dvn: int
+    n_heads: int
+    n_queries: int
+    n_keys: int
+    n_queries_key: int
+    n_keys_key: int
+    sm_scale: float
+    qk_scale: float
+
+
+class DeltaArgs(NamedTuple):
+    """``attn_bwd_delta_kernel``'s arguments."""
+
+    O: Tensor
+    dO: Tensor
+    Delta: Tensor
+    stride_ob: int
+    stride_oh: int
+    stride_om: int
+    stride_dob: int
+    stride_doh: int
+    stride_dom: int
+    n_heads: int
+    n_queries: int
+    DQ_acc: Tensor
+
+
+# ---------------------------------------------------------------------------------------------------
+# Forward and backward: inputs checked by the operator, with unit stride along d and a supported d
+# ---------------------------------------------------------------------------------------------------
+
+
+def forward(
+    Q: Float[Tensor, "batch *heads q d"], K: Float[Tensor, "batch *heads k d"], V: Float[Tensor, "batch *heads k d"],
+    is_causal: bool, sm_scale: float,
+) -> tuple[Float[Tensor, "batch *heads q d"], Float[Tensor, "batch *heads q"]]:
+    """``O`` (Q's shape and dtype, contiguous) and the natural-log logsumexp ``L`` (float32)."""
+    if RUNNING_IN_INTERPRETER and Q.dtype == torch.bfloat16:
+        O, L = forward(Q.float(), K.float(), V.float(), is_causal, sm_scale)
+        return O.to(torch.bfloat16), L
+    O = new_output(Q.shape, Q.dtype, Q.device)
+    L = new_output(Q.shape[:-1], torch.float32, Q.device)
+    # Triton specialises the strides (and the pointers' alignment); O's follow from Q's shape.
+    signature = (Q.dtype, Q.shape, K.shape, Q.stride(), K.stride(), V.stride(), aligned(Q, K, V))
+    plan = _cache.get(("fwd", signature, sm_scale))
+    if plan is None:
+        plan = _cache[("fwd", signature, sm_scale)] = _forward_plan(Q, K, V, O, sm_scale)
+    meta = dict(HEAD_DIM=Q.shape[-1], IS_CAUSAL=is_causal, DOT_PRECISION=_dot_precision(Q.dtype))
+    _launch("fwd", plan.n_parallel, plan.batch_heads, signature, ForwardArgs(Q, K, V, O, L, *plan.tail), meta)
+    return O, L
+
+
+def _forward_plan(Q: Tensor, K: Tensor, V: Tensor, O: Tensor, sm_scale: float) -> LaunchPlan:
+    n_heads, batch_heads, n_queries, n_keys, _ = _sizes(Q, K)
+    tail = (*batch_head_strides(Q), *batch_head_strides(K), *batch_head_strides(V), *batch_head_strides(O),
+            n_heads, n_queries, n_keys, _length_key(n_queries), _length_key(n_keys), sm_scale * _LOG2_E)
+    return LaunchPlan(tail, n_queries, batch_heads)
+
+
+def launch_delta(O: Float[Tensor, "batch *heads q d"], dO: Float[Tensor, "batch *heads q d"],
+                 DQ_acc: Float[Tensor, "batch_heads q d"] | None = None) -> Float[Tensor, "batch_heads q"]:
+    """Delta = rowsum(O * dO), float32; also zeroes the float32 ``DQ_acc`` when given (the Hopper backward's)."""
+    zero_dq_acc = DQ_acc is not None
+    key = (O.dtype, O.shape, O.stride(), dO.stride(), aligned(O, dO), zero_dq_acc)
+    plan = _cache.get(("delta", key))
+    if plan is None:
+        n_heads, batch_heads, n_queries, _, _ = _sizes(O, O)
+        plan = _cache[("delta", key)] = LaunchPlan(
+            (*batch_head_strides(O), *batch_head_strides(dO), n_heads, n_queries), n_queries, batch_heads)
+    Delta = new_output((plan.batch_heads, plan.n_parallel), torch.float32, O.device)
+    grid = (-(-plan.n_parallel // DELTA_CONFIG.kwargs["BLOCK_M"]), plan.batch_heads)
+    args = DeltaArgs(O, dO, Delta, *plan.tail, DQ_acc if zero_dq_acc else Delta)
+    _DELTA(key, grid, args, dict(HEAD_DIM=O.shape[-1], ZERO_DQ_ACC=zero_dq_acc, **DELTA_CONFIG.kwargs),
+           num_warps=DELTA_CONFIG.num_warps)
+    return Delta
+
+
+def backward(
+    Q: Float[Tensor, "batch *heads q d"], K: Float[Tensor, "batch *heads k d"], V: Float[Tensor, "batch *heads k d"],
+    O: Float[Tensor, "batch *heads q d"], L: Float[Tensor, "batch *heads q"], dO: Float[Tensor, "batch *heads q d"],
+    is_causal: bool, sm_scale: float,
+) -> tuple[Float[Tensor, "batch *heads q d"], Float[Tensor, "batch *heads k d"], Float[Tensor, "batch *heads k d"]]:
+    """``dQ, dK, dV`` (in the inputs' dtype, contiguous) from the forward's ``O`` (contiguous) and ``L`` and the
+    output gradient ``dO`` (unit stride along ``d``, O's dtype)."""
+    if RUNNING_IN_INTERPRETER and Q.dtype == torch.bfloat16:
+        grads = backward(*(x.float() for x in (Q, K, V, O)), L, dO.float(), is_causal, sm_scale)
+        return tuple(g.to(torch.bfloat16) for g in grads)
+    Delta = launch_delta(O, dO)
+    dQ = new_output(Q.shape, Q.dtype, Q.device)
+    dK = new_output(K.shape, K.dtype, K.device)
+    dV = new_output(V.shape, V.dtype, V.device)
+    signature = (Q.dtype, Q.shape, K.shape, Q.stride(), K.stride(), V.stride(), dO.stride(), aligned(Q, K, V, dO))
+    plan = _cache.get(("bwd", signature, sm_scale))
+    if plan is None:
+        plan = _cache[("bwd", signature, sm_scale)] = _backward_plan(Q, K, V, dO, dQ, dK, dV, sm_scale)
+    meta = dict(HEAD_DIM=Q.shape[-1], IS_CAUSAL=is_causal, DOT_PRECISION=_dot_precision(Q.dtype))
+    args = BackwardArgs(Q, K, V, dO, L, Delta, dQ, dK, dV, *plan.tail)
+    _launch("bwd", plan.n_parallel, plan.batch_heads, signature, args, meta)
+    return dQ, dK, dV
+
+
+def _backward_plan(Q: Tensor, K: Tensor, V: Tensor, dO: Tensor, dQ: Tensor, dK: Tensor, dV: Tensor,
+                   sm_scale: float) -> LaunchPlan:
+    n_heads, batch_heads, n_queries, n_keys, _ = _sizes(Q, K)
+    tail = (*(stride for x in (Q, K, V, dO, dQ, dK, dV) for stride in batch_head_strides(x)),
+            n_heads, n_queries, n_keys, _length_key(n_queries), _length_key(n_keys), sm_scale, sm_scale * _LOG2_E)
+    return LaunchPlan(tail, max(n_queries, n_keys), batch_heads)

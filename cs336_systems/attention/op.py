@@ -1,0 +1,262 @@
+"""Our FlashAttention-2 as one operator over kernel backends: the input checks, the choice of backend, the PyTorch
+operators and the ``torch.autograd.Function``.
+
+    O = FlashAttention2Triton.apply(Q, K, V, is_causal)       # or flash_attention(Q, K, V, is_causal)
+
+Q is ``(batch, n_queries, d)`` and K, V are ``(batch, n_keys, d)``, or all four-dimensional
+``(batch, heads, seq, d)``; any lengths (``n_queries != n_keys`` allowed, the causal rule being ``i >= j`` on
+absolute indices), ``d`` in 16, 32, 64, 128 (other multiples of 8 up to 128 zero-padded: zero features change no
+score or output), dtype float16, bfloat16 or float32. Inputs may be non-contiguous; a copy is made only when the
+last dimension is strided.
+
+Backends. Each is a module of ``backends/`` with the same interface: ``supports(device, dtype, head_dim)`` (why it
+cannot run such inputs, or None), ``forward(Q, K, V, is_causal, sm_scale) -> (O, L)`` and
+``backward(Q, K, V, O, L, dO, is_causal, sm_scale) -> (dQ, dK, dV)``.
+
+* ``backends/triton.py``: the portable Triton kernels (any CUDA GPU, every dtype, the CPU interpreter);
+* ``backends/hopper.py``: the Gluon kernels for Hopper GPUs (float16/bfloat16), run when
+  :data:`cs336_systems.attention.config.FLASH_CONFIG` says so (by default, where they can run, for calls of at
+  least ``hopper_min_programs`` programs).
+
+The choice is resolved once per (configuration, device, dtype, head dim, part, shape class) and cached.
+
+Host cost. Input checks run once, in the Function's forward. Eager calls go from the Function straight to the
+backend (no operator dispatch). Under ``torch.compile`` (or a dispatch mode such as selective checkpointing) the
+Function calls the same code through two operators, ``cs336_systems::flash_attention_forward`` and ``_backward``,
+which Inductor calls as opaque kernels: no graph break, and CUDA graphs capture them.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from types import ModuleType
+
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+from cs336_systems.attention.backends import hopper
+from cs336_systems.attention.backends import triton as portable
+from cs336_systems.attention.config import FLASH_CONFIG, FlashConfig
+from cs336_systems.kernels.launch import FLOAT_DTYPES, unit_last_stride
+
+SUPPORTED_HEAD_DIMS = portable.HEAD_DIMS
+MAX_GRID_Y = 65535  # CUDA's limit on the second grid dimension, which runs over batch * heads
+
+
+# ---------------------------------------------------------------------------------------------------
+# Input checks
+# ---------------------------------------------------------------------------------------------------
+
+
+def check_is_causal(is_causal: object) -> bool:
+    """``is_causal`` itself when it is a Python ``bool``; else a ``TypeError`` naming the value. Any truthy
+    value (``"no"``, a tensor) would otherwise silently mean True. A NumPy ``bool_`` is not a ``bool``: wrap it
+    in ``bool(...)``."""
+    if not isinstance(is_causal, bool):
+        raise TypeError(
+            f"is_causal must be True or False (a Python bool), got {is_causal!r} of type {type(is_causal).__name__}; "
+            "pass bool(is_causal) to convert it"
+        )
+    return is_causal
+
+
+def check_attention_inputs(Q: Tensor, K: Tensor, V: Tensor) -> None:
+    """Raise a ``TypeError``/``ValueError`` naming the problem unless ``Q``, ``K``, ``V`` are valid inputs
+    for the FlashAttention functions: tensors of shape ``(batch, seq, d)`` or ``(batch, heads, seq, d)``,
+    on one device, of one floating dtype, with matching batch/head dims and ``d``, ``K``/``V`` of one
+    length, and no empty sequence."""
+    for name, tensor in (("Q", Q), ("K", K), ("V", V)):
+        if not isinstance(tensor, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.dim() not in (3, 4):
+            raise ValueError(
+                f"{name} must have shape (batch, seq, d) or (batch, heads, seq, d), got shape {tuple(tensor.shape)}"
+            )
+    if not Q.dim() == K.dim() == V.dim():
+        raise ValueError(f"Q, K, V must have the same rank, got shapes {tuple(Q.shape)}, {tuple(K.shape)}, {tuple(V.shape)}")
+    if not Q.device == K.device == V.device:
+        raise ValueError(f"Q, K, V must be on one device, got {Q.device}, {K.device}, {V.device}")
+    if not Q.dtype == K.dtype == V.dtype:
+        raise TypeError(f"Q, K, V must have one dtype, got {Q.dtype}, {K.dtype}, {V.dtype}")
+    if not Q.dtype.is_floating_point:
+        raise TypeError(f"attention needs floating-point inputs, got {Q.dtype}")
+    if not Q.shape[:-2] == K.shape[:-2] == V.shape[:-2]:
+        raise ValueError(
+            "Q, K, V must have the same batch (and head) dimensions, got "
+            f"{tuple(Q.shape[:-2])}, {tuple(K.shape[:-2])}, {tuple(V.shape[:-2])}"
+        )
+    if not Q.shape[-1] == K.shape[-1] == V.shape[-1]:
+        raise ValueError(f"Q, K, V must have the same head dimension d, got {Q.shape[-1]}, {K.shape[-1]}, {V.shape[-1]}")
+    if K.shape[-2] != V.shape[-2]:
+        raise ValueError(f"K and V must have the same length, got {K.shape[-2]} and {V.shape[-2]}")
+    if Q.shape[-2] == 0 or K.shape[-2] == 0:
+        raise ValueError(f"sequence lengths must be positive, got n_queries={Q.shape[-2]}, n_keys={K.shape[-2]}")
+
+
+def check_inputs(Q: Tensor, K: Tensor, V: Tensor, is_causal: bool) -> None:
+    """Raise a clear error for inputs our operator does not take."""
+    check_is_causal(is_causal)
+    check_attention_inputs(Q, K, V)
+    if Q.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"unsupported dtype {Q.dtype}: the kernels take float16, bfloat16 or float32")
+    if Q.shape[-1] > max(SUPPORTED_HEAD_DIMS) or Q.shape[-1] % 8:
+        raise ValueError(
+            f"unsupported head dimension d={Q.shape[-1]}: the kernels run d in {SUPPORTED_HEAD_DIMS}, and "
+            f"other multiples of 8 up to {max(SUPPORTED_HEAD_DIMS)} zero-padded to the next of those"
+        )
+    batch_heads = math.prod(Q.shape[:-2])
+    if batch_heads > MAX_GRID_Y:
+        raise ValueError(f"batch * heads = {batch_heads} exceeds the grid limit {MAX_GRID_Y}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# The choice of backend
+# ---------------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def choose_backend(config: FlashConfig, device: torch.device, dtype: torch.dtype, head_dim: int, part: str,
+                   enough_programs: bool) -> ModuleType:
+    """The backend that runs ``part`` ("forward" or "backward") under ``config``; ``enough_programs`` (the shape
+    class): the Hopper kernels would launch at least ``config.hopper_min_programs`` programs. Raises where
+    ``config`` asks for the Hopper kernels and they cannot run, and where no backend can."""
+    if config.kernels != "triton":
+        reason = hopper.supports(device, dtype, head_dim)
+        if reason is not None and config.kernels == "hopper":
+            raise ValueError(f"FlashConfig(kernels='hopper'), but the Hopper {part} cannot run: {reason}")
+        if reason is None and (config.kernels == "hopper" or enough_programs):
+            return hopper
+    reason = portable.supports(device, dtype, head_dim)
+    if reason is not None:
+        raise ValueError(reason)
+    return portable
+
+
+def _backend(part: str, Q: Tensor, K: Tensor) -> ModuleType:
+    """The backend for ``part`` of a call on these (checked) inputs."""
+    config = FLASH_CONFIG.get()
+    shape = Q.shape
+    batch_heads = shape[0] * shape[1] if len(shape) == 4 else shape[0]
+    # The Hopper kernels' programs: batch * heads times the tiles of their rows (queries forward, keys backward).
+    rows = shape[-2] if part == "forward" else K.shape[-2]
+    enough = batch_heads * -(-rows // hopper.ROWS_PER_PROGRAM) >= config.hopper_min_programs
+    return choose_backend(config, Q.device, Q.dtype, shape[-1], part, enough)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Forward and backward on checked inputs of any strides and any supported d
+# ---------------------------------------------------------------------------------------------------
+
+
+def _padded_head_dim(head_dim: int) -> int:
+    return min(d for d in SUPPORTED_HEAD_DIMS if d >= head_dim)
+
+
+def _pad(x: Tensor, head_dim: int) -> Tensor:
+    """``x`` with zeros appended along ``d`` up to ``head_dim`` (a new, contiguous tensor)."""
+    return torch.nn.functional.pad(x, (0, head_dim - x.shape[-1]))
+
+
+def attention_forward(
+    Q: Float[Tensor, "batch *heads q d"], K: Float[Tensor, "batch *heads k d"], V: Float[Tensor, "batch *heads k d"],
+    is_causal: bool,
+) -> tuple[Float[Tensor, "batch *heads q d"], Float[Tensor, "batch *heads q"]]:
+    """``O`` (Q's shape and dtype, contiguous) and the natural-log logsumexp ``L`` (float32)."""
+    head_dim = Q.shape[-1]
+    sm_scale = 1.0 / math.sqrt(head_dim)
+    if head_dim in SUPPORTED_HEAD_DIMS:
+        Q, K, V = unit_last_stride(Q), unit_last_stride(K), unit_last_stride(V)
+        return _backend("forward", Q, K).forward(Q, K, V, is_causal, sm_scale)
+    padded = _padded_head_dim(head_dim)
+    Q, K, V = _pad(Q, padded), _pad(K, padded), _pad(V, padded)
+    O, L = _backend("forward", Q, K).forward(Q, K, V, is_causal, sm_scale)
+    return O[..., :head_dim].contiguous(), L
+
+
+def attention_backward(
+    Q: Float[Tensor, "batch *heads q d"], K: Float[Tensor, "batch *heads k d"], V: Float[Tensor, "batch *heads k d"],
+    O: Float[Tensor, "batch *heads q d"], L: Float[Tensor, "batch *heads q"], dO: Float[Tensor, "batch *heads q d"],
+    is_causal: bool,
+) -> tuple[Float[Tensor, "batch *heads q d"], Float[Tensor, "batch *heads k d"], Float[Tensor, "batch *heads k d"]]:
+    """``(dQ, dK, dV)`` of :func:`attention_forward`'s inputs, in their dtype, contiguous."""
+    dO = unit_last_stride(dO if dO.dtype == O.dtype else dO.to(O.dtype))  # o.sum().backward() sends stride 0
+    head_dim = Q.shape[-1]
+    sm_scale = 1.0 / math.sqrt(head_dim)
+    if head_dim in SUPPORTED_HEAD_DIMS:
+        Q, K, V = unit_last_stride(Q), unit_last_stride(K), unit_last_stride(V)
+        return _backend("backward", Q, K).backward(Q, K, V, O, L, dO, is_causal, sm_scale)
+    padded = _padded_head_dim(head_dim)
+    Q, K, V, O, dO = (_pad(x, padded) for x in (Q, K, V, O, dO))
+    grads = _backend("backward", Q, K).backward(Q, K, V, O, L, dO, is_causal, sm_scale)
+    return tuple(g[..., :head_dim].contiguous() for g in grads)
+
+
+# ---------------------------------------------------------------------------------------------------
+# PyTorch operators (for torch.compile and dispatch modes), the autograd Function, the functional entry point
+# ---------------------------------------------------------------------------------------------------
+
+_LIBRARY = torch.library.Library("cs336_systems", "FRAGMENT")
+_LIBRARY.define("flash_attention_forward(Tensor Q, Tensor K, Tensor V, bool is_causal) -> (Tensor, Tensor)")
+_LIBRARY.define("flash_attention_backward(Tensor Q, Tensor K, Tensor V, Tensor O, Tensor L, Tensor dO, "
+                "bool is_causal) -> (Tensor, Tensor, Tensor)")
+# Registered straight with the dispatcher (not custom_op, whose Python wrappers cost tens of microseconds a call).
+# The CPU kernels serve the Triton interpreter; elsewhere the checks refuse CPU tensors.
+for _device_key in ("CUDA", "CPU"):
+    _LIBRARY.impl("flash_attention_forward", attention_forward, _device_key)
+    _LIBRARY.impl("flash_attention_backward", attention_backward, _device_key)
+
+
+@torch.library.register_fake("cs336_systems::flash_attention_forward")
+def _(Q: Tensor, K: Tensor, V: Tensor, is_causal: bool) -> tuple[Tensor, Tensor]:
+    return Q.new_empty(Q.shape), Q.new_empty(Q.shape[:-1], dtype=torch.float32)
+
+
+@torch.library.register_fake("cs336_systems::flash_attention_backward")
+def _(Q: Tensor, K: Tensor, V: Tensor, O: Tensor, L: Tensor, dO: Tensor, is_causal: bool) -> tuple[Tensor, ...]:
+    return Q.new_empty(Q.shape), K.new_empty(K.shape), V.new_empty(V.shape)
+
+
+def _through_operators() -> bool:
+    """Whether to call the operators instead of the backends: while torch.compile traces, and under a dispatch mode
+    (selective checkpointing keeps the forward operator's outputs by name)."""
+    return torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
+
+
+class FlashAttention2Triton(torch.autograd.Function):
+    """FlashAttention-2 in Triton (and Gluon on Hopper): ``FlashAttention2Triton.apply(Q, K, V, is_causal=False)
+    -> O``.
+
+    Saved for backward: Q, K, V, O and the logsumexp L, float32 natural log, of shape
+    ``(batch, n_queries)`` (``(batch, heads, n_queries)`` for 4-D inputs), the only saved tensor of
+    that shape. Gradients come back in the inputs' dtype.
+    """
+
+    @staticmethod
+    def forward(ctx, Q: Tensor, K: Tensor, V: Tensor, is_causal: bool = False) -> Tensor:
+        check_inputs(Q, K, V, is_causal)
+        if _through_operators():
+            O, L = torch.ops.cs336_systems.flash_attention_forward.default(Q, K, V, is_causal)
+        else:
+            O, L = attention_forward(Q, K, V, is_causal)
+        ctx.save_for_backward(Q, K, V, O, L)
+        ctx.is_causal = is_causal
+        return O
+
+    @staticmethod
+    def backward(ctx, dO: Tensor):
+        if _through_operators():
+            grads = torch.ops.cs336_systems.flash_attention_backward.default(*ctx.saved_tensors, dO, ctx.is_causal)
+        else:
+            grads = attention_backward(*ctx.saved_tensors, dO, ctx.is_causal)
+        return *grads, None
+
+
+def flash_attention(
+    Q: Float[Tensor, "batch *heads q d"], K: Float[Tensor, "batch *heads k d"], V: Float[Tensor, "batch *heads k d"],
+    is_causal: bool = True,
+) -> Float[Tensor, "batch *heads q d"]:
+    """FlashAttention-2 with the model's attention protocol ``fn(Q, K, V, is_causal=True) -> O`` (causal by default,
+    like every function of :func:`cs336_systems.attention.get_attention`)."""
+    return FlashAttention2Triton.apply(Q, K, V, is_causal)
