@@ -155,10 +155,11 @@ def _probe_summary(texts: list[tuple[str, str]], board: list[dict[str, Any]]) ->
                   "device": ((ours.get("env") or {}).get("gpu_name") or ours.get("device")) if ours else None}}
 
 
-# Folders of raw results renamed after the log's notes were written: old name -> the name that says what it holds.
+# Folders of raw results renamed after the log's notes were written: the name the rows' notes use -> the name that
+# says what the folder holds (the only place the old names appear, so that the notes point to existing folders).
 RENAMED_FOLDERS = {"h100-issue28/": "h100-hopper-backward/", "h100-issue26/": "h100-train-step-profile/"}
-# References to the project's task tracker, which the reader does not have: "(issue 28, x)" -> "(x)",
-# "after issue 28's change" -> "after the change", " (issue 20)" -> "".
+# References to the project's task tracker, which the reader does not have, left out: "(<ref>, x)" -> "(x)",
+# "after <ref>'s change" -> "after the change", " (<ref>)" -> "".
 _TRACKER_REFERENCES = [(re.compile(r"\(issue \d+, ", re.IGNORECASE), "("),
                        (re.compile(r"\bissue \d+'s ", re.IGNORECASE), "the "),
                        (re.compile(r" ?\(issue \d+\)", re.IGNORECASE), ""),
