@@ -223,7 +223,7 @@ def test_memory_figure_captions_quote_the_peak_table(fixture_data):
     context = section["n"]["ctx"]
     for mode, column in (("forward", 0), ("train_step", 1)):
         caption = section["figures"][mode]["caption"]
-        assert f"its peak, {peaks[context][column]} GB" in caption
+        assert f"the measured peak of this case, {peaks[context][column]} GB" in caption
 
 
 def test_the_compile_comparison_names_its_eager_baseline(fixture_data):

@@ -233,8 +233,9 @@ def _profile_figure(out: Output, profile, file_name: str = "leaderboard_2026_pro
 
 
 def signed(x: float, digits: int = 1) -> str:
-    """``+4.7`` or ``−5.4`` (a minus sign, not a hyphen)."""
-    return f"{x:+.{digits}f}".replace("-", "−")
+    """``+4.7`` or ``−5.4`` (a minus sign, not a hyphen); ``0.0`` when it rounds to zero."""
+    text = f"{x:+.{digits}f}"
+    return text[1:] if float(text) == 0 else text.replace("-", "−")
 
 
 def top_kernel(r: dict[str, Any], *keys: str) -> float | None:

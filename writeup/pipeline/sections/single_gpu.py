@@ -412,7 +412,7 @@ def memory_profiling(res, out: Output) -> dict[str, Any]:
     for row in timelines:
         # The peak quoted is the peak table's row for the same case, so that caption and table agree.
         peak = one(peaks, context_length=row["context_length"], dtype=row["dtype"], mode=row["mode"])
-        peak_text = f"; its peak, {gb(peak['peak_gb'])}, is in the table below" if peak and peak.get("peak_gb") else ""
+        peak_text = f"; the measured peak of this case, {gb(peak['peak_gb'])}, is in the table below" if peak and peak.get("peak_gb") else ""
         figs[row["mode"]] = out.existing(
             row["figure"], f"Active memory over time, {row['size']} model, context {row['context_length']}, "
             f"{row['dtype']}, {MODE_LABEL.get(row['mode'], row['mode'])}{peak_text}.")
@@ -565,6 +565,12 @@ def torch_compile(res, out: Output) -> dict[str, Any]:
                         f"{mfirst.get('batch_size')}, context {mfirst.get('context_length')}: mean ± std (ms); "
                         "– : not measured.", size=8)
     long = [s for s in speedups if s[1] >= 4096]
+    # The eager attention here is measured in the same run as the compiled one; how far it lies from the
+    # pytorch_attention table's separate run (forward and backward, every case both measured).
+    table_rows = {(r["d"], r["seq_len"]): r for r in res.rows("pytorch_attention") if not r.get("oom")}
+    gaps = [abs(e[k] / table_rows[(e["d"], e["seq_len"])][k] - 1)
+            for e in attention if e.get("attention") == "naive" and not e.get("oom") and (e["d"], e["seq_len"]) in table_rows
+            for k in ("forward_mean_ms", "backward_mean_ms") if e.get(k) and table_rows[(e["d"], e["seq_len"])].get(k)]
     # The eager baseline of this comparison is the eager row of the same run, not the benchmarking_script sweep.
     sweep = [r for r in load_benchmarking_script(res)[0] if r.get("dtype") == "fp32" and not r.get("oom")]
     first_size = min((r["size"] for r in model), key=size_order, default=None)
@@ -572,6 +578,8 @@ def torch_compile(res, out: Output) -> dict[str, Any]:
     there = one(sweep, size=first_size, mode="forward")
     n = {
         "baseline_size": first_size or DASH,
+        "attention_gap": pct(max(gaps), 0) if gaps else DASH,
+        "attention_gap_median": pct(statistics.median(gaps), 0) if gaps else DASH,
         "eager_here": num(here and here.get("mean_ms")), "eager_sweep": num(there and there.get("mean_ms")),
         "fwd_lo": times(min((s[2] for s in long), default=None)), "fwd_hi": times(max((s[2] for s in long), default=None)),
         "bwd_lo": times(min((s[3] for s in long), default=None)), "bwd_hi": times(max((s[3] for s in long), default=None)),
