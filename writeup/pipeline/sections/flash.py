@@ -135,11 +135,11 @@ def flash_benchmarking(res, out: Output) -> dict[str, Any]:
     ours = next((p for p in providers if provider_role(p) == "ours"), None)
     base = next((p for p in providers if provider_role(p) == "pytorch"), None)
     extra = [p for p in providers if p not in (ours, base)]
-    dates = {p: sorted({r["env"]["date"][:10] for r in rows if r["provider"] == p and r.get("env", {}).get("date")})
-             for p in (ours, base)}
-    when = "; ".join(f"{p} measured {' to '.join(dict.fromkeys([d[0], d[-1]]))}" for p, d in dates.items() if d)
     tables, figs, speedups = {}, {}, {}
     for dtype in dtypes:
+        dates = {p: sorted({r["env"]["date"][:10] for r in rows if r["provider"] == p and r["dtype"] == dtype
+                            and r.get("env", {}).get("date")}) for p in (ours, base)}
+        when = "; ".join(f"{p} measured {' to '.join(dict.fromkeys([d[0], d[-1]]))}" for p, d in dates.items() if d)
         tables[dtype] = provider_table(
             index, [ours, base], lengths, heads, dtype, ("fwd_ms", "bwd_ms", "fwd_bwd_ms"),
             f"Our Triton FlashAttention-2 against the PyTorch attention ({base}), {dtype}, batch 1, causal: latency "
