@@ -449,7 +449,7 @@ def train_step() -> list[dict]:
 
 def train_step_profiles(results: Path) -> None:
     """What scripts/train_step_profile.py prints for each stack (xl, context 512, batch 4, without CUDA graphs)."""
-    folder = results / "h100-issue26"
+    folder = results / "h100-train-step-profile"
     folder.mkdir(parents=True, exist_ok=True)
     for stack, wall, gpu, attention in (("ours", 200.0, 110.0, True), ("torch", 150.0, 105.0, False)):
         lines = [{"stack": stack, "parts": {**PARTS[stack], "cudagraphs": False}, "size": "xl", "context": 512,
@@ -652,7 +652,7 @@ def write_fixture(results: Path, figures: Path) -> None:
             file.writelines(json.dumps(r) + "\n" for r in rows)
     flash_probe(results)
     train_step_profiles(results)
-    errors = results / "h100-issue28" / "tests" / "flash_attention_triton_errors.json"  # flash.ERRORS_FILE
+    errors = results / "h100-hopper-backward" / "tests" / "flash_attention_triton_errors.json"  # flash.ERRORS_FILE
     errors.parent.mkdir(parents=True, exist_ok=True)
     errors.write_text(json.dumps(flash_errors()))
     (results / "h200x2-tests").mkdir(exist_ok=True)

@@ -34,6 +34,11 @@ def attention_scores_bytes(batch: int, heads: int, seq: int, bytes_per_element: 
     return batch * heads * seq * seq * bytes_per_element
 
 
+NAIVE_ATTENTION_SAVED_MATRICES = 3
+"""Score-sized float32 matrices the naive causal attention keeps for backward: the masked scores (the softmax's
+row maximum and its backward need them), the exponentials and the probabilities."""
+
+
 def fit_square_matrices(rows: list[dict[str, Any]], batch: int) -> float:
     """How many float32 ``(batch, T, T)`` matrices the naive attention saves for backward, fitted on the
     longest measured lengths (``saved_for_backward_gb``; the causal mask, ``T²`` bools, subtracted)."""
@@ -95,7 +100,7 @@ def checkpoint_activation_bytes(n_blocks: int, group: int, boundary: float, per_
 
 
 # ---------------------------------------------------------------------------------------------
-# communication_accounting (SPEC 4.7)
+# communication_accounting
 # ---------------------------------------------------------------------------------------------
 
 XXL = {"d_model": 16384, "d_ff": 53248, "num_blocks": 126}
@@ -131,7 +136,7 @@ def communication_accounting(d_model: int = XXL["d_model"], d_ff: int = XXL["d_f
 
 
 # ---------------------------------------------------------------------------------------------
-# DDP overhead model (SPEC 4.6)
+# DDP overhead model
 # ---------------------------------------------------------------------------------------------
 
 
@@ -159,7 +164,7 @@ def optimal_bucket(total_bytes: float, bandwidth: float, per_call: float) -> dic
 
 
 # ---------------------------------------------------------------------------------------------
-# Optimizer-state sharding and FSDP (SPEC 5, 6)
+# Optimizer-state sharding and FSDP
 # ---------------------------------------------------------------------------------------------
 
 
@@ -182,7 +187,7 @@ def sharding_traffic(params: int, world: int) -> dict[str, float]:
 
 
 # ---------------------------------------------------------------------------------------------
-# The fast training step (SPEC 9)
+# The fast training step
 # ---------------------------------------------------------------------------------------------
 
 

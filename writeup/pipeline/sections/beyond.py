@@ -1,4 +1,4 @@
-"""Sections beyond the assignment (SPEC part 6) that are not about sharding: the fused RMSNorm and the
+"""Sections beyond the assignment that are not about sharding: the fused RMSNorm and the
 FlashAttention optimisation log."""
 
 from __future__ import annotations
@@ -155,6 +155,27 @@ def _probe_summary(texts: list[tuple[str, str]], board: list[dict[str, Any]]) ->
                   "device": ((ours.get("env") or {}).get("gpu_name") or ours.get("device")) if ours else None}}
 
 
+# Folders of raw results renamed after the log's notes were written: the name the rows' notes use -> the name that
+# says what the folder holds (the only place the old names appear, so that the notes point to existing folders).
+RENAMED_FOLDERS = {"h100-issue28/": "h100-hopper-backward/", "h100-issue26/": "h100-train-step-profile/"}
+# References to the project's task tracker, which the reader does not have, left out: "(<ref>, x)" -> "(x)",
+# "after <ref>'s change" -> "after the change", " (<ref>)" -> "".
+_TRACKER_REFERENCES = [(re.compile(r"\(issue \d+, ", re.IGNORECASE), "("),
+                       (re.compile(r"\bissue \d+'s ", re.IGNORECASE), "the "),
+                       (re.compile(r" ?\(issue \d+\)", re.IGNORECASE), ""),
+                       (re.compile(r",? ?\bissue \d+\b", re.IGNORECASE), "")]
+
+
+def plain_words(note: str) -> str:
+    """A note of the log as the reader needs it: renamed result folders under their current names, and
+    references to the project's task tracker left out."""
+    for old, new in RENAMED_FOLDERS.items():
+        note = note.replace(old, new)
+    for pattern, replacement in _TRACKER_REFERENCES:
+        note = pattern.sub(replacement, note)
+    return note
+
+
 def _point_name(point: tuple[int, int]) -> str:
     return f"{point[0]}×{point[1]}"
 
@@ -204,7 +225,7 @@ def _log_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
             if where not in step["commits"]:
                 step["commits"].append(where)
     def sentences(texts: list[str]) -> str:
-        return " ".join(t if t.rstrip().endswith((".", "!", "?")) else t.rstrip() + "." for t in texts)
+        return " ".join(t if t.rstrip().endswith((".", "!", "?")) else t.rstrip() + "." for t in map(plain_words, texts))
 
     listed = [{"step": s["step"], "decision": s["decision"],
                "where": f"measured at {', '.join(s['commits'])}" if s["commits"] else "",

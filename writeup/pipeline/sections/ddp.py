@@ -1,4 +1,4 @@
-"""Sections of SPEC part 4: collective communication, the DDP variants and their benchmarks, and the
+"""Sections on collective communication, the DDP variants and their benchmarks, and the
 communication accounting of the XXL model."""
 
 from __future__ import annotations
@@ -554,6 +554,9 @@ def communication_accounting(res, out: Output) -> dict[str, Any]:
         "bf16_gb": num(a["bf16_weights"] / 1e9, 1), "bf16_h100": num(a["bf16_weights_h100"], 1),
         "act_token": f"{a['act_per_token']:,}", "act_token_mb": num(a["act_per_token"] / 1e6, 1),
         "tokens_h100": f"{a['tokens_per_h100']:,.0f}",
+        "total_tb": num((a["state_bytes"] + a["bf16_weights"]) / 1e12, 2),
+        "total_h100": num((a["state_bytes"] + a["bf16_weights"]) / accounting.H100_BYTES, 1),
+        "total_h100_int": str(math.ceil((a["state_bytes"] + a["bf16_weights"]) / accounting.H100_BYTES)),
         "n_exact": num(a["n_exact"], 2), "n_min": str(a["n_min"]), "at_n_min": num(a["per_device_state_at_n_min"] / 1e9, 1),
         "w_m": sci_parts(tpu["w_ici"], 1)[0], "w_x": sci_parts(tpu["w_ici"], 1)[1],
         "c_m": sci_parts(tpu["flops"], 1)[0], "c_x": sci_parts(tpu["flops"], 1)[1], "mx": str(tpu["m_x"]), "my": str(tpu["m_y"]),
