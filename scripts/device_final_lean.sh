@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 26's final rows on a GPU machine (python3 with torch and triton), each part under a time cap, into $OUT:
+# The training step's rows on a GPU machine (python3 with torch and triton), each part under a time cap, into $OUT:
 # train_step (both stacks, both variants; sizes and shapes from $STEP_ARGS; resumed from the committed rows),
 # op_overhead, then the GPU tests
 # selected by $TEST_K from the operator test files.

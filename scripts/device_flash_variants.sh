@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 28's kernel variants on one GPU (python3 with torch and triton), in one call, into $OUT/variants.log and
+# Kernel variants of the FlashAttention operator on one GPU (python3 with torch and triton), in one call, into $OUT/variants.log and
 # $OUT/variants.jsonl: SDPA's times once (scripts/flash_shapes_bench.py sdpa, fa2), then for the checkout as it is
 # ("main") and for every folder _variants/NAME/ (files laid over a copy of the checkout), each in its own copy
 # and processes: the errors against float64 (scripts/flash_variant_check.py) and our operator's times at the

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Profiles for issue 26 on a GPU machine (python3 with torch and triton): cProfile of our operators' issue loops,
+# Profiles of the training step on a GPU machine (python3 with torch and triton): cProfile of our operators' issue loops,
 # ours' train_step rows at xl 512:4 (beside the torch rows in writeup/results), the kernel-time profile of both
 # stacks, then the GPU tests named in $TESTS. Everything under $OUT.
 set -uo pipefail

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 29's first rows on one GPU (python3 with torch and triton), each part under a time cap, into $OUT: the GPU test
+# The one-GPU proxy of the 8B leaderboard step's first rows (python3 with torch and triton), each part under a time cap, into $OUT: the GPU test
 # of compiled blocks under our FSDP, the 2025 leaderboard protocol (ours and cuDNN), the one-GPU proxy of the 8B
 # step ($PROXY_LAYERS blocks, both stacks, short do_bench), and the proxy's kernel-time profile per stack
 # ($PROFILE_OVERRIDES: stack:part=value changes, e.g. ours:keep_attention=false).

@@ -1,6 +1,6 @@
 """The leaderboard timing of our FlashAttention-2 beside PyTorch's fused attention (problem ``leaderboard``).
 
-The official protocol (SPEC 3.7): 16 heads of length 16384 and head dim 64, bf16, causal, inputs ``q, k, v``
+The course's official protocol: 16 heads of length 16384 and head dim 64, bf16, causal, inputs ``q, k, v``
 of shape ``(16, 16384, 64)`` requiring gradients; the timed function is::
 
     f = torch.compile(FlashAttention2Triton.apply)

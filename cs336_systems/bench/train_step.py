@@ -1,4 +1,4 @@
-"""The training step of our stack against PyTorch's best, in the same run (problem ``train_step``, SPEC section 9).
+"""The training step of our stack against PyTorch's best, in the same run (problem ``train_step``).
 
 For every model size and (context length, batch size) in ``--shapes`` (default: 512 and 2048 at batch 4, 8192 at
 batch 1), each stack of :data:`cs336_systems.train.STACKS` (``ours``: our attention operator, fused RMSNorm,

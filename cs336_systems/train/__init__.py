@@ -1,4 +1,4 @@
-"""The training step composed from named parts (SPEC section 9): :mod:`cs336_systems.train.step`."""
+"""The training step composed from named parts: :mod:`cs336_systems.train.step`."""
 
 from cs336_systems.train.step import (
     SHARDED_STACKS,

@@ -1,4 +1,4 @@
-"""One training step of ``BasicsTransformerLM`` composed from named parts (SPEC section 9).
+"""One training step of ``BasicsTransformerLM`` composed from named parts.
 
 A step is forward, loss, backward and the optimizer's update, under bf16 autocast by default. Each part is
 chosen by name in :class:`Parts`, so that the two stacks the benchmarks race differ only where they say:
