@@ -44,7 +44,7 @@ def test_every_distributed_cli_answers_help(cli, capsys):
 def test_unknown_ddp_variant_is_refused(capsys):
     with pytest.raises(SystemExit):
         ddp_benchmarking.main(["--variants", "bucketed_fast"])
-    assert "unknown variant" in capsys.readouterr().err
+    assert "unknown DDP variant 'bucketed_fast'" in capsys.readouterr().err
     assert ddp_step.variant_name("bucketed_25mb") == "bucketed_25mb"
 
 
@@ -58,7 +58,7 @@ def test_every_variant_wraps_and_steps_in_a_one_rank_group():
         for variant in [ddp_step.LOCAL, *ddp_step.VARIANTS, "bucketed_0.5mb"]:
             torch.manual_seed(0)
             model = build_model(config, device)
-            wrapped = ddp_step.wrap(variant, model, device)
+            wrapped = ddp_step.wrap(variant, model)
             calls[variant] = ddp_step.communication_calls(variant, wrapped)
             optimizer = make_optimizer(model)
             marker = ddp_step.Marker(device)
