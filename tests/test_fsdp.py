@@ -282,16 +282,16 @@ def check_toy_models(rank: int, world_size: int, device: torch.device) -> None:
 def check_reduce_scatter_fallback(rank: int, world_size: int, device: torch.device) -> None:
     """The all-reduce + slice path (for backends without a mean reduce-scatter) gives the same training."""
     backend = dist.get_backend()
-    saved = dict(fsdp_module._NATIVE_MEAN_REDUCE_SCATTER)
-    fsdp_module._NATIVE_MEAN_REDUCE_SCATTER[backend] = False
+    saved = dict(fsdp_module.NATIVE_MEAN_REDUCE_SCATTER)
+    fsdp_module.NATIVE_MEAN_REDUCE_SCATTER[backend] = False
     try:
         model = build(SmallNet, rank, device)
         train_and_compare(rank, world_size, FSDP(model, units=model.units()), lambda: build(SmallNet, 0, device),
                           lambda step: full_batch(step, world_size, device), lm_loss, "sgd",
                           f"fallback reduction, rank {rank}/{world_size}", SGD_TOL, steps=2)
     finally:
-        fsdp_module._NATIVE_MEAN_REDUCE_SCATTER.clear()
-        fsdp_module._NATIVE_MEAN_REDUCE_SCATTER.update(saved)
+        fsdp_module.NATIVE_MEAN_REDUCE_SCATTER.clear()
+        fsdp_module.NATIVE_MEAN_REDUCE_SCATTER.update(saved)
 
 
 def mixed_precision_reference(seed: int, device: torch.device, dtype: torch.dtype) -> nn.Module:
@@ -329,7 +329,7 @@ class Recorder:
 
     def __init__(self, fsdp: FSDP, modules: dict[str, tuple[nn.Module, nn.Module]]):
         self.fsdp, self.events, self.peak = fsdp, [], 0
-        issue = fsdp._issue_gather
+        issue = fsdp._gather
 
         def recording_issue(unit):
             if not unit.allocated:
@@ -337,7 +337,7 @@ class Recorder:
             issue(unit)
             self.sample()
 
-        fsdp._issue_gather = recording_issue
+        fsdp._gather = recording_issue
         for name, (first, last) in modules.items():
             first.register_forward_pre_hook(lambda m, a, name=name: self.mark("start", name))  # after FSDP's hook
             last.register_forward_hook(lambda m, a, o, name=name: self.mark("done", name), prepend=True)
