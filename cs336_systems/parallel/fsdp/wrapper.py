@@ -31,6 +31,10 @@ pre-hook gathers the unit (usually prefetched already), installs fresh views (th
 recomputed operations save what the original ones did) and keeps the buffer until the unit's gradients are
 reduced. A checkpointed group of ``g`` blocks therefore holds up to ``g`` gathered units during its backward.
 Reentrant checkpointing is rejected (its recomputed graph is the one backpropagated).
+
+Profiling. ``FSDP.annotate = True`` records profiler ranges named after each unit: ``fsdp.all_gather <unit>``
+around a gather's launch, ``fsdp.use <unit>`` where its gathered weights become available to compute (forward and
+backward), ``fsdp.reduce_scatter <unit>`` around a reduction's launch.
 """
 
 from __future__ import annotations
@@ -127,10 +131,7 @@ class FSDP(nn.Module):
     backward could outlive the buffer, which is freed once the unit's gradients are reduced).
 
     At construction every rank takes rank 0's parameters and buffers, then keeps its shards only.
-
-    ``annotate = True`` records profiler ranges named after each unit: ``fsdp.all_gather <unit>`` around a
-    gather's launch, ``fsdp.use <unit>`` where its gathered weights become available to compute (forward and
-    backward), ``fsdp.reduce_scatter <unit>`` around a reduction's launch.
+    ``annotate = True`` records profiler ranges named after each unit (see the module docstring).
     """
 
     def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None,
@@ -400,33 +401,39 @@ class FSDP(nn.Module):
     def gather_full_params(self) -> dict[str, Tensor]:
         """Every parameter of the wrapped module by its original name, full and fp32 (fresh tensors; a
         collective: every rank must call it)."""
-        return self._gather_full(lambda unit: unit.shard)
+        return gather_full(self.units, self._param_names, self.transport, lambda unit: unit.shard)
 
     @torch.no_grad()
     def gather_full_grads(self) -> dict[str, Tensor | None]:
         """Every parameter's gradient, full like :meth:`gather_full_params` (None for frozen parameters and
         where no gradient exists; a collective, after :meth:`finish_gradient_synchronization`)."""
-        def local_grad(unit: Unit) -> Tensor | None:
-            if unit.param is None or unit.param.grad is None:
-                return None
-            padded = torch.zeros(unit.shard_numel, dtype=torch.float32, device=self.device)
-            padded[: unit.param.numel()] = unit.param.grad
-            return padded
-
-        return self._gather_full(local_grad)
-
-    def _gather_full(self, local: Callable[[Unit], Tensor | None]) -> dict[str, Tensor | None]:
-        full: dict[str, Tensor | None] = {}
-        for unit in self.units:
-            shard = local(unit)
-            if shard is None:
-                full.update((p.name, None) for p in unit.params)
-                continue
-            buffer = self.transport.all_gather(shard.contiguous(), unit.full.numel())
-            for p in unit.params:
-                full[p.name] = buffer[p.offset : p.stop].view(p.shape) if shard is unit.shard or p.requires_grad else None
-        return {name: full[name] for name in self._param_names}
+        return gather_full(self.units, self._param_names, self.transport, padded_grad)
 
     def gathered_units(self) -> list[str]:
         """Names of the units whose flat buffer is gathered (or on its way) now: for tests and debugging."""
         return [unit.name for unit in self.units if unit.state.weights is not Weights.SHARDED]
+
+
+def padded_grad(unit: Unit) -> Tensor | None:
+    """``(S,)`` fp32: the shard's gradient, zeros for its frozen part and padding (None without a gradient)."""
+    if unit.param is None or unit.param.grad is None:
+        return None
+    padded = torch.zeros(unit.shard_numel, dtype=torch.float32, device=unit.shard.device)
+    padded[: unit.param.numel()] = unit.param.grad
+    return padded
+
+
+def gather_full(units: list[Unit], names: list[str], transport: Transport,
+                local: Callable[[Unit], Tensor | None]) -> dict[str, Tensor | None]:
+    """Each parameter's full tensor by name (in ``names`` order), gathered from every rank's ``local(unit)``: the
+    shard, or a tensor laid out like it (None: nothing to gather for that unit's parameters)."""
+    full: dict[str, Tensor | None] = {}
+    for unit in units:
+        shard = local(unit)
+        if shard is None:
+            full.update((p.name, None) for p in unit.params)
+            continue
+        buffer = transport.all_gather(shard.contiguous(), unit.full.numel())
+        for p in unit.params:
+            full[p.name] = buffer[p.offset : p.stop].view(p.shape) if shard is unit.shard or p.requires_grad else None
+    return {name: full[name] for name in names}
