@@ -181,6 +181,7 @@ def family_checks(family: str) -> dict[str, Check]:
     return checks
 
 
+@pytest.mark.slow  # a spawn each: 10-25 s on two cores
 @pytest.mark.parametrize("family", FAMILIES)
 def test_ddp_wrapper_matches_single_process(family):
     assert_all_passed(run_checks(family_checks(family), 2, timeout_s=180))

@@ -14,6 +14,7 @@ def test_toy_training_help(capsys):
     assert "--world-size" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # one spawn training every variant
 def test_toy_training_matches_single_process(capfd):
     # The ranks print from their own processes: capture at the file-descriptor level.
     toy_training.main(["--backend", "gloo", "--steps", "3"])

@@ -31,6 +31,7 @@ def _raise_on_rank_zero(rank: int, world_size: int) -> None:
         raise RuntimeError("rank zero failed on purpose")
 
 
+@pytest.mark.slow  # spawns ranks: 5-20 s on two cores
 def test_spawn_runs_a_collective():
     results = mp.get_context("spawn").SimpleQueue()
     spawn(_all_reduce_ranks, 2, results)
@@ -40,6 +41,7 @@ def test_spawn_runs_a_collective():
     assert sorted(results.get() for _ in range(3)) == [(0, 6.0, 3), (1, 6.0, 3), (2, 6.0, 3)]
 
 
+@pytest.mark.slow  # spawns ranks: 5-20 s on two cores
 def test_spawn_fails_instead_of_hanging():
     start = time.monotonic()
     with pytest.raises((TimeoutError, mp.ProcessRaisedException)):
@@ -47,6 +49,7 @@ def test_spawn_fails_instead_of_hanging():
     assert time.monotonic() - start < 60
 
 
+@pytest.mark.slow  # spawns ranks: 5-20 s on two cores
 def test_spawn_reports_a_failing_rank():
     with pytest.raises(mp.ProcessRaisedException, match="on purpose"):
         spawn(_raise_on_rank_zero, 2)
@@ -66,6 +69,7 @@ def _skips(rank: int, world_size: int, device: torch.device) -> str:
     return "nothing to do here"
 
 
+@pytest.mark.slow  # spawns ranks: 5-20 s on two cores
 def test_run_checks_reports_each_check_on_each_rank():
     outcomes = run_checks({"sums": _sums_ranks, "fails": _fails_on_rank_one, "skips": _skips}, 2, timeout_s=60)
     assert outcomes["sums"] == ["ok", "ok"] and outcomes["skips"] == ["skip: nothing to do here"] * 2
