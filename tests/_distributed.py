@@ -51,7 +51,7 @@ def _run_on_rank(rank: int, world_size: int, checks: Mapping[str, Check], out_di
         try:
             skipped = check(rank, world_size, device)
             outcomes[name] = f"skip: {skipped}" if skipped else "ok"
-        except Exception:  # recorded for this check's own assertion; the next checks still run
+        except Exception:  # noqa: BLE001  (recorded for this check's own assertion; the next checks still run)
             outcomes[name] = f"rank {rank}/{world_size}:\n{traceback.format_exc()}"
         (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(outcomes))
 

@@ -10,7 +10,6 @@ optimizer state (1/W of AdamW's) and the consolidated state dict. One spawn per 
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.distributed as dist

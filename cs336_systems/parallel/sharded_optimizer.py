@@ -1,4 +1,4 @@
-"""Optimizer-state sharding (SPEC section 5): each rank keeps optimizer state for its own parameters only.
+"""Optimizer-state sharding: each rank keeps optimizer state for its own parameters only.
 
 Every rank holds all parameters and all (already averaged) gradients, as in plain data parallelism.
 The parameters are split among the ranks; a rank's inner optimizer steps only the ones it owns, so the

@@ -3,7 +3,6 @@ with the communication it exposes: shared by ``ddp_benchmarking`` and ``optimize
 
 from __future__ import annotations
 
-import argparse
 import timeit
 
 import torch
@@ -12,7 +11,7 @@ from torch import nn
 from cs336_basics.nn_utils import cross_entropy
 from cs336_systems.bench.common import timing
 from cs336_systems.bench.common.lm import autocast
-from cs336_systems.parallel.ddp import check_variant, wrap_ddp
+from cs336_systems.parallel.ddp import variant_type, wrap_ddp
 
 LOCAL = "local"  # the model unwrapped: the compute-only reference
 # The variants measured by default (any DDP variant name is accepted: see cs336_systems.parallel.ddp.variants).
@@ -20,14 +19,7 @@ VARIANTS = ["naive", "flat", "overlap", "bucketed_1mb", "bucketed_10mb", "bucket
             "torch_ddp"]
 
 
-def variant_name(name: str) -> str:
-    """Validate a variant name (argparse type): ``local`` or a DDP variant's name."""
-    if name == LOCAL:
-        return name
-    try:
-        return check_variant(name)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
+variant_name = variant_type(LOCAL)  # argparse type: ``local`` or a DDP variant's name
 
 
 def wrap(variant: str, model: nn.Module) -> nn.Module:

@@ -19,7 +19,7 @@ from .bucketed import DDPBucketed
 from .flattened import DDPFlattened
 from .naive import DDPNaive
 from .overlapped import DDPIndividualParameters
-from .variants import DDP_VARIANTS, bucket_size_mb, bucketed, check_variant, wrap_ddp
+from .variants import DDP_VARIANTS, bucket_size_mb, bucketed, check_variant, variant_type, wrap_ddp
 
 __all__ = [
     "DDP_VARIANTS",
@@ -32,5 +32,6 @@ __all__ = [
     "bucket_size_mb",
     "bucketed",
     "check_variant",
+    "variant_type",
     "wrap_ddp",
 ]

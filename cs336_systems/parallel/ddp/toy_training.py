@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from cs336_systems.parallel.ddp import DataParallelModule, check_variant, wrap_ddp
+from cs336_systems.parallel.ddp import DataParallelModule, variant_type, wrap_ddp
 from cs336_systems.parallel.distributed import spawn
 from cs336_systems.parallel.sharded_optimizer import ShardedOptimizer
 
@@ -40,16 +40,6 @@ class ToyModel(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc3(F.relu(self.fc2(F.relu(self.fc1(x)))))
-
-
-def variant_name(name: str) -> str:
-    """Validate a variant name (argparse type): a DDP variant's name, or ``sharded-optimizer``."""
-    if name == SHARDED_OPTIMIZER:
-        return name
-    try:
-        return check_variant(name)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(f"{error}; or {SHARDED_OPTIMIZER}") from None
 
 
 def max_weight_difference(variant: str, rank: int, world_size: int, device: torch.device, args) -> float:
@@ -131,7 +121,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="auto: NCCL when there is one GPU per rank, gloo on CPU otherwise",
     )
     parser.add_argument(
-        "--variants", nargs="+", type=variant_name, default=list(VARIANTS),
+        "--variants", nargs="+", type=variant_type(SHARDED_OPTIMIZER), default=list(VARIANTS),
         help=f"what to check: DDP variants (naive, flat, overlap, bucketed_<N>mb, torch_ddp) or {SHARDED_OPTIMIZER} "
         f"(default: {' '.join(VARIANTS)})",
     )

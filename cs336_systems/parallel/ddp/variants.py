@@ -6,7 +6,9 @@
 
 from __future__ import annotations
 
+import argparse
 import re
+from collections.abc import Callable
 
 from torch import nn
 
@@ -39,6 +41,20 @@ def check_variant(variant: str) -> str:
     if variant in FIXED_VARIANTS or variant == TORCH_DDP or (bucket_size_mb(variant) or 0) > 0:
         return variant
     raise ValueError(f"unknown DDP variant {variant!r}: one of {', '.join(DDP_VARIANTS)} (N in MiB, e.g. bucketed_25mb)")
+
+
+def variant_type(*others: str) -> Callable[[str], str]:
+    """An argparse ``type`` that accepts a DDP variant's name or one of ``others`` (names a tool adds)."""
+
+    def parse(name: str) -> str:
+        if name in others:
+            return name
+        try:
+            return check_variant(name)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(f"{error}" + "".join(f"; or {other}" for other in others)) from None
+
+    return parse
 
 
 def wrap_ddp(variant: str, module: nn.Module) -> DataParallelModule | nn.parallel.DistributedDataParallel:
