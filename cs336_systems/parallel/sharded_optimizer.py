@@ -167,13 +167,7 @@ class ShardedOptimizer(Optimizer):
                     else ("value", value)
                     for key, value in local_state[param].items()
                 }
-        layouts = [layout]
-        if self.world_size > 1:
-            layouts = []
-            for src in range(self.world_size):
-                message = [layout if src == self.rank else None]
-                dist.broadcast_object_list(message, src=src)
-                layouts.append(message[0])
+        layouts = self._every_rank(layout)
 
         state: dict[int, dict[str, Any]] = {}
         for index, param, owner in indexed:
@@ -205,6 +199,17 @@ class ShardedOptimizer(Optimizer):
             next_index += len(group["params"])
             param_groups.append(saved)
         return {"state": state, "param_groups": param_groups}
+
+    def _every_rank(self, obj: Any) -> list[Any]:
+        """Each rank's ``obj``, in rank order (one broadcast from each rank)."""
+        if self.world_size == 1:
+            return [obj]
+        gathered = []
+        for src in range(self.world_size):
+            message = [obj if src == self.rank else None]
+            dist.broadcast_object_list(message, src=src)
+            gathered.append(message[0])
+        return gathered
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a consolidated state dict (from :meth:`state_dict` or an unsharded optimizer); not collective."""
