@@ -79,11 +79,13 @@ class UnitState:
     grad_flat: Tensor | None = None  # (W * S,) fp32: the gradients that arrived, summed (ACCUMULATING)
 
     def _move_weights(self, action: str, allowed: tuple[Weights, ...], target: Weights) -> None:
-        _check(f"unit {self.name}", action, self.weights, allowed, target)
+        if self.weights not in allowed:  # the message is formatted only when it is needed
+            _check(f"unit {self.name}", action, self.weights, allowed, target)
         self.weights = target
 
     def _move_grads(self, action: str, allowed: tuple[Grads, ...], target: Grads) -> None:
-        _check(f"unit {self.name} (gradients)", action, self.grads, allowed, target)
+        if self.grads not in allowed:
+            _check(f"unit {self.name} (gradients)", action, self.grads, allowed, target)
         self.grads = target
 
     # Weights ---------------------------------------------------------------------------------------
