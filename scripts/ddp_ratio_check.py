@@ -48,7 +48,7 @@ def _rank(rank: int, world_size: int, args: argparse.Namespace, out: str) -> Non
         if name == "torch_ddp":
             wrapped = torch.nn.parallel.DistributedDataParallel(model, device_ids=[rank] if device.type == "cuda" else None)
         else:
-            wrapped = wrap_ddp("bucketed", model, args.bucket_mb)
+            wrapped = wrap_ddp(name, model)
         runners[name] = (wrapped, AdamW(model.parameters(), lr=1e-4, weight_decay=0.01))
     dtype = torch.bfloat16 if args.dtype == "bf16" else None
 

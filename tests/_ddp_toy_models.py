@@ -8,16 +8,8 @@ forward pass, tied weights, and a branch some ranks skip.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-
-
-def current_device() -> torch.device:
-    """This rank's device: its GPU under NCCL, the CPU under gloo."""
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 class FrozenPartsNet(nn.Module):

@@ -44,10 +44,11 @@ def test_every_distributed_cli_answers_help(cli, capsys):
 def test_unknown_ddp_variant_is_refused(capsys):
     with pytest.raises(SystemExit):
         ddp_benchmarking.main(["--variants", "bucketed_fast"])
-    assert "unknown variant" in capsys.readouterr().err
+    assert "unknown DDP variant 'bucketed_fast'" in capsys.readouterr().err
     assert ddp_step.variant_name("bucketed_25mb") == "bucketed_25mb"
 
 
+@pytest.mark.slow  # every variant on the tiny LM: about 10 s on two cores
 def test_every_variant_wraps_and_steps_in_a_one_rank_group():
     """World size 1 (in this process, no spawn): every wrapper's gradients equal the unwrapped model's."""
     device = torch.device("cpu")
@@ -58,7 +59,7 @@ def test_every_variant_wraps_and_steps_in_a_one_rank_group():
         for variant in [ddp_step.LOCAL, *ddp_step.VARIANTS, "bucketed_0.5mb"]:
             torch.manual_seed(0)
             model = build_model(config, device)
-            wrapped = ddp_step.wrap(variant, model, device)
+            wrapped = ddp_step.wrap(variant, model)
             calls[variant] = ddp_step.communication_calls(variant, wrapped)
             optimizer = make_optimizer(model)
             marker = ddp_step.Marker(device)
@@ -84,6 +85,7 @@ def test_every_variant_wraps_and_steps_in_a_one_rank_group():
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # spawns ranks: about 10 s on two cores
 def test_all_reduce_quick_on_gloo(tmp_path, capsys):
     argv = ["--quick", "--results-dir", str(tmp_path), "--figures-dir", str(tmp_path), "--backends", "gloo",
             "--sizes-mb", "0.01", "0.4"]
@@ -103,6 +105,7 @@ def test_all_reduce_quick_on_gloo(tmp_path, capsys):
     assert "busbw_gbps" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # spawns ranks per variant: about 35 s on two cores
 def test_ddp_benchmarking_quick_on_gloo_with_a_trace(tmp_path):
     argv = ["--quick", "--results-dir", str(tmp_path), "--figures-dir", str(tmp_path), "--dtypes", "fp32",
             "--variants", "bucketed_1mb", "torch_ddp", "--trace", "--trace-variants", "bucketed_1mb",
@@ -132,6 +135,7 @@ def test_ddp_benchmarking_quick_on_gloo_with_a_trace(tmp_path):
     assert len(read_rows(tmp_path / "ddp_benchmarking.jsonl")) == 3
 
 
+@pytest.mark.slow  # spawns ranks per optimizer: about 90 s on two cores
 def test_optimizer_state_sharding_accounting_quick_on_gloo(tmp_path):
     optimizer_state_sharding_accounting.main(["--quick", "--results-dir", str(tmp_path)])
     rows = {r["optimizer"]: r for r in read_rows(tmp_path / "optimizer_state_sharding_accounting.jsonl")}
@@ -347,6 +351,7 @@ def test_overhead_model_fit_and_errors(tmp_path, capsys):
     assert "fp32: no bucketed DDP rows" in out and "predicted optimum" in out and "bucketed_100mb" in out
 
 
+@pytest.mark.slow  # a subprocess spawning ranks: about 40 s on two cores
 def test_ddp_ratio_check_script_runs_on_gloo():
     """scripts/ddp_ratio_check.py: its own loop over PyTorch's DDP and our bucketed DDP (2 gloo ranks, tiny)."""
     import subprocess

@@ -1,7 +1,7 @@
 """The DDP wrappers against single-process training (gloo on CPU, world size 2; NCCL with 2+ GPUs).
 
-Every spawned process costs seconds of imports, so each test is one spawn that loops over models,
-optimizers and bucket sizes. In every run each rank builds the model from its own seed (the wrapper
+Every spawned process costs seconds of imports, so each family of variants (``naive``, ``flat``, ``overlap``, the
+``bucketed_<N>mb`` ones) is one spawn (``tests/_distributed.py``) whose checks loop over models and optimizers. In every run each rank builds the model from its own seed (the wrapper
 must broadcast rank 0's weights), trains on its slice of each batch, and after every step its gradients
 and weights are compared with a single-process model that started from rank 0's weights and trained on
 the full batch (loss averaged over the batch).
@@ -9,32 +9,23 @@ the full batch (loss averaged over the batch).
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 from torch import nn
 
-from cs336_systems.parallel.ddp import DDP_VARIANTS, DDPBucketed, wrap_ddp
-from cs336_systems.parallel.distributed import spawn
-from tests._ddp_toy_models import (
-    MODELS,
-    BranchNet,
-    assert_close,
-    assert_same_tensors,
-    build,
-    current_device,
-    make_optimizer,
-)
+from cs336_systems.parallel.ddp import DDPBucketed, bucket_size_mb, bucketed, wrap_ddp
+from tests._ddp_toy_models import MODELS, BranchNet, assert_close, assert_same_tensors, build, make_optimizer
+from tests._distributed import Check, assert_all_passed, gpu_world_size, run_checks
 
 BATCH_SIZE = 8
 STEPS = 4
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
 # Tiny: every tensor in a bucket of its own; 0.0015 MiB: a few tensors per bucket; huge: one bucket per dtype.
 BUCKET_SIZES_MB = (1e-6, 0.0015, 1000.0)
-WRAPPERS = DDP_VARIANTS
-
-
-def bucket_sizes(wrapper: str) -> tuple[float | None, ...]:
-    return BUCKET_SIZES_MB if wrapper == "bucketed" else (None,)
+FAMILIES = {"naive": ("naive",), "flat": ("flat",), "overlap": ("overlap",),
+            "bucketed": tuple(bucketed(mb) for mb in BUCKET_SIZES_MB)}
 
 
 def _grads(module: nn.Module) -> dict[str, torch.Tensor | None]:
@@ -51,84 +42,82 @@ def _assert_same_grads(ddp_model: nn.Module, reference: nn.Module, context: str)
             assert_close(actual[name], expected_grad, f"{context}, {name}", **TOLERANCE)
 
 
-def check_matches_single_process(rank: int, world_size: int, wrapper: str, device: torch.device) -> None:
+def check_matches_single_process(rank: int, world_size: int, device: torch.device, variant: str) -> None:
     """Construction broadcast, parameter order, then several steps of SGD and AdamW against one process."""
     local = slice(rank * BATCH_SIZE // world_size, (rank + 1) * BATCH_SIZE // world_size)
-    for bucket_size_mb in bucket_sizes(wrapper):
-        for model_name, model_cls in MODELS.items():
-            for optimizer_name in ("sgd", "adamw"):
-                context = f"{wrapper} (bucket {bucket_size_mb} MiB), {model_name}, {optimizer_name}, rank {rank}"
-                ddp_model = wrap_ddp(wrapper, build(model_cls, seed=rank, device=device), bucket_size_mb)
-                reference = build(model_cls, seed=0, device=device)
+    for model_name, model_cls in MODELS.items():
+        for optimizer_name in ("sgd", "adamw"):
+            context = f"{variant}, {model_name}, {optimizer_name}, rank {rank}"
+            ddp_model = wrap_ddp(variant, build(model_cls, seed=rank, device=device))
+            reference = build(model_cls, seed=0, device=device)
 
-                assert ddp_model.module.__class__ is model_cls
-                assert [name for name, _ in ddp_model.named_parameters()] == [
-                    f"module.{name}" for name, _ in reference.named_parameters()
-                ], context
+            assert ddp_model.module.__class__ is model_cls
+            assert [name for name, _ in ddp_model.named_parameters()] == [
+                f"module.{name}" for name, _ in reference.named_parameters()
+            ], context
+            assert_same_tensors(
+                dict(ddp_model.module.state_dict()), dict(reference.state_dict()), f"{context}, after construction"
+            )
+            frozen = {name: p.detach().clone() for name, p in reference.named_parameters() if not p.requires_grad}
+
+            optimizer = make_optimizer(optimizer_name, ddp_model.parameters())
+            reference_optimizer = make_optimizer(optimizer_name, reference.parameters())
+            # SGD keeps gradients allocated (zeroed in place), AdamW sets them to None: both paths of the
+            # bucketed wrapper's gradient views get exercised.
+            set_to_none = optimizer_name == "adamw"
+            for step in range(STEPS):
+                x, y = model_cls.batch(step, BATCH_SIZE, device)
+                ddp_model.on_train_batch_start()
+                optimizer.zero_grad(set_to_none=set_to_none)
+                model_cls.loss(ddp_model(x[local]), y[local]).backward()
+                ddp_model.finish_gradient_synchronization()
+                optimizer.step()
+
+                reference_optimizer.zero_grad(set_to_none=set_to_none)
+                model_cls.loss(reference(x), y).backward()
+                reference_optimizer.step()
+
+                _assert_same_grads(ddp_model, reference, f"{context}, step {step}")
                 assert_same_tensors(
-                    dict(ddp_model.module.state_dict()), dict(reference.state_dict()), f"{context}, after construction"
+                    dict(ddp_model.module.named_parameters()),
+                    dict(reference.named_parameters()),
+                    f"{context}, step {step}",
+                    **TOLERANCE,
                 )
-                frozen = {name: p.detach().clone() for name, p in reference.named_parameters() if not p.requires_grad}
-
-                optimizer = make_optimizer(optimizer_name, ddp_model.parameters())
-                reference_optimizer = make_optimizer(optimizer_name, reference.parameters())
-                # SGD keeps gradients allocated (zeroed in place), AdamW sets them to None: both paths of the
-                # bucketed wrapper's gradient views get exercised.
-                set_to_none = optimizer_name == "adamw"
-                for step in range(STEPS):
-                    x, y = model_cls.batch(step, BATCH_SIZE, device)
-                    ddp_model.on_train_batch_start()
-                    optimizer.zero_grad(set_to_none=set_to_none)
-                    model_cls.loss(ddp_model(x[local]), y[local]).backward()
-                    ddp_model.finish_gradient_synchronization()
-                    optimizer.step()
-
-                    reference_optimizer.zero_grad(set_to_none=set_to_none)
-                    model_cls.loss(reference(x), y).backward()
-                    reference_optimizer.step()
-
-                    _assert_same_grads(ddp_model, reference, f"{context}, step {step}")
-                    assert_same_tensors(
-                        dict(ddp_model.module.named_parameters()),
-                        dict(reference.named_parameters()),
-                        f"{context}, step {step}",
-                        **TOLERANCE,
+            for name, param in ddp_model.module.named_parameters():
+                if name in frozen:
+                    assert param.grad is None and torch.equal(param, frozen[name]), (
+                        f"{context}: frozen {name} changed"
                     )
-                for name, param in ddp_model.module.named_parameters():
-                    if name in frozen:
-                        assert param.grad is None and torch.equal(param, frozen[name]), (
-                            f"{context}: frozen {name} changed"
-                        )
 
 
-def check_gradient_accumulation(rank: int, world_size: int, wrapper: str, device: torch.device) -> None:
+def check_gradient_accumulation(rank: int, world_size: int, device: torch.device, variant: str) -> None:
     """Two micro-batches, the first under no_sync(), then one synchronisation: the full-batch gradient."""
     model_cls = MODELS["frozen_parts"]
     local = slice(rank * BATCH_SIZE // world_size, (rank + 1) * BATCH_SIZE // world_size)
-    for bucket_size_mb in bucket_sizes(wrapper):
-        context = f"{wrapper} (bucket {bucket_size_mb} MiB), gradient accumulation, rank {rank}"
-        ddp_model = wrap_ddp(wrapper, build(model_cls, seed=rank, device=device), bucket_size_mb)
-        reference = build(model_cls, seed=0, device=device)
-        micro_batches = [model_cls.batch(step, BATCH_SIZE, device) for step in range(2)]
-        for repeat in range(2):  # the second round starts from the views left by the first
-            ddp_model.on_train_batch_start()
-            ddp_model.zero_grad(set_to_none=repeat == 0)
-            reference.zero_grad(set_to_none=repeat == 0)
-            with ddp_model.no_sync():
-                x, y = micro_batches[0]
-                model_cls.loss(ddp_model(x[local]), y[local]).backward()
-            x, y = micro_batches[1]
+    context = f"{variant}, gradient accumulation, rank {rank}"
+    ddp_model = wrap_ddp(variant, build(model_cls, seed=rank, device=device))
+    reference = build(model_cls, seed=0, device=device)
+    micro_batches = [model_cls.batch(step, BATCH_SIZE, device) for step in range(2)]
+    for repeat in range(2):  # the second round starts from the views left by the first
+        ddp_model.on_train_batch_start()
+        ddp_model.zero_grad(set_to_none=repeat == 0)
+        reference.zero_grad(set_to_none=repeat == 0)
+        with ddp_model.no_sync():
+            x, y = micro_batches[0]
             model_cls.loss(ddp_model(x[local]), y[local]).backward()
-            ddp_model.finish_gradient_synchronization()
-            for x, y in micro_batches:
-                model_cls.loss(reference(x), y).backward()
-            _assert_same_grads(ddp_model, reference, f"{context}, round {repeat}")
+        x, y = micro_batches[1]
+        model_cls.loss(ddp_model(x[local]), y[local]).backward()
+        ddp_model.finish_gradient_synchronization()
+        for x, y in micro_batches:
+            model_cls.loss(reference(x), y).backward()
+        _assert_same_grads(ddp_model, reference, f"{context}, round {repeat}")
 
 
-def check_second_backward_raises(rank: int, world_size: int, wrapper: str, device: torch.device) -> None:
+def check_second_backward_raises(rank: int, world_size: int, device: torch.device, variant: str) -> None:
     """Producing a gradient twice before synchronising is an error, not a silent race with the wire."""
     model_cls = MODELS["tied_embedding"]
-    ddp_model = wrap_ddp(wrapper, build(model_cls, seed=rank, device=device), 1e-6)
+    ddp_model = wrap_ddp(variant, build(model_cls, seed=rank, device=device))
     x, y = model_cls.batch(0, BATCH_SIZE, device)
     model_cls.loss(ddp_model(x), y).backward()
     with pytest.raises(RuntimeError, match="no_sync"):
@@ -162,9 +151,9 @@ def check_rank_dependent_unused_parameter(rank: int, world_size: int, device: to
             if param.grad is not None:
                 expected[name] = expected.get(name, 0) + param.grad / world_size
 
-    for bucket_size_mb in BUCKET_SIZES_MB:
-        context = f"bucketed (bucket {bucket_size_mb} MiB), branch used on rank 0 only, rank {rank}"
-        ddp_model = DDPBucketed(build(BranchNet, seed=rank, device=device), bucket_size_mb)
+    for size_mb in BUCKET_SIZES_MB:
+        context = f"{bucketed(size_mb)}, branch used on rank 0 only, rank {rank}"
+        ddp_model = DDPBucketed(build(BranchNet, seed=rank, device=device), size_mb)
         for step in range(2):
             ddp_model.on_train_batch_start()
             ddp_model.zero_grad(set_to_none=step == 0)
@@ -177,27 +166,32 @@ def check_rank_dependent_unused_parameter(rank: int, world_size: int, device: to
                     assert param.grad is None, f"{context}, {name}: no rank used it, yet it has a gradient"
 
 
-def run_wrapper_checks(rank: int, world_size: int, wrappers: tuple[str, ...]) -> None:
-    torch.set_num_threads(1)
-    device = current_device()
-    for wrapper in wrappers:
-        check_matches_single_process(rank, world_size, wrapper, device)
-        check_gradient_accumulation(rank, world_size, wrapper, device)
-        if wrapper in ("overlapped", "bucketed"):
-            check_second_backward_raises(rank, world_size, wrapper, device)
-        if wrapper == "bucketed":
-            check_rank_dependent_unused_parameter(rank, world_size, device)
+def family_checks(family: str) -> dict[str, Check]:
+    """The checks of a family of variants: each variant against one process, with gradient accumulation; a second
+    backward refused where gradients travel during backward; a parameter only some ranks use (bucketed)."""
+    checks: dict[str, Check] = {}
+    for variant in FAMILIES[family]:
+        checks[f"{variant} matches single process"] = partial(check_matches_single_process, variant=variant)
+        checks[f"{variant} gradient accumulation"] = partial(check_gradient_accumulation, variant=variant)
+    first = FAMILIES[family][0]  # for bucketed: every tensor in a bucket of its own
+    if family in ("overlap", "bucketed"):
+        checks[f"{first} second backward raises"] = partial(check_second_backward_raises, variant=first)
+    if family == "bucketed":
+        checks["unused parameter on some ranks"] = check_rank_dependent_unused_parameter
+    return checks
 
 
-@pytest.mark.parametrize("wrapper", WRAPPERS)
-def test_ddp_wrapper_matches_single_process(wrapper):
-    spawn(run_wrapper_checks, 2, (wrapper,), backend="gloo", timeout_s=180)
+@pytest.mark.slow  # a spawn each: 10-25 s on two cores
+@pytest.mark.parametrize("family", FAMILIES)
+def test_ddp_wrapper_matches_single_process(family):
+    assert_all_passed(run_checks(family_checks(family), 2, timeout_s=180))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_ddp_wrappers_with_nccl():
-    spawn(run_wrapper_checks, 2, WRAPPERS, backend="nccl", timeout_s=300)
+    checks = {name: check for family in FAMILIES for name, check in family_checks(family).items()}
+    assert_all_passed(run_checks(checks, gpu_world_size(), backend="nccl", timeout_s=300))
 
 
 def test_bucket_assignment():
@@ -217,7 +211,23 @@ def test_bucket_assignment():
     assert len(assign_buckets(params, bucket_size_bytes=1)) == len(params)
 
 
-@pytest.mark.parametrize("wrapper", list(DDP_VARIANTS))
-def test_wrapper_without_process_group_names_the_fix(wrapper):
+@pytest.mark.parametrize("variant", ["naive", "flat", "overlap", "bucketed_1mb"])
+def test_wrapper_without_process_group_names_the_fix(variant):
     with pytest.raises(RuntimeError, match=r"needs an initialised default process group: call torch\.distributed\.init_process_group"):
-        wrap_ddp(wrapper, nn.Linear(2, 2), bucket_size_mb=1.0)
+        wrap_ddp(variant, nn.Linear(2, 2))
+
+
+def test_variant_names():
+    assert bucketed(25) == "bucketed_25mb" and bucketed(0.5) == "bucketed_0.5mb" and bucketed(1e-6) == "bucketed_1e-06mb"
+    assert [bucket_size_mb(name) for name in ("bucketed_25mb", "bucketed_0.5mb", "bucketed_1e-06mb", "naive")] == [
+        25.0, 0.5, 1e-6, None]
+    for unknown in ("flattened", "overlapped", "bucketed", "bucketed_0mb", "bucketed_fastmb", "bucketed_10"):
+        with pytest.raises(ValueError, match=f"unknown DDP variant '{unknown}': one of naive, flat, overlap, "
+                                             r"bucketed_<N>mb, torch_ddp"):
+            wrap_ddp(unknown, nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("size", ["10", 0, -1.0, float("nan"), float("inf"), True, None])
+def test_bucket_size_must_be_a_positive_number(size):
+    with pytest.raises(ValueError, match=r"bucket_size_mb must be a positive number of MiB \(e\.g\. 25 or 0\.5\), got "):
+        DDPBucketed(nn.Linear(2, 2), size)

@@ -2,7 +2,8 @@
 2026 DDP entry points, and the ``fsdp_accounting`` CLI on the CPU.
 
 Every spawn costs seconds of imports, so each world size is one spawn (a module-scoped fixture) that runs all the
-checks, through the grader's adapters where they exist; each check is then its own test. The reference is one process training on the full batch.
+checks (the harness of ``tests/_distributed.py``), through the grader's adapters where they exist; each check is then
+its own test. The reference is one process training on the full batch.
 
 Tolerances, and why they are not zero. Each rank's gradient sums its own tokens, then the reduction sums the
 ranks' partial sums and divides by W; one process sums all tokens in one matmul. Floating-point addition is
@@ -23,8 +24,8 @@ from __future__ import annotations
 
 import json
 import runpy
-import traceback
-import warnings
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -40,10 +41,9 @@ from cs336_systems.bench import fsdp_accounting
 from cs336_systems.bench.common import timeline
 from cs336_systems.bench.common.lm import TINY, VOCAB_SIZE, LMConfig, master_name, read_weights_in
 from cs336_systems.parallel import fsdp as fsdp_module
-from cs336_systems.parallel.distributed import spawn
 from cs336_systems.parallel.fsdp import FSDP
 from tests import adapters
-from tests._ddp_toy_models import current_device
+from tests._distributed import assert_all_passed, assert_passed, gpu_world_size, run_checks
 
 pytestmark = pytest.mark.filterwarnings("error")
 
@@ -179,28 +179,32 @@ def check_shards(fsdp: FSDP, where: str) -> None:
             assert not unit.frozen.requires_grad and unit.frozen.grad is None, context
 
 
-def train_and_compare(
-    rank: int,
-    world_size: int,
-    fsdp: FSDP,
-    make_reference,
-    batch_of,
-    loss_fn,
-    optimizer_name: str,
-    where: str,
-    weight_tol: dict,
-    grad_tol: dict = GRAD_TOL,
-    steps: int = STEPS,
-    accumulate: bool = False,
-    names=lambda model: model.named_parameters(),
-) -> None:
-    """Train ``fsdp`` on each rank's slice and a reference (``make_reference()``) on the full batch side by
-    side. Every step: the gathered gradients match one process's gradient at the same weights (a probe model
-    loaded with FSDP's weights: the gradient's own error, not the trajectories' drift), the weights after the
-    step match the reference's, every rank gathers the same weights; frozen parameters never move.
+@dataclass(frozen=True)
+class Training:
+    """What :func:`train_and_compare` trains and how closely it must match.
 
-    ``accumulate``: the one-process gradient accumulates the ranks' slices one by one (mixed precision).
-    ``names(model)``: (name, parameter) pairs of a reference model under the wrapped module's names."""
+    ``make_reference()`` builds the one-process model; ``batch_of(step)`` the full batch; ``accumulate``: the
+    one-process gradient accumulates the ranks' slices one by one (mixed precision); ``names(model)``: (name,
+    parameter) pairs of a reference model under the wrapped module's names."""
+
+    make_reference: Callable[[], nn.Module]
+    batch_of: Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    optimizer_name: str
+    weight_tol: dict
+    grad_tol: dict = field(default_factory=lambda: GRAD_TOL)
+    steps: int = STEPS
+    accumulate: bool = False
+    names: Callable[[nn.Module], Iterable[tuple[str, nn.Parameter]]] = nn.Module.named_parameters
+
+
+def train_and_compare(fsdp: FSDP, training: Training, where: str) -> None:
+    """Train ``fsdp`` on each rank's slice and a reference on the full batch side by side. Every step: the gathered
+    gradients match one process's gradient at the same weights (a probe model loaded with FSDP's weights: the
+    gradient's own error, not the trajectories' drift), the weights after the step match the reference's, every
+    rank gathers the same weights; frozen parameters never move."""
+    rank, world_size, t = dist.get_rank(), dist.get_world_size(), training
+    make_reference, batch_of, loss_fn, names = t.make_reference, t.batch_of, t.loss_fn, t.names
     reference, probe = make_reference(), make_reference()
     named, probe_named = dict(names(reference)), dict(names(probe))
     frozen_before = {n: p.detach().clone() for n, p in named.items() if not p.requires_grad}
@@ -208,19 +212,19 @@ def train_and_compare(
     assert list(full) == list(named), where
     for name, tensor in full.items():
         compare(tensor, named[name].detach(), f"{where}, {name} after construction", dict(rtol=0, atol=0))
-    optimizer = make_optimizer(optimizer_name, fsdp.parameters())
-    reference_optimizer = make_optimizer(optimizer_name, reference.parameters())
-    set_to_none = optimizer_name != "sgd"  # SGD: the gradients exist (zeros) and are added to
+    optimizer = make_optimizer(t.optimizer_name, fsdp.parameters())
+    reference_optimizer = make_optimizer(t.optimizer_name, reference.parameters())
+    set_to_none = t.optimizer_name != "sgd"  # SGD: the gradients exist (zeros) and are added to
 
     def one_process_backward(model: nn.Module, batch) -> None:
-        for x, y in [rank_slice(batch, r, world_size) for r in range(world_size)] if accumulate else [batch]:
+        for x, y in [rank_slice(batch, r, world_size) for r in range(world_size)] if t.accumulate else [batch]:
             loss_fn(model(x), y).backward()
-        if accumulate:
+        if t.accumulate:
             for p in model.parameters():
                 if p.grad is not None:
                     p.grad.div_(world_size)
 
-    for step in range(steps):
+    for step in range(t.steps):
         batch = batch_of(step)
         optimizer.zero_grad(set_to_none=set_to_none)
         x, y = rank_slice(batch, rank, world_size)
@@ -234,14 +238,14 @@ def train_and_compare(
         one_process_backward(probe, batch)
         grads = fsdp.gather_full_grads()
         for name, param in probe_named.items():
-            compare(grads[name], param.grad, f"{where}, step {step}, gradient of {name}", grad_tol)
+            compare(grads[name], param.grad, f"{where}, step {step}, gradient of {name}", t.grad_tol)
         optimizer.step()
         reference_optimizer.zero_grad(set_to_none=set_to_none)
         one_process_backward(reference, batch)
         reference_optimizer.step()
         full = adapters.fsdp_gather_full_params(fsdp)
         for name, param in named.items():
-            compare(full[name], param.detach(), f"{where}, step {step}, {name}", weight_tol)
+            compare(full[name], param.detach(), f"{where}, step {step}, {name}", t.weight_tol)
             assert_same_on_every_rank(full[name], f"{where}, {name}")
     for name, before in frozen_before.items():
         assert torch.equal(full[name], before) and torch.equal(named[name], before), f"{where}: frozen {name} moved"
@@ -262,9 +266,9 @@ def check_toy_models(rank: int, world_size: int, device: torch.device) -> None:
         where = f"toy model, {optimizer_name}, rank {rank}/{world_size}"
         fsdp = adapters.get_fsdp(build(ToyModel, rank, device))
         assert [u.name for u in fsdp.units] == ["embedding", "_root"], where  # norm and head: the root unit
-        train_and_compare(rank, world_size, fsdp, lambda: build(ToyModel, 0, device),
-                          lambda step: full_batch(step, world_size, device, seq=8), last_token_loss,
-                          optimizer_name, where, WEIGHT_TOL[optimizer_name])
+        train_and_compare(fsdp, Training(lambda: build(ToyModel, 0, device),
+                                         lambda step: full_batch(step, world_size, device, seq=8), last_token_loss,
+                                         optimizer_name, WEIGHT_TOL[optimizer_name]), where)
     for tied in (False, True):
         for per_layer in (False, True):
             for optimizer_name in ("sgd", "adamw"):
@@ -274,24 +278,24 @@ def check_toy_models(rank: int, world_size: int, device: torch.device) -> None:
                 assert fsdp.module is model and not list(model.parameters()), where
                 if tied:  # the shared weight goes to the root unit
                     assert "embedding" not in [u.name for u in fsdp.units], where
-                train_and_compare(rank, world_size, fsdp, lambda tied=tied: build(SmallNet, 0, device, tied=tied),
-                                  lambda step: full_batch(step, world_size, device), lm_loss,
-                                  optimizer_name, where, WEIGHT_TOL[optimizer_name])
+                train_and_compare(fsdp, Training(lambda tied=tied: build(SmallNet, 0, device, tied=tied),
+                                                 lambda step: full_batch(step, world_size, device), lm_loss,
+                                                 optimizer_name, WEIGHT_TOL[optimizer_name]), where)
 
 
 def check_reduce_scatter_fallback(rank: int, world_size: int, device: torch.device) -> None:
     """The all-reduce + slice path (for backends without a mean reduce-scatter) gives the same training."""
     backend = dist.get_backend()
-    saved = dict(fsdp_module._NATIVE_MEAN_REDUCE_SCATTER)
-    fsdp_module._NATIVE_MEAN_REDUCE_SCATTER[backend] = False
+    saved = dict(fsdp_module.NATIVE_MEAN_REDUCE_SCATTER)
+    fsdp_module.NATIVE_MEAN_REDUCE_SCATTER[backend] = False
     try:
         model = build(SmallNet, rank, device)
-        train_and_compare(rank, world_size, FSDP(model, units=model.units()), lambda: build(SmallNet, 0, device),
-                          lambda step: full_batch(step, world_size, device), lm_loss, "sgd",
-                          f"fallback reduction, rank {rank}/{world_size}", SGD_TOL, steps=2)
+        training = Training(lambda: build(SmallNet, 0, device), lambda step: full_batch(step, world_size, device),
+                            lm_loss, "sgd", SGD_TOL, steps=2)
+        train_and_compare(FSDP(model, units=model.units()), training, f"fallback reduction, rank {rank}/{world_size}")
     finally:
-        fsdp_module._NATIVE_MEAN_REDUCE_SCATTER.clear()
-        fsdp_module._NATIVE_MEAN_REDUCE_SCATTER.update(saved)
+        fsdp_module.NATIVE_MEAN_REDUCE_SCATTER.clear()
+        fsdp_module.NATIVE_MEAN_REDUCE_SCATTER.update(saved)
 
 
 def mixed_precision_reference(seed: int, device: torch.device, dtype: torch.dtype) -> nn.Module:
@@ -317,9 +321,10 @@ def check_mixed_precision(rank: int, world_size: int, device: torch.device) -> N
         x, _ = rank_slice(full_batch(0, world_size, device), rank, world_size)
         assert fsdp(x).dtype == dtype, where
         fsdp.finish_gradient_synchronization()
-        train_and_compare(rank, world_size, fsdp, lambda dtype=dtype: mixed_precision_reference(0, device, dtype),
-                          lambda step: full_batch(step, world_size, device), lm_loss, "adamw", where, MIXED_TOL,
-                          grad_tol=MIXED_TOL, accumulate=True, names=master_weights)
+        training = Training(lambda dtype=dtype: mixed_precision_reference(0, device, dtype),
+                            lambda step: full_batch(step, world_size, device), lm_loss, "adamw", MIXED_TOL,
+                            grad_tol=MIXED_TOL, accumulate=True, names=master_weights)
+        train_and_compare(fsdp, training, where)
         assert all(p.dtype == torch.float32 for p in fsdp.parameters()), where
 
 
@@ -329,7 +334,7 @@ class Recorder:
 
     def __init__(self, fsdp: FSDP, modules: dict[str, tuple[nn.Module, nn.Module]]):
         self.fsdp, self.events, self.peak = fsdp, [], 0
-        issue = fsdp._issue_gather
+        issue = fsdp._gather
 
         def recording_issue(unit):
             if not unit.allocated:
@@ -337,7 +342,7 @@ class Recorder:
             issue(unit)
             self.sample()
 
-        fsdp._issue_gather = recording_issue
+        fsdp._gather = recording_issue
         for name, (first, last) in modules.items():
             first.register_forward_pre_hook(lambda m, a, name=name: self.mark("start", name))  # after FSDP's hook
             last.register_forward_hook(lambda m, a, o, name=name: self.mark("done", name), prepend=True)
@@ -450,8 +455,9 @@ def check_lm_training(rank: int, world_size: int, device: torch.device) -> None:
             return [(n.replace(f"layers.{n.split('.')[1]}.", prefix.format(n.split(".")[1])) if n.startswith("layers.")
                      else n, p) for n, p in model.named_parameters()]
 
-        train_and_compare(rank, world_size, fsdp, reference, lambda step: lm_batch(config, step, None, world_size, device),
-                          lm_loss, optimizer_name, where, WEIGHT_TOL[optimizer_name], steps=2, names=names)
+        training = Training(reference, lambda step: lm_batch(config, step, None, world_size, device), lm_loss,
+                            optimizer_name, WEIGHT_TOL[optimizer_name], steps=2, names=names)
+        train_and_compare(fsdp, training, where)
         if group:  # each block: gathered in forward, then once in backward (recomputation and backward share it)
             gathers = recorder.names("gather")
             assert all(gathers.count(name) == 2 * 2 for name in block_units), gathers
@@ -541,59 +547,24 @@ CHECKS = {
 }
 
 
-def run_checks(rank: int, world_size: int, out_dir: str) -> None:
-    """Every check of :data:`CHECKS` on this rank; its outcome (``ok``, ``skip: why`` or the traceback) goes to
-    ``out_dir/rank<r>.json`` after each check, so that a hang later keeps what finished."""
-    warnings.simplefilter("error")
-    torch.set_num_threads(1)
-    device = current_device()
-    outcomes = {}
-    for name, check in CHECKS.items():
-        try:
-            skipped = check(rank, world_size, device)
-            outcomes[name] = f"skip: {skipped}" if skipped else "ok"
-        except Exception:  # recorded for this check's own test; the next checks still run
-            outcomes[name] = traceback.format_exc()
-        (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(outcomes))
-
-
-def spawn_checks(world_size: int, backend: str, out_dir: Path, timeout_s: float) -> dict[str, list[str]]:
-    """Each check's outcome on every rank (a spawn that failed or hung stands in for the checks it never reached)."""
-    try:
-        spawn(run_checks, world_size, str(out_dir), backend=backend, timeout_s=timeout_s)
-        spawn_error = None
-    except Exception as error:  # noqa: BLE001  (a timeout or a crash: reported by the checks it cut short)
-        spawn_error = f"the spawned ranks failed: {type(error).__name__}: {error}"
-    per_rank = [json.loads(path.read_text()) for path in sorted(out_dir.glob("rank*.json"))]
-    return {name: [outcomes.get(name, spawn_error or "never ran") for outcomes in per_rank] or [spawn_error or "never ran"]
-            for name in CHECKS}
-
-
-def assert_check_passed(outcomes: list[str]) -> None:
-    failed = [outcome for outcome in outcomes if outcome != "ok" and not outcome.startswith("skip: ")]
-    if failed:
-        pytest.fail(failed[0], pytrace=False)
-    if any(outcome.startswith("skip: ") for outcome in outcomes):
-        pytest.skip(outcomes[0].removeprefix("skip: "))
-
-
-@pytest.fixture(scope="module", params=[2, 3], ids=lambda world_size: f"world{world_size}")
-def gloo_outcomes(request, tmp_path_factory) -> dict[str, list[str]]:
+# Each spawn takes 20-30 s on two cores (imports, then every check): slow.
+@pytest.fixture(scope="module", params=[pytest.param(2, marks=pytest.mark.slow), pytest.param(3, marks=pytest.mark.slow)],
+                ids=lambda world_size: f"world{world_size}")
+def gloo_outcomes(request) -> dict[str, list[str]]:
     """One spawn per world size (each costs seconds of imports) runs every check."""
-    return spawn_checks(request.param, "gloo", tmp_path_factory.mktemp(f"fsdp_world{request.param}"), timeout_s=240)
+    return run_checks(CHECKS, request.param, timeout_s=240, warnings_as_errors=True)
 
 
 @pytest.mark.parametrize("check", list(CHECKS))
 def test_fsdp_matches_single_process(gloo_outcomes, check):
-    assert_check_passed(gloo_outcomes[check])
+    assert_passed(gloo_outcomes[check])
 
 
 @pytest.mark.gpu
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_fsdp_with_nccl(tmp_path):
-    outcomes = spawn_checks(2, "nccl", tmp_path, timeout_s=300)
-    for name in CHECKS:
-        assert all(o == "ok" or o.startswith("skip: ") for o in outcomes[name]), f"{name}: {outcomes[name]}"
+def test_fsdp_with_nccl():
+    assert_all_passed(run_checks(CHECKS, gpu_world_size(), backend="nccl", timeout_s=300, warnings_as_errors=True))
 
 
 def test_equality_demo_runs(capsys):
@@ -613,6 +584,7 @@ def read_rows(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+@pytest.mark.slow  # three quick runs of the CLI, each spawning its ranks: about 90 s on two cores
 def test_fsdp_accounting_quick_on_cpu(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         fsdp_accounting.main(["--help"])

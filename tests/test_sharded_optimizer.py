@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from functools import partial
 
 import pytest
 import torch
@@ -16,10 +17,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from cs336_systems.parallel.distributed import spawn
+from cs336_systems.parallel.distributed import one_rank_group
 from cs336_systems.parallel.sharded_optimizer import ShardedOptimizer
 from tests import adapters
-from tests._ddp_toy_models import assert_same_tensors, current_device
+from tests._ddp_toy_models import assert_same_tensors
+from tests._distributed import assert_all_passed, gpu_world_size, run_checks
 
 STEPS = 10
 STEP_ADDING_A_GROUP = 4
@@ -122,7 +124,7 @@ def check_ownership(sharded: ShardedOptimizer, rank: int, world_size: int, conte
     assert owned_here.bool().tolist() == expected_owned, context
 
 
-def check_matches_unsharded(rank: int, world_size: int, model_cls: type[nn.Module], device: torch.device) -> None:
+def check_matches_unsharded(rank: int, world_size: int, device: torch.device, model_cls: type[nn.Module]) -> None:
     """10 AdamW steps with param groups, a group added later and a changed lr; then the state dict."""
     context = f"{model_cls.__name__}, world size {world_size}, rank {rank}"
     model, reference = build(model_cls, device), build(model_cls, device)
@@ -176,33 +178,40 @@ def check_matches_unsharded(rank: int, world_size: int, model_cls: type[nn.Modul
             )
 
 
-def run_sharded_optimizer_checks(rank: int, world_size: int) -> None:
-    torch.set_num_threads(1)
-    device = current_device()
-    check_matches_unsharded(rank, world_size, ThreeLayerNet, device)
-    check_matches_unsharded(rank, world_size, TwoParameterNet, device)
+CHECKS = {
+    "ThreeLayerNet": partial(check_matches_unsharded, model_cls=ThreeLayerNet),
+    "TwoParameterNet": partial(check_matches_unsharded, model_cls=TwoParameterNet),
+}
 
 
+@pytest.mark.slow  # a spawn of 2 or 3 ranks: 10-20 s on two cores
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_sharded_optimizer_matches_unsharded(world_size):
-    spawn(run_sharded_optimizer_checks, world_size, backend="gloo", timeout_s=180)
+    assert_all_passed(run_checks(CHECKS, world_size, timeout_s=180))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_sharded_optimizer_with_nccl():
-    spawn(run_sharded_optimizer_checks, 2, backend="nccl", timeout_s=300)
+    assert_all_passed(run_checks(CHECKS, gpu_world_size(), backend="nccl", timeout_s=300))
 
 
-def test_sharded_optimizer_without_process_group_is_the_inner_optimizer():
-    model, reference = build(ThreeLayerNet, torch.device("cpu")), build(ThreeLayerNet, torch.device("cpu"))
-    sharded = ShardedOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9)
-    unsharded = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
-    for step in range(3):
-        train_step(model, sharded, step, torch.device("cpu"))
-        train_step(reference, unsharded, step, torch.device("cpu"))
-    assert_same_tensors(dict(model.named_parameters()), dict(reference.named_parameters()), "one process")
-    assert_same_state_dicts(sharded.state_dict(), unsharded.state_dict(), "one process")
+def test_sharded_optimizer_on_one_rank_is_the_inner_optimizer():
+    with one_rank_group():
+        model, reference = build(ThreeLayerNet, torch.device("cpu")), build(ThreeLayerNet, torch.device("cpu"))
+        sharded = ShardedOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9)
+        unsharded = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+        for step in range(3):
+            train_step(model, sharded, step, torch.device("cpu"))
+            train_step(reference, unsharded, step, torch.device("cpu"))
+        assert_same_tensors(dict(model.named_parameters()), dict(reference.named_parameters()), "one process")
+        assert_same_state_dicts(sharded.state_dict(), unsharded.state_dict(), "one process")
+
+
+def test_sharded_optimizer_without_process_group_names_the_fix():
+    with pytest.raises(RuntimeError, match=r"ShardedOptimizer needs an initialised default process group: call "
+                                           r"torch\.distributed\.init_process_group"):
+        ShardedOptimizer(nn.Linear(2, 2).parameters(), torch.optim.SGD, lr=0.1)
 
 
 def test_optimizer_given_by_name_is_refused_naming_the_fix():

@@ -2,7 +2,7 @@
 
 Each rank trains on its own data, as under DDP, and the optimizer averages the gradients itself; the
 reference is one process stepping ``torch.optim.AdamW`` on the whole batch (every rank's data), whose
-gradient is the average of the ranks' gradients. World sizes 1 (no process group), 2 and 3 (gloo, with
+gradient is the average of the ranks' gradients. World sizes 1 (a group of one, in this process), 2 and 3 (gloo, with
 padding); parameter counts that no world size divides, a 0-dim parameter, a frozen one, two param groups
 with different hyper-parameters, a group added later and a learning-rate change; then each rank's
 optimizer state (1/W of AdamW's) and the consolidated state dict. One spawn per world size runs it all.
@@ -10,16 +10,16 @@ optimizer state (1/W of AdamW's) and the consolidated state dict. One spawn per 
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from cs336_systems.parallel.distributed import spawn
+from cs336_systems.parallel.distributed import one_rank_group
 from cs336_systems.parallel.zero1 import FlatShardedOptimizer
-from tests._ddp_toy_models import assert_same_tensors, current_device
+from tests._ddp_toy_models import assert_same_tensors
+from tests._distributed import assert_all_passed, gpu_world_size, run_checks
 from tests.test_sharded_optimizer import assert_same_state_dicts, hyperparameters, resumed_from
 
 STEPS = 8
@@ -84,8 +84,6 @@ def whole_batch(step: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]
 
 def total(values: list[int]) -> list[int]:
     """Each value summed over the ranks."""
-    if not dist.is_initialized():
-        return values
     tensor = torch.tensor(values, dtype=torch.float64)
     dist.all_reduce(tensor)
     return [int(v) for v in tensor.tolist()]
@@ -145,28 +143,44 @@ def check_matches_plain_adamw(rank: int, world_size: int) -> None:
             )
 
 
-def run_checks(rank: int, world_size: int) -> None:
-    torch.set_num_threads(1)
-    torch.set_default_device(current_device())  # models, batches and counts on the rank's GPU under NCCL
+def check_on_the_rank_device(rank: int, world_size: int, device: torch.device) -> None:
+    torch.set_default_device(device)  # models, batches and counts on the rank's GPU under NCCL
     check_matches_plain_adamw(rank, world_size)
 
 
+CHECKS = {"matches plain AdamW": check_on_the_rank_device}
+
+
+@pytest.fixture
+def one_rank():
+    """This process as a process group of one (the optimizer needs a group)."""
+    with one_rank_group():
+        yield
+
+
+@pytest.mark.slow  # a spawn of 2 or 3 ranks: over 5 s on two cores
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_flat_sharded_optimizer_matches_plain_adamw_on_gloo(world_size):
-    spawn(run_checks, world_size, backend="gloo", timeout_s=180)
+    assert_all_passed(run_checks(CHECKS, world_size, timeout_s=180))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_flat_sharded_optimizer_with_nccl():
-    spawn(run_checks, 2, backend="nccl", timeout_s=300)
+    assert_all_passed(run_checks(CHECKS, gpu_world_size(), backend="nccl", timeout_s=300))
 
 
-def test_flat_sharded_optimizer_without_process_group_is_one_rank():
-    check_matches_plain_adamw(0, 1)
+def test_flat_sharded_optimizer_on_one_rank():
+    with one_rank_group():
+        check_matches_plain_adamw(0, 1)
 
 
-def test_lower_precision_parameters_step_a_float32_master():
+def test_flat_sharded_optimizer_without_process_group_names_the_fix():
+    with pytest.raises(RuntimeError, match=r"FlatShardedOptimizer needs an initialised default process group"):
+        FlatShardedOptimizer(nn.Linear(2, 2).parameters(), torch.optim.AdamW, lr=0.1)
+
+
+def test_lower_precision_parameters_step_a_float32_master(one_rank):
     torch.manual_seed(0)
     model = nn.Linear(5, 3).to(torch.bfloat16)
     before = [p.detach().clone() for p in model.parameters()]
@@ -180,7 +194,7 @@ def test_lower_precision_parameters_step_a_float32_master():
     assert all(v.dtype == torch.float32 for v in flat.local_optimizer.state[bucket.master].values() if v.dim())
 
 
-def test_bad_input_is_refused_naming_the_fix():
+def test_bad_input_is_refused_naming_the_fix(one_rank):
     with pytest.raises(TypeError, match="optimizer class such as torch.optim.AdamW, got 'AdamW'"):
         FlatShardedOptimizer(nn.Linear(2, 2).parameters(), "AdamW", lr=0.1)
     with pytest.raises(ValueError, match="dense floating-point parameters, got a torch.complex64 tensor"):

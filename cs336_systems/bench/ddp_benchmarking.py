@@ -51,7 +51,6 @@ from torch import nn
 from cs336_systems.bench.common import cli, result_store, timeline, timing
 from cs336_systems.bench.common import distributed_launch as dl
 from cs336_systems.bench.common.ddp_step import (
-    BUCKETED,
     LOCAL,
     VARIANTS,
     Marker,
@@ -62,6 +61,7 @@ from cs336_systems.bench.common.ddp_step import (
     wrap,
 )
 from cs336_systems.bench.common.lm import DTYPES, SIZES, LMConfig, build_model, make_optimizer, random_batch
+from cs336_systems.parallel.ddp import bucket_size_mb
 
 PROBLEM = "ddp_benchmarking"
 TRACE_VARIANTS = ["naive", "bucketed_100mb"]
@@ -195,7 +195,7 @@ def _worker(rank: int, world_size: int, args) -> None:
     for variant in variants:
         torch.manual_seed(0)  # the same weights for every variant (the wrappers also broadcast rank 0's)
         model = build_model(lm_config, device, args.attention)
-        wrapped = wrap(variant, model, device)
+        wrapped = wrap(variant, model)
         optimizer = make_optimizer(model)
         grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         for dtype in dtypes if variant == LOCAL else [c["dtype"] for c in todo if c["variant"] == variant]:
@@ -205,7 +205,7 @@ def _worker(rank: int, world_size: int, args) -> None:
             exposed = result["step_ms"] - compute_ms[dtype]
             result.update(compute_ms=compute_ms[dtype], exposed_ms=exposed, exposed_share=exposed / result["step_ms"],
                           n_buckets=communication_calls(variant, wrapped), grad_bytes=grad_bytes,
-                          bucket_mb=float(m.group(1)) if (m := BUCKETED.fullmatch(variant)) else None,
+                          bucket_mb=bucket_size_mb(variant),
                           warmup=args.warmup, steps=args.steps, backend=dist.get_backend())
             config = case(args, world_size, variant, dtype)
             if rank == 0:

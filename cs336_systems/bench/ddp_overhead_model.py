@@ -35,7 +35,7 @@ import numpy as np
 
 from cs336_systems.bench.common import cli, result_store
 from cs336_systems.bench.common.allreduce_fit import fits_by_setting
-from cs336_systems.bench.common.ddp_step import BUCKETED
+from cs336_systems.parallel.ddp import bucket_size_mb
 
 MB = 1024**2  # bucket sizes are MiB, as DDPBucketed's bucket_size_mb
 
@@ -106,7 +106,7 @@ def compare(allreduce_rows: list[dict[str, Any]], ddp_rows: list[dict[str, Any]]
     The all-reduce fit is that of ``backend`` at the DDP run's world size, from rows of the DDP run's
     device when there are any. Raises ``ValueError`` when a side is missing.
     """
-    bucketed = [r for r in ddp_rows if r.get("dtype") == dtype and BUCKETED.fullmatch(r.get("variant", ""))
+    bucketed = [r for r in ddp_rows if r.get("dtype") == dtype and bucket_size_mb(r.get("variant", "")) is not None
                 and r.get("exposed_ms") is not None and r.get("n_buckets")]
     if not bucketed:
         raise ValueError(f"no bucketed DDP rows for {dtype}")

@@ -133,7 +133,7 @@ def measure(name: str, batch, device: torch.device, args) -> dict[str, Any]:
     torch.manual_seed(0)
     model = build_model(config, device, args.attention)
     memory = {"after_init": memory_point(model, None, device)}
-    wrapped = wrap(ddp_variant(name, args), model, device)
+    wrapped = wrap(ddp_variant(name, args), model)
     optimizer = make_optimizer(name, [p for p in model.parameters() if p.requires_grad])
     marker = Marker(device)
     step = make_train_step(wrapped, optimizer, batch, DTYPES[args.dtype], marker)

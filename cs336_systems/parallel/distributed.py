@@ -89,8 +89,19 @@ def setup_process_group(
     return device
 
 
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_PORT")  # torchrun sets them (MASTER_ADDR defaults to localhost)
+
+
 def init_from_env(backend: str | None = None, timeout_s: float = 600.0) -> torch.device:
     """Join the process group described by torchrun's environment variables (one GPU per local rank)."""
+    missing = [name for name in TORCHRUN_VARIABLES if name not in os.environ]
+    if missing:
+        raise RuntimeError(
+            f"init_from_env() reads the process group from torchrun's environment, but {', '.join(missing)} "
+            f"{'is' if len(missing) == 1 else 'are'} not set: launch with "
+            "`torchrun --nproc_per_node=N your_script.py ...`, or start the ranks in one command with "
+            "cs336_systems.parallel.distributed.spawn(fn, world_size)"
+        )
     rank = int(os.environ["RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))

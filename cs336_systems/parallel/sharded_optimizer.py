@@ -1,4 +1,4 @@
-"""Optimizer-state sharding (SPEC section 5): each rank keeps optimizer state for its own parameters only.
+"""Optimizer-state sharding: each rank keeps optimizer state for its own parameters only.
 
 Every rank holds all parameters and all (already averaged) gradients, as in plain data parallelism.
 The parameters are split among the ranks; a rank's inner optimizer steps only the ones it owns, so the
@@ -8,7 +8,8 @@ Compared with ZeRO stage 1, which reduce-scatters gradients and all-gathers para
 the DDP all-reduce of full gradients and adds one broadcast of every parameter per step.
 
 Only broadcast is used (gloo supports it on CPU and CUDA tensors, NCCL on GPUs); tensors travel on the
-device of their parameter. Without an initialised process group the optimizer works as one rank.
+device of their parameter. It needs an initialised default process group, as the DDP wrappers do (one rank
+is a group of one: ``cs336_systems.parallel.distributed.one_rank_group``).
 ZeRO stage 1 itself, on flat buffers, is :class:`~cs336_systems.parallel.zero1.FlatShardedOptimizer`.
 """
 
@@ -22,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from cs336_systems.parallel.distributed import broadcast_in_place
+from cs336_systems.parallel.distributed import broadcast_in_place, require_process_group
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -48,13 +49,13 @@ def copy_hyperparameters(source: list[dict[str, Any]], target: list[dict[str, An
                 target_group[key] = value
 
 
-def rank_and_world_size(optimizer_cls: type[Optimizer]) -> tuple[int, int]:
-    """This process's rank and the world size (0 and 1 without a process group), once ``optimizer_cls`` is checked
-    to be an optimizer class."""
+def rank_and_world_size(optimizer_cls: type[Optimizer], who: str) -> tuple[int, int]:
+    """This process's rank and the world size, once ``optimizer_cls`` is checked to be an optimizer class and the
+    default process group to be initialised (what ``who`` needs)."""
     if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, Optimizer)):
         raise TypeError(f"optimizer_cls must be an optimizer class such as torch.optim.AdamW, got {optimizer_cls!r}")
-    distributed = dist.is_available() and dist.is_initialized()
-    return (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    require_process_group(who)
+    return dist.get_rank(), dist.get_world_size()
 
 
 def check_state_dict_groups(state_dict: dict[str, Any], param_groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -89,7 +90,7 @@ class ShardedOptimizer(Optimizer):
     def __init__(
         self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], optimizer_cls: type[Optimizer], **kwargs: Any
     ):
-        self.rank, self.world_size = rank_and_world_size(optimizer_cls)
+        self.rank, self.world_size = rank_and_world_size(optimizer_cls, type(self).__name__)
         self.optimizer_cls = optimizer_cls
         self.local_optimizer: Optimizer | None = None
         self.owners: list[list[int]] = []  # owners[g][i]: the rank that steps param_groups[g]["params"][i]
@@ -166,13 +167,7 @@ class ShardedOptimizer(Optimizer):
                     else ("value", value)
                     for key, value in local_state[param].items()
                 }
-        layouts = [layout]
-        if self.world_size > 1:
-            layouts = []
-            for src in range(self.world_size):
-                message = [layout if src == self.rank else None]
-                dist.broadcast_object_list(message, src=src)
-                layouts.append(message[0])
+        layouts = self._every_rank(layout)
 
         state: dict[int, dict[str, Any]] = {}
         for index, param, owner in indexed:
@@ -204,6 +199,17 @@ class ShardedOptimizer(Optimizer):
             next_index += len(group["params"])
             param_groups.append(saved)
         return {"state": state, "param_groups": param_groups}
+
+    def _every_rank(self, obj: Any) -> list[Any]:
+        """Each rank's ``obj``, in rank order (one broadcast from each rank)."""
+        if self.world_size == 1:
+            return [obj]
+        gathered = []
+        for src in range(self.world_size):
+            message = [obj if src == self.rank else None]
+            dist.broadcast_object_list(message, src=src)
+            gathered.append(message[0])
+        return gathered
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a consolidated state dict (from :meth:`state_dict` or an unsharded optimizer); not collective."""

@@ -50,7 +50,7 @@ Design choices:
 
 Collectives: ``reduce_scatter_tensor`` and ``all_gather_into_tensor`` on every backend (gloo has both on
 CPU tensors since torch 2.x; the tests run them there); tensors travel on their parameters' device.
-Without an initialised process group the optimizer works as one rank (no collectives).
+It needs an initialised default process group, as the DDP wrappers do; with one rank it runs no collectives.
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ class FlatShardedOptimizer(Optimizer):
     def __init__(
         self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], optimizer_cls: type[Optimizer], **kwargs: Any
     ):
-        self.rank, self.world_size = rank_and_world_size(optimizer_cls)
+        self.rank, self.world_size = rank_and_world_size(optimizer_cls, type(self).__name__)
         self.optimizer_cls = optimizer_cls
         self.local_optimizer: Optimizer | None = None
         self.buckets: list[list[FlatBucket]] = []  # buckets[g]: the flat buffers of param_groups[g]

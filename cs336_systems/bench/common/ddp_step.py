@@ -3,8 +3,6 @@ with the communication it exposes: shared by ``ddp_benchmarking`` and ``optimize
 
 from __future__ import annotations
 
-import argparse
-import re
 import timeit
 
 import torch
@@ -13,33 +11,20 @@ from torch import nn
 from cs336_basics.nn_utils import cross_entropy
 from cs336_systems.bench.common import timing
 from cs336_systems.bench.common.lm import autocast
-from cs336_systems.parallel.ddp import wrap_ddp
+from cs336_systems.parallel.ddp import variant_type, wrap_ddp
 
-LOCAL = "local"
+LOCAL = "local"  # the model unwrapped: the compute-only reference
+# The variants measured by default (any DDP variant name is accepted: see cs336_systems.parallel.ddp.variants).
 VARIANTS = ["naive", "flat", "overlap", "bucketed_1mb", "bucketed_10mb", "bucketed_100mb", "bucketed_1000mb",
             "torch_ddp"]
 
 
-BUCKETED = re.compile(r"bucketed_(\d+(?:\.\d+)?)mb")
+variant_name = variant_type(LOCAL)  # argparse type: ``local`` or a DDP variant's name
 
 
-def variant_name(name: str) -> str:
-    """Validate a variant name (argparse type): a fixed name or ``bucketed_<N>mb``."""
-    if name in (*VARIANTS, LOCAL) or BUCKETED.fullmatch(name):
-        return name
-    raise argparse.ArgumentTypeError(f"unknown variant {name!r}: one of {', '.join(VARIANTS)}, or bucketed_<N>mb")
-
-
-def wrap(variant: str, model: nn.Module, device: torch.device) -> nn.Module:
+def wrap(variant: str, model: nn.Module) -> nn.Module:
     """``model`` inside the data-parallel wrapper that ``variant`` names (itself for ``local``)."""
-    if variant == LOCAL:
-        return model
-    if variant == "torch_ddp":
-        return nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    bucketed = BUCKETED.fullmatch(variant)
-    if bucketed:
-        return wrap_ddp("bucketed", model, float(bucketed.group(1)))
-    return wrap_ddp({"naive": "naive", "flat": "flattened", "overlap": "overlapped"}[variant], model)
+    return model if variant == LOCAL else wrap_ddp(variant, model)
 
 
 def communication_calls(variant: str, wrapped: nn.Module) -> int | None:

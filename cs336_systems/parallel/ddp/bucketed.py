@@ -16,6 +16,7 @@ complete early sometimes waiting for an earlier one.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 
 import torch
@@ -48,6 +49,13 @@ class GradientBucket:
     @property
     def nbytes(self) -> int:
         return (self.buffer.numel() - len(self.params)) * self.buffer.element_size()
+
+
+def check_bucket_size(bucket_size_mb: object) -> None:
+    """Raise unless ``bucket_size_mb`` is a positive, finite number of MiB (a real number, not a string)."""
+    is_number = isinstance(bucket_size_mb, numbers.Real) and not isinstance(bucket_size_mb, bool)
+    if not (is_number and 0 < bucket_size_mb < float("inf")):
+        raise ValueError(f"bucket_size_mb must be a positive number of MiB (e.g. 25 or 0.5), got {bucket_size_mb!r}")
 
 
 def assign_buckets(params: list[nn.Parameter], bucket_size_bytes: float) -> list[list[nn.Parameter]]:
@@ -110,8 +118,7 @@ class DDPBucketed(DataParallelModule):
     """
 
     def __init__(self, module: nn.Module, bucket_size_mb: float):
-        if not bucket_size_mb > 0:
-            raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb}")
+        check_bucket_size(bucket_size_mb)
         super().__init__(module)
         self.bucket_size_mb = bucket_size_mb
         groups = assign_buckets(self.trainable_parameters(), bucket_size_mb * BYTES_PER_MB)

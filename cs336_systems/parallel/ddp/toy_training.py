@@ -18,11 +18,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from cs336_systems.parallel.ddp import DDP_VARIANTS, wrap_ddp
+from cs336_systems.parallel.ddp import DataParallelModule, variant_type, wrap_ddp
 from cs336_systems.parallel.distributed import spawn
 from cs336_systems.parallel.sharded_optimizer import ShardedOptimizer
 
-VARIANTS = (*DDP_VARIANTS, "sharded-optimizer")
+SHARDED_OPTIMIZER = "sharded-optimizer"
+# Buckets of 0.002 MiB (about 500 fp32 elements) make several buckets of this small model.
+SHARDED_OPTIMIZER_DDP = "bucketed_0.002mb"  # the DDP that the sharded optimizer trains under
+VARIANTS = ("naive", "flat", "overlap", SHARDED_OPTIMIZER_DDP, SHARDED_OPTIMIZER)
 IN_FEATURES, HIDDEN, OUT_FEATURES = 16, 32, 4
 
 
@@ -39,20 +42,16 @@ class ToyModel(nn.Module):
         return self.fc3(F.relu(self.fc2(F.relu(self.fc1(x)))))
 
 
-def wrap(variant: str, model: nn.Module, bucket_size_mb: float) -> nn.Module:
-    """The DDP wrapper a variant trains with (the sharded optimizer runs on top of bucketed DDP)."""
-    return wrap_ddp("bucketed" if variant == "sharded-optimizer" else variant, model, bucket_size_mb)
-
-
 def max_weight_difference(variant: str, rank: int, world_size: int, device: torch.device, args) -> float:
     """Train ``variant`` and the single-process reference side by side; the largest weight difference."""
     torch.manual_seed(args.seed + rank)
-    ddp_model = wrap(variant, ToyModel().to(device), args.bucket_size_mb)
+    ddp_model = wrap_ddp(SHARDED_OPTIMIZER_DDP if variant == SHARDED_OPTIMIZER else variant, ToyModel().to(device))
+    own_wrapper = isinstance(ddp_model, DataParallelModule)
     torch.manual_seed(args.seed)  # the reference starts where rank 0 started
     reference = ToyModel().to(device)
 
     trainable = [param for param in ddp_model.parameters() if param.requires_grad]
-    if variant == "sharded-optimizer":
+    if variant == SHARDED_OPTIMIZER:
         optimizer = ShardedOptimizer(trainable, torch.optim.AdamW, lr=args.lr, weight_decay=0.1)
     else:
         optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=0.1)
@@ -67,10 +66,12 @@ def max_weight_difference(variant: str, rank: int, world_size: int, device: torc
         x = torch.randn(args.batch_size, IN_FEATURES, generator=data).to(device)  # (batch, in)
         y = torch.randn(args.batch_size, OUT_FEATURES, generator=data).to(device)  # (batch, out)
 
-        ddp_model.on_train_batch_start()
+        if own_wrapper:
+            ddp_model.on_train_batch_start()
         optimizer.zero_grad()
         F.mse_loss(ddp_model(x[local]), y[local]).backward()
-        ddp_model.finish_gradient_synchronization()
+        if own_wrapper:  # PyTorch's DDP synchronises inside backward
+            ddp_model.finish_gradient_synchronization()
         optimizer.step()
 
         reference_optimizer.zero_grad()
@@ -120,17 +121,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="auto: NCCL when there is one GPU per rank, gloo on CPU otherwise",
     )
     parser.add_argument(
-        "--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS), help="what to check (default: all)"
+        "--variants", nargs="+", type=variant_type(SHARDED_OPTIMIZER), default=list(VARIANTS),
+        help=f"what to check: DDP variants (naive, flat, overlap, bucketed_<N>mb, torch_ddp) or {SHARDED_OPTIMIZER} "
+        f"(default: {' '.join(VARIANTS)})",
     )
     parser.add_argument("--steps", type=int, default=10, help="training steps (default: 10)")
     parser.add_argument("--batch-size", type=int, default=32, help="full batch size, split over ranks (default: 32)")
     parser.add_argument("--lr", type=float, default=1e-2, help="AdamW learning rate (default: 1e-2)")
-    parser.add_argument(
-        "--bucket-size-mb",
-        type=float,
-        default=0.002,
-        help="bucket cap in MiB; the default makes several buckets of this small model",
-    )
     parser.add_argument("--atol", type=float, default=1e-5, help="largest weight difference accepted (default: 1e-5)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout-s", type=float, default=300.0, help="give up if a run hangs this long")
