@@ -24,10 +24,9 @@ import torch
 
 from cs336_systems.attention import get_attention
 from cs336_systems.attention.backends import triton as triton_backend
-from cs336_systems.attention.backends import triton_kernels
 from cs336_systems.attention.config import FLASH_CONFIG, FlashConfig
 from cs336_systems.attention.op import FlashAttention2Triton, flash_attention
-from cs336_systems.kernels.launch import RUNNING_IN_INTERPRETER, poisoned_outputs
+from cs336_systems.kernels.launch import interpreting, poisoned_outputs
 from tests import adapters
 from tests._flash_checks import (
     QUANTITIES,
@@ -118,7 +117,7 @@ def test_rejects_mixed_dtypes_and_devices():
         FlashAttention2Triton.apply(q, k.to("meta"), v, False)
 
 
-@pytest.mark.skipif(RUNNING_IN_INTERPRETER, reason="the interpreter takes CPU tensors")
+@pytest.mark.skipif(interpreting(), reason="the interpreter takes CPU tensors")
 def test_rejects_cpu_tensors_without_interpreter():
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         FlashAttention2Triton.apply(*_valid(), True)
@@ -151,10 +150,16 @@ def _captured_launches(monkeypatch, dtype, head_dim, is_causal):
     """The (kernel function, args, meta) of every Triton launch of one forward and backward (on the portable path),
     without running them."""
     launches = []
-    monkeypatch.setattr(triton_backend, "_launch", lambda kernel, n, bh, signature, args, meta:
-                        launches.append((triton_backend._PLAIN[kernel], args, meta, kernel)))
-    monkeypatch.setattr(triton_backend, "_DELTA", lambda key, grid, args, meta, **options:
-                        launches.append((triton_kernels.attn_bwd_delta_kernel, args, meta, "delta")))
+
+    def recorder(name, kernel):  # stands for a Kernel: records its launch
+        def launch(key, grid, args, constexprs, fixed, **options):
+            launches.append((kernel.fn, args, constexprs, name))
+
+        return launch
+
+    for name in ("fwd", "bwd"):
+        monkeypatch.setitem(triton_backend.KERNELS, name, recorder(name, triton_backend.KERNELS[name]))
+    monkeypatch.setattr(triton_backend, "DELTA_KERNEL", recorder("delta", triton_backend.DELTA_KERNEL))
     q, k, v = (torch.randn(2, 3, 200, head_dim).to(dtype) for _ in range(3))
     O, L = triton_backend.forward(q, k, v, is_causal, head_dim ** -0.5)
     triton_backend.backward(q, k, v, O, L, torch.randn_like(O), is_causal, head_dim ** -0.5)
@@ -179,7 +184,7 @@ def test_flash_config_is_explicit_and_checked():
     assert FlashConfig.from_environment({}) == FlashConfig()
 
 
-@pytest.mark.skipif(RUNNING_IN_INTERPRETER, reason="compiles the GPU kernels")
+@pytest.mark.skipif(interpreting(), reason="compiles the GPU kernels")
 @pytest.mark.parametrize(
     "dtype, head_dim, is_causal",
     [(torch.bfloat16, 64, True), (torch.float16, 128, False), (torch.float32, 32, True)],
@@ -205,7 +210,7 @@ def test_fixed_configs_compile_for_h100_without_spills(monkeypatch, dtype, head_
             assert serialized_wgmma(compiled) is None, f"{name} {config}"
 
 
-@pytest.mark.skipif(RUNNING_IN_INTERPRETER, reason="compiles the GPU kernels")
+@pytest.mark.skipif(interpreting(), reason="compiles the GPU kernels")
 @pytest.mark.xfail(strict=True, reason="ptxas serialises the Triton backward's wgmma on sm_90 (C7514): its consecutive "
                    "sweeps carry the dK/dV and dQ accumulators from loop to loop. One masked sweep each fixes it, but "
                    "lost its measurement (H100, d = 64 backward 4-10 % slower); on Hopper the Gluon "
@@ -221,7 +226,7 @@ def test_backward_wgmma_are_not_serialized_on_h100(monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(RUNNING_IN_INTERPRETER, reason="compiles the GPU kernels")
+@pytest.mark.skipif(interpreting(), reason="compiles the GPU kernels")
 def test_autotune_configs_compile_for_h100(monkeypatch):
     """Every configuration the autotuner may try on the leaderboard's dtype and head dim compiles and
     fits in shared memory (spilling ones are allowed: the autotuner just finds them slow)."""
@@ -236,7 +241,7 @@ def test_autotune_configs_compile_for_h100(monkeypatch):
     for kernel, args, meta, name in _captured_launches(monkeypatch, torch.bfloat16, 64, True):
         if name == "delta":
             continue
-        autotuner = triton_backend._AUTOTUNED[name]
+        autotuner = triton_backend.KERNELS[name].autotuner
         for config in autotuner.early_config_prune(autotuner.configs, {"Q": args[0]}, **meta):
             compiled = compile_for_gpu(kernel, args, {**meta, **config.all_kwargs()})
             assert resource_usage(compiled).shared_bytes <= H100_SHARED_MEMORY, f"{name} {config}"
