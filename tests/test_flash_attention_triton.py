@@ -238,10 +238,11 @@ def test_autotune_configs_compile_for_h100(monkeypatch):
 
     if not nvidia_toolchain_available():
         pytest.skip("this Triton has no NVIDIA backend or ptxas")
+    autotuners = {name: kernel.autotuner for name, kernel in triton_backend.KERNELS.items()}
     for kernel, args, meta, name in _captured_launches(monkeypatch, torch.bfloat16, 64, True):
         if name == "delta":
             continue
-        autotuner = triton_backend.KERNELS[name].autotuner
+        autotuner = autotuners[name]
         for config in autotuner.early_config_prune(autotuner.configs, {"Q": args[0]}, **meta):
             compiled = compile_for_gpu(kernel, args, {**meta, **config.all_kwargs()})
             assert resource_usage(compiled).shared_bytes <= H100_SHARED_MEMORY, f"{name} {config}"
