@@ -26,7 +26,8 @@ from cs336_systems.attention import get_attention
 from cs336_systems.attention.backends import triton as triton_backend
 from cs336_systems.attention.config import FLASH_CONFIG, FlashConfig
 from cs336_systems.attention.op import FlashAttention2Triton, flash_attention
-from cs336_systems.kernels.launch import interpreting, poisoned_outputs
+from cs336_systems.kernels import launch
+from cs336_systems.kernels.launch import Kernel, interpreting, poisoned_outputs
 from tests import adapters
 from tests._flash_checks import (
     QUANTITIES,
@@ -144,6 +145,41 @@ print(" ".join(seen))
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.split() == ["ieee", "tf32", "tf32", "ieee", "tf32", "tf32"]
+
+
+class _RecordingLauncher:
+    """Stands for a Kernel's Launcher: records the launches that compile and those that take the short path."""
+
+    def __init__(self):
+        self.compiled, self.short = [], []
+
+    def __call__(self, key, grid, args, constexprs, **options):
+        self.compiled.append((key, grid, {**constexprs, **options}))
+
+    def launch_compiled(self, key, grid, args) -> bool:
+        found = any(key == compiled[0] for compiled in self.compiled)
+        if found:
+            self.short.append((key, grid))
+        return found
+
+
+def test_forward_launches_through_its_kernel_once_per_signature(monkeypatch):
+    """The forward's Kernel takes the fixed configuration of the dtype and head dim, compiles once per signature
+    (dtype, shapes, strides, alignment, causal) and launches later calls on the short path."""
+    monkeypatch.setattr(launch, "_INTERPRETING", False)  # as on a GPU, with the launcher recording
+    kernel = Kernel(triton_backend.KERNELS["fwd"].fn)
+    kernel._launcher = launcher = _RecordingLauncher()
+    monkeypatch.setitem(triton_backend.KERNELS, "fwd", kernel)
+    monkeypatch.setattr(triton_backend, "_plans", {})
+    q, k, v = (torch.randn(2, 3, 200, 64, dtype=torch.bfloat16) for _ in range(3))
+    for _ in range(3):
+        triton_backend.forward(q, k, v, True, 0.125)
+    triton_backend.forward(*(x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v)), True, 0.125)
+    (key, grid, options), (other_key, _, _) = launcher.compiled
+    assert grid == (2, 6) and key != other_key and launcher.short == [(key, grid)] * 2
+    assert options == dict(HEAD_DIM=64, IS_CAUSAL=True, DOT_PRECISION="tf32", BLOCK_M=128, BLOCK_N=64, num_warps=8,
+                           num_stages=3)
+    assert list(kernel.configs.values()) == 2 * [triton_backend.fixed_config("fwd", torch.bfloat16, 64)]
 
 
 def _captured_launches(monkeypatch, dtype, head_dim, is_causal):
