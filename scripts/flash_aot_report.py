@@ -27,15 +27,18 @@ SASS_PATTERNS = {"HGMMA": r"\bHGMMA\b", "HMMA": r"\bHMMA\b", "EX2": r"MUFU\.EX2"
 def captured_launches(dtype: torch.dtype, head_dim: int, is_causal: bool) -> list[tuple[str, tuple, dict]]:
     """(kernel, args, meta) of one forward and backward at a small size, without running anything."""
     launches = []
-    original = triton_backend._launch, triton_backend._DELTA
-    triton_backend._launch = lambda kernel, n, bh, signature, args, meta: launches.append((kernel, args, meta))
-    triton_backend._DELTA = lambda key, grid, args, meta, **options: launches.append(("delta", args, meta))
+    recorders = {name: (lambda key, grid, args, meta, fixed, name=name, **options: launches.append((name, args, meta)))
+                 for name in ("fwd", "bwd", "delta")}
+    original = dict(triton_backend.KERNELS), triton_backend.DELTA_KERNEL
+    triton_backend.KERNELS.update(fwd=recorders["fwd"], bwd=recorders["bwd"])
+    triton_backend.DELTA_KERNEL = recorders["delta"]
     try:
         q, k, v = (torch.randn(2, 3, 256, head_dim).to(dtype) for _ in range(3))
         O, L = triton_backend.forward(q, k, v, is_causal, head_dim ** -0.5)
         triton_backend.backward(q, k, v, O, L, torch.randn_like(O), is_causal, head_dim ** -0.5)
     finally:
-        triton_backend._launch, triton_backend._DELTA = original
+        triton_backend.KERNELS.update(original[0])
+        triton_backend.DELTA_KERNEL = original[1]
     return launches
 
 
@@ -55,13 +58,12 @@ def main() -> None:
     for kernel, launch_args, meta in captured_launches(dtype, args.head_dim, not args.not_causal):
         if args.kernels and kernel not in args.kernels:
             continue
-        if kernel in triton_backend._AUTOTUNED:
-            autotuner = triton_backend._AUTOTUNED[kernel]
+        if kernel in triton_backend.KERNELS:
+            autotuner = triton_backend.KERNELS[kernel].autotuner
             configs = autotuner.early_config_prune(autotuner.configs, {"Q": launch_args[0]}, **meta)
-            function = triton_backend._PLAIN[kernel]
+            function = triton_backend.KERNELS[kernel].fn
         else:
             configs, function = [triton_backend.DELTA_CONFIG], triton_kernels.attn_bwd_delta_kernel
-            meta = {k: v for k, v in meta.items() if k not in triton_backend.DELTA_CONFIG.kwargs}
         for config in configs:
             try:
                 compiled = compile_for_gpu(function, tuple(launch_args), {**meta, **config.all_kwargs()})

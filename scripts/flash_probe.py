@@ -139,7 +139,8 @@ _printed: set = set()
 
 def print_autotune_timings(label: str) -> None:
     """Each of our autotuners' timings (median ms per configuration) for the keys first tuned since the last call."""
-    for kname, tuner in triton_backend._AUTOTUNED.items():
+    for kname, kernel in triton_backend.KERNELS.items():
+        tuner = kernel.autotuner
         for key, config in tuner.cache.items():
             if (kname, key) in _printed:
                 continue

@@ -149,9 +149,9 @@ def measure_autotuned(head_dim: int) -> dict:
     with FLASH_CONFIG.use(kernels="triton", autotune=True), poisoned_outputs():
         result = run_function(FlashAttention2Triton, Q, K, V, True, dO)
     reference = run_reference(Q, K, V, True, dO)
-    chosen = {f"{name} d={head_dim}": str(autotuner.best_config)
-              for name, autotuner in triton_backend._AUTOTUNED.items()
-              if getattr(autotuner, "best_config", None) is not None}
+    chosen = {f"{name} d={head_dim}": str(kernel.autotuner.best_config)
+              for name, kernel in triton_backend.KERNELS.items()
+              if getattr(kernel.autotuner, "best_config", None) is not None}
     return dict(precision="bf16", note="autotuned", chosen_configs=chosen,
                 errors={name: relative_error(result[name], reference[name]) for name in QUANTITIES},
                 non_finite={name: int((~torch.isfinite(result[name])).sum().item()) for name in QUANTITIES})

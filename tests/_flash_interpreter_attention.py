@@ -23,7 +23,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 
 from cs336_systems.attention.backends.triton import batch_head_strides
 from cs336_systems.attention.op import FlashAttention2Triton
-from cs336_systems.kernels.launch import RUNNING_IN_INTERPRETER, poisoned_outputs
+from cs336_systems.kernels.launch import interpreting, poisoned_outputs
 from tests._flash_checks import (
     QUANTITIES,
     assert_lm_matches_naive,
@@ -47,7 +47,7 @@ def _poison_outputs():
 
 
 def test_running_in_interpreter():
-    assert RUNNING_IN_INTERPRETER
+    assert interpreting()
 
 
 # (batch, heads or None for 3-D, n_queries, n_keys, d, is_causal, dtype)

@@ -24,10 +24,10 @@ import torch
 
 from cs336_systems.attention import get_attention
 from cs336_systems.attention.backends import triton as triton_backend
-from cs336_systems.attention.backends import triton_kernels
 from cs336_systems.attention.config import FLASH_CONFIG, FlashConfig
 from cs336_systems.attention.op import FlashAttention2Triton, flash_attention
-from cs336_systems.kernels.launch import RUNNING_IN_INTERPRETER, poisoned_outputs
+from cs336_systems.kernels import launch
+from cs336_systems.kernels.launch import Kernel, interpreting, poisoned_outputs
 from tests import adapters
 from tests._flash_checks import (
     QUANTITIES,
@@ -118,7 +118,7 @@ def test_rejects_mixed_dtypes_and_devices():
         FlashAttention2Triton.apply(q, k.to("meta"), v, False)
 
 
-@pytest.mark.skipif(RUNNING_IN_INTERPRETER, reason="the interpreter takes CPU tensors")
+@pytest.mark.skipif(interpreting(), reason="the interpreter takes CPU tensors")
 def test_rejects_cpu_tensors_without_interpreter():
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         FlashAttention2Triton.apply(*_valid(), True)
@@ -147,14 +147,55 @@ print(" ".join(seen))
     assert result.stdout.split() == ["ieee", "tf32", "tf32", "ieee", "tf32", "tf32"]
 
 
+class _RecordingLauncher:
+    """Stands for a Kernel's Launcher: records the launches that compile and those that take the short path."""
+
+    def __init__(self):
+        self.compiled, self.short = [], []
+
+    def __call__(self, key, grid, args, constexprs, **options):
+        self.compiled.append((key, grid, {**constexprs, **options}))
+
+    def launch_compiled(self, key, grid, args) -> bool:
+        found = any(key == compiled[0] for compiled in self.compiled)
+        if found:
+            self.short.append((key, grid))
+        return found
+
+
+def test_forward_launches_through_its_kernel_once_per_signature(monkeypatch):
+    """The forward's Kernel takes the fixed configuration of the dtype and head dim, compiles once per signature
+    (dtype, shapes, strides, alignment, causal) and launches later calls on the short path."""
+    monkeypatch.setattr(launch, "_INTERPRETING", False)  # as on a GPU, with the launcher recording
+    kernel = Kernel(triton_backend.KERNELS["fwd"].fn)
+    kernel._launcher = launcher = _RecordingLauncher()
+    monkeypatch.setitem(triton_backend.KERNELS, "fwd", kernel)
+    monkeypatch.setattr(triton_backend, "_plans", {})
+    q, k, v = (torch.randn(2, 3, 200, 64, dtype=torch.bfloat16) for _ in range(3))
+    for _ in range(3):
+        triton_backend.forward(q, k, v, True, 0.125)
+    triton_backend.forward(*(x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v)), True, 0.125)
+    (key, grid, options), (other_key, _, _) = launcher.compiled
+    assert grid == (2, 6) and key != other_key and launcher.short == [(key, grid)] * 2
+    assert options == dict(HEAD_DIM=64, IS_CAUSAL=True, DOT_PRECISION="tf32", BLOCK_M=128, BLOCK_N=64, num_warps=8,
+                           num_stages=3)
+    assert list(kernel.configs.values()) == 2 * [triton_backend.fixed_config("fwd", torch.bfloat16, 64)]
+
+
 def _captured_launches(monkeypatch, dtype, head_dim, is_causal):
     """The (kernel function, args, meta) of every Triton launch of one forward and backward (on the portable path),
     without running them."""
     launches = []
-    monkeypatch.setattr(triton_backend, "_launch", lambda kernel, n, bh, signature, args, meta:
-                        launches.append((triton_backend._PLAIN[kernel], args, meta, kernel)))
-    monkeypatch.setattr(triton_backend, "_DELTA", lambda key, grid, args, meta, **options:
-                        launches.append((triton_kernels.attn_bwd_delta_kernel, args, meta, "delta")))
+
+    def recorder(name, kernel):  # stands for a Kernel: records its launch
+        def launch(key, grid, args, constexprs, fixed, **options):
+            launches.append((kernel.fn, args, constexprs, name))
+
+        return launch
+
+    for name in ("fwd", "bwd"):
+        monkeypatch.setitem(triton_backend.KERNELS, name, recorder(name, triton_backend.KERNELS[name]))
+    monkeypatch.setattr(triton_backend, "DELTA_KERNEL", recorder("delta", triton_backend.DELTA_KERNEL))
     q, k, v = (torch.randn(2, 3, 200, head_dim).to(dtype) for _ in range(3))
     O, L = triton_backend.forward(q, k, v, is_causal, head_dim ** -0.5)
     triton_backend.backward(q, k, v, O, L, torch.randn_like(O), is_causal, head_dim ** -0.5)
@@ -179,7 +220,7 @@ def test_flash_config_is_explicit_and_checked():
     assert FlashConfig.from_environment({}) == FlashConfig()
 
 
-@pytest.mark.skipif(RUNNING_IN_INTERPRETER, reason="compiles the GPU kernels")
+@pytest.mark.skipif(interpreting(), reason="compiles the GPU kernels")
 @pytest.mark.parametrize(
     "dtype, head_dim, is_causal",
     [(torch.bfloat16, 64, True), (torch.float16, 128, False), (torch.float32, 32, True)],
@@ -205,7 +246,7 @@ def test_fixed_configs_compile_for_h100_without_spills(monkeypatch, dtype, head_
             assert serialized_wgmma(compiled) is None, f"{name} {config}"
 
 
-@pytest.mark.skipif(RUNNING_IN_INTERPRETER, reason="compiles the GPU kernels")
+@pytest.mark.skipif(interpreting(), reason="compiles the GPU kernels")
 @pytest.mark.xfail(strict=True, reason="ptxas serialises the Triton backward's wgmma on sm_90 (C7514): its consecutive "
                    "sweeps carry the dK/dV and dQ accumulators from loop to loop. One masked sweep each fixes it, but "
                    "lost its measurement (H100, d = 64 backward 4-10 % slower); on Hopper the Gluon "
@@ -221,7 +262,7 @@ def test_backward_wgmma_are_not_serialized_on_h100(monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(RUNNING_IN_INTERPRETER, reason="compiles the GPU kernels")
+@pytest.mark.skipif(interpreting(), reason="compiles the GPU kernels")
 def test_autotune_configs_compile_for_h100(monkeypatch):
     """Every configuration the autotuner may try on the leaderboard's dtype and head dim compiles and
     fits in shared memory (spilling ones are allowed: the autotuner just finds them slow)."""
@@ -233,10 +274,11 @@ def test_autotune_configs_compile_for_h100(monkeypatch):
 
     if not nvidia_toolchain_available():
         pytest.skip("this Triton has no NVIDIA backend or ptxas")
+    autotuners = {name: kernel.autotuner for name, kernel in triton_backend.KERNELS.items()}
     for kernel, args, meta, name in _captured_launches(monkeypatch, torch.bfloat16, 64, True):
         if name == "delta":
             continue
-        autotuner = triton_backend._AUTOTUNED[name]
+        autotuner = autotuners[name]
         for config in autotuner.early_config_prune(autotuner.configs, {"Q": args[0]}, **meta):
             compiled = compile_for_gpu(kernel, args, {**meta, **config.all_kwargs()})
             assert resource_usage(compiled).shared_bytes <= H100_SHARED_MEMORY, f"{name} {config}"

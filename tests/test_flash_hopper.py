@@ -22,7 +22,7 @@ from cs336_systems.attention import op
 from cs336_systems.attention.backends import hopper
 from cs336_systems.attention.backends import triton as triton_backend
 from cs336_systems.attention.config import FLASH_CONFIG, FlashConfig
-from cs336_systems.kernels.launch import RUNNING_IN_INTERPRETER, DescriptorArg, poisoned_outputs
+from cs336_systems.kernels.launch import DescriptorArg, interpreting, poisoned_outputs
 from tests._flash_aot import compile_for_gpu, nvidia_toolchain_available, resource_usage, serialized_wgmma
 from tests._flash_checks import hopper_gpu, relative_error
 
@@ -122,7 +122,7 @@ def test_tma_view_addresses_every_head(layout):
 
 def test_kernel_choice_follows_the_configuration():
     cpu = torch.device("cpu")
-    if RUNNING_IN_INTERPRETER:
+    if interpreting():
         pytest.skip("under the interpreter CPU tensors run the Triton backend for another reason")
     for kernels in ("auto", "triton"):
         for part in ("forward", "backward"):  # CPU tensors: not the Hopper backend, and no backend at all
@@ -231,7 +231,7 @@ def test_short_path_launches_what_the_first_launch_compiled(monkeypatch, part, l
     launcher = _RecordingLauncher()
     monkeypatch.setattr(hopper, "_FORWARD" if part == "forward" else "_BACKWARD", launcher)
     monkeypatch.setattr(hopper, "_DQ_CONVERT", _RecordingLauncher())  # the Triton kernels around the backward
-    monkeypatch.setattr(triton_backend, "_DELTA", _RecordingLauncher())
+    monkeypatch.setattr(triton_backend, "DELTA_KERNEL", lambda *args, **options: None)
     monkeypatch.setattr(hopper, "_plans", {})
     batch, heads, seq, d = 2, 3, 200, 64
     Q, K, V, dO = (_inputs(layout, batch, heads, seq, d) for _ in range(4))

@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 import triton
+from jaxtyping import Float
 
 from cs336_systems.kernels import launch
-from cs336_systems.kernels.launch import ConfigCache, Kernel, check_device, define_operator
+from cs336_systems.kernels.launch import ConfigCache, Kernel, check_device, define_operator, unsupported_device
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,7 +60,7 @@ def recorded_kernel(monkeypatch, best: triton.Config | None = None) -> tuple[Ker
     """A Kernel whose jit function, autotuner and Launcher are recorders (nothing compiles or runs)."""
     fn, autotuner, launcher = Recorder(), Recorder(best), Recorder()
     kernel = Kernel(fn)
-    kernel._autotuner, kernel._launcher = autotuner, launcher
+    kernel.autotuner, kernel._launcher = autotuner, launcher
     monkeypatch.setattr(launch, "wrap_triton", lambda f: f)  # traced launches call the recorder itself
     monkeypatch.setattr(launch, "_INTERPRETING", False)  # as on a GPU, whatever this process runs under
     return kernel, fn, autotuner, launcher
@@ -139,7 +140,7 @@ def test_autotuning_off_and_autotuning_on_keep_separate_choices(monkeypatch):
 
 def test_a_kernel_without_candidates_never_autotunes(monkeypatch):
     kernel, _, _, launcher = recorded_kernel(monkeypatch)
-    kernel._autotuner = None
+    kernel.autotuner = None
     calls = []
     kernel("k", grid, ("x",), {}, fixed_rule(calls), autotune=True)
     assert calls == [16] and launcher.launches[0][0] == (False, "k")
@@ -176,8 +177,8 @@ def test_kernel_builds_an_autotuner_over_its_candidates():
 
     candidates = [triton.Config({"BLOCK": 64}, num_warps=2), triton.Config({"BLOCK": 128}, num_warps=4)]
     tuned = Kernel(copy_kernel, candidates, ["n"])
-    assert tuned.fn is copy_kernel and tuned._autotuner.configs == candidates and tuned._autotuner.keys == ["n"]
-    assert Kernel(copy_kernel)._autotuner is None
+    assert tuned.fn is copy_kernel and tuned.autotuner.configs == candidates and tuned.autotuner.keys == ["n"]
+    assert Kernel(copy_kernel).autotuner is None
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -197,6 +198,20 @@ def test_device_check_messages(monkeypatch):
                                          "tensor on meta"):
         check_device(torch.zeros(2, device="meta"), "the fused things", "cs336_systems.kernels.things",
                      reads_host_addresses=True)
+
+
+def test_unsupported_device_says_why_or_none(monkeypatch):
+    monkeypatch.setattr(launch, "_INTERPRETING", False)
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    assert unsupported_device(gpu, "the things", "m", reads_host_addresses=True) is None
+    assert unsupported_device(cpu, "the things", "m") == (
+        "the things need CUDA tensors, got tensors on cpu; to run them on the CPU through the Triton interpreter, "
+        "set TRITON_INTERPRET=1 before m is imported")
+    monkeypatch.setattr(launch, "_INTERPRETING", True)
+    assert unsupported_device(cpu, "the things", "m", reads_host_addresses=True) is None
+    assert unsupported_device(gpu, "the things", "m") is None
+    assert unsupported_device(gpu, "the things", "m", reads_host_addresses=True).startswith(
+        "under TRITON_INTERPRET=1 the things take CPU tensors only")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -229,6 +244,39 @@ def test_opaque_operator_with_shapes_and_autograd():
         define_operator("cs336_systems_test::shapeless", _scaled, traceable=False)
 
 
+def _halved_pair(x: Float[torch.Tensor, "n"], flag: bool) -> tuple[Float[torch.Tensor, "n"], ...]:
+    return x / 2, (x / 2 if flag else x).clone()
+
+
+def _halved_pair_shapes(x: torch.Tensor, flag: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(x), torch.empty_like(x)
+
+
+def test_operator_from_a_schema_is_registered_with_the_dispatcher():
+    """An opaque operator whose body's annotations the schema inference does not read; its CPU kernel is the body
+    itself, no custom_op wrapper in between."""
+    op = define_operator("cs336_systems_test::halved_pair", _halved_pair, traceable=False, fake=_halved_pair_shapes,
+                         schema="(Tensor x, bool flag) -> (Tensor, Tensor)")
+    assert op is torch.ops.cs336_systems_test.halved_pair
+    x = torch.arange(4.0)
+    torch.library.opcheck(op.default, (x, True))
+    half, same = op(x, False)
+    torch.testing.assert_close(half, x / 2)
+    torch.testing.assert_close(same, x)
+    assert torch.compile(lambda t: op(t, True)[0] + 1, backend="eager", fullgraph=True)(x).tolist() == [1, 1.5, 2, 2.5]
+    with pytest.raises(TypeError, match="opaque"):
+        define_operator("cs336_systems_test::traced_schema", _halved_pair, traceable=True, fake=_halved_pair_shapes,
+                        schema="(Tensor x, bool flag) -> (Tensor, Tensor)")
+
+
+def test_attention_operators_are_dispatcher_operators():
+    from cs336_systems.attention import op  # noqa: F401 (registers the operators)
+
+    for name in ("flash_attention_forward", "flash_attention_backward"):
+        assert torch._library.custom_ops._maybe_get_opdef(f"cs336_systems::{name}") is None  # no custom_op wrapper
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"cs336_systems::{name}", "CUDA")
+
+
 def test_rmsnorm_operators_are_triton_ops_outside_the_interpreter():
     from torch._library.triton import triton_ops_to_kernels
 
@@ -245,8 +293,6 @@ def test_rmsnorm_operators_are_triton_ops_outside_the_interpreter():
 # ---------------------------------------------------------------------------------------------------
 
 ALLOWED_READERS = {
-    # The attention operator reads RUNNING_IN_INTERPRETER, launch.py's constant of interpreting().
-    "cs336_systems/attention/flash_triton.py",
     # A command-line tool that hands TRITON_INTERPRET=1 to the CPU ranks it spawns when its own process lacks it.
     "cs336_systems/bench/leaderboard_2026.py",
 }
@@ -254,7 +300,7 @@ ALLOWED_READERS = {
 
 def interpreter_reads(path: Path) -> list[str]:
     """Where ``path`` reads the interpreter setting itself: the variable's name as a string (an environment
-    look-up), Triton's knob, or the module constant."""
+    look-up), Triton's knob, or a module constant of it (``RUNNING_IN_INTERPRETER``)."""
     found = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Constant) and node.value == "TRITON_INTERPRET":
@@ -287,4 +333,6 @@ def test_interpreting_is_the_setting_the_kernels_were_defined_under():
     for kernel in (adamw.fused_adamw_kernel, cross_entropy.cross_entropy_rows_kernel, rmsnorm.rmsnorm_fwd_kernel,
                    weighted_sum.weighted_sum_fwd_kernel):
         assert isinstance(kernel, InterpretedFunction) == launch.interpreting()
-    assert launch.RUNNING_IN_INTERPRETER == launch.interpreting()
+    from cs336_systems.attention.backends import triton_kernels
+
+    assert isinstance(triton_kernels.attn_fwd_kernel, InterpretedFunction) == launch.interpreting()

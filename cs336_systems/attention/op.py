@@ -39,7 +39,7 @@ from torch import Tensor
 from cs336_systems.attention.backends import hopper
 from cs336_systems.attention.backends import triton as portable
 from cs336_systems.attention.config import FLASH_CONFIG, FlashConfig
-from cs336_systems.kernels.launch import FLOAT_DTYPES, unit_last_stride
+from cs336_systems.kernels.launch import FLOAT_DTYPES, define_operator, unit_last_stride
 
 SUPPORTED_HEAD_DIMS = portable.HEAD_DIMS
 MAX_GRID_Y = 65535  # CUDA's limit on the second grid dimension, which runs over batch * heads
@@ -197,25 +197,22 @@ def attention_backward(
 # PyTorch operators (for torch.compile and dispatch modes), the autograd Function, the functional entry point
 # ---------------------------------------------------------------------------------------------------
 
-_LIBRARY = torch.library.Library("cs336_systems", "FRAGMENT")
-_LIBRARY.define("flash_attention_forward(Tensor Q, Tensor K, Tensor V, bool is_causal) -> (Tensor, Tensor)")
-_LIBRARY.define("flash_attention_backward(Tensor Q, Tensor K, Tensor V, Tensor O, Tensor L, Tensor dO, "
-                "bool is_causal) -> (Tensor, Tensor, Tensor)")
-# Registered straight with the dispatcher (not custom_op, whose Python wrappers cost tens of microseconds a call).
-# The CPU kernels serve the Triton interpreter; elsewhere the checks refuse CPU tensors.
-for _device_key in ("CUDA", "CPU"):
-    _LIBRARY.impl("flash_attention_forward", attention_forward, _device_key)
-    _LIBRARY.impl("flash_attention_backward", attention_backward, _device_key)
-
-
-@torch.library.register_fake("cs336_systems::flash_attention_forward")
-def _(Q: Tensor, K: Tensor, V: Tensor, is_causal: bool) -> tuple[Tensor, Tensor]:
+def _forward_shapes(Q: Tensor, K: Tensor, V: Tensor, is_causal: bool) -> tuple[Tensor, Tensor]:
     return Q.new_empty(Q.shape), Q.new_empty(Q.shape[:-1], dtype=torch.float32)
 
 
-@torch.library.register_fake("cs336_systems::flash_attention_backward")
-def _(Q: Tensor, K: Tensor, V: Tensor, O: Tensor, L: Tensor, dO: Tensor, is_causal: bool) -> tuple[Tensor, ...]:
+def _backward_shapes(Q: Tensor, K: Tensor, V: Tensor, O: Tensor, L: Tensor, dO: Tensor, is_causal: bool
+                     ) -> tuple[Tensor, Tensor, Tensor]:
     return Q.new_empty(Q.shape), K.new_empty(K.shape), V.new_empty(V.shape)
+
+
+# Opaque to Inductor (the body chooses a backend, Gluon's among them, per call) and registered from a schema,
+# straight with the dispatcher: compiled code calls them on every step.
+define_operator("cs336_systems::flash_attention_forward", attention_forward, traceable=False, fake=_forward_shapes,
+                schema="(Tensor Q, Tensor K, Tensor V, bool is_causal) -> (Tensor, Tensor)")
+define_operator("cs336_systems::flash_attention_backward", attention_backward, traceable=False, fake=_backward_shapes,
+                schema="(Tensor Q, Tensor K, Tensor V, Tensor O, Tensor L, Tensor dO, bool is_causal) "
+                       "-> (Tensor, Tensor, Tensor)")
 
 
 def _through_operators() -> bool:

@@ -1,8 +1,8 @@
 """What every operator of ours needs to launch its Triton kernels (attention, RMSNorm, cross-entropy, AdamW, the
 weighted sum), in one place:
 
-* where kernels run: :func:`interpreting` (the one reading of whether Triton's CPU interpreter is on) and
-  :func:`check_device`;
+* where kernels run: :func:`interpreting` (the one reading of whether Triton's CPU interpreter is on),
+  :func:`unsupported_device` and :func:`check_device`;
 * explicit configuration (:class:`CurrentConfig`), the dtypes the kernels take, output allocation (poisoned on
   request) and stride helpers;
 * :class:`Launcher`, which launches a compiled kernel with the least host work;
@@ -53,25 +53,26 @@ def interpreting() -> bool:
     return _INTERPRETING
 
 
-RUNNING_IN_INTERPRETER: bool = _INTERPRETING
-"""The value of :func:`interpreting`, for modules that read it as a constant."""
+def unsupported_device(device: torch.device, what: str, module: str, *, reads_host_addresses: bool = False
+                       ) -> str | None:
+    """Why the kernels (``what``, defined in ``module``) cannot run on tensors on ``device``, or None when they can:
+    on a GPU, any but CUDA tensors; under the interpreter, CUDA tensors too when the kernel reads addresses from a
+    table (``reads_host_addresses``), which the interpreter takes as host memory."""
+    if _INTERPRETING:
+        if reads_host_addresses and device.type != "cpu":
+            return (f"under TRITON_INTERPRET=1 {what} take CPU tensors only (their tables hold raw addresses, which "
+                    f"the interpreter reads in host memory), got a tensor on {device}")
+    elif device.type != "cuda":
+        return (f"{what} need CUDA tensors, got tensors on {device}; to run them on the CPU through the Triton "
+                f"interpreter, set TRITON_INTERPRET=1 before {module} is imported")
+    return None
 
 
 def check_device(x: Tensor, what: str, module: str, *, reads_host_addresses: bool = False) -> None:
-    """Raise a clear error for tensors the kernels (``what``, defined in ``module``) cannot run on: on a GPU, any
-    but CUDA tensors; under the interpreter, CUDA tensors too when the kernel reads addresses from a table
-    (``reads_host_addresses``), which the interpreter takes as host memory."""
-    if _INTERPRETING:
-        if reads_host_addresses and x.device.type != "cpu":
-            raise ValueError(
-                f"under TRITON_INTERPRET=1 {what} take CPU tensors only (their tables hold raw addresses, which the "
-                f"interpreter reads in host memory), got a tensor on {x.device}"
-            )
-    elif x.device.type != "cuda":
-        raise ValueError(
-            f"{what} need CUDA tensors, got tensors on {x.device}; to run them on the CPU through the Triton "
-            f"interpreter, set TRITON_INTERPRET=1 before {module} is imported"
-        )
+    """Raise a ``ValueError`` saying why (:func:`unsupported_device`) where the kernels cannot run on ``x``."""
+    reason = unsupported_device(x.device, what, module, reads_host_addresses=reads_host_addresses)
+    if reason is not None:
+        raise ValueError(reason)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -267,9 +268,11 @@ class Kernel:
         self.fn = fn
         self.configs = ConfigCache()
         self._launcher = Launcher(fn)
-        self._autotuner = None
+        self.autotuner = None
+        """``triton.autotune`` of ``fn`` over its candidates, or None (tools that compile every candidate read its
+        ``configs`` and ``early_config_prune``)."""
         if autotune_configs:
-            self._autotuner = triton.autotune(autotune_configs, key=autotune_key or [],
+            self.autotuner = triton.autotune(autotune_configs, key=autotune_key or [],
                                               prune_configs_by={"early_config_prune": prune} if prune else None)(fn)
 
     def __call__(self, key: Hashable, grid: Grid, args: tuple, constexprs: dict[str, Any],
@@ -281,12 +284,12 @@ class Kernel:
         if traced:
             self._launch_traced(grid, args, constexprs, fixed())
             return
-        tuned = autotune and self._autotuner is not None and not _INTERPRETING
+        tuned = autotune and self.autotuner is not None and not _INTERPRETING
         config_key = (tuned, key)
         config = self.configs.get(config_key)
         if config is None:
             if tuned:
-                self.configs.autotune(config_key, self._autotuner, grid, args, constexprs)
+                self.configs.autotune(config_key, self.autotuner, grid, args, constexprs)
                 return
             config = self.configs.fixed(config_key, fixed)
         elif self._launcher.launch_compiled(config_key, grid(config.kwargs), args):
@@ -309,22 +312,49 @@ class Kernel:
 
 
 def define_operator(name: str, body: Callable, *, traceable: bool, fake: Callable | None = None,
-                    backward: Callable | None = None, setup_context: Callable | None = None):
-    """Register ``body`` as the operator ``torch.ops.<name>`` (its schema from the annotations; no input mutated).
+                    backward: Callable | None = None, setup_context: Callable | None = None,
+                    schema: str | None = None):
+    """Register ``body`` as the operator ``torch.ops.<name>`` (its schema from the annotations, or ``schema``; no
+    input mutated).
 
     ``traceable``: ``torch.compile`` sees through it to the kernels: a ``torch.library.triton_op``, whose body
     launches through ``wrap_triton`` (a :class:`Kernel` called with ``traced=True``) and runs on fake tensors as
     its own shape function; Inductor then emits the launches in its generated code. Otherwise, and always under
     the interpreter (interpreted kernels cannot be wrapped), an opaque ``torch.library.custom_op`` with ``fake``
     as its shape function. ``backward`` and ``setup_context``: its autograd formula, when it has one.
+
+    ``schema`` (opaque operators only), e.g. ``"(Tensor x, bool flag) -> Tensor"``: the operator is defined from it
+    and ``body`` registered straight with the dispatcher as its CPU and CUDA kernel, without ``custom_op``'s Python
+    wrapper, which costs about 12 microseconds a call against 2. For opaque operators that compiled code calls on
+    every step, whose body Inductor must not trace (one that chooses between kernel families at run time, Gluon's
+    among them, as attention's does); the body's annotations are then free (shaped tensor types, say).
     """
-    if traceable and not _INTERPRETING:
+    if traceable and not _INTERPRETING and schema is None:
         op = torch.library.triton_op(name, body, mutates_args=())
     else:
         if fake is None:
             raise TypeError(f"{name}: an opaque operator needs a fake (shape) function")
-        op = torch.library.custom_op(name, body, mutates_args=())
-        op.register_fake(fake)
+        if schema is None:
+            op = torch.library.custom_op(name, body, mutates_args=())
+        elif traceable:
+            raise TypeError(f"{name}: an operator defined from a schema is opaque (traceable=False)")
+        else:
+            op = _define_from_schema(name, body, schema)
+        torch.library.register_fake(name, fake)
     if backward is not None:
-        op.register_autograd(backward, setup_context=setup_context)
+        torch.library.register_autograd(name, backward, setup_context=setup_context)
     return op
+
+
+_LIBRARIES: list[torch.library.Library] = []
+"""The libraries of the operators defined from a schema: a library's registrations last as long as the object."""
+
+
+def _define_from_schema(name: str, body: Callable, schema: str):
+    namespace, op_name = name.split("::")
+    library = torch.library.Library(namespace, "FRAGMENT")
+    library.define(op_name + schema)
+    for dispatch_key in ("CPU", "CUDA"):  # CPU: the interpreter's tensors (elsewhere the kernels refuse them)
+        library.impl(op_name, body, dispatch_key)
+    _LIBRARIES.append(library)
+    return getattr(getattr(torch.ops, namespace), op_name)

@@ -31,7 +31,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from cs336_systems.attention.backends import triton_kernels
 from cs336_systems.attention.backends.hopper_kernels import attn_bwd_hopper_kernel, attn_fwd_hopper_kernel
 from cs336_systems.attention.backends.triton import batch_head_strides, launch_delta
-from cs336_systems.kernels.launch import RUNNING_IN_INTERPRETER, DescriptorArg, Launcher, aligned, new_output
+from cs336_systems.kernels.launch import DescriptorArg, Launcher, aligned, interpreting, new_output
 
 HEAD_DIMS = (16, 32, 64, 128)
 BLOCK_N = 128  # keys held per backward program (64 per consumer warpgroup), keys per forward step
@@ -56,7 +56,7 @@ _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.floa
 def supports(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
     """Why these kernels cannot run on such inputs, or None when they can (asked once per device, dtype and head
     dim: the operator caches its choice)."""
-    if RUNNING_IN_INTERPRETER:
+    if interpreting():
         return "the Triton interpreter (TRITON_INTERPRET=1) runs no Gluon kernels"
     if device.type != "cuda":
         return f"tensors on {device}"

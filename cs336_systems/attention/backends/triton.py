@@ -7,19 +7,23 @@ dK and dV of key tile ``i`` and dQ of query tile ``i``, recomputing P for each (
 
 Launch parameters: on a GPU, fixed tiles per dtype and head dim (:func:`fixed_config`, from autotuner timings),
 compiled once per (dtype, head dim, causal) whatever the lengths; ``FlashConfig.autotune`` lets
-``triton.autotune`` pick them per length bucket instead. Under ``TRITON_INTERPRET=1`` (CPU), one small
-configuration with unequal tiles, so that the tests exercise every masking path at small sizes in seconds; the
-interpreter's ``tl.dot`` is wrong on bfloat16, so bfloat16 inputs run there in float32 (rounded back at the end).
+``triton.autotune`` pick them per length bucket instead (its key and pruning below). Under ``TRITON_INTERPRET=1``
+(CPU), one small configuration with unequal tiles, so that the tests exercise every masking path at small sizes in
+seconds; the interpreter's ``tl.dot`` is wrong on bfloat16, so bfloat16 inputs run there in float32 (rounded back
+at the end).
 
-Host cost. The launch code keys what determines a compilation (dtype, shapes, strides, alignment, constexprs) and
-launches through :class:`cs336_systems.kernels.launch.Launcher` (no per-call argument binding by Triton). Float32
-matmuls use TF32 exactly when PyTorch's may (``torch.backends.cuda.matmul.allow_tf32 = True`` or
-``torch.set_float32_matmul_precision("high")``).
+Host cost. A call's launch plan (the arguments after the tensors, the grid, the constexprs) is kept per signature
+(dtype, shapes, strides, alignment, constexprs) and scale; the kernels launch as
+:class:`cs336_systems.kernels.launch.Kernel` objects, which choose a configuration once per signature and launch
+the compiled kernel without Triton's per-call argument binding. Float32 matmuls use TF32 exactly when PyTorch's
+may (``torch.backends.cuda.matmul.allow_tf32 = True`` or ``torch.set_float32_matmul_precision("high")``).
 """
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -29,7 +33,15 @@ from torch import Tensor
 
 from cs336_systems.attention.backends import triton_kernels
 from cs336_systems.attention.config import FLASH_CONFIG
-from cs336_systems.kernels.launch import FLOAT_DTYPES, RUNNING_IN_INTERPRETER, Launcher, aligned, new_output
+from cs336_systems.kernels.launch import (
+    FLOAT_DTYPES,
+    Grid,
+    Kernel,
+    aligned,
+    interpreting,
+    new_output,
+    unsupported_device,
+)
 
 HEAD_DIMS = (16, 32, 64, 128)
 _LOG2_E = math.log2(math.e)
@@ -41,10 +53,7 @@ def supports(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | N
         return f"unsupported dtype {dtype}: the Triton kernels take float16, bfloat16 or float32"
     if head_dim not in HEAD_DIMS:
         return f"head dim {head_dim} (needs one of {HEAD_DIMS})"
-    if device.type != "cuda" and not RUNNING_IN_INTERPRETER:
-        return (f"the Triton kernels need CUDA tensors, got tensors on {device}; to run them on the CPU through the "
-                "Triton interpreter, set TRITON_INTERPRET=1 before cs336_systems.attention is imported")
-    return None
+    return unsupported_device(device, "the Triton kernels", "cs336_systems.attention")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -113,25 +122,24 @@ def _pruner(kernel: str):
     return prune
 
 
-_PLAIN = {"fwd": triton_kernels.attn_fwd_kernel, "bwd": triton_kernels.attn_bwd_kernel}
-_PARALLEL_BLOCK = {"fwd": "BLOCK_M", "bwd": "TILE"}
 # Coarsened lengths (next power of two) bound how often the autotuner runs; the dtype of the tensor arguments
 # is part of every key automatically.
 _AUTOTUNE_KEY = ["n_queries_key", "n_keys_key", "HEAD_DIM", "IS_CAUSAL", "DOT_PRECISION"]
-_AUTOTUNED = {
-    name: triton.autotune([c for group in AUTOTUNE_CONFIGS[name].values() for c in group], key=_AUTOTUNE_KEY,
-                          prune_configs_by={"early_config_prune": _pruner(name)})(_PLAIN[name])
-    for name in _PLAIN
+KERNELS = {
+    name: Kernel(kernel, [c for group in AUTOTUNE_CONFIGS[name].values() for c in group], _AUTOTUNE_KEY, _pruner(name))
+    for name, kernel in (("fwd", triton_kernels.attn_fwd_kernel), ("bwd", triton_kernels.attn_bwd_kernel))
 }
-_LAUNCHERS = {name: Launcher(fn) for name, fn in _PLAIN.items()}
-_DELTA = Launcher(triton_kernels.attn_bwd_delta_kernel)
+"""The forward and the backward as launched: a configuration per key (fixed, or the autotuner's pick; the autotuner
+itself keeps one pick per autotune key, so a new shape in a tuned length bucket only looks it up)."""
+DELTA_KERNEL = Kernel(triton_kernels.attn_bwd_delta_kernel)
+"""Delta = rowsum(O * dO) (and the Hopper backward's float32 dQ accumulator zeroed), at :data:`DELTA_CONFIG`."""
 
 
 def fixed_config(kernel: str, dtype: torch.dtype, head_dim: int) -> triton.Config:
     """The configuration of ``kernel`` ("fwd" or "bwd") when not autotuning: the fastest in the autotuner's H100
     timings at 16384 tokens (bf16, causal) among those with no register spills at any head dim (checked with
     ptxas for sm_90)."""
-    if RUNNING_IN_INTERPRETER:
+    if interpreting():
         return INTERPRETER_CONFIGS[kernel]
     if dtype == torch.float32:
         num_warps = 4 if head_dim <= 64 else 8
@@ -141,49 +149,30 @@ def fixed_config(kernel: str, dtype: torch.dtype, head_dim: int) -> triton.Confi
     return _bwd_config(128, 64, 8, 3) if head_dim <= 64 else _bwd_config(128, 32, 8, 3)
 
 
+def _delta_config() -> triton.Config:
+    return DELTA_CONFIG
+
+
 class LaunchPlan(NamedTuple):
-    """What a launch needs beyond its tensors, fixed by the call's signature (dtype, shapes, strides, alignment) and
-    scale: the arguments after the tensors (strides, sizes, coarsened lengths, scales), the extent the grid's first
-    dimension covers, and ``batch * heads``."""
+    """A launch as fixed by the call's signature (dtype, shapes, strides, alignment, constexprs) and scale: the
+    arguments after the tensors (strides, sizes, coarsened lengths, scales), ``(batch * heads, the rows the grid's
+    first dimension covers)``, the grid as a function of the tiles, the constexprs, and the rule of the fixed
+    configuration (see :class:`cs336_systems.kernels.launch.Kernel`)."""
 
     tail: tuple
-    n_parallel: int
-    batch_heads: int
+    rows: tuple[int, int]
+    grid: Grid
+    constexprs: dict
+    fixed: Callable[[], triton.Config]
 
 
-_cache: dict[tuple, LaunchPlan | triton.Config] = {}
-"""The backend's cache: the launch plan per ("fwd" | "bwd", signature, scale) and ("delta", signature), and the
-autotuner's choice per ("autotuned", kernel, autotune key)."""
+_plans: dict[tuple, LaunchPlan] = {}
+"""The launch plans, per ("fwd" | "bwd", signature, scale) and ("delta", signature)."""
 
 
-def _tiles(kernel: str, dtype: torch.dtype, head_dim: int, args: tuple, meta: dict, n_parallel: int,
-           batch_heads: int) -> triton.Config | None:
-    """The configuration to launch ``kernel`` with: fixed, or the autotuner's choice for this key (None when the
-    autotuner has just run, and launched, for it)."""
-    if not FLASH_CONFIG.get().autotune or RUNNING_IN_INTERPRETER:
-        return fixed_config(kernel, dtype, head_dim)
-    key = ("autotuned", kernel, dtype, args.n_queries_key, args.n_keys_key, *meta.values())
-    if key not in _cache:
-        block = _PARALLEL_BLOCK[kernel]
-        _AUTOTUNED[kernel][lambda META: (triton.cdiv(n_parallel, META[block]), batch_heads)](*args, **meta)
-        _cache[key] = _AUTOTUNED[kernel].best_config
-        return None
-    return _cache[key]
-
-
-def _launch(kernel: str, n_parallel: int, batch_heads: int, signature: tuple, args: ForwardArgs | BackwardArgs,
-            meta: dict) -> None:
-    """Run ``kernel`` on the grid ``(cdiv(n_parallel, tile), batch * heads)``; ``signature`` holds what its
-    compilation depends on beyond ``meta`` (dtype, strides, alignment)."""
-    dtype, head_dim = signature[0], meta["HEAD_DIM"]
-    config = _tiles(kernel, dtype, head_dim, args, meta, n_parallel, batch_heads)
-    if config is None:
-        return
-    grid = (triton.cdiv(n_parallel, config.kwargs[_PARALLEL_BLOCK[kernel]]), batch_heads)
-    key = (signature, *meta.values(), *config.kwargs.values(), config.num_warps, config.num_stages)
-    # Only the tiles, warps and stages: torch.compile refuses num_ctas passed as a launch argument.
-    _LAUNCHERS[kernel](key, grid, args, {**meta, **config.kwargs}, num_warps=config.num_warps,
-                       num_stages=config.num_stages)
+def _tiled_grid(batch_heads: int, n_rows: int, tile: str) -> Grid:
+    """The grid ``(cdiv(n_rows, tiles[tile]), batch * heads)``."""
+    return lambda tiles: (-(-n_rows // tiles[tile]), batch_heads)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -196,11 +185,6 @@ def _dot_precision(dtype: torch.dtype) -> str:
     if dtype == torch.float32 and torch.backends.cuda.matmul.fp32_precision != "tf32":
         return "ieee"
     return "tf32"
-
-
-def _length_key(n: int) -> int:
-    """The next power of two (plain Python: ``triton.next_power_of_2`` costs microseconds per call)."""
-    return 1 << (n - 1).bit_length()
 
 
 def _length_key(n: int) -> int:
@@ -323,44 +307,51 @@ def forward(
     is_causal: bool, sm_scale: float,
 ) -> tuple[Float[Tensor, "batch *heads q d"], Float[Tensor, "batch *heads q"]]:
     """``O`` (Q's shape and dtype, contiguous) and the natural-log logsumexp ``L`` (float32)."""
-    if RUNNING_IN_INTERPRETER and Q.dtype == torch.bfloat16:
+    if interpreting() and Q.dtype == torch.bfloat16:
         O, L = forward(Q.float(), K.float(), V.float(), is_causal, sm_scale)
         return O.to(torch.bfloat16), L
     O = new_output(Q.shape, Q.dtype, Q.device)
     L = new_output(Q.shape[:-1], torch.float32, Q.device)
-    # Triton specialises the strides (and the pointers' alignment); O's follow from Q's shape.
-    signature = (Q.dtype, Q.shape, K.shape, Q.stride(), K.stride(), V.stride(), aligned(Q, K, V))
-    plan = _cache.get(("fwd", signature, sm_scale))
+    # What the compilation depends on: Triton specialises the strides and the pointers' alignment; O's strides
+    # follow from Q's shape.
+    signature = (Q.dtype, Q.shape, K.shape, Q.stride(), K.stride(), V.stride(), aligned(Q, K, V), is_causal,
+                 _dot_precision(Q.dtype))
+    plan = _plans.get(("fwd", signature, sm_scale))
     if plan is None:
-        plan = _cache[("fwd", signature, sm_scale)] = _forward_plan(Q, K, V, O, sm_scale)
-    meta = dict(HEAD_DIM=Q.shape[-1], IS_CAUSAL=is_causal, DOT_PRECISION=_dot_precision(Q.dtype))
-    _launch("fwd", plan.n_parallel, plan.batch_heads, signature, ForwardArgs(Q, K, V, O, L, *plan.tail), meta)
+        plan = _plans[("fwd", signature, sm_scale)] = _forward_plan(Q, K, V, O, is_causal, sm_scale)
+    KERNELS["fwd"](signature, plan.grid, ForwardArgs(Q, K, V, O, L, *plan.tail), plan.constexprs, plan.fixed,
+                   autotune=FLASH_CONFIG.get().autotune)
     return O, L
 
 
-def _forward_plan(Q: Tensor, K: Tensor, V: Tensor, O: Tensor, sm_scale: float) -> LaunchPlan:
-    n_heads, batch_heads, n_queries, n_keys, _ = _sizes(Q, K)
+def _forward_plan(Q: Tensor, K: Tensor, V: Tensor, O: Tensor, is_causal: bool, sm_scale: float) -> LaunchPlan:
+    n_heads, batch_heads, n_queries, n_keys, head_dim = _sizes(Q, K)
     tail = (*batch_head_strides(Q), *batch_head_strides(K), *batch_head_strides(V), *batch_head_strides(O),
             n_heads, n_queries, n_keys, _length_key(n_queries), _length_key(n_keys), sm_scale * _LOG2_E)
-    return LaunchPlan(tail, n_queries, batch_heads)
+    constexprs = dict(HEAD_DIM=head_dim, IS_CAUSAL=is_causal, DOT_PRECISION=_dot_precision(Q.dtype))
+    return LaunchPlan(tail, (batch_heads, n_queries), _tiled_grid(batch_heads, n_queries, "BLOCK_M"), constexprs,
+                      functools.partial(fixed_config, "fwd", Q.dtype, head_dim))
 
 
 def launch_delta(O: Float[Tensor, "batch *heads q d"], dO: Float[Tensor, "batch *heads q d"],
                  DQ_acc: Float[Tensor, "batch_heads q d"] | None = None) -> Float[Tensor, "batch_heads q"]:
     """Delta = rowsum(O * dO), float32; also zeroes the float32 ``DQ_acc`` when given (the Hopper backward's)."""
     zero_dq_acc = DQ_acc is not None
-    key = (O.dtype, O.shape, O.stride(), dO.stride(), aligned(O, dO), zero_dq_acc)
-    plan = _cache.get(("delta", key))
+    signature = (O.dtype, O.shape, O.stride(), dO.stride(), aligned(O, dO), zero_dq_acc)
+    plan = _plans.get(("delta", signature))
     if plan is None:
-        n_heads, batch_heads, n_queries, _, _ = _sizes(O, O)
-        plan = _cache[("delta", key)] = LaunchPlan(
-            (*batch_head_strides(O), *batch_head_strides(dO), n_heads, n_queries), n_queries, batch_heads)
-    Delta = new_output((plan.batch_heads, plan.n_parallel), torch.float32, O.device)
-    grid = (-(-plan.n_parallel // DELTA_CONFIG.kwargs["BLOCK_M"]), plan.batch_heads)
+        plan = _plans[("delta", signature)] = _delta_plan(O, dO, zero_dq_acc)
+    Delta = new_output(plan.rows, torch.float32, O.device)
     args = DeltaArgs(O, dO, Delta, *plan.tail, DQ_acc if zero_dq_acc else Delta)
-    _DELTA(key, grid, args, dict(HEAD_DIM=O.shape[-1], ZERO_DQ_ACC=zero_dq_acc, **DELTA_CONFIG.kwargs),
-           num_warps=DELTA_CONFIG.num_warps)
+    DELTA_KERNEL(signature, plan.grid, args, plan.constexprs, plan.fixed)
     return Delta
+
+
+def _delta_plan(O: Tensor, dO: Tensor, zero_dq_acc: bool) -> LaunchPlan:
+    n_heads, batch_heads, n_queries, _, head_dim = _sizes(O, O)
+    tail = (*batch_head_strides(O), *batch_head_strides(dO), n_heads, n_queries)
+    return LaunchPlan(tail, (batch_heads, n_queries), _tiled_grid(batch_heads, n_queries, "BLOCK_M"),
+                      dict(HEAD_DIM=head_dim, ZERO_DQ_ACC=zero_dq_acc), _delta_config)
 
 
 def backward(
@@ -370,26 +361,29 @@ def backward(
 ) -> tuple[Float[Tensor, "batch *heads q d"], Float[Tensor, "batch *heads k d"], Float[Tensor, "batch *heads k d"]]:
     """``dQ, dK, dV`` (in the inputs' dtype, contiguous) from the forward's ``O`` (contiguous) and ``L`` and the
     output gradient ``dO`` (unit stride along ``d``, O's dtype)."""
-    if RUNNING_IN_INTERPRETER and Q.dtype == torch.bfloat16:
+    if interpreting() and Q.dtype == torch.bfloat16:
         grads = backward(*(x.float() for x in (Q, K, V, O)), L, dO.float(), is_causal, sm_scale)
         return tuple(g.to(torch.bfloat16) for g in grads)
     Delta = launch_delta(O, dO)
     dQ = new_output(Q.shape, Q.dtype, Q.device)
     dK = new_output(K.shape, K.dtype, K.device)
     dV = new_output(V.shape, V.dtype, V.device)
-    signature = (Q.dtype, Q.shape, K.shape, Q.stride(), K.stride(), V.stride(), dO.stride(), aligned(Q, K, V, dO))
-    plan = _cache.get(("bwd", signature, sm_scale))
+    signature = (Q.dtype, Q.shape, K.shape, Q.stride(), K.stride(), V.stride(), dO.stride(), aligned(Q, K, V, dO),
+                 is_causal, _dot_precision(Q.dtype))
+    plan = _plans.get(("bwd", signature, sm_scale))
     if plan is None:
-        plan = _cache[("bwd", signature, sm_scale)] = _backward_plan(Q, K, V, dO, dQ, dK, dV, sm_scale)
-    meta = dict(HEAD_DIM=Q.shape[-1], IS_CAUSAL=is_causal, DOT_PRECISION=_dot_precision(Q.dtype))
-    args = BackwardArgs(Q, K, V, dO, L, Delta, dQ, dK, dV, *plan.tail)
-    _launch("bwd", plan.n_parallel, plan.batch_heads, signature, args, meta)
+        plan = _plans[("bwd", signature, sm_scale)] = _backward_plan(Q, K, V, dO, dQ, dK, dV, is_causal, sm_scale)
+    KERNELS["bwd"](signature, plan.grid, BackwardArgs(Q, K, V, dO, L, Delta, dQ, dK, dV, *plan.tail),
+                   plan.constexprs, plan.fixed, autotune=FLASH_CONFIG.get().autotune)
     return dQ, dK, dV
 
 
-def _backward_plan(Q: Tensor, K: Tensor, V: Tensor, dO: Tensor, dQ: Tensor, dK: Tensor, dV: Tensor,
+def _backward_plan(Q: Tensor, K: Tensor, V: Tensor, dO: Tensor, dQ: Tensor, dK: Tensor, dV: Tensor, is_causal: bool,
                    sm_scale: float) -> LaunchPlan:
-    n_heads, batch_heads, n_queries, n_keys, _ = _sizes(Q, K)
+    n_heads, batch_heads, n_queries, n_keys, head_dim = _sizes(Q, K)
     tail = (*(stride for x in (Q, K, V, dO, dQ, dK, dV) for stride in batch_head_strides(x)),
             n_heads, n_queries, n_keys, _length_key(n_queries), _length_key(n_keys), sm_scale, sm_scale * _LOG2_E)
-    return LaunchPlan(tail, max(n_queries, n_keys), batch_heads)
+    n_rows = max(n_queries, n_keys)  # program i: key tile i, then query tile i
+    constexprs = dict(HEAD_DIM=head_dim, IS_CAUSAL=is_causal, DOT_PRECISION=_dot_precision(Q.dtype))
+    return LaunchPlan(tail, (batch_heads, n_rows), _tiled_grid(batch_heads, n_rows, "TILE"), constexprs,
+                      functools.partial(fixed_config, "bwd", Q.dtype, head_dim))
