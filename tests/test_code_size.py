@@ -17,7 +17,6 @@ KNOWN_OVERSIZED = {
     "cs336_systems/bench/common/timeline.py::render_gathers",
     "cs336_systems/bench/ddp_overhead_model.py::compare",
     "cs336_systems/bench/leaderboard_2026.py::run_stack",
-    "cs336_systems/parallel/sharded_optimizer.py::ShardedOptimizer.state_dict",
 }
 
 
