@@ -3,11 +3,10 @@ contract, input errors, and that the kernels compile for an H100.
 
 How the tests are split:
 
-* CPU, in this process: input errors, and an ahead-of-time compile of the kernels for sm_90 with
+* CPU: input errors, and (``compiled_kernels``, see ``tests/conftest.py``) an ahead-of-time compile for sm_90 with
   Triton's own ptxas (catches what only the compiler sees: non-constexpr globals, shared memory,
   register spills), no GPU needed.
-* CPU, in a subprocess: ``_flash_interpreter_attention.py`` under ``TRITON_INTERPRET=1`` (the variable
-  must be set before the kernels are defined, so not in this process), float32 and float16.
+* CPU, through the Triton interpreter (``tests/interpreter/test_attention.py``), float32 and float16.
 * GPU (marker ``gpu``): a grid of 58 shapes x dtypes against float64 with NaN-poisoned outputs,
   gradients included; the grader's shapes; autotuning; the leaderboard shape against PyTorch's fused
   attention; ``torch.compile``; the language model. Errors per dtype are printed at the end of the
@@ -39,7 +38,7 @@ from cs336_systems.attention.flash_triton import (
     SUPPORTED_HEAD_DIMS,
     FlashAttention2Triton,
 )
-from cs336_systems.kernels.launch import RUNNING_IN_INTERPRETER, poisoned_outputs
+from cs336_systems.kernels.launch import poisoned_outputs
 from tests import adapters
 from tests._flash_checks import (
     QUANTITIES,
@@ -49,18 +48,11 @@ from tests._flash_checks import (
     relative_error,
     run_function,
     run_reference,
-    run_under_interpreter,
 )
-from tests._markers import needs_interpreter_numpy
 
 # ---------------------------------------------------------------------------------------------------
 # CPU
 # ---------------------------------------------------------------------------------------------------
-
-
-@needs_interpreter_numpy
-def test_triton_kernels_under_interpreter():
-    run_under_interpreter("_flash_interpreter_attention.py")
 
 
 def _valid(**overrides):
@@ -102,7 +94,7 @@ def test_rejects_mixed_dtypes_and_devices():
         FlashAttention2Triton.apply(q, k.to("meta"), v, False)
 
 
-@pytest.mark.skipif(RUNNING_IN_INTERPRETER, reason="the interpreter takes CPU tensors")
+@pytest.mark.compiled_kernels
 def test_rejects_cpu_tensors_without_interpreter():
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         FlashAttention2Triton.apply(*_valid(), True)
@@ -164,7 +156,7 @@ def test_flash_config_is_explicit_and_checked():
     assert FlashConfig.from_environment({}) == FlashConfig()
 
 
-@pytest.mark.skipif(RUNNING_IN_INTERPRETER, reason="compiles the GPU kernels")
+@pytest.mark.compiled_kernels
 @pytest.mark.parametrize(
     "dtype, head_dim, is_causal",
     [(torch.bfloat16, 64, True), (torch.float16, 128, False), (torch.float32, 32, True)],
@@ -189,7 +181,7 @@ def test_fixed_configs_compile_for_h100_without_spills(monkeypatch, dtype, head_
             assert serialized_wgmma(compiled) is None, f"{name} {config}"
 
 
-@pytest.mark.skipif(RUNNING_IN_INTERPRETER, reason="compiles the GPU kernels")
+@pytest.mark.compiled_kernels
 @pytest.mark.xfail(strict=True, reason="ptxas serialises the Triton backward's wgmma on sm_90 (C7514): its consecutive "
                    "sweeps carry the dK/dV and dQ accumulators from loop to loop. One masked sweep each fixes it, but "
                    "lost its measurement (issue 28: H100, d = 64 backward 4-10 % slower); on Hopper the Gluon "
@@ -204,8 +196,8 @@ def test_backward_wgmma_are_not_serialized_on_h100(monkeypatch):
     assert serialized_wgmma(compile_for_gpu(kernel, args, {**meta, **config.all_kwargs()})) is None
 
 
+@pytest.mark.compiled_kernels
 @pytest.mark.slow
-@pytest.mark.skipif(RUNNING_IN_INTERPRETER, reason="compiles the GPU kernels")
 def test_autotune_configs_compile_for_h100(monkeypatch):
     """Every configuration the autotuner may try on the leaderboard's dtype and head dim compiles and
     fits in shared memory (spilling ones are allowed: the autotuner just finds them slow)."""

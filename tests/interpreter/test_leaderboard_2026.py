@@ -1,24 +1,20 @@
-"""The 2026 leaderboard step under the Triton CPU interpreter (run by ``tests/test_leaderboard_2026.py`` in a
-subprocess with ``TRITON_INTERPRET=1``): both sharded stacks on 2 gloo ranks against one process, the CLI's rows,
-and selective checkpointing that never runs our attention forward again in backward."""
+"""The 2026 leaderboard step under the Triton CPU interpreter (see ``conftest.py``): both sharded stacks on 2 gloo
+ranks against one process, the CLI's rows, and selective checkpointing that never runs our attention forward again
+in backward."""
 
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
-
-if os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("runs under TRITON_INTERPRET=1", allow_module_level=True)
 
 import cs336_systems.attention.flash_triton as flash_triton
 from cs336_basics.model import BasicsTransformerLM
 from cs336_systems.bench import leaderboard_2026
 from cs336_systems.train import STACKS, build_training_step
 
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the interpreter warns by the hundred
 
 
 def test_sharded_stacks_match_one_process(capsys):

@@ -1,10 +1,4 @@
-"""FlashAttention-2 Triton kernels under the Triton CPU interpreter, at small sizes.
-
-Not collected by a plain ``pytest`` run (the name does not start with ``test_``):
-``tests/test_flash_attention_triton.py::test_triton_kernels_under_interpreter`` runs this file in a
-subprocess with ``TRITON_INTERPRET=1``, because ``@triton.jit`` reads that variable when the kernels
-are defined, so it cannot be switched on inside a process that already imported them. To run it by
-hand: ``TRITON_INTERPRET=1 python -m pytest tests/_flash_interpreter_attention.py``.
+"""FlashAttention-2 Triton kernels under the Triton CPU interpreter, at small sizes (see ``conftest.py``).
 
 float32 and float16 only: the interpreter's ``tl.dot`` multiplies the raw bits of bfloat16 values.
 The interpreter uses one small configuration with unequal tiles (see ``INTERPRETER_CONFIGS``), so
@@ -13,13 +7,8 @@ these sizes cover full, ragged, diagonal and skipped tiles in every kernel.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-
-if os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("runs under TRITON_INTERPRET=1 (see the module docstring)", allow_module_level=True)
 
 from cs336_systems.attention import flash_triton
 from cs336_systems.attention.flash_triton import FlashAttention2Triton
@@ -33,8 +22,7 @@ from tests._flash_checks import (
     run_reference,
 )
 
-# The interpreter itself triggers NumPy deprecation warnings by the hundred.
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the interpreter warns by the hundred
 
 # float32 through the interpreter is NumPy float32, so its error is rounding only.
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 5e-3}

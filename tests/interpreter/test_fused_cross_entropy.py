@@ -1,8 +1,5 @@
-"""The fused cross-entropy's Triton row kernel under the Triton CPU interpreter, at small sizes.
-
-Not collected by a plain ``pytest`` run: ``tests/test_fused_cross_entropy.py::test_fused_cross_entropy_under_interpreter``
-runs this file in a subprocess with ``TRITON_INTERPRET=1`` (``@triton.jit`` reads it when the kernel is defined).
-By hand: ``TRITON_INTERPRET=1 python -m pytest tests/_fused_cross_entropy_interpreter.py``.
+"""The fused cross-entropy's Triton row kernel under the Triton CPU interpreter, at small sizes (see
+``conftest.py``).
 
 Lowering ``MAX_BLOCK_V`` to 128 cuts every row into several tiles, the last one ragged (V = 1000: 7 full tiles and
 104 columns; V = 257: 2 and 1); at the default (the tests without it) a row is one masked tile.
@@ -10,19 +7,15 @@ Lowering ``MAX_BLOCK_V`` to 128 cuts every row into several tiles, the last one 
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-
-if os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("runs under TRITON_INTERPRET=1 (see the module docstring)", allow_module_level=True)
 
 from cs336_systems.kernels import cross_entropy
 from tests import test_fused_cross_entropy
 from tests.test_fused_cross_entropy import check_against_float64, make_inputs
 
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the interpreter warns by the hundred
+
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
