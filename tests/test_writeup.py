@@ -236,16 +236,37 @@ def test_a_figure_named_by_a_row_must_exist(tmp_path, capsys):
     results = tmp_path / "results"
     write_fixture(results, tmp_path / "row-figures")
     (tmp_path / "row-figures" / "memory_forward.png").unlink()
+    _, missing = build.collect(Results(results), Output(tmp_path / "figures", tmp_path / "build"))
+    assert [Path(error.path).name for error in missing.values()] == ["memory_forward.png"]
     assert run_build(tmp_path, results) == 1
-    assert "memory_forward.png" in capsys.readouterr().err
+    assert "memory_forward.png" in capsys.readouterr().err  # the message names it too
 
 
-def test_a_results_file_with_other_keys_names_the_section(tmp_path):
+def test_rows_without_a_measurement_name_the_file_the_column_and_the_section(tmp_path, capsys):
+    """The rows a tool writes where it could not measure (e.g. the leaderboard on a CPU: an error, no times)."""
+    results = tmp_path / "results"
+    write_fixture(results, tmp_path / "row-figures")
+    rows = [json.loads(line) for line in (results / "leaderboard.jsonl").read_text().splitlines()]
+    for r in rows[1:]:
+        del r["fwd_bwd_ms"]
+        r["error"] = "RuntimeError: No viable backend for scaled_dot_product_attention was found."
+    (results / "leaderboard.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    _, missing = build.collect(Results(results), Output(tmp_path / "figures", tmp_path / "build"))
+    assert list(missing) == ["leaderboard"]
+    assert missing["leaderboard"].path.endswith("leaderboard.jsonl")
+    assert missing["leaderboard"].why.startswith(f"no column 'fwd_bwd_ms' in {len(rows) - 1} of its {len(rows)} rows")
+    assert "No viable backend" in missing["leaderboard"].why
+    assert run_build(tmp_path, results) == 1
+    err = capsys.readouterr().err  # what the user reads
+    assert "'fwd_bwd_ms'" in err and re.search(r"leaderboard\.jsonl.*\(needed by: leaderboard\)", err)
+
+
+def test_a_section_failing_on_other_keys_names_the_section(tmp_path):
     results = tmp_path / "results"
     write_fixture(results, tmp_path / "row-figures")
     rows = [json.loads(line) for line in (results / "leaderboard.jsonl").read_text().splitlines()]
     for r in rows:
-        r["total_ms"] = r.pop("fwd_bwd_ms")  # a renamed measurement
+        r["fwd_bwd_ms"] = "fast"  # a measurement of another type
     (results / "leaderboard.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     with pytest.raises(RuntimeError, match="section 'leaderboard'"):
         run_build(tmp_path, results)
