@@ -85,7 +85,7 @@ def parser():
     p.add_argument("--trace-variants", nargs="+", type=variant_name, default=TRACE_VARIANTS,
                    help=f"default {' '.join(TRACE_VARIANTS)}")
     p.add_argument("--trace-dir", type=Path, default=DEFAULT_TRACE_DIR, help=f"raw traces (default {DEFAULT_TRACE_DIR})")
-    p.add_argument("--figures-dir", type=Path, default=None, help=f"where PNGs go (default {result_store.FIGURES_DIR})")
+    cli.add_figures_dir(p)
     p.add_argument("--timeout-s", type=float, default=3600.0, help="give up if the run hangs this long")
     return p
 

@@ -68,7 +68,7 @@ def parser():
     p.add_argument("--autotune", action="store_true", help="autotune our kernels' tiles per length bucket instead")
     p.add_argument("--time-limit-s", type=float, default=None,
                    help="start no new case after this many seconds (run again to resume)")
-    p.add_argument("--figures-dir", type=Path, default=None, help=f"where PNGs go (default {result_store.FIGURES_DIR})")
+    cli.add_figures_dir(p)
     p.add_argument("--no-plot", action="store_true")
     return p
 

@@ -42,6 +42,13 @@ def base_parser(description: str, resumes: bool = True) -> argparse.ArgumentPars
     return parser
 
 
+def add_figures_dir(parser: argparse.ArgumentParser, what: str = "PNGs") -> None:
+    """The ``--figures-dir`` option, resolved like ``--results-dir`` (see :class:`BenchmarkParser`)."""
+    parser.add_argument("--figures-dir", type=Path, default=None,
+                        help=f"where {what} go (default {FIGURES_DIR} on a GPU; {SCRATCH_DIR / 'figures'} for --quick "
+                             "runs and on machines without a GPU)")
+
+
 def start(parser: argparse.ArgumentParser, argv: list[str] | None) -> tuple[argparse.Namespace, torch.device, bool]:
     """A single-device tool's first lines: its options parsed, the device chosen and announced, and whether it runs
     the tiny configuration (``--quick``, or no GPU). Returns ``(args, device, tiny)``."""
