@@ -4,6 +4,7 @@ and printed tables."""
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import sys
 from pathlib import Path
@@ -64,6 +65,9 @@ def announce(device: torch.device, quick: bool) -> None:
         print(f"# device: {torch.cuda.get_device_name(device)} ({torch.cuda.device_count()} GPU(s))", file=sys.stderr)
     else:
         print("# device: CPU (no GPU found): running a tiny CPU configuration", file=sys.stderr)
+        # torch.compile's CPU backend imports torch.utils.cpp_extension, which warns "No CUDA runtime is found"
+        # wherever a CUDA toolkit is installed: true, said already, and no concern of a CPU run.
+        logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
     if quick:
         print("# --quick: smoke-test configuration", file=sys.stderr)
 
