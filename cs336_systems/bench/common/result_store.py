@@ -92,6 +92,7 @@ class ResultStore:
         self.env = environment()
         self._said_where = False
         self._measured = [row for row in self.rows() if row.get("device") == self.env["device"]]
+        self._asked: list[dict[str, Any]] = []  # every configuration passed to pending(), in order
 
     def rows(self) -> list[dict[str, Any]]:
         """Every row in the file (all devices, all runs)."""
@@ -133,9 +134,20 @@ class ResultStore:
                 and all(row.get(key) == value for key, value in config.items())]
         return rows[-1] if rows else None
 
+    def asked_rows(self) -> list[dict[str, Any]]:
+        """The newest row on this device of every configuration passed to :meth:`pending`, measured now or by an
+        earlier run (the rows a tool prints: a re-run with nothing left to measure shows what is stored)."""
+        newest = {}
+        for row in self._measured:
+            for index, config in enumerate(self._asked):
+                if _matches(row, config):
+                    newest[index] = row
+        return [newest[index] for index in sorted(newest)]
+
     def pending(self, configs: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
         """The configurations not yet measured on this device, in order; says on stderr how many were skipped."""
         configs = list(configs)
+        self._asked += [config for config in configs if config not in self._asked]
         left = [config for config in configs if not self.done(config)]
         if not configs or len(left) == len(configs):
             return left
