@@ -7,6 +7,7 @@ import argparse
 import logging
 import math
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +77,9 @@ def progress(items: list, desc: str):
     """A tqdm progress bar over ``items`` (on stderr, so printed tables stay clean); ``.update()`` steps it."""
     from tqdm import tqdm
 
+    # tqdm's default lock holds a multiprocessing semaphore, which a spawned rank never releases (Python warns of
+    # "leaked semaphore objects" at exit); our bars live in one process each, so a thread lock does.
+    tqdm.set_lock(threading.RLock())
     return tqdm(items, desc=desc, file=sys.stderr, dynamic_ncols=True)
 
 

@@ -84,13 +84,15 @@ def _matches(row: dict[str, Any], config: dict[str, Any]) -> bool:
 class ResultStore:
     """Rows of one problem in ``<results_dir>/<problem>.jsonl``, appended one line at a time."""
 
-    def __init__(self, problem: str, results_dir: Path | str | None = None, force: bool = False):
+    def __init__(self, problem: str, results_dir: Path | str | None = None, force: bool = False, quiet: bool = False):
+        """``quiet``: say nothing on stderr (where rows go, what is skipped), for a caller that reports itself."""
         self.problem = problem
         self.path = Path(results_dir or RESULTS_DIR) / f"{problem}.jsonl"
         self.force = force
         self.run = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ") + "-" + secrets.token_hex(3)
         self.env = environment()
-        self._said_where = False
+        self._said_where = quiet
+        self._quiet = quiet
         self._measured = [row for row in self.rows() if row.get("device") == self.env["device"]]
         self._asked: list[dict[str, Any]] = []  # every configuration passed to pending(), in order
 
@@ -149,7 +151,7 @@ class ResultStore:
         configs = list(configs)
         self._asked += [config for config in configs if config not in self._asked]
         left = [config for config in configs if not self.done(config)]
-        if not configs or len(left) == len(configs):
+        if not configs or len(left) == len(configs) or self._quiet:
             return left
         if left:
             print(f"# {len(configs) - len(left)} of {len(configs)} cases already in {self.path}: skipped "
