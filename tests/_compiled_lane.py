@@ -32,20 +32,21 @@ def route_compiled_tests(config, items) -> None:
     """Under the interpreter, make every marked test report its outcome from the one compiled subprocess."""
     if not kernels_interpreted():
         return
-    marked = [item for item in items if item.get_closest_marker(MARKER) is not None]
-    lane = _Lane(config, [item.nodeid for item in marked])
-    for item in marked:
-        item.runtest = lambda item=item: lane.replay(item.nodeid)
+    lane = _Lane(config)
+    for item in items:
+        if item.get_closest_marker(MARKER) is not None:
+            item.runtest = lambda item=item: lane.replay(item)
 
 
 class _Lane:
-    def __init__(self, config, nodeids: list[str]):
+    def __init__(self, config):
         self.rootdir = str(config.rootpath)
-        self.nodeids = nodeids
         self.outcomes: dict[str, dict] | None = None
 
-    def replay(self, nodeid: str) -> None:
-        if self.outcomes is None:
+    def replay(self, item) -> None:
+        nodeid = item.nodeid
+        if self.outcomes is None:  # the session's final selection (after -m, -k and deselection)
+            self.nodeids = [i.nodeid for i in item.session.items if i.get_closest_marker(MARKER) is not None]
             self.outcomes = self._run()
         outcome = self.outcomes.get(nodeid)
         if outcome is None:

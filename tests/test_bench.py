@@ -168,6 +168,7 @@ def test_benchmarking_script_quick_writes_rows_and_resumes(tmp_path, capsys):
     assert [line.split()[:3] for line in table] == [["tiny", "forward", "fp32"], ["tiny", "train_step", "fp32"]]
 
 
+@pytest.mark.slow
 def test_warmup_study_runs_each_warmup_count_in_its_own_process(tmp_path):
     benchmarking_script.main(["--quick", "--results-dir", str(tmp_path), "--modes", "forward", "--dtypes", "fp32",
                               "--warmup-study"])
@@ -198,6 +199,7 @@ def test_single_gpu_clis_quick_on_cpu(tmp_path):
     assert all(r["forward_median_ms"] > 0 and r["backward_median_ms"] > 0 for r in attention)
 
 
+@pytest.mark.slow
 def test_torch_compile_quick_model_part(tmp_path):
     torch_compile.main(["--quick", "--results-dir", str(tmp_path), "--part", "model", "--dtypes", "fp32",
                         "--compile-backend", "aot_eager"])

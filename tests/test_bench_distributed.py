@@ -48,6 +48,7 @@ def test_unknown_ddp_variant_is_refused(capsys):
     assert ddp_step.variant_name("bucketed_25mb") == "bucketed_25mb"
 
 
+@pytest.mark.slow
 def test_every_variant_wraps_and_steps_in_a_one_rank_group():
     """World size 1 (in this process, no spawn): every wrapper's gradients equal the unwrapped model's."""
     device = torch.device("cpu")
@@ -84,6 +85,7 @@ def test_every_variant_wraps_and_steps_in_a_one_rank_group():
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_all_reduce_quick_on_gloo(tmp_path, capsys):
     argv = ["--quick", "--results-dir", str(tmp_path), "--figures-dir", str(tmp_path), "--backends", "gloo",
             "--sizes-mb", "0.01", "0.4"]
@@ -103,6 +105,7 @@ def test_all_reduce_quick_on_gloo(tmp_path, capsys):
     assert "busbw_gbps" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_ddp_benchmarking_quick_on_gloo_with_a_trace(tmp_path):
     argv = ["--quick", "--results-dir", str(tmp_path), "--figures-dir", str(tmp_path), "--dtypes", "fp32",
             "--variants", "bucketed_1mb", "torch_ddp", "--trace", "--trace-variants", "bucketed_1mb",
@@ -142,6 +145,7 @@ def test_ddp_benchmarking_measures_each_variant_on_fresh_ranks_and_quick_runs_a_
     assert len(ddp_benchmarking.QUICK["variants"]) <= 3 and ddp_benchmarking.QUICK["dtypes"] == ["fp32"]
 
 
+@pytest.mark.slow
 def test_optimizer_state_sharding_accounting_quick_on_gloo(tmp_path):
     optimizer_state_sharding_accounting.main(["--quick", "--results-dir", str(tmp_path)])
     rows = {r["optimizer"]: r for r in read_rows(tmp_path / "optimizer_state_sharding_accounting.jsonl")}
@@ -357,6 +361,7 @@ def test_overhead_model_fit_and_errors(tmp_path, capsys):
     assert "fp32: no bucketed DDP rows" in out and "predicted optimum" in out and "bucketed_100mb" in out
 
 
+@pytest.mark.slow
 def test_ddp_ratio_check_script_runs_on_gloo():
     """scripts/ddp_ratio_check.py: its own loop over PyTorch's DDP and our bucketed DDP (2 gloo ranks, tiny)."""
     import subprocess

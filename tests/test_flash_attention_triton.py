@@ -100,6 +100,7 @@ def test_rejects_cpu_tensors_without_interpreter():
         FlashAttention2Triton.apply(*_valid(), True)
 
 
+@pytest.mark.slow
 def test_float32_dot_precision_follows_pytorch():
     """TF32 exactly when PyTorch's matmuls may use it, through either precision API; run in a fresh
     process, since mixing the two APIs leaves PyTorch's legacy flag unreadable."""
@@ -159,7 +160,8 @@ def test_flash_config_is_explicit_and_checked():
 @pytest.mark.compiled_kernels
 @pytest.mark.parametrize(
     "dtype, head_dim, is_causal",
-    [(torch.bfloat16, 64, True), (torch.float16, 128, False), (torch.float32, 32, True)],
+    [pytest.param(torch.bfloat16, 64, True, marks=pytest.mark.slow),
+     pytest.param(torch.float16, 128, False, marks=pytest.mark.slow), (torch.float32, 32, True)],
 )
 def test_fixed_configs_compile_for_h100_without_spills(monkeypatch, dtype, head_dim, is_causal):
     from tests._flash_aot import (
@@ -181,6 +183,7 @@ def test_fixed_configs_compile_for_h100_without_spills(monkeypatch, dtype, head_
             assert serialized_wgmma(compiled) is None, f"{name} {config}"
 
 
+@pytest.mark.slow
 @pytest.mark.compiled_kernels
 @pytest.mark.xfail(strict=True, reason="ptxas serialises the Triton backward's wgmma on sm_90 (C7514): its consecutive "
                    "sweeps carry the dK/dV and dQ accumulators from loop to loop. One masked sweep each fixes it, but "

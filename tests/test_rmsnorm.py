@@ -135,7 +135,8 @@ def test_use_fused_rmsnorm_swaps_every_norm_keeping_its_parameter():
 
 
 @pytest.mark.compiled_kernels
-@pytest.mark.parametrize("n_cols", [1, 80, 768, 1600, 2560, 8192, 9000])
+@pytest.mark.parametrize("n_cols", [pytest.param(n, marks=() if n == 80 else pytest.mark.slow)
+                                    for n in (1, 80, 768, 1600, 2560, 8192, 9000)])
 def test_every_autotune_candidate_compiles_for_h100_without_spills(n_cols):
     """Ahead-of-time compile for sm_90 (see ``_flash_aot.py``) of the configurations the pruner lets the
     autotuner try, for each warp count the one with the most elements per thread (the most registers), and of

@@ -56,6 +56,7 @@ def test_parts_errors_name_the_part_and_the_choices():
     assert Parts().with_overrides(["checkpointing=2", "keep_attention=yes"]).keep_attention
 
 
+@pytest.mark.slow
 def test_train_step_cli_refuses_a_bad_override_in_one_line():
     """Checked before any child process starts: one line on stderr naming the part and its choices."""
     done = subprocess.run([sys.executable, "-m", "cs336_systems.bench.train_step", "--override", "rmsnorm=nope"],

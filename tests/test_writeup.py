@@ -155,6 +155,7 @@ def test_builds_every_section_from_the_fixture(tmp_path, fixture_results):
     assert len(flash["listings"]) == 2
 
 
+@pytest.mark.slow
 def test_a_missing_results_file_fails_naming_it(tmp_path, fixture_results, capsys):
     results = tmp_path / "results"
     write_fixture(results, tmp_path / "row-figures")
@@ -175,6 +176,7 @@ def test_a_missing_results_file_fails_naming_it(tmp_path, fixture_results, capsy
     assert "missing" not in data["sections"]["benchmarking_script"]
 
 
+@pytest.mark.slow
 def test_newer_official_leaderboard_2026_rows_on_other_gpus_take_over(tmp_path):
     """A newer official pair on 2 H100s (ours compiled, PyTorch's loss chunked) and its profile: the section shows
     them, the H200 pair as the earlier rows, the memory budget of the rows' own loss parts, and only the profile
@@ -232,6 +234,7 @@ def test_the_optimisation_log_and_the_probe_history_each_build_alone(tmp_path):
         section(Results(results), out)
 
 
+@pytest.mark.slow
 def test_a_figure_named_by_a_row_must_exist(tmp_path, capsys):
     results = tmp_path / "results"
     write_fixture(results, tmp_path / "row-figures")
@@ -242,6 +245,7 @@ def test_a_figure_named_by_a_row_must_exist(tmp_path, capsys):
     assert "memory_forward.png" in capsys.readouterr().err  # the message names it too
 
 
+@pytest.mark.slow
 def test_rows_without_a_measurement_name_the_file_the_column_and_the_section(tmp_path, capsys):
     """The rows a tool writes where it could not measure (e.g. the leaderboard on a CPU: an error, no times)."""
     results = tmp_path / "results"
@@ -279,6 +283,7 @@ def test_every_section_has_a_typst_body_and_the_reverse():
     assert len(in_typst) == len(set(in_typst))
 
 
+@pytest.mark.slow
 def test_the_committed_results_build(tmp_path):
     """The sections whose results are committed build from them (others may still be missing)."""
     assert run_build(tmp_path, WRITEUP / "results", "--allow-missing") == 0

@@ -111,6 +111,7 @@ def test_transformer_lm_with_triton_attention_matches_naive():
     assert_lm_matches_naive(model, token_ids, "triton", logits_tol=(1e-4, 1e-5))
 
 
+@pytest.mark.slow
 def test_torch_compile_of_apply():
     """The leaderboard times torch.compile(FlashAttention2.apply): our kernels are operators, so the whole
     Function traces into one graph (``fullgraph=True`` raises on any graph break)."""

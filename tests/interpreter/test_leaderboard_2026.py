@@ -17,11 +17,13 @@ from cs336_systems.train import STACKS, build_training_step
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the interpreter warns by the hundred
 
 
+@pytest.mark.slow
 def test_sharded_stacks_match_one_process(capsys):
     leaderboard_2026.main(["--quick", "--check"])  # raises SystemExit on a mismatch
     assert "check passed" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_cli_rows_for_both_stacks(tmp_path):
     argv = ["--quick", "--results-dir", str(tmp_path), "--rep-ms", "1", "--warmup-ms", "1"]
     leaderboard_2026.main(argv)
@@ -36,6 +38,7 @@ def test_cli_rows_for_both_stacks(tmp_path):
     assert len((tmp_path / "leaderboard_2026.jsonl").read_text().splitlines()) == 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("keep_attention", [False, True])
 def test_keep_attention_runs_attention_forward_once(monkeypatch, keep_attention):
     calls = []
@@ -71,6 +74,7 @@ def test_keep_attention_gradients_equal_plain_checkpointing():
         torch.testing.assert_close(grads[True][name], grad, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.slow
 def test_compiled_blocks_under_our_fsdp_compile_once(monkeypatch):
     """Our FSDP with compiled blocks (aot_eager here: Inductor's CPU code generation would only cost minutes)."""
     import functools

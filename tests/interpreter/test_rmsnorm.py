@@ -193,6 +193,7 @@ def test_transformer_lm_with_fused_rmsnorm_matches_plain(autocast_output):
         assert relative_error(grads[name], grad) < 3e-2, name
 
 
+@pytest.mark.slow
 def test_torch_compile_traces_without_graph_breaks():
     """Under Dynamo the Function calls the custom ops: ``fullgraph=True`` fails on any graph break."""
     x, weight, dy = make_inputs((6, 3, 40), torch.float32, "cpu")
