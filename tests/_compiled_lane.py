@@ -54,7 +54,8 @@ class _Lane:
         if outcome["outcome"] == "skipped":
             pytest.skip(outcome["text"])
         if outcome["outcome"] == "failed":
-            pytest.fail(f"(with TRITON_INTERPRET=0, in the compiled-kernels subprocess)\n{outcome['text']}", pytrace=False)
+            pytest.fail(f"(with TRITON_INTERPRET=0, in the compiled-kernels subprocess)\n{outcome['text']}",
+                        pytrace=False)
 
     def _run(self) -> dict[str, dict]:
         with tempfile.TemporaryDirectory() as directory:

@@ -1,6 +1,6 @@
 """The fused LM head + cross-entropy (``cs336_systems.kernels.cross_entropy``) against ``F.cross_entropy`` on
-float64 logits: the Triton row kernel through the CPU interpreter (``tests/interpreter/test_fused_cross_entropy.py``); here, on
-the CPU, the same chunked algorithm (with the Triton row step when the kernels are interpreted),
+float64 logits: the Triton row kernel through the CPU interpreter (``tests/interpreter/test_fused_cross_entropy.py``);
+here, on the CPU, the same chunked algorithm (with the Triton row step when the kernels are interpreted),
 the custom op's registration and ``torch.compile``, input checks; and on a GPU, a large bf16 case and its peak
 memory."""
 

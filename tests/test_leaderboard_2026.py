@@ -1,6 +1,6 @@
 """The course's 2026 leaderboard step (``cs336_systems.bench.leaderboard_2026``): FLOP and memory accounting, the
-sharded stacks' parts, the whole composition on gloo ranks under the Triton interpreter (``tests/interpreter/``), and the
-reduced-size check against one process on 2 GPUs."""
+sharded stacks' parts, the whole composition on gloo ranks under the Triton interpreter (``tests/interpreter/``), and
+the reduced-size check against one process on 2 GPUs."""
 
 from __future__ import annotations
 

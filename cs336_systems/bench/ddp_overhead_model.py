@@ -168,7 +168,8 @@ def compare_files(results_dir: Path | None = None, dtypes: tuple[str, ...] = ("f
                   backend: str = "nccl") -> list[dict[str, Any]]:
     """:func:`compare` for each dtype that has rows, from the results files in ``results_dir``."""
     results_dir = Path(results_dir or result_store.RESULTS_DIR)
-    paths = [results_dir / f"{problem}.jsonl" for problem in ("distributed_communication_single_node", "ddp_benchmarking")]
+    problems = ("distributed_communication_single_node", "ddp_benchmarking")
+    paths = [results_dir / f"{problem}.jsonl" for problem in problems]
     allreduce, ddp = (read_rows(path) for path in paths)
     for path, rows in zip(paths, (allreduce, ddp)):
         devices = sorted({row.get("device", "?") for row in rows})

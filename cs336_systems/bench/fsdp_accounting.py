@@ -268,8 +268,9 @@ def print_step_table(args, world_size: int) -> None:
         print("# CPU ranks: no CUDA memory to record (peak and state empty); with 1 warm-up and 2 timed steps of the "
               "tiny model on ranks that share the CPU, the times show that each case runs, not how the "
               "implementations compare (seen: DDP without checkpointing 10x its checkpointed time)", file=sys.stderr)
-    cli.print_table(store.asked_rows(), ["impl", "checkpointing", "step_ms", "peak_gb", "state_gb", "expected_saving_gb",
-                                         "measured_saving_gb", "step_ratio_vs_fsdp2", "peak_ratio_vs_fsdp2"])
+    cli.print_table(store.asked_rows(), ["impl", "checkpointing", "step_ms", "peak_gb", "state_gb",
+                                         "expected_saving_gb", "measured_saving_gb", "step_ratio_vs_fsdp2",
+                                         "peak_ratio_vs_fsdp2"])
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -103,7 +103,8 @@ def main(argv: list[str] | None = None) -> None:
         if ours.get("median_ms") and result.get("median_ms"):
             result["ours_over_this"] = ours["median_ms"] / result["median_ms"]
         store.add(case, result)
-    cli.print_table(store.asked_rows(), ["size", "dtype", "provider", "median_ms", "gb_per_s", "copy_gb_per_s", "ours_over_this", "oom"])
+    cli.print_table(store.asked_rows(), ["size", "dtype", "provider", "median_ms", "gb_per_s", "copy_gb_per_s",
+                                         "ours_over_this", "oom"])
 
 
 if __name__ == "__main__":

@@ -116,8 +116,8 @@ def main(argv: list[str] | None = None) -> None:
         if ours.get("peak_extra_gb") and result.get("peak_extra_gb"):
             result["ours_memory_over_this"] = ours["peak_extra_gb"] / result["peak_extra_gb"]
         store.add(case, result)
-    cli.print_table(store.asked_rows(), ["tokens", "vocab", "d", "provider", "median_ms", "peak_extra_gb", "ours_over_this",
-                           "ours_memory_over_this", "oom"], digits=3)
+    cli.print_table(store.asked_rows(), ["tokens", "vocab", "d", "provider", "median_ms", "peak_extra_gb",
+                                         "ours_over_this", "ours_memory_over_this", "oom"], digits=3)
 
 
 if __name__ == "__main__":

@@ -169,8 +169,8 @@ def main(argv: list[str] | None = None) -> None:
             result["torch_variant"], result["torch_run"] = torch_row["variant"], torch_row["run"]
         store.add(case, result)
     cli.print_table(store.asked_rows(), ["size", "context_length", "batch_size", "stack", "variant", "step_ms",
-                                         "forward_ms", "backward_ms", "optimizer_ms", "mfu", "peak_gb", "ours_over_torch",
-                                         "oom"], digits=3)
+                                         "forward_ms", "backward_ms", "optimizer_ms", "mfu", "peak_gb",
+                                         "ours_over_torch", "oom"], digits=3)
 
 
 if __name__ == "__main__":
