@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> None:
             result["ours_wall_over_this"] = ours["wall_us"] / result["wall_us"]
         store.add(case, result)
     cli.print_table(store.asked_rows(), ["op", "shape", "pass", "provider", "issue_us", "wall_us", "ours_over_this",
-                           "ours_wall_over_this", "oom"])
+                                         "ours_wall_over_this", "oom"])
 
 
 if __name__ == "__main__":

@@ -137,6 +137,7 @@ def test_operators_pass_opcheck():
                           (Q.detach(), K.detach(), V.detach(), O, L, dO, True), test_utils=("test_schema", "test_faketensor"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attention", ["triton", "triton_function"])
 def test_fullgraph_compiled_lm_with_our_attention_matches_naive(attention):
     """A whole model with our attention traces into one graph, and gives the naive model's logits and

@@ -13,7 +13,7 @@ from cs336_systems.train import STACKS, build_training_step
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the interpreter warns by the hundred
 
 
-def train(stack: str, compile_mode: str, steps: int = 3) -> tuple[list[float], dict[str, torch.Tensor]]:
+def train(stack: str, compile_mode: str, steps: int = 2) -> tuple[list[float], dict[str, torch.Tensor]]:
     torch.manual_seed(0)
     model = BasicsTransformerLM(vocab_size=300, context_length=24, d_model=32, num_layers=2, num_heads=2, d_ff=64)
     # float32 throughout (the interpreter's bf16 dot is wrong): the bf16-weights part needs bf16 autocast.
