@@ -17,6 +17,8 @@ from tests.test_fused_cross_entropy import check_against_float64, make_inputs
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the interpreter warns by the hundred
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+PYTORCH_ROWS_STEP = cross_entropy._rows_step_torch
+PYTORCH_BF16_FLOOR = test_fused_cross_entropy.ERROR_FLOOR[torch.bfloat16]
 
 
 @pytest.fixture(autouse=True)
@@ -75,3 +77,18 @@ def test_out_of_range_targets_and_all_ignored():
     assert loss.isnan()
     loss.backward()
     assert (hidden.grad == 0).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_pytorch_row_step_matches_float64(dtype, monkeypatch):
+    """The row step CPU tensors take when the kernels are compiled (no interpreter): with the interpreter on, the
+    CPU tests of ``tests/test_fused_cross_entropy.py`` run the Triton row kernel instead, so the PyTorch one is
+    checked here, dispatched to as it would be."""
+    def refuse(*args):
+        raise AssertionError("the Triton row kernel ran instead of the PyTorch row step")
+
+    monkeypatch.setattr(cross_entropy, "_rows_step_torch", PYTORCH_ROWS_STEP)
+    monkeypatch.setattr(cross_entropy, "_rows_step_triton", refuse)
+    monkeypatch.setattr(cross_entropy, "RUNNING_IN_INTERPRETER", False)
+    monkeypatch.setitem(test_fused_cross_entropy.ERROR_FLOOR, torch.bfloat16, PYTORCH_BF16_FLOOR)  # rounds to nearest
+    check_against_float64(*make_inputs(37, 48, 1000, dtype), chunk_tokens=16, grad_scale=3.0)
