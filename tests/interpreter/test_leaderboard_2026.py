@@ -67,6 +67,7 @@ def test_keep_attention_runs_attention_forward_once(monkeypatch, keep_attention)
     assert len(calls) == (3 if keep_attention else 6)  # recomputation re-runs every block's attention, or none
 
 
+@pytest.mark.slow
 def test_keep_attention_gradients_equal_plain_checkpointing():
     grads = {}
     for keep in (False, True):
