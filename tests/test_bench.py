@@ -288,3 +288,26 @@ def test_train_step_compares_with_the_fastest_torch_variant(tmp_path):
     store.add({**case, "size": "large", "stack": "torch", "variant": "default"}, {"step_ms": 50.0, "oom": False})
     fastest = train_step.fastest_torch_row(store, {**case, "stack": "ours", "variant": "cudagraphs"})
     assert fastest["step_ms"] == 100.0 and fastest["variant"] == "default"
+
+
+def test_cpu_runs_stay_small_and_quiet(capsys):
+    """A CPU run silences torch's "No CUDA runtime is found" (torch.compile's C++ backend asks for CUDA_HOME); progress
+    bars hold a thread lock, not a multiprocessing semaphore that spawned ranks would leak; the flash sweep's CPU
+    smoke run is one length in fp32; --figures-dir says where CPU runs write."""
+    import logging
+
+    from tqdm import tqdm
+
+    from cs336_systems.bench import flash_benchmarking
+    from cs336_systems.bench.common import cli
+
+    cli.announce(torch.device("cpu"), quick=True)
+    assert logging.getLogger("torch.utils.cpp_extension").getEffectiveLevel() >= logging.ERROR
+    with cli.progress([1, 2], "test") as bar:
+        bar.update()
+    assert not hasattr(tqdm.get_lock(), "mp_lock")
+    args = flash_benchmarking.parser().parse_args(["--quick"])
+    flash_benchmarking.resolve_defaults(args, torch.device("cpu"))
+    assert (args.seq_lens, args.dtypes, args.head_dims) == ([64], ["fp32"], [16])
+    figures = next(a for a in flash_benchmarking.parser()._actions if "--figures-dir" in a.option_strings)
+    assert str(result_store.SCRATCH_DIR / "figures") in figures.help
