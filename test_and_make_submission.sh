@@ -11,7 +11,7 @@ usage() {
     cat <<'USAGE'
 usage: bash test_and_make_submission.sh [--skip-tests]
 
-Runs the test suite (~7 minutes on 2 CPU cores; junit report in test-results.xml), then writes
+Runs the test suite (~10 minutes on 2 CPU cores; junit report in test-results.xml), then writes
 cs336-spring2025-assignment-2-submission.zip: the code and writeup/writeup.pdf, without caches,
 traces, .scratch/ and files over 5 MB. The exit status is the test run's.
 
