@@ -77,26 +77,6 @@ def assert_lm_matches_naive(model, token_ids: Tensor, attention_name: str, logit
         torch.testing.assert_close(grads[name], grad, rtol=1e-3, atol=1e-5, msg=lambda m: f"{name}: {m}")
 
 
-def run_under_interpreter(test_file: str) -> None:
-    """Run the pytest file ``tests/<test_file>`` in a subprocess with ``TRITON_INTERPRET=1``.
-
-    The variable must be set before the kernels are defined, so it cannot be switched on in this process.
-    """
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__).with_name(test_file))],
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, f"interpreter tests failed:\n{result.stdout[-8000:]}\n{result.stderr[-3000:]}"
-
-
 def check_sum_backward(function) -> None:
     """``function.apply(Q, K, V, True).sum().backward()``, which sends an all-stride-0 dO, against the reference."""
     Q, K, V = make_qkv(2, 2, 40, 40, 16, torch.float32, "cpu")

@@ -1,5 +1,5 @@
 """Our sharded stack with compiled blocks against the same stack uncompiled, on a one-rank process group: shared
-by the interpreter test (``_leaderboard_2026_interpreter.py``, CPU) and the GPU test (``test_leaderboard_2026.py``)."""
+by the interpreter test (``tests/interpreter/test_leaderboard_2026.py``, CPU) and the GPU test (``test_leaderboard_2026.py``)."""
 
 from __future__ import annotations
 

@@ -66,6 +66,7 @@ def test_compiled_attention_on_cpu():
     torch.testing.assert_close(compiled(Q, K, V, True), causal_attention(Q, K, V, True), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_transformer_lm_with_flash_pytorch_attention_matches_naive():
     model = BasicsTransformerLM(vocab_size=50, context_length=32, d_model=64, num_layers=2, num_heads=2, d_ff=128)
     token_ids = torch.randint(0, 50, (2, 24))

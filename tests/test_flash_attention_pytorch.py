@@ -29,6 +29,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("batch, heads, n_queries, n_keys, d, is_causal", CASES)
 def test_matches_float64_reference(batch, heads, n_queries, n_keys, d, is_causal):
     Q, K, V = make_qkv(batch, heads, n_queries, n_keys, d, torch.float32, "cpu")

@@ -3,11 +3,11 @@ against a float64 reference, the grader's contract, input errors, and that the k
 
 How the tests are split:
 
-* CPU, in this process: input errors, and an ahead-of-time compile of the kernels for sm_90 with
+* CPU: input errors, and (``compiled_kernels``, see ``tests/conftest.py``) an ahead-of-time compile for sm_90 with
   Triton's own ptxas (catches what only the compiler sees: non-constexpr globals, shared memory,
   register spills), no GPU needed.
-* CPU, in a subprocess: ``_flash_interpreter_attention.py`` under ``TRITON_INTERPRET=1`` (the variable
-  must be set before the kernels are defined, so not in this process), float32 and float16.
+* CPU, through the Triton interpreter (``tests/interpreter/test_attention.py``), float32 and float16 (and bfloat16,
+  which the operator computes in float32 there).
 * GPU (marker ``gpu``): the error grid of ``tests/_flash_error_grid.py`` (58 shapes x dtypes against float64
   with NaN-poisoned outputs, gradients included, each case within its bound); the grader's shapes; autotuning;
   the leaderboard shape against PyTorch's fused attention; ``torch.compile``; the language model. The tests
@@ -27,7 +27,7 @@ from cs336_systems.attention.backends import triton as triton_backend
 from cs336_systems.attention.config import FLASH_CONFIG, FlashConfig
 from cs336_systems.attention.op import FlashAttention2Triton, flash_attention
 from cs336_systems.kernels import launch
-from cs336_systems.kernels.launch import Kernel, interpreting, poisoned_outputs
+from cs336_systems.kernels.launch import Kernel, poisoned_outputs
 from tests import adapters
 from tests._flash_checks import (
     QUANTITIES,
@@ -37,7 +37,6 @@ from tests._flash_checks import (
     relative_error,
     run_function,
     run_reference,
-    run_under_interpreter,
 )
 from tests._flash_error_grid import (
     CHECK_KEYS,
@@ -51,22 +50,10 @@ from tests._flash_error_grid import (
     sixteen_bit_grid,
     summarize,
 )
-from tests._markers import needs_interpreter_numpy
 
 # ---------------------------------------------------------------------------------------------------
 # CPU
 # ---------------------------------------------------------------------------------------------------
-
-
-@needs_interpreter_numpy
-def test_triton_kernels_under_interpreter():
-    run_under_interpreter("_flash_interpreter_attention.py")
-
-
-@needs_interpreter_numpy
-def test_bfloat16_under_interpreter():
-    """The interpreter's ``tl.dot`` is wrong on bfloat16; the operator still gives the right answer there."""
-    run_under_interpreter("_flash_interpreter_bf16.py")
 
 
 def test_flash_attention_is_causal_by_default():
@@ -118,12 +105,13 @@ def test_rejects_mixed_dtypes_and_devices():
         FlashAttention2Triton.apply(q, k.to("meta"), v, False)
 
 
-@pytest.mark.skipif(interpreting(), reason="the interpreter takes CPU tensors")
+@pytest.mark.compiled_kernels
 def test_rejects_cpu_tensors_without_interpreter():
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         FlashAttention2Triton.apply(*_valid(), True)
 
 
+@pytest.mark.slow
 def test_float32_dot_precision_follows_pytorch():
     """TF32 exactly when PyTorch's matmuls may use it, through either precision API; run in a fresh
     process, since mixing the two APIs leaves PyTorch's legacy flag unreadable."""
@@ -220,10 +208,11 @@ def test_flash_config_is_explicit_and_checked():
     assert FlashConfig.from_environment({}) == FlashConfig()
 
 
-@pytest.mark.skipif(interpreting(), reason="compiles the GPU kernels")
+@pytest.mark.compiled_kernels
 @pytest.mark.parametrize(
     "dtype, head_dim, is_causal",
-    [(torch.bfloat16, 64, True), (torch.float16, 128, False), (torch.float32, 32, True)],
+    [pytest.param(torch.bfloat16, 64, True, marks=pytest.mark.slow),
+     pytest.param(torch.float16, 128, False, marks=pytest.mark.slow), (torch.float32, 32, True)],
 )
 def test_fixed_configs_compile_for_h100_without_spills(monkeypatch, dtype, head_dim, is_causal):
     from tests._flash_aot import (
@@ -246,7 +235,8 @@ def test_fixed_configs_compile_for_h100_without_spills(monkeypatch, dtype, head_
             assert serialized_wgmma(compiled) is None, f"{name} {config}"
 
 
-@pytest.mark.skipif(interpreting(), reason="compiles the GPU kernels")
+@pytest.mark.slow
+@pytest.mark.compiled_kernels
 @pytest.mark.xfail(strict=True, reason="ptxas serialises the Triton backward's wgmma on sm_90 (C7514): its consecutive "
                    "sweeps carry the dK/dV and dQ accumulators from loop to loop. One masked sweep each fixes it, but "
                    "lost its measurement (H100, d = 64 backward 4-10 % slower); on Hopper the Gluon "
@@ -261,8 +251,8 @@ def test_backward_wgmma_are_not_serialized_on_h100(monkeypatch):
     assert serialized_wgmma(compile_for_gpu(kernel, args, {**meta, **config.all_kwargs()})) is None
 
 
+@pytest.mark.compiled_kernels
 @pytest.mark.slow
-@pytest.mark.skipif(interpreting(), reason="compiles the GPU kernels")
 def test_autotune_configs_compile_for_h100(monkeypatch):
     """Every configuration the autotuner may try on the leaderboard's dtype and head dim compiles and
     fits in shared memory (spilling ones are allowed: the autotuner just finds them slow)."""

@@ -41,6 +41,8 @@ def _launch_on_cpu_tensors(batch, heads, n_queries, n_keys, d, dtype, is_causal)
 
 # Two configurations each (a few seconds of ptxas apiece): the largest head dim, causal, and the smallest, not
 # causal; every head dim runs on the GPU.
+@pytest.mark.slow
+@pytest.mark.compiled_kernels
 @pytest.mark.parametrize("d, dtype, is_causal", [(128, torch.bfloat16, True), (16, torch.float16, False)])
 def test_compiles_for_sm90_without_spills(d, dtype, is_causal):
     if not nvidia_toolchain_available():
@@ -57,7 +59,9 @@ def test_compiles_for_sm90_without_spills(d, dtype, is_causal):
         assert instruction in ptx, instruction
 
 
-@pytest.mark.parametrize("d, dtype, is_causal", [(128, torch.bfloat16, True), (64, torch.float16, False)])
+@pytest.mark.compiled_kernels
+@pytest.mark.parametrize("d, dtype, is_causal", [pytest.param(128, torch.bfloat16, True, marks=pytest.mark.slow),
+                                                (64, torch.float16, False)])
 def test_forward_compiles_for_sm90_without_spills(d, dtype, is_causal):
     if not nvidia_toolchain_available():
         pytest.skip("this Triton has no NVIDIA backend or ptxas")
@@ -74,6 +78,8 @@ def test_forward_compiles_for_sm90_without_spills(d, dtype, is_causal):
     assert serialized_wgmma(compiled) is None  # S_(j+1) is waited for in the next step, yet nothing reads it early
 
 
+@pytest.mark.slow
+@pytest.mark.compiled_kernels
 def test_backward_wgmma_are_not_serialized():
     if not nvidia_toolchain_available():
         pytest.skip("this Triton has no NVIDIA backend or ptxas")

@@ -1,5 +1,5 @@
 """The fused Triton AdamW (``cs336_systems.kernels.adamw``) against ``cs336_basics.optimizer.AdamW`` and a
-float64 reference: through the Triton CPU interpreter in a subprocess (see ``_fused_adamw_interpreter.py``),
+float64 reference: through the Triton CPU interpreter (``tests/interpreter/test_fused_adamw.py``),
 and on a GPU; constructor checks and the CPU-without-interpreter error here.
 
 The checks below take a device and are shared by both.
@@ -13,8 +13,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from tests._flash_checks import relative_error, run_under_interpreter
-from tests._markers import needs_interpreter_numpy
+from tests._flash_checks import relative_error
 
 STEPS = 20
 SHAPES = [(1,), (17,), (1000,), (4097,), (33, 65), (3, 5, 7), (0,)]
@@ -263,11 +262,6 @@ def check_bfloat16_state_dict_keeps_float32_moments(device) -> None:
 # ---------------------------------------------------------------------------------------------------
 
 
-@needs_interpreter_numpy
-def test_fused_adamw_under_interpreter():
-    run_under_interpreter("_fused_adamw_interpreter.py")
-
-
 @pytest.mark.parametrize(
     "kwargs, message",
     [
@@ -286,6 +280,7 @@ def test_invalid_hyperparameters(kwargs, message):
             optimizer_class([torch.zeros(3)], **kwargs)
 
 
+@pytest.mark.compiled_kernels
 def test_cpu_tensor_without_interpreter():
     from cs336_systems.kernels import adamw
     from cs336_systems.kernels.launch import interpreting
@@ -300,6 +295,7 @@ def test_cpu_tensor_without_interpreter():
     assert torch.equal(p, torch.zeros(3)) and optimizer.state[p]["step"] == 0
 
 
+@pytest.mark.compiled_kernels
 @pytest.mark.parametrize("param_dtype", ["fp32", "bf16"])
 def test_aligned_launches_compile_to_16_byte_accesses(param_dtype):
     """Addresses read from the table carry no alignment: only the ``ALIGNED`` hint lets the compiler use

@@ -1,6 +1,6 @@
 """The fused LM head + cross-entropy (``cs336_systems.kernels.cross_entropy``) against ``F.cross_entropy`` on
-float64 logits: the Triton row kernel through the CPU interpreter in a subprocess (see
-``_fused_cross_entropy_interpreter.py``); here, on the CPU, the same chunked algorithm with the PyTorch row step,
+float64 logits: the Triton row kernel through the CPU interpreter (``tests/interpreter/test_fused_cross_entropy.py``);
+here, on the CPU, the same chunked algorithm (with the Triton row step when the kernels are interpreted),
 the custom op's registration and ``torch.compile``, input checks; and on a GPU, a large bf16 case and its peak
 memory."""
 
@@ -11,8 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from tests._flash_checks import relative_error, run_under_interpreter
-from tests._markers import needs_interpreter_numpy
+from tests._flash_checks import relative_error
 
 QUANTITIES = ("loss", "dh", "dw")
 # Our error may exceed the plain path's (F.cross_entropy on the logits of a matmul in the same dtype, whose
@@ -70,11 +69,6 @@ def check_against_float64(hidden: Tensor, weight: Tensor, targets: Tensor, grad_
         error, plain_error = relative_error(value, reference[name]), relative_error(plain[name], reference[name])
         floor = ERROR_FLOOR[compute_dtype]
         assert error <= ERROR_FACTOR * plain_error + floor, f"{name}: relative error {error:.2e}, plain {plain_error:.2e}"
-
-
-@needs_interpreter_numpy
-def test_fused_cross_entropy_under_interpreter():
-    run_under_interpreter("_fused_cross_entropy_interpreter.py")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -270,6 +264,7 @@ def test_torch_compile_traces_without_graph_breaks():
         torch.testing.assert_close(results[1][name], results[0][name], rtol=0, atol=0)
 
 
+@pytest.mark.compiled_kernels
 def test_row_kernel_compiles_for_h100_without_spills():
     """Ahead-of-time compile for sm_90 (see ``_flash_aot.py``): the interpreter does not check what only the
     compiler does (types of loop-carried values, layouts); no register spills at the default tile."""

@@ -70,19 +70,34 @@ def test_smoke_and_cpu_runs_write_to_the_scratch_folder(monkeypatch, tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("zip") is None or shutil.which("unzip") is None, reason="needs zip and unzip")
-def test_submission_zip_leaves_out_scratch_results_and_caches(tmp_path):
-    """``test_and_make_submission.sh --skip-tests`` on a small tree: code in, smoke-run results and caches out."""
+def test_submission_zip_holds_code_and_writeup_pdf_without_scratch_results_and_caches(tmp_path):
+    """``test_and_make_submission.sh --skip-tests`` on a small tree: code and the writeup PDF in, smoke-run results,
+    the writeup's staging directory and caches out."""
     shutil.copy(ROOT / "test_and_make_submission.sh", tmp_path)
-    for name in ("cs336_systems/a.py", "writeup/results/x.jsonl", ".scratch/results/x.jsonl", "a/__pycache__/b.pyc"):
+    for name in ("cs336_systems/a.py", "writeup/results/x.jsonl", "writeup/writeup.pdf", "writeup/build/x.typ",
+                 ".scratch/results/x.jsonl", "a/__pycache__/b.pyc"):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text("x\n")
     done = subprocess.run(["bash", "test_and_make_submission.sh", "--skip-tests"], cwd=tmp_path, capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 0, done.stderr
+    assert "Tests skipped" in done.stdout and "status" not in done.stdout
     listing = subprocess.run(["unzip", "-Z1", "cs336-spring2025-assignment-2-submission.zip"], cwd=tmp_path,
                              capture_output=True, text=True, check=True).stdout.split()
     files = sorted(name for name in listing if not name.endswith("/"))
-    assert files == ["cs336_systems/a.py", "test_and_make_submission.sh", "writeup/results/x.jsonl"]
+    assert files == ["cs336_systems/a.py", "test_and_make_submission.sh", "writeup/results/x.jsonl",
+                     "writeup/writeup.pdf"]
+
+
+@pytest.mark.parametrize("argv, status", [(["--help"], 0), (["-h"], 0), (["--skip-test"], 2), (["tests"], 2)])
+def test_submission_script_answers_help_and_refuses_unknown_arguments(tmp_path, argv, status):
+    """Neither ``--help`` nor a mistyped option starts the test suite or writes a zip."""
+    shutil.copy(ROOT / "test_and_make_submission.sh", tmp_path)
+    done = subprocess.run(["bash", "test_and_make_submission.sh", *argv], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=30)
+    assert done.returncode == status
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["test_and_make_submission.sh"]
+    assert "--skip-tests" in (done.stdout if status == 0 else done.stderr)  # the usage names the option
 
 
 def test_readme_maps_every_assignment_problem_early_and_stays_short():

@@ -1,6 +1,6 @@
 """The course's 2026 leaderboard step (``cs336_systems.bench.leaderboard_2026``): FLOP and memory accounting, the
-sharded stacks' parts, the whole composition on gloo ranks under the Triton interpreter (subprocess), and the
-reduced-size check against one process on 2 GPUs."""
+sharded stacks' parts, the whole composition on gloo ranks under the Triton interpreter (``tests/interpreter/``), and
+the reduced-size check against one process on 2 GPUs."""
 
 from __future__ import annotations
 
@@ -10,8 +10,6 @@ import torch
 from cs336_systems.bench import leaderboard_2026
 from cs336_systems.bench.common import leaderboard_2026_model as step_model
 from cs336_systems.train import SHARDED_STACKS, STACKS, Parts
-from tests._flash_checks import run_under_interpreter
-from tests._markers import needs_interpreter_numpy
 
 
 def test_help(capsys):
@@ -62,11 +60,6 @@ def test_sharded_parts_are_checked():
     with pytest.raises(ValueError, match="sharded"):
         STACKS["torch"].with_(sharding="fsdp2", compile="model")
     assert Parts().with_overrides(["keep_attention=true", "checkpointing=2"]).keep_attention
-
-
-@needs_interpreter_numpy
-def test_composition_under_interpreter():
-    run_under_interpreter("_leaderboard_2026_interpreter.py")
 
 
 @pytest.mark.gpu

@@ -1,5 +1,5 @@
 """The fused Triton RMSNorm (``cs336_systems.kernels.rmsnorm``) against a float64 reference: through the
-Triton CPU interpreter in a subprocess (see ``_rmsnorm_interpreter.py``), and on a GPU; input checks,
+Triton CPU interpreter (``tests/interpreter/test_rmsnorm.py``), and on a GPU; input checks,
 the drop-in module and the model switch on the CPU; the benchmark's ``--quick`` run."""
 
 from __future__ import annotations
@@ -8,8 +8,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from tests._flash_checks import relative_error, run_under_interpreter
-from tests._markers import needs_interpreter_numpy
+from tests._flash_checks import relative_error
 
 QUANTITIES = ("y", "dx", "dw")
 # Our error may exceed the plain RMSNorm's (same dtype, same inputs) by this factor plus this floor:
@@ -75,11 +74,7 @@ def make_inputs(shape, dtype, device, weight_dtype=None) -> tuple[Tensor, Tensor
     return x, weight, dy
 
 
-@needs_interpreter_numpy
-def test_rmsnorm_under_interpreter():
-    run_under_interpreter("_rmsnorm_interpreter.py")
-
-
+@pytest.mark.compiled_kernels
 def test_rejects_unsupported_inputs():
     from cs336_systems.kernels.rmsnorm import fused_rms_norm
 
@@ -139,7 +134,9 @@ def test_use_fused_rmsnorm_swaps_every_norm_keeping_its_parameter():
         use_fused_rmsnorm(RMSNorm(4))
 
 
-@pytest.mark.parametrize("n_cols", [1, 80, 768, 1600, 2560, 8192, 9000])
+@pytest.mark.compiled_kernels
+@pytest.mark.parametrize("n_cols", [pytest.param(n, marks=() if n == 80 else pytest.mark.slow)
+                                    for n in (1, 80, 768, 1600, 2560, 8192, 9000)])
 def test_every_autotune_candidate_compiles_for_h100_without_spills(n_cols):
     """Ahead-of-time compile for sm_90 (see ``_flash_aot.py``) of the configurations the pruner lets the
     autotuner try, for each warp count the one with the most elements per thread (the most registers), and of
@@ -285,6 +282,7 @@ def test_benchmark_byte_count_and_cases():
     assert len(kernel) == 2 * (1 + len(bench.PROVIDERS) * len(bench.PASSES))
 
 
+@pytest.mark.compiled_kernels
 def test_benchmark_quick_on_cpu(tmp_path, capsys):
     """The CLI runs on a CPU, writes rows with the problem's keys, resumes, and skips what needs a GPU."""
     import json

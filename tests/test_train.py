@@ -1,5 +1,5 @@
 """The training step composed from named parts (``cs336_systems.train``): part validation, the PyTorch stack on
-the CPU, our stack under the Triton interpreter (subprocess), and both stacks on a GPU."""
+the CPU, our stack under the Triton interpreter (``tests/interpreter/test_train.py``), and both stacks on a GPU."""
 
 from __future__ import annotations
 
@@ -13,8 +13,6 @@ import torch
 from cs336_systems.bench.common.lm import LMConfig, build_model, random_batch
 from cs336_systems.train import STACKS, Parts, build_training_step
 from cs336_systems.train.step import chunked_loss, plain_loss
-from tests._flash_checks import run_under_interpreter
-from tests._markers import needs_interpreter_numpy
 
 
 def test_parts_are_checked():
@@ -58,6 +56,7 @@ def test_parts_errors_name_the_part_and_the_choices():
     assert Parts().with_overrides(["checkpointing=2", "keep_attention=yes"]).keep_attention
 
 
+@pytest.mark.slow
 def test_train_step_cli_refuses_a_bad_override_in_one_line():
     """Checked before any child process starts: one line on stderr naming the part and its choices."""
     done = subprocess.run([sys.executable, "-m", "cs336_systems.bench.train_step", "--override", "rmsnorm=nope"],
@@ -99,11 +98,6 @@ def test_chunked_loss_matches_the_plain_loss_and_its_gradients(chunk_tokens):
         grads[name] = (loss.detach(), hidden_in.grad, head.weight.grad.clone())
     for plain, chunked in zip(grads["plain"], grads["chunked"]):
         torch.testing.assert_close(chunked, plain, rtol=1e-12, atol=1e-12)
-
-
-@needs_interpreter_numpy
-def test_stacks_under_interpreter():
-    run_under_interpreter("_train_interpreter.py")
 
 
 @pytest.mark.gpu

@@ -1,13 +1,10 @@
 """The weighted-sum warm-up kernels (SPEC section 3.5) against ``(x * w).sum(-1)``: through the Triton
-CPU interpreter in a subprocess (see ``_flash_interpreter_weighted_sum.py``), and on a GPU."""
+CPU interpreter (``tests/interpreter/test_weighted_sum.py``), and on a GPU."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-
-from tests._flash_checks import run_under_interpreter
-from tests._markers import needs_interpreter_numpy
 
 
 def check_against_torch(shape, dtype, device, x=None, use_sum=False):
@@ -35,11 +32,7 @@ def check_against_torch(shape, dtype, device, x=None, use_sum=False):
         torch.testing.assert_close(value.double(), expected, rtol=rtol, atol=rtol * scale, msg=lambda m: f"{name}: {m}")
 
 
-@needs_interpreter_numpy
-def test_weighted_sum_under_interpreter():
-    run_under_interpreter("_flash_interpreter_weighted_sum.py")
-
-
+@pytest.mark.compiled_kernels
 def test_rejects_bad_inputs():
     from cs336_systems.kernels.weighted_sum import weighted_sum
 
@@ -52,6 +45,7 @@ def test_rejects_bad_inputs():
             weighted_sum(torch.randn(4, 5), torch.randn(5))
 
 
+@pytest.mark.compiled_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernels_compile_for_h100(dtype):
     """Ahead-of-time compile for sm_90 (see ``_flash_aot.py``): what the interpreter cannot check."""

@@ -278,6 +278,7 @@ def test_the_writeup_speaks_only_of_the_subject():
     assert not found and not folders, "\n".join(found + folders)
 
 
+@pytest.mark.slow
 def test_a_missing_results_file_fails_naming_it(tmp_path, fixture_results, capsys):
     results = tmp_path / "results"
     write_fixture(results, tmp_path / "row-figures")
@@ -298,6 +299,7 @@ def test_a_missing_results_file_fails_naming_it(tmp_path, fixture_results, capsy
     assert "missing" not in data["sections"]["benchmarking_script"]
 
 
+@pytest.mark.slow
 def test_newer_official_leaderboard_2026_rows_on_other_gpus_take_over(tmp_path):
     """A newer official pair on 2 H100s (ours compiled, PyTorch's loss chunked) and its profile: the section shows
     them, the H200 pair as the earlier rows, the memory budget of the rows' own loss parts, and only the profile
@@ -355,20 +357,43 @@ def test_the_optimisation_log_and_the_probe_history_each_build_alone(tmp_path):
         section(Results(results), out)
 
 
+@pytest.mark.slow
 def test_a_figure_named_by_a_row_must_exist(tmp_path, capsys):
     results = tmp_path / "results"
     write_fixture(results, tmp_path / "row-figures")
     (tmp_path / "row-figures" / "memory_forward.png").unlink()
+    _, missing = build.collect(Results(results), Output(tmp_path / "figures", tmp_path / "build"))
+    assert [Path(error.path).name for error in missing.values()] == ["memory_forward.png"]
     assert run_build(tmp_path, results) == 1
-    assert "memory_forward.png" in capsys.readouterr().err
+    assert "memory_forward.png" in capsys.readouterr().err  # the message names it too
 
 
-def test_a_results_file_with_other_keys_names_the_section(tmp_path):
+@pytest.mark.slow
+def test_rows_without_a_measurement_name_the_file_the_column_and_the_section(tmp_path, capsys):
+    """The rows a tool writes where it could not measure (e.g. the leaderboard on a CPU: an error, no times)."""
+    results = tmp_path / "results"
+    write_fixture(results, tmp_path / "row-figures")
+    rows = [json.loads(line) for line in (results / "leaderboard.jsonl").read_text().splitlines()]
+    for r in rows[1:]:
+        del r["fwd_bwd_ms"]
+        r["error"] = "RuntimeError: No viable backend for scaled_dot_product_attention was found."
+    (results / "leaderboard.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    _, missing = build.collect(Results(results), Output(tmp_path / "figures", tmp_path / "build"))
+    assert list(missing) == ["leaderboard"]
+    assert missing["leaderboard"].path.endswith("leaderboard.jsonl")
+    assert missing["leaderboard"].why.startswith(f"no column 'fwd_bwd_ms' in {len(rows) - 1} of its {len(rows)} rows")
+    assert "No viable backend" in missing["leaderboard"].why
+    assert run_build(tmp_path, results) == 1
+    err = capsys.readouterr().err  # what the user reads
+    assert "'fwd_bwd_ms'" in err and re.search(r"leaderboard\.jsonl.*\(needed by: leaderboard\)", err)
+
+
+def test_a_section_failing_on_other_keys_names_the_section(tmp_path):
     results = tmp_path / "results"
     write_fixture(results, tmp_path / "row-figures")
     rows = [json.loads(line) for line in (results / "leaderboard.jsonl").read_text().splitlines()]
     for r in rows:
-        r["total_ms"] = r.pop("fwd_bwd_ms")  # a renamed measurement
+        r["fwd_bwd_ms"] = "fast"  # a measurement of another type
     (results / "leaderboard.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     with pytest.raises(RuntimeError, match="section 'leaderboard'"):
         run_build(tmp_path, results)
@@ -381,6 +406,7 @@ def test_every_section_has_a_typst_body_and_the_reverse():
     assert len(in_typst) == len(set(in_typst))
 
 
+@pytest.mark.slow
 def test_the_committed_results_build(tmp_path):
     """The sections whose results are committed build from them (others may still be missing)."""
     assert run_build(tmp_path, WRITEUP / "results", "--allow-missing") == 0

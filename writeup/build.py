@@ -63,11 +63,22 @@ def collect(results: Results, out: Output) -> tuple[dict[str, dict], dict[str, M
             results.take_used()
             missing[name] = error
             data[name] = {"missing": str(error)}
-        except (KeyError, TypeError, ValueError, ZeroDivisionError) as error:
-            # Most likely a results file whose keys changed: say which section, keep the traceback.
-            raise RuntimeError(f"section {name!r} failed on its results in {results.results_dir}: {error!r} "
-                               f"(its loader is in pipeline/sections/)") from error
+        except KeyError as error:
+            missing_column = results.missing_column(error.args[0] if error.args else None)
+            results.take_used()
+            if missing_column is None:
+                raise _section_failed(name, results, error) from error
+            missing[name] = missing_column
+            data[name] = {"missing": str(missing_column)}
+        except (TypeError, ValueError, ZeroDivisionError) as error:
+            raise _section_failed(name, results, error) from error
     return data, missing
+
+
+def _section_failed(name: str, results: Results, error: Exception) -> RuntimeError:
+    """Most likely a results file whose keys changed: say which section (the traceback stays chained)."""
+    return RuntimeError(f"section {name!r} failed on its results in {results.results_dir}: {error!r} "
+                        f"(its loader is in pipeline/sections/)")
 
 
 def stage_sources(build_dir: Path) -> None:
@@ -91,7 +102,7 @@ def build(args: argparse.Namespace) -> int:
         for name, error in missing.items():
             files.setdefault(str(error), []).append(name)
         lines = [f"  {what}  (needed by: {', '.join(names)})" for what, names in files.items()]
-        print("build failed: missing results\n" + "\n".join(lines), file=sys.stderr)
+        print("build failed: missing results (a file, or a column its rows lack)\n" + "\n".join(lines), file=sys.stderr)
         print("Run the benchmarks that write them (README), or pass --allow-missing for a draft.", file=sys.stderr)
         return 1
     document = {"sections": data, "allow_missing": bool(missing)}

@@ -63,10 +63,15 @@ def toy_model_dtypes(dtype: torch.dtype, device: torch.device) -> dict[str, str]
     return {k: ", ".join(sorted(v)) if isinstance(v, set) else str(v) for k, v in seen.items()}
 
 
+def parser() -> cli.BenchmarkParser:
+    p = cli.base_parser(__doc__)
+    p.add_argument("--timings", action="store_true", help="also the fp32 vs bf16 sweep of benchmarking_script "
+                   "(other options go to it)")
+    return p
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = cli.base_parser(__doc__)
-    parser.add_argument("--timings", action="store_true", help="also the fp32 vs bf16 sweep of benchmarking_script")
-    args, rest = parser.parse_known_args(argv)
+    args, rest = parser().parse_known_args(argv)
     device = timing.default_device()
     cli.announce(device, args.quick)
     store = result_store.ResultStore(PROBLEM, args.results_dir, force=True)  # takes milliseconds: always re-run

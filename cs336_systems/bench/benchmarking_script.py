@@ -82,7 +82,6 @@ def run_sweep(args, device: torch.device) -> list[dict[str, Any]]:
     pending = store.pending(cases)
     # The warm-up study must meet a cold GPU: no matmul-rate measurement (it would warm cuBLAS) first.
     peak = timing.measure_matmul_tflops(device) if pending and args.tag != "warmup_study" else None
-    rows = []
     by_size: dict[str, list[dict[str, Any]]] = {}
     for case in pending:
         by_size.setdefault(case["size"], []).append(case)
@@ -102,14 +101,14 @@ def run_sweep(args, device: torch.device) -> list[dict[str, Any]]:
                     config, case["mode"], case["dtype"], args.warmup, args.steps, device, args.attention,
                     args.compile, model))
             add_flops(result, config, case["mode"], peak)
-            rows.append(store.add(case, result))
+            store.add(case, result)
             bar.update()
             model.zero_grad(set_to_none=True) if model is not None else None
             timing.free_memory()
         del model
         timing.free_memory()
     bar.close()
-    return rows
+    return store.asked_rows()
 
 
 def run_warmup_study(args) -> None:

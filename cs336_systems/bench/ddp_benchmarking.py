@@ -25,6 +25,9 @@ for the all-reduces still in flight when backward ends. PyTorch's DDP waits insi
 traced communication busy time and its share overlapped with compute to the row.
 
 With fewer GPUs than ranks the ranks are CPU processes (gloo) and the model is tiny, as the tool says.
+Each (variant, dtype) runs on freshly spawned ranks (see ``launch_lm_benchmark``); ``--quick``, a smoke run, runs
+a few variants (``naive``, ``bucketed_1mb``, ``torch_ddp``) in fp32 on one set of ranks, in about a minute on a CPU.
+Rows print as one table at the end (with those measured by earlier runs).
 
 Examples::
 
@@ -36,7 +39,6 @@ Examples::
 from __future__ import annotations
 
 import argparse
-
 import os
 import statistics
 import sys
@@ -66,14 +68,16 @@ from cs336_systems.parallel.ddp import bucket_size_mb
 PROBLEM = "ddp_benchmarking"
 TRACE_VARIANTS = ["naive", "bucketed_100mb"]
 DEFAULT_TRACE_DIR = Path(os.environ.get("OUT") or tempfile.gettempdir()) / "ddp_traces"
-
-
+QUICK = dict(variants=["naive", "bucketed_1mb", "torch_ddp"], dtypes=["fp32"])
+TABLE = ["variant", "dtype", "step_ms", "comm_ms", "compute_ms", "exposed_ms", "exposed_share", "n_buckets"]
 
 
 def parser():
     p = cli.base_parser(__doc__)
-    p.add_argument("--variants", nargs="+", type=variant_name, default=VARIANTS, help="default: all")
-    p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
+    p.add_argument("--variants", nargs="+", type=variant_name, default=None,
+                   help=f"default: all ({' '.join(QUICK['variants'])} with --quick)")
+    p.add_argument("--dtypes", nargs="+", default=None, choices=["fp32", "bf16"], help="default: fp32 bf16 (fp32 "
+                   "with --quick)")
     p.add_argument("--size", default=None, choices=list(SIZES), help="model size (default xl; tiny on CPU)")
     p.add_argument("--context-length", type=int, default=None, help="default 512 (32 on CPU)")
     p.add_argument("--batch-size", type=int, default=None, help="sequences per rank (default 4; 2 on CPU)")
@@ -85,7 +89,7 @@ def parser():
     p.add_argument("--trace-variants", nargs="+", type=variant_name, default=TRACE_VARIANTS,
                    help=f"default {' '.join(TRACE_VARIANTS)}")
     p.add_argument("--trace-dir", type=Path, default=DEFAULT_TRACE_DIR, help=f"raw traces (default {DEFAULT_TRACE_DIR})")
-    p.add_argument("--figures-dir", type=Path, default=None, help=f"where PNGs go (default {result_store.FIGURES_DIR})")
+    cli.add_figures_dir(p)
     p.add_argument("--timeout-s", type=float, default=3600.0, help="give up if the run hangs this long")
     return p
 
@@ -93,16 +97,6 @@ def parser():
 # ---------------------------------------------------------------------------------------------
 # One variant on one rank
 # ---------------------------------------------------------------------------------------------
-
-
-
-
-
-
-
-
-
-
 
 
 def trace_step(step, device: torch.device, path: Path) -> timeline.Timeline:
@@ -180,7 +174,7 @@ def wanted_cases(args, world_size: int) -> list[dict[str, Any]]:
 
 def _worker(rank: int, world_size: int, args) -> None:
     device = dl.rank_device()
-    store = result_store.ResultStore(PROBLEM, args.results_dir, args.force) if rank == 0 else None
+    store = result_store.ResultStore(PROBLEM, args.results_dir, args.force, quiet=True) if rank == 0 else None
     pending = dl.from_rank0(store.pending(wanted_cases(args, world_size)) if rank == 0 else None)
     todo = [c for c in pending if c["variant"] != LOCAL]
     if not pending:
@@ -190,8 +184,7 @@ def _worker(rank: int, world_size: int, args) -> None:
     lm_config = LMConfig(args.size, args.context_length, args.batch_size)
     batch = random_batch(lm_config, device, generator_seed=rank)  # each rank its own sequences, same in every variant
     compute_ms: dict[str, float] = {}
-    rows = []
-    bar = cli.progress(variants, PROBLEM) if rank == 0 else None
+    bar = cli.progress(variants, f"{PROBLEM} ({', '.join(dtypes)})") if rank == 0 else None
     for variant in variants:
         torch.manual_seed(0)  # the same weights for every variant (the wrappers also broadcast rank 0's)
         model = build_model(lm_config, device, args.attention)
@@ -208,20 +201,28 @@ def _worker(rank: int, world_size: int, args) -> None:
                           bucket_mb=bucket_size_mb(variant),
                           warmup=args.warmup, steps=args.steps, backend=dist.get_backend())
             config = case(args, world_size, variant, dtype)
-            if rank == 0:
-                rows.append(store.add(config, result) if config in pending else {**config, **result})
+            if rank == 0 and config in pending:
+                store.add(config, result)
         del model, wrapped, optimizer
         timing.free_memory()
         if bar is not None:
             bar.update()
-    if rank == 0:
+    if bar is not None:
         bar.close()
-        cli.print_table(rows, ["variant", "dtype", "step_ms", "comm_ms", "compute_ms", "exposed_ms",
-                                   "exposed_share", "n_buckets"])
 
 
 def main(argv: list[str] | None = None) -> None:
-    dl.launch_lm_benchmark(PROBLEM, _worker, parser().parse_args(argv), wanted_cases, isolate=one_variant_each)
+    args = parser().parse_args(argv)
+    args.variants = args.variants or (QUICK["variants"] if args.quick else VARIANTS)
+    args.dtypes = args.dtypes or (QUICK["dtypes"] if args.quick else ["fp32", "bf16"])
+    # A smoke run shares one set of ranks; a measurement gives every variant fresh ones.
+    dl.launch_lm_benchmark(PROBLEM, _worker, args, wanted_cases, isolate=None if args.quick else one_variant_each)
+    if dl.is_rank0_process():
+        world_size = int(os.environ["WORLD_SIZE"]) if dl.under_torchrun() else args.world_size
+        store = result_store.ResultStore(PROBLEM, args.results_dir, quiet=True)
+        store.pending(wanted_cases(args, world_size))
+        print(f"# rows in {store.path}:", file=sys.stderr)
+        cli.print_table(store.asked_rows(), TABLE)
 
 
 def one_variant_each(args) -> list:

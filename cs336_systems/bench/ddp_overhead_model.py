@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -167,8 +168,12 @@ def compare_files(results_dir: Path | None = None, dtypes: tuple[str, ...] = ("f
                   backend: str = "nccl") -> list[dict[str, Any]]:
     """:func:`compare` for each dtype that has rows, from the results files in ``results_dir``."""
     results_dir = Path(results_dir or result_store.RESULTS_DIR)
-    allreduce = read_rows(results_dir / "distributed_communication_single_node.jsonl")
-    ddp = read_rows(results_dir / "ddp_benchmarking.jsonl")
+    problems = ("distributed_communication_single_node", "ddp_benchmarking")
+    paths = [results_dir / f"{problem}.jsonl" for problem in problems]
+    allreduce, ddp = (read_rows(path) for path in paths)
+    for path, rows in zip(paths, (allreduce, ddp)):
+        devices = sorted({row.get("device", "?") for row in rows})
+        print(f"# reading {path}: {len(rows)} rows ({', '.join(devices) or 'none'})", file=sys.stderr)
     out = []
     for dtype in dtypes:
         try:
@@ -178,11 +183,18 @@ def compare_files(results_dir: Path | None = None, dtypes: tuple[str, ...] = ("f
     return out
 
 
-def main(argv: list[str] | None = None) -> None:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--results-dir", type=Path, default=None, help=f"default {result_store.RESULTS_DIR}")
+    p.add_argument("--results-dir", type=Path, default=None,
+                   help=f"where the all-reduce and DDP rows are (default {result_store.RESULTS_DIR}, the committed GPU "
+                        f"rows, on any machine; {result_store.SCRATCH_DIR / 'results'} holds your own smoke runs)")
     p.add_argument("--backend", default="nccl", choices=["nccl", "gloo"])
-    args = p.parse_args(argv)
+    p.add_argument("--quick", action="store_true", help="accepted as by every tool; the model only reads rows")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
     for result in compare_files(args.results_dir, backend=args.backend):
         print(f"\n{result['dtype']} on {result['device']}: s = {result['grad_bytes'] / 1e9:.2f} GB, "
               f"o = {result['per_call_us']:.1f} us, w = {result['bandwidth_gbps']:.1f} GB/s "

@@ -57,7 +57,7 @@ def parser():
     p.add_argument("--min-iters", type=int, default=3, help="timed calls at least (default 3)")
     p.add_argument("--budget-s", type=float, default=3.0,
                    help="timed calls per case are cut to about this many seconds (within the bounds above)")
-    p.add_argument("--figures-dir", type=Path, default=None, help=f"where the plot goes (default {result_store.FIGURES_DIR})")
+    cli.add_figures_dir(p, "plots")
     p.add_argument("--timeout-s", type=float, default=1200.0, help="give up if a group hangs this long")
     return p
 

@@ -47,6 +47,8 @@ DTYPES = ["bf16", "fp32"]
 GPU_PROVIDERS = ["ours", "naive", "naive_compiled", "flash_pytorch", "sdpa_cudnn", "sdpa_flash"]
 CPU_PROVIDERS = ["naive", "flash_pytorch"]
 TINY = dict(seq_lens=[64, 128], head_dims=[16], rep=20, warmup=5)
+# A CPU smoke run: one shape in one dtype, so that torch.compile builds the tiled backward once.
+CPU_QUICK = dict(seq_lens=[64], dtypes=["fp32"])
 GPU_QUICK = dict(seq_lens=[128, 1024, 4096], head_dims=[64], dtypes=["bf16"], rep=20, warmup=5)
 SHAPE_KEYS = ("dtype", "d_head", "seq_len")
 
@@ -68,21 +70,23 @@ def parser():
     p.add_argument("--autotune", action="store_true", help="autotune our kernels' tiles per length bucket instead")
     p.add_argument("--time-limit-s", type=float, default=None,
                    help="start no new case after this many seconds (run again to resume)")
-    p.add_argument("--figures-dir", type=Path, default=None, help=f"where PNGs go (default {result_store.FIGURES_DIR})")
+    cli.add_figures_dir(p)
     p.add_argument("--no-plot", action="store_true")
     return p
 
 
 def resolve_defaults(args, device: torch.device) -> None:
-    """Fill the grid: the SPEC sweep on a GPU (``--quick``: three lengths at d=64, bf16), tiny on a CPU."""
+    """Fill the grid: the SPEC sweep on a GPU (``--quick``: three lengths at d=64, bf16), tiny on a CPU (``--quick``:
+    one length, d=16, fp32)."""
     if device.type != "cuda":
         providers = args.providers or CPU_PROVIDERS
         skipped = [p for p in providers if fp.get_provider(p).unavailable_reason(device)]
         for name in skipped:
             print(f"# skipping {name} on the CPU: {fp.get_provider(name).unavailable_reason(device)}", file=sys.stderr)
         args.providers = [p for p in providers if p not in skipped]
-        args.seq_lens = args.seq_lens or TINY["seq_lens"]
+        args.seq_lens = args.seq_lens or (CPU_QUICK["seq_lens"] if args.quick else TINY["seq_lens"])
         args.head_dims = args.head_dims or TINY["head_dims"] + ([] if args.quick else [32])
+        args.dtypes = args.dtypes or (CPU_QUICK["dtypes"] if args.quick else None)
         args.rep, args.warmup = min(args.rep, TINY["rep"]), min(args.warmup, TINY["warmup"])
     elif args.quick:
         args.seq_lens = args.seq_lens or GPU_QUICK["seq_lens"]

@@ -156,11 +156,11 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     store = result_store.ResultStore(PROBLEM, args.results_dir, force=True)  # a log: every call appends
-    if args.show:
+    if args.show or not args.step:  # with no step to measure, the log so far
+        print(f"# the optimisation log in {store.path} ({len(store.rows())} rows); --step NAME measures a step",
+              file=sys.stderr)
         print(markdown(store.rows()))
         return
-    if not args.step:
-        parser().error("--step is required (or --show)")
     if args.set_decision:
         store.add({"step": args.step}, {"decision": args.decision, "note": args.note})
         print(f"# {args.step}: {args.decision}")

@@ -11,7 +11,8 @@ on every GPU of the machine, one rank per GPU, in bf16, with the same AdamW (``c
 
 ``--checkpointing G ...`` measures each implementation with activation checkpointing of groups of ``G``
 blocks as well (``BasicsTransformerLM.set_activation_checkpointing``; 0: none; default ``0 1``). Every case
-(implementation, checkpointing) runs on freshly spawned ranks.
+(implementation, checkpointing) runs on freshly spawned ranks, except in a ``--quick`` smoke run, which runs them
+all on one set of ranks. The rows print as one table at the end, with those measured by earlier runs.
 
 Per implementation: the median step time (forward, loss, backward, gradient synchronisation, AdamW step;
 the slowest rank's median), the peak allocated memory per rank during the timed steps, and the memory held
@@ -222,10 +223,9 @@ def step_cases(args, world_size: int) -> list[dict[str, Any]]:
 def run_measurements(rank: int, world_size: int, device: torch.device, args) -> None:
     config = LMConfig(args.size, args.context_length, args.batch_per_rank)
     dtype = DTYPES[args.dtype]
-    store = result_store.ResultStore(PROBLEM, args.results_dir, args.force) if rank == 0 else None
+    store = result_store.ResultStore(PROBLEM, args.results_dir, args.force, quiet=True) if rank == 0 else None
     pending = [store.pending(step_cases(args, world_size)) if rank == 0 else None]
     dist.broadcast_object_list(pending, src=0)
-    rows = []
     for case in pending[0]:
         impl = case["impl"]
         mine = measure(impl, config, dtype, device, args, case["checkpointing"])
@@ -256,10 +256,21 @@ def run_measurements(rank: int, world_size: int, device: torch.device, args) -> 
             result["step_ratio_vs_fsdp2"] = result["step_ms"] / fsdp2["step_ms"]
             if fsdp2.get("peak_gb") and result["peak_gb"] is not None:
                 result["peak_ratio_vs_fsdp2"] = result["peak_gb"] / fsdp2["peak_gb"]
-        rows.append(store.add(case, result))
-    if rank == 0 and rows:
-        cli.print_table(rows, ["impl", "step_ms", "peak_gb", "state_gb", "expected_saving_gb",
-                                   "measured_saving_gb", "step_ratio_vs_fsdp2", "peak_ratio_vs_fsdp2"])
+        store.add(case, result)
+
+
+def print_step_table(args, world_size: int) -> None:
+    """Every step row this run asked for (measured now or before), one table."""
+    store = result_store.ResultStore(PROBLEM, args.results_dir, quiet=True)
+    store.pending(step_cases(args, world_size))
+    print(f"# rows in {store.path}:", file=sys.stderr)
+    if args.backend == "gloo" or not torch.cuda.is_available():
+        print("# CPU ranks: no CUDA memory to record (peak and state empty); with 1 warm-up and 2 timed steps of the "
+              "tiny model on ranks that share the CPU, the times show that each case runs, not how the "
+              "implementations compare (seen: DDP without checkpointing 10x its checkpointed time)", file=sys.stderr)
+    cli.print_table(store.asked_rows(), ["impl", "checkpointing", "step_ms", "peak_gb", "state_gb",
+                                         "expected_saving_gb", "measured_saving_gb", "step_ratio_vs_fsdp2",
+                                         "peak_ratio_vs_fsdp2"])
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -409,6 +420,20 @@ def resolve(args, on_gpu: bool) -> None:
         args.warmup, args.steps = min(args.warmup, 1), min(args.steps, 2)
 
 
+def measure_steps(args, world_size: int, backend: str) -> None:
+    """Spawn ranks for the cases not measured yet: each case on fresh ranks, so that no case measures memory or time
+    another one left behind; a ``--quick`` smoke run, all of them on one set of ranks."""
+    pending = result_store.ResultStore(PROBLEM, args.results_dir, args.force).pending(step_cases(args, world_size))
+    if args.quick and pending:
+        spawn(worker, world_size, argparse.Namespace(**{**vars(args), "trace": None}), backend=backend,
+              timeout_s=args.timeout_s)
+        return
+    for case in pending:
+        part = argparse.Namespace(**{**vars(args), "impls": [case["impl"]], "checkpointing": [case["checkpointing"]],
+                                     "trace": None})
+        spawn(worker, world_size, part, backend=backend, timeout_s=args.timeout_s)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun: this process is one rank
@@ -418,6 +443,8 @@ def main(argv: list[str] | None = None) -> None:
             if int(os.environ["RANK"]) == 0:
                 cli.announce(device, args.quick)
             worker(dist.get_rank(), dist.get_world_size(), args)
+            if int(os.environ["RANK"]) == 0 and not args.check:
+                print_step_table(args, dist.get_world_size())
         finally:
             cleanup()
         return
@@ -434,15 +461,8 @@ def main(argv: list[str] | None = None) -> None:
     else:
         print(f"# {world_size} ranks, {backend}; {args.size}, context {args.context_length}, {args.batch_per_rank} "
               f"sequences per rank, {args.dtype}", file=sys.stderr)
-        store = result_store.ResultStore(PROBLEM, args.results_dir, args.force)
-        pending = store.pending(step_cases(args, world_size))
-        if not pending and not args.trace:  # the store said so
-            return
-        # Each case on freshly spawned ranks: no case measures memory or time another one left behind.
-        for case in pending:
-            part = argparse.Namespace(**{**vars(args), "impls": [case["impl"]],
-                                         "checkpointing": [case["checkpointing"]], "trace": None})
-            spawn(worker, world_size, part, backend=backend, timeout_s=args.timeout_s)
+        measure_steps(args, world_size, backend)
+        print_step_table(args, world_size)
         if not args.trace:
             return
         args.impls, args.force = [], False  # the trace alone is left

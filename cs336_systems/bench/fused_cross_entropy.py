@@ -108,7 +108,6 @@ def main(argv: list[str] | None = None) -> None:
             lambda: measure(case["provider"], case["tokens"], case["vocab"], case["d"], device, args.rep))
         torch._dynamo.reset()
         timing.free_memory()
-    rows = []
     for case in pending:
         result = results[tuple(case.values())]
         ours = results.get((case["tokens"], case["vocab"], case["d"], "ours", "bf16"), {})
@@ -116,9 +115,9 @@ def main(argv: list[str] | None = None) -> None:
             result["ours_over_this"] = ours["median_ms"] / result["median_ms"]
         if ours.get("peak_extra_gb") and result.get("peak_extra_gb"):
             result["ours_memory_over_this"] = ours["peak_extra_gb"] / result["peak_extra_gb"]
-        rows.append(store.add(case, result))
-    cli.print_table(rows, ["tokens", "vocab", "d", "provider", "median_ms", "peak_extra_gb", "ours_over_this",
-                           "ours_memory_over_this", "oom"], digits=3)
+        store.add(case, result)
+    cli.print_table(store.asked_rows(), ["tokens", "vocab", "d", "provider", "median_ms", "peak_extra_gb",
+                                         "ours_over_this", "ours_memory_over_this", "oom"], digits=3)
 
 
 if __name__ == "__main__":

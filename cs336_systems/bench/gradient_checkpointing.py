@@ -115,7 +115,6 @@ def main(argv: list[str] | None = None) -> None:
           f"model state {state / 1e9:.1f} GB: predicted optimum k = {optimum} "
           f"(sqrt(N a / b) = {math.sqrt(n_blocks * boundary / per_block):.2f})", file=sys.stderr)
     optimizer = make_optimizer(model)
-    rows = []
     for case in cli.progress(cases, PROBLEM):
         k = case["group_size"]
         result = result_store.measure_or_oom(lambda: measure_group(model, optimizer, config, k, args.dtype, args.steps, device))
@@ -127,8 +126,8 @@ def main(argv: list[str] | None = None) -> None:
             predicted_activation_gb=predicted_peak_activations(n_blocks, k, boundary, per_block) / 1e9,
         )
         result["predicted_peak_gb"] = result["model_state_gb"] + result["predicted_activation_gb"]
-        rows.append(store.add(case, result))
-    cli.print_table(rows, ["group_size", "peak_gb", "predicted_peak_gb", "mean_ms", "oom"])
+        store.add(case, result)
+    cli.print_table(store.asked_rows(), ["group_size", "peak_gb", "predicted_peak_gb", "mean_ms", "oom"])
 
 
 if __name__ == "__main__":

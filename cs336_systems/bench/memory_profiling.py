@@ -9,6 +9,8 @@
    the active-memory timeline (``writeup/figures/memory_<case>.png``), and the largest allocations
    with the Python line that made them (in the row).
 
+Both read CUDA's caching allocator: on a machine without a CUDA GPU the tool says so and writes nothing.
+
 Examples::
 
     python -m cs336_systems.bench.memory_profiling
@@ -43,7 +45,7 @@ def parser():
     p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=list(DTYPES))
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--snapshot-dir", type=Path, default=Path("snapshots"), help="where snapshot pickles go")
-    p.add_argument("--figures-dir", type=Path, default=None, help=f"where PNGs go (default {result_store.FIGURES_DIR})")
+    cli.add_figures_dir(p)
     p.add_argument("--no-timelines", action="store_true", help="peaks only, no snapshots or pictures")
     return p
 
@@ -108,24 +110,21 @@ def timeline_case(config: LMConfig, mode: str, device: torch.device, snapshot_di
 
 def main(argv: list[str] | None = None) -> None:
     args, device, tiny = cli.start(parser(), argv)
+    if device.type != "cuda":
+        # The tool records the CUDA caching allocator (peaks, memory history); a CPU has none: nothing to write.
+        print("# no CUDA device: there is no CUDA memory to record, so no rows and no timelines", file=sys.stderr)
+        return
     size = args.size or ("tiny" if tiny else "2.7B")
     contexts = args.contexts or ([16] if tiny else [128, 256, 512])
     figures_dir = args.figures_dir or result_store.FIGURES_DIR
     store = result_store.ResultStore(PROBLEM, args.results_dir, args.force)
     cases = [dict(size=size, context_length=c, batch_size=args.batch_size, mode=m, dtype=d, kind="peak")
              for c in contexts for m in ("forward", "train_step") for d in args.dtypes]
-    rows = []
     for case in cli.progress(store.pending(cases), PROBLEM):
         config = LMConfig(size, case["context_length"], args.batch_size)
-        if device.type == "cuda":
-            result = result_store.measure_or_oom(lambda: measure_peak(config, case["mode"], case["dtype"], device))
-        else:
-            result = {"oom": False, "peak_gb": None, "note": "no CUDA device: peak memory is not measured on a CPU"}
-        rows.append(store.add(case, result))
-    cli.print_table(rows, ["size", "context_length", "mode", "dtype", "peak_gb", "oom"])
-    if args.no_timelines or device.type != "cuda":
-        if device.type != "cuda":
-            print("# no CUDA device: no memory timelines", file=sys.stderr)
+        store.add(case, result_store.measure_or_oom(lambda: measure_peak(config, case["mode"], case["dtype"], device)))
+    cli.print_table(store.asked_rows(), ["size", "context_length", "mode", "dtype", "peak_gb", "oom"])
+    if args.no_timelines:
         return
     measured = [r for r in store.rows() if r.get("kind") == "peak" and r.get("size") == size and r["dtype"] == "fp32"
                 and r.get("device") == store.env["device"]]

@@ -34,8 +34,12 @@ VARIANTS = [
 ]
 
 
+def parser() -> cli.BenchmarkParser:
+    return cli.base_parser(__doc__, resumes=False)
+
+
 def main(argv: list[str] | None = None) -> None:
-    args = cli.base_parser(__doc__, resumes=False).parse_args(argv)
+    args = parser().parse_args(argv)
     store = result_store.ResultStore(PROBLEM, args.results_dir, force=True)  # cheap and exact: always re-run
     rows = []
     for name, accumulator, value, upcast in VARIANTS:

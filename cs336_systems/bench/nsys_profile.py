@@ -162,12 +162,12 @@ def main(argv: list[str] | None = None) -> None:
     store = result_store.ResultStore(PROBLEM, args.results_dir, args.force)
     cases = [dict(size=s, context_length=c, batch_size=args.batch_size, dtype="fp32", steps=args.steps)
              for s in sizes for c in contexts]
-    rows = []
     for case in cli.progress(store.pending(cases), PROBLEM):
         config = LMConfig(case["size"], case["context_length"], case["batch_size"])
         result = result_store.measure_or_oom(lambda: profile_case(config, args.steps, device))
-        rows.append(store.add(case, result))
+        store.add(case, result)
         timing.free_memory()
+    rows = store.asked_rows()
     for row in rows:
         row["forward_gpu_ms"] = row.get("forward", {}).get("gpu_ms")
         row["fwd_matmul_share"] = row.get("forward", {}).get("matmul_share")
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> None:
         top = row.get("forward", {}).get("top_kernels") or [{}]
         row["fwd_top_kernel"] = (top[0].get("name") or "-")[:40]
     cli.print_table(rows, ["size", "context_length", "forward_python_ms", "forward_gpu_ms", "fwd_matmul_share",
-                               "step_matmul_share", "fwd_top_kernel", "oom"])
+                           "step_matmul_share", "fwd_top_kernel", "oom"])
 
 
 if __name__ == "__main__":

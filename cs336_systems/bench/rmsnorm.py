@@ -270,12 +270,11 @@ def run_models(args, device: torch.device, store: result_store.ResultStore) -> l
         print("# model part: no GPU (and no TRITON_INTERPRET=1): only the plain RMSNorm", file=sys.stderr)
         cases = [c for c in cases if c["norm"] == "plain"]
     pending = store.pending(cases)
-    rows = []
     for case in cli.progress(pending, f"{PROBLEM} (model)"):
         result = result_store.measure_or_oom(lambda: measure_model_case(case, device, args.warmup, args.steps))
-        rows.append(store.add(case, result))
+        store.add(case, result)
         timing.free_memory()
-    return rows
+    return [row for row in store.asked_rows() if row.get("part") == "model"]
 
 
 def print_model_summary(rows: list[dict[str, Any]]) -> None:

@@ -46,7 +46,6 @@ def run_models(args, device: torch.device) -> list[dict]:
     ]
     pending = store.pending(cases)
     peak = timing.measure_matmul_tflops(device) if pending else None
-    rows = []
     for case in cli.progress(pending, f"{PROBLEM} (model)"):
         config = LMConfig(case["size"], case["context_length"], case["batch_size"])
 
@@ -57,10 +56,10 @@ def run_models(args, device: torch.device) -> list[dict]:
 
         result = result_store.measure_or_oom(measure)
         add_flops(result, config, case["mode"], peak)
-        rows.append(store.add(case, result))
+        store.add(case, result)
         torch._dynamo.reset()
         timing.free_memory()
-    return rows
+    return store.asked_rows()
 
 
 def main(argv: list[str] | None = None) -> None:

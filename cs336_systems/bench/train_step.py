@@ -154,7 +154,6 @@ def main(argv: list[str] | None = None) -> None:
     pending = store.pending(cases)
     peak_tflops = timing.measure_matmul_tflops(device) if pending else None
     timing.free_memory()  # the children get the whole GPU
-    rows = []
     for case in cli.progress(pending, PROBLEM):
         config = LMConfig(case["size"], case["context_length"], case["batch_size"])
         result = measure_in_fresh_process(case, args)
@@ -168,9 +167,10 @@ def main(argv: list[str] | None = None) -> None:
         if case["stack"] == "ours" and torch_row and not result["oom"]:
             result["ours_over_torch"] = result["step_ms"] / torch_row["step_ms"]
             result["torch_variant"], result["torch_run"] = torch_row["variant"], torch_row["run"]
-        rows.append(store.add(case, result))
-    cli.print_table(rows, ["size", "context_length", "batch_size", "stack", "variant", "step_ms", "forward_ms",
-                           "backward_ms", "optimizer_ms", "mfu", "peak_gb", "ours_over_torch", "oom"], digits=3)
+        store.add(case, result)
+    cli.print_table(store.asked_rows(), ["size", "context_length", "batch_size", "stack", "variant", "step_ms",
+                                         "forward_ms", "backward_ms", "optimizer_ms", "mfu", "peak_gb",
+                                         "ours_over_torch", "oom"], digits=3)
 
 
 if __name__ == "__main__":

@@ -77,6 +77,7 @@ class Results:
     def __init__(self, results_dir: Path):
         self.results_dir = Path(results_dir)
         self.used: list[dict[str, Any]] = []
+        self.read: dict[Path, list[dict[str, Any]]] = {}  # the rows of every file read since the last take_used
 
     def path(self, name: str) -> Path:
         return self.results_dir / name
@@ -90,7 +91,7 @@ class Results:
 
         Raises :class:`Missing` naming the file when it does not exist.
         """
-        rows = latest_per_config(read_jsonl(self.path(f"{problem}.jsonl")))
+        rows = latest_per_config(self._read(f"{problem}.jsonl"))
         if world_size is not None:
             rows = [row for row in rows if row.get("world_size") == world_size]
             if not rows:
@@ -111,7 +112,7 @@ class Results:
 
         Raises :class:`Missing` naming the file when it does not exist.
         """
-        rows = read_jsonl(self.path(f"{problem}.jsonl"))
+        rows = self._read(f"{problem}.jsonl")
         self.used.extend(row for row in rows if measured(row))
         return rows
 
@@ -130,9 +131,25 @@ class Results:
             raise Missing(display_path(path))
         return path.read_text()
 
+    def _read(self, name: str) -> list[dict[str, Any]]:
+        path = self.path(name)
+        self.read[path] = read_jsonl(path)
+        return self.read[path]
+
     def take_used(self) -> list[dict[str, Any]]:
-        used, self.used = self.used, []
+        used, self.used, self.read = self.used, [], {}
         return used
+
+    def missing_column(self, key: object) -> Missing | None:
+        """A :class:`Missing` naming the first file read since the last ``take_used`` whose rows lack ``key``
+        (say a tool's error rows, written where it could not measure), or None if every row has it."""
+        for path, rows in self.read.items():
+            lacking = [row for row in rows if key not in row]
+            if lacking:
+                example = next((row["error"] for row in lacking if row.get("error")), None)
+                why = f"no column {key!r} in {len(lacking)} of its {len(rows)} rows"
+                return Missing(display_path(path), why + (f"; one says: {str(example)[:160]}" if example else ""))
+        return None
 
 
 def _unique(values) -> list[str]:

@@ -60,19 +60,19 @@ def time_attention(
 def run_grid(
     problem: str, attentions: list[str], args, device: torch.device, extra: dict[str, Any] | None = None
 ) -> list[dict[str, Any]]:
-    """Every (attention, d, seq) case of the grid not yet measured, as rows of ``problem`` (plus ``extra`` keys)."""
+    """Every (attention, d, seq) case of the grid not yet measured, as rows of ``problem`` (plus ``extra`` keys);
+    returns the rows of the whole grid, measured now or stored."""
     store = result_store.ResultStore(problem, args.results_dir, args.force)
     cases = [
         dict(**(extra or {}), attention=a, batch_size=args.batch_size, d=d, seq_len=s, passes=args.passes, dtype="fp32")
         for a in attentions for d in args.head_dims for s in args.seq_lens
     ]
-    rows = []
     for case in cli.progress(store.pending(cases), problem):
         result = result_store.measure_or_oom(lambda: time_attention(
             case["attention"], case["batch_size"], case["seq_len"], case["d"], args.passes, args.warmup, device))
-        rows.append(store.add(case, result))
+        store.add(case, result)
         timing.free_memory()
-    return rows
+    return store.asked_rows()
 
 
 def resolve_defaults(args, device: torch.device) -> None:

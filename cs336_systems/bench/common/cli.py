@@ -4,8 +4,10 @@ and printed tables."""
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +44,13 @@ def base_parser(description: str, resumes: bool = True) -> argparse.ArgumentPars
     return parser
 
 
+def add_figures_dir(parser: argparse.ArgumentParser, what: str = "PNGs") -> None:
+    """The ``--figures-dir`` option, resolved like ``--results-dir`` (see :class:`BenchmarkParser`)."""
+    parser.add_argument("--figures-dir", type=Path, default=None,
+                        help=f"where {what} go (default {FIGURES_DIR} on a GPU; {SCRATCH_DIR / 'figures'} for --quick "
+                             "runs and on machines without a GPU)")
+
+
 def start(parser: argparse.ArgumentParser, argv: list[str] | None) -> tuple[argparse.Namespace, torch.device, bool]:
     """A single-device tool's first lines: its options parsed, the device chosen and announced, and whether it runs
     the tiny configuration (``--quick``, or no GPU). Returns ``(args, device, tiny)``."""
@@ -57,6 +66,9 @@ def announce(device: torch.device, quick: bool) -> None:
         print(f"# device: {torch.cuda.get_device_name(device)} ({torch.cuda.device_count()} GPU(s))", file=sys.stderr)
     else:
         print("# device: CPU (no GPU found): running a tiny CPU configuration", file=sys.stderr)
+        # torch.compile's CPU backend imports torch.utils.cpp_extension, which warns "No CUDA runtime is found"
+        # wherever a CUDA toolkit is installed: true, said already, and no concern of a CPU run.
+        logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
     if quick:
         print("# --quick: smoke-test configuration", file=sys.stderr)
 
@@ -65,6 +77,9 @@ def progress(items: list, desc: str):
     """A tqdm progress bar over ``items`` (on stderr, so printed tables stay clean); ``.update()`` steps it."""
     from tqdm import tqdm
 
+    # tqdm's default lock holds a multiprocessing semaphore, which a spawned rank never releases (Python warns of
+    # "leaked semaphore objects" at exit); our bars live in one process each, so a thread lock does.
+    tqdm.set_lock(threading.RLock())
     return tqdm(items, desc=desc, file=sys.stderr, dynamic_ncols=True)
 
 

@@ -84,14 +84,17 @@ def _matches(row: dict[str, Any], config: dict[str, Any]) -> bool:
 class ResultStore:
     """Rows of one problem in ``<results_dir>/<problem>.jsonl``, appended one line at a time."""
 
-    def __init__(self, problem: str, results_dir: Path | str | None = None, force: bool = False):
+    def __init__(self, problem: str, results_dir: Path | str | None = None, force: bool = False, quiet: bool = False):
+        """``quiet``: say nothing on stderr (where rows go, what is skipped), for a caller that reports itself."""
         self.problem = problem
         self.path = Path(results_dir or RESULTS_DIR) / f"{problem}.jsonl"
         self.force = force
         self.run = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ") + "-" + secrets.token_hex(3)
         self.env = environment()
-        self._said_where = False
+        self._said_where = quiet
+        self._quiet = quiet
         self._measured = [row for row in self.rows() if row.get("device") == self.env["device"]]
+        self._asked: list[dict[str, Any]] = []  # every configuration passed to pending(), in order
 
     def rows(self) -> list[dict[str, Any]]:
         """Every row in the file (all devices, all runs)."""
@@ -133,11 +136,22 @@ class ResultStore:
                 and all(row.get(key) == value for key, value in config.items())]
         return rows[-1] if rows else None
 
+    def asked_rows(self) -> list[dict[str, Any]]:
+        """The newest row on this device of every configuration passed to :meth:`pending`, measured now or by an
+        earlier run (the rows a tool prints: a re-run with nothing left to measure shows what is stored)."""
+        newest = {}
+        for row in self._measured:
+            for index, config in enumerate(self._asked):
+                if _matches(row, config):
+                    newest[index] = row
+        return [newest[index] for index in sorted(newest)]
+
     def pending(self, configs: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
         """The configurations not yet measured on this device, in order; says on stderr how many were skipped."""
         configs = list(configs)
+        self._asked += [config for config in configs if config not in self._asked]
         left = [config for config in configs if not self.done(config)]
-        if not configs or len(left) == len(configs):
+        if not configs or len(left) == len(configs) or self._quiet:
             return left
         if left:
             print(f"# {len(configs) - len(left)} of {len(configs)} cases already in {self.path}: skipped "

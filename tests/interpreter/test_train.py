@@ -1,24 +1,19 @@
-"""The training-step stacks under the Triton CPU interpreter (run by ``tests/test_train.py`` in a subprocess with
-``TRITON_INTERPRET=1``): our stack (Triton attention, fused RMSNorm, fused cross-entropy, fused AdamW) trains a
-tiny model exactly as PyTorch's stack does (eager; compiled blocks are checked on the GPU)."""
+"""The training-step stacks under the Triton CPU interpreter (see ``conftest.py``): our stack (Triton attention,
+fused RMSNorm, fused cross-entropy, fused AdamW) trains a tiny model exactly as PyTorch's stack does (eager; compiled
+blocks are checked on the GPU)."""
 
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
 
-if os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("runs under TRITON_INTERPRET=1", allow_module_level=True)
-
 from cs336_basics.model import BasicsTransformerLM
 from cs336_systems.train import STACKS, build_training_step
 
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the interpreter warns by the hundred
 
 
-def train(stack: str, compile_mode: str, steps: int = 3) -> tuple[list[float], dict[str, torch.Tensor]]:
+def train(stack: str, compile_mode: str, steps: int = 2) -> tuple[list[float], dict[str, torch.Tensor]]:
     torch.manual_seed(0)
     model = BasicsTransformerLM(vocab_size=300, context_length=24, d_model=32, num_layers=2, num_heads=2, d_ff=64)
     # float32 throughout (the interpreter's bf16 dot is wrong): the bf16-weights part needs bf16 autocast.

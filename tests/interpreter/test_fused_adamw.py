@@ -1,21 +1,12 @@
-"""The fused AdamW Triton kernel under the Triton CPU interpreter, at small sizes.
-
-Not collected by a plain ``pytest`` run: ``tests/test_fused_adamw.py::test_fused_adamw_under_interpreter``
-runs this file in a subprocess with ``TRITON_INTERPRET=1`` (``@triton.jit`` reads it when the kernel is
-defined). By hand: ``TRITON_INTERPRET=1 python -m pytest tests/_fused_adamw_interpreter.py``.
+"""The fused AdamW Triton kernel under the Triton CPU interpreter, at small sizes (see ``conftest.py``).
 
 Under the interpreter ``BLOCK`` is 256, so the larger test tensors span several blocks and end in a partial one.
 """
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-
-if os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("runs under TRITON_INTERPRET=1 (see the module docstring)", allow_module_level=True)
 
 from cs336_systems.kernels import adamw
 from cs336_systems.kernels.adamw import FusedAdamW, fused_adamw_

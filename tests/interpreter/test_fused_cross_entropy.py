@@ -1,8 +1,5 @@
-"""The fused cross-entropy's Triton row kernel under the Triton CPU interpreter, at small sizes.
-
-Not collected by a plain ``pytest`` run: ``tests/test_fused_cross_entropy.py::test_fused_cross_entropy_under_interpreter``
-runs this file in a subprocess with ``TRITON_INTERPRET=1`` (``@triton.jit`` reads it when the kernel is defined).
-By hand: ``TRITON_INTERPRET=1 python -m pytest tests/_fused_cross_entropy_interpreter.py``.
+"""The fused cross-entropy's Triton row kernel under the Triton CPU interpreter, at small sizes (see
+``conftest.py``).
 
 Lowering ``MAX_BLOCK_V`` to 128 cuts every row into several tiles, the last one ragged (V = 1000: 7 full tiles and
 104 columns; V = 257: 2 and 1); at the default (the tests without it) a row is one masked tile.
@@ -10,21 +7,19 @@ Lowering ``MAX_BLOCK_V`` to 128 cuts every row into several tiles, the last one 
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-
-if os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("runs under TRITON_INTERPRET=1 (see the module docstring)", allow_module_level=True)
 
 from cs336_systems.kernels import cross_entropy
 from cs336_systems.kernels.launch import interpreting
 from tests import test_fused_cross_entropy
 from tests.test_fused_cross_entropy import check_against_float64, make_inputs
 
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the interpreter warns by the hundred
+
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+PYTORCH_ROWS_STEP = cross_entropy._rows_step_torch
+PYTORCH_BF16_FLOOR = test_fused_cross_entropy.ERROR_FLOOR[torch.bfloat16]
 
 
 @pytest.fixture(autouse=True)
@@ -83,3 +78,18 @@ def test_out_of_range_targets_and_all_ignored():
     assert loss.isnan()
     loss.backward()
     assert (hidden.grad == 0).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_pytorch_row_step_matches_float64(dtype, monkeypatch):
+    """The row step CPU tensors take when the kernels are compiled (no interpreter): with the interpreter on, the
+    CPU tests of ``tests/test_fused_cross_entropy.py`` run the Triton row kernel instead, so the PyTorch one is
+    checked here, dispatched to as it would be."""
+    def refuse(*args):
+        raise AssertionError("the Triton row kernel ran instead of the PyTorch row step")
+
+    monkeypatch.setattr(cross_entropy, "_rows_step_torch", PYTORCH_ROWS_STEP)
+    monkeypatch.setattr(cross_entropy, "_rows_step_triton", refuse)
+    monkeypatch.setattr(cross_entropy, "interpreting", lambda: False)
+    monkeypatch.setitem(test_fused_cross_entropy.ERROR_FLOOR, torch.bfloat16, PYTORCH_BF16_FLOOR)  # rounds to nearest
+    check_against_float64(*make_inputs(37, 48, 1000, dtype), chunk_tokens=16, grad_scale=3.0)

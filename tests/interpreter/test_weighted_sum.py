@@ -1,23 +1,13 @@
-"""The weighted-sum Triton kernels under the Triton CPU interpreter.
-
-Not collected by a plain ``pytest`` run: ``tests/test_weighted_sum.py`` runs this file in a subprocess
-with ``TRITON_INTERPRET=1`` (``@triton.jit`` reads it when the kernels are defined). By hand:
-``TRITON_INTERPRET=1 python -m pytest tests/_flash_interpreter_weighted_sum.py``.
-"""
+"""The weighted-sum Triton kernels under the Triton CPU interpreter (see ``conftest.py``)."""
 
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
 
-if os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("runs under TRITON_INTERPRET=1 (see the module docstring)", allow_module_level=True)
-
 from tests.test_weighted_sum import check_against_torch
 
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the interpreter warns by the hundred
 
 
 @pytest.mark.parametrize(

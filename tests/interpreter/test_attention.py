@@ -1,10 +1,4 @@
-"""FlashAttention-2 Triton kernels under the Triton CPU interpreter, at small sizes.
-
-Not collected by a plain ``pytest`` run (the name does not start with ``test_``):
-``tests/test_flash_attention_triton.py::test_triton_kernels_under_interpreter`` runs this file in a
-subprocess with ``TRITON_INTERPRET=1``, because ``@triton.jit`` reads that variable when the kernels
-are defined, so it cannot be switched on inside a process that already imported them. To run it by
-hand: ``TRITON_INTERPRET=1 python -m pytest tests/_flash_interpreter_attention.py``.
+"""FlashAttention-2 Triton kernels under the Triton CPU interpreter, at small sizes (see ``conftest.py``).
 
 float32 and float16 only: the interpreter's ``tl.dot`` multiplies the raw bits of bfloat16 values.
 The interpreter uses one small configuration with unequal tiles (see ``INTERPRETER_CONFIGS``), so
@@ -13,13 +7,8 @@ these sizes cover full, ragged, diagonal and skipped tiles in every kernel.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-
-if os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("runs under TRITON_INTERPRET=1 (see the module docstring)", allow_module_level=True)
 
 from cs336_systems.attention.backends.triton import batch_head_strides
 from cs336_systems.attention.op import FlashAttention2Triton
@@ -33,8 +22,7 @@ from tests._flash_checks import (
     run_reference,
 )
 
-# The interpreter itself triggers NumPy deprecation warnings by the hundred.
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the interpreter warns by the hundred
 
 # float32 through the interpreter is NumPy float32, so its error is rounding only.
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 5e-3}
@@ -123,6 +111,7 @@ def test_transformer_lm_with_triton_attention_matches_naive():
     assert_lm_matches_naive(model, token_ids, "triton", logits_tol=(1e-4, 1e-5))
 
 
+@pytest.mark.slow
 def test_torch_compile_of_apply():
     """The leaderboard times torch.compile(FlashAttention2.apply): our kernels are operators, so the whole
     Function traces into one graph (``fullgraph=True`` raises on any graph break)."""
@@ -148,6 +137,7 @@ def test_operators_pass_opcheck():
                           (Q.detach(), K.detach(), V.detach(), O, L, dO, True), test_utils=("test_schema", "test_faketensor"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attention", ["triton", "triton_function"])
 def test_fullgraph_compiled_lm_with_our_attention_matches_naive(attention):
     """A whole model with our attention traces into one graph, and gives the naive model's logits and
@@ -203,3 +193,24 @@ def test_hopper_backward_helpers_zero_and_convert():
     kernels.attn_bwd_dq_convert_kernel[grid](DQ_acc, dQ, *batch_head_strides(dQ), heads, n, 0.25, HEAD_DIM=d,
                                              BLOCK_M=32)
     torch.testing.assert_close(dQ, (DQ_acc * 0.25).to(torch.float16).view(batch, heads, n, d))
+
+
+# The interpreter's tl.dot multiplies the raw bits of bfloat16 values: the Triton backend runs bfloat16 inputs
+# there in float32 and rounds the results back, so the operator is right.
+@pytest.mark.parametrize("batch, heads, n_queries, n_keys, is_causal", [(1, None, 64, 64, True), (1, 2, 33, 70, False)])
+def test_bfloat16_runs_in_float32_and_matches_sdpa_and_float64(batch, heads, n_queries, n_keys, is_causal):
+    torch.manual_seed(0)
+    Q, K, V = make_qkv(batch, heads, n_queries, n_keys, 32, torch.bfloat16, "cpu")
+    with poisoned_outputs():
+        output = FlashAttention2Triton.apply(Q, K, V, is_causal)
+    assert output.dtype == torch.bfloat16
+    sdpa = torch.nn.functional.scaled_dot_product_attention(Q.float(), K.float(), V.float(), is_causal=is_causal)
+    assert (output.float() - sdpa).abs().max().item() < 2e-2
+    dO = torch.randn(Q.shape).to(torch.bfloat16)
+    with poisoned_outputs():
+        result = run_function(FlashAttention2Triton, Q, K, V, is_causal, dO)
+    reference = run_reference(Q, K, V, is_causal, dO)
+    for name in QUANTITIES:
+        expected_dtype = torch.float32 if name == "L" else torch.bfloat16
+        assert result[name].dtype == expected_dtype, name
+        assert relative_error(result[name], reference[name]) < 1e-2, name

@@ -1,8 +1,4 @@
-"""The fused RMSNorm Triton kernels under the Triton CPU interpreter, at small sizes.
-
-Not collected by a plain ``pytest`` run: ``tests/test_rmsnorm.py::test_rmsnorm_under_interpreter`` runs
-this file in a subprocess with ``TRITON_INTERPRET=1`` (``@triton.jit`` reads it when the kernels are
-defined). By hand: ``TRITON_INTERPRET=1 python -m pytest tests/_rmsnorm_interpreter.py``.
+"""The fused RMSNorm Triton kernels under the Triton CPU interpreter, at small sizes (see ``conftest.py``).
 
 Under the interpreter the backward runs 4 programs (``_multiprocessor_count`` is 2), so several rows per
 program and ragged row ranges are the rule; lowering ``MAX_BLOCK_N`` sends short rows down the tiled path.
@@ -10,20 +6,16 @@ program and ragged row ranges are the rule; lowering ``MAX_BLOCK_N`` sends short
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-
-if os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("runs under TRITON_INTERPRET=1 (see the module docstring)", allow_module_level=True)
 
 from cs336_systems.kernels import rmsnorm
 from cs336_systems.kernels.launch import interpreting, poisoned_outputs
 from tests import test_rmsnorm
 from tests.test_rmsnorm import check_against_float64, make_inputs
 
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the interpreter warns by the hundred
+
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
@@ -201,6 +193,7 @@ def test_transformer_lm_with_fused_rmsnorm_matches_plain(autocast_output):
         assert relative_error(grads[name], grad) < 3e-2, name
 
 
+@pytest.mark.slow
 def test_torch_compile_traces_without_graph_breaks():
     """Under Dynamo the Function calls the custom ops: ``fullgraph=True`` fails on any graph break."""
     x, weight, dy = make_inputs((6, 3, 40), torch.float32, "cpu")
