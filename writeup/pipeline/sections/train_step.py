@@ -534,7 +534,7 @@ def fused_cross_entropy(res, out: Output) -> dict[str, Any]:
 # scripts/flash_cold_start.py times forward + backward at batch 1 with 4 heads, the first call at 512 tokens.
 COLD_BATCH_HEADS = 1 * 4
 COLD_FIRST_LENGTH = 512
-KEY_TILE = 128  # the auto rule counts key tiles of 128 (cs336_systems/attention/op.py)
+KEY_TILE = 128  # the auto rule counts key tiles of 128 (FlashConfig.hopper_min_programs, cs336_systems/attention/config.py)
 ONE_PASS_MIN_KEY_TILES = 256  # from these many key tiles on, the "auto" backward is the one-pass variant
 
 
