@@ -100,13 +100,9 @@ def _latest(rows: list[dict[str, Any]], key) -> list[dict[str, Any]]:
     return list(latest.values())
 
 
-def compare(allreduce_rows: list[dict[str, Any]], ddp_rows: list[dict[str, Any]], dtype: str,
-            backend: str = "nccl") -> dict[str, Any]:
-    """Predicted against measured DDP overhead for every bucketed variant of ``dtype`` (latest rows).
-
-    The all-reduce fit is that of ``backend`` at the DDP run's world size, from rows of the DDP run's
-    device when there are any. Raises ``ValueError`` when a side is missing.
-    """
+def _bucketed_rows(ddp_rows: list[dict[str, Any]], dtype: str) -> list[dict[str, Any]]:
+    """The latest row of each bucketed variant of ``dtype``, on the device and world size of the newest such row,
+    by bucket size. Raises ``ValueError`` when there is none."""
     bucketed = [r for r in ddp_rows if r.get("dtype") == dtype and bucket_size_mb(r.get("variant", "")) is not None
                 and r.get("exposed_ms") is not None and r.get("n_buckets")]
     if not bucketed:
@@ -114,22 +110,25 @@ def compare(allreduce_rows: list[dict[str, Any]], ddp_rows: list[dict[str, Any]]
     device, world_size = bucketed[-1]["device"], bucketed[-1]["world_size"]
     bucketed = _latest([r for r in bucketed if r["device"] == device and r["world_size"] == world_size],
                        key=lambda r: r["variant"])
-    bucketed.sort(key=lambda r: r["bucket_mb"])
+    return sorted(bucketed, key=lambda r: r["bucket_mb"])
+
+
+def _link_model(allreduce_rows: list[dict[str, Any]], device: str, backend: str, world_size: int) -> OverheadModel:
+    """The model whose ``o`` and ``w`` are the all-reduce fit of ``backend`` at ``world_size``, from the rows of
+    ``device`` when they have that fit. Raises ``ValueError`` when no rows do."""
     fits = fits_by_setting([r for r in allreduce_rows if r.get("device") == device])
     if (backend, world_size) not in fits:
         fits = fits_by_setting(allreduce_rows)  # e.g. all-reduce measured on a larger machine of the same GPUs
     if (backend, world_size) not in fits:
         raise ValueError(f"no all-reduce fit for {backend} with {world_size} ranks")
     link = fits[(backend, world_size)]
-    model = OverheadModel(link.alpha_s, link.beta_bytes_per_s)
-    total_bytes = bucketed[-1]["grad_bytes"]
-    n = [r["n_buckets"] for r in bucketed]
-    measured = [r["exposed_ms"] / 1e3 for r in bucketed]
-    try:
-        fitted = fit_overhead_model(n, [total_bytes] * len(n), measured)
-    except ValueError:  # fewer than two sizes, or exposed times at or below zero (noise): no fit
-        fitted = None
-    table = [
+    return OverheadModel(link.alpha_s, link.beta_bytes_per_s)
+
+
+def _overhead_table(bucketed: list[dict[str, Any]], total_bytes: float, model: OverheadModel,
+                    fitted: OverheadModel | None) -> list[dict[str, Any]]:
+    """Per bucketed variant: its measured step and exposed time beside the predicted and fitted overheads (ms)."""
+    return [
         {
             "variant": r["variant"],
             "bucket_mb": r["bucket_mb"],
@@ -141,6 +140,26 @@ def compare(allreduce_rows: list[dict[str, Any]], ddp_rows: list[dict[str, Any]]
         }
         for r in bucketed
     ]
+
+
+def compare(allreduce_rows: list[dict[str, Any]], ddp_rows: list[dict[str, Any]], dtype: str,
+            backend: str = "nccl") -> dict[str, Any]:
+    """Predicted against measured DDP overhead for every bucketed variant of ``dtype`` (latest rows).
+
+    The all-reduce fit is that of ``backend`` at the DDP run's world size, from rows of the DDP run's
+    device when there are any. Raises ``ValueError`` when a side is missing.
+    """
+    bucketed = _bucketed_rows(ddp_rows, dtype)
+    device, world_size = bucketed[-1]["device"], bucketed[-1]["world_size"]
+    model = _link_model(allreduce_rows, device, backend, world_size)
+    total_bytes = bucketed[-1]["grad_bytes"]
+    n = [r["n_buckets"] for r in bucketed]
+    measured = [r["exposed_ms"] / 1e3 for r in bucketed]
+    try:
+        fitted = fit_overhead_model(n, [total_bytes] * len(n), measured)
+    except ValueError:  # fewer than two sizes, or exposed times at or below zero (noise): no fit
+        fitted = None
+    table = _overhead_table(bucketed, total_bytes, model, fitted)
     best = min(table, key=lambda row: row["measured_exposed_ms"])
     return {
         "dtype": dtype,

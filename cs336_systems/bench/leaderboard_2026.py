@@ -51,6 +51,7 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -117,31 +118,45 @@ def run_stack(rank: int, world_size: int, args, stack: str, launched_at: float, 
         dist.barrier()
         step(x, y)
 
+    measured = _time_train_step(train_step, device, args)
+    cold_total_s = time.time() - launched_at
+    loss = step(x, y).float().reshape(1)
+    dist.all_reduce(loss)  # the sum of the ranks' mean losses
+    measured["matmul_tflops"] = timing.measure_matmul_tflops(device) if on_gpu else None
+    everyone = dl.gather(measured)
+    if rank != 0:
+        return
+    result = _stack_result(args, stack, config, world_size, everyone, on_gpu, compute_dtype, cold_total_s,
+                           loss.item() / world_size)
+    _write_row(args, stack, config, world_size, result)
+
+
+def _time_train_step(train_step: Callable[[], None], device: torch.device, args) -> dict[str, float | None]:
+    """This rank's ``first_step_s`` (the first step, compilation included), then ``step_ms``: on a GPU the mean of
+    ``do_bench_on_ranks`` and ``peak_gb`` allocated meanwhile, on CPU the best of two steps (no peak)."""
     start = time.perf_counter()
     train_step()
     timing.synchronize(device)
     first_step_s = time.perf_counter() - start
-    if on_gpu:
+    if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         step_ms = timing.do_bench_on_ranks(train_step, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms, device=device)
         peak_gb = torch.cuda.max_memory_allocated(device) / GB
     else:
         step_ms = 1e3 * min(timing.time_calls(train_step, warmup=0, steps=2, device=device))
         peak_gb = None
-    cold_total_s = time.time() - launched_at
-    loss = step(x, y).float().reshape(1)
-    dist.all_reduce(loss)  # the sum of the ranks' mean losses
-    matmul_tflops = timing.measure_matmul_tflops(device) if on_gpu else None
-    everyone = dl.gather(dict(step_ms=step_ms, peak_gb=peak_gb, first_step_s=first_step_s, matmul_tflops=matmul_tflops))
-    if rank != 0:
-        return
+    return dict(step_ms=step_ms, peak_gb=peak_gb, first_step_s=first_step_s)
+
+
+def _stack_result(args, stack: str, config: dict[str, int], world_size: int, everyone: list[dict[str, Any]],
+                  on_gpu: bool, compute_dtype: torch.dtype, cold_total_s: float, loss: float) -> dict[str, Any]:
+    """The row's measurements from every rank's (``everyone``): the slowest rank's step, the largest peak, MFU
+    against the slowest matmul rate; with how the step was built and the predicted memory."""
     step_ms = max(r["step_ms"] for r in everyone)
     rates = [r["matmul_tflops"] for r in everyone if r["matmul_tflops"]]
-    step_flop_count = step_flops(config, batch)
+    step_flop_count = step_flops(config, args.per_rank_batch * world_size)
     mfu = step_flop_count / (step_ms / 1e3) / (world_size * min(rates) * 1e12) if rates else None
-    store = result_store.ResultStore(PROBLEM, args.results_dir, args.force)
-    case = case_of(args, stack, config, world_size)
-    result = {
+    return {
         "step_ms": step_ms,
         "step_ms_per_rank": [r["step_ms"] for r in everyone],
         "peak_gb_per_rank": max(r["peak_gb"] for r in everyone) if on_gpu else None,
@@ -158,10 +173,18 @@ def run_stack(rank: int, world_size: int, args, stack: str, launched_at: float, 
         "parts": dataclasses.asdict(SHARDED_STACKS[stack]),
         "timer": "do_bench_on_ranks (triton do_bench, mean)" if on_gpu else "time_calls (min of 2)",
         "predicted_memory": memory_budget(config, stack, world_size, args.per_rank_batch),
-        "loss_after_timing": loss.item() / world_size,
+        "loss_after_timing": loss,
     }
+
+
+def _write_row(args, stack: str, config: dict[str, int], world_size: int, result: dict[str, Any]) -> None:
+    """Store and print ``stack``'s row; whichever stack runs second carries ``ours_over_pytorch``, its step time over
+    the other's in the same case."""
+    store = result_store.ResultStore(PROBLEM, args.results_dir, args.force)
+    case = case_of(args, stack, config, world_size)
     other = store.newest({**case, "stack": ROW_NAMES["torch" if stack == "ours" else "ours"]})
-    if other is not None:  # whichever stack ran second carries the ratio
+    if other is not None:
+        step_ms = result["step_ms"]
         ours_ms, pytorch_ms = (step_ms, other["step_ms"]) if stack == "ours" else (other["step_ms"], step_ms)
         result["ours_over_pytorch"] = ours_ms / pytorch_ms
     row = store.add(case, result)

@@ -50,6 +50,7 @@ import gzip
 import json
 import re
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -318,36 +319,45 @@ def kernels_and_ranges(trace: dict[str, Any]) -> tuple[list[Kernel], list[Range]
     return kernels, ranges
 
 
-def analyze_gathers(trace: dict[str, Any]) -> dict[str, Any]:
-    """Pair every FSDP gather with its use; totals of compute, communication and their overlap."""
-    kernels, ranges = kernels_and_ranges(trace)
-    compute = [k for k in kernels if not k.is_comm]
-    comm = [k for k in kernels if k.is_comm]
-    by_launch = sorted((k for k in kernels if k.launch == k.launch), key=lambda k: k.launch)
-    launch_times = [k.launch for k in by_launch]
-    compute_by_launch = [k for k in by_launch if not k.is_comm]
-    compute_launch_times = [k.launch for k in compute_by_launch]
-    compute_ends_by_stream: dict[int, list[float]] = {}
-    for k in sorted(compute, key=lambda k: k.end):
-        compute_ends_by_stream.setdefault(k.stream, []).append(k.end)
+class _Launches:
+    """The kernels of a trace in the order the CPU launched them (those whose launch the trace does not link left
+    out), and, per stream, when its compute kernels ended."""
 
-    phase_ranges = [r for r in ranges if r.name in FSDP_PHASES]
+    def __init__(self, kernels: list[Kernel]) -> None:
+        self.kernels = sorted((k for k in kernels if k.launch == k.launch), key=lambda k: k.launch)
+        self.times = [k.launch for k in self.kernels]
+        self.compute = [k for k in self.kernels if not k.is_comm]
+        self.compute_times = [k.launch for k in self.compute]
+        self.compute_ends_by_stream: dict[int, list[float]] = {}
+        for k in sorted((k for k in kernels if not k.is_comm), key=lambda k: k.end):
+            self.compute_ends_by_stream.setdefault(k.stream, []).append(k.end)
 
-    def phase_of(t: float) -> str:
-        for r in phase_ranges:
-            if r.start <= t <= r.end:
-                return r.name.removeprefix("step.")
-        return "other"
+    def inside(self, r: Range) -> list[Kernel]:
+        """The kernels launched during ``r``."""
+        lo, hi = bisect.bisect_left(self.times, r.start), bisect.bisect_right(self.times, r.end)
+        return self.kernels[lo:hi]
 
-    def launched_in(r: Range) -> list[Kernel]:
-        lo, hi = bisect.bisect_left(launch_times, r.start), bisect.bisect_right(launch_times, r.end)
-        return by_launch[lo:hi]
+    def first_compute_after(self, t: float) -> Kernel | None:
+        """The first compute kernel launched at or after ``t``; ``None`` when there is none."""
+        position = bisect.bisect_left(self.compute_times, t)
+        return self.compute[position] if position < len(self.compute) else None
 
+    def ready(self, kernel: Kernel) -> float:
+        """When the compute ``kernel`` could have started: its stream's previous kernel done and the kernel launched
+        (never after it did start)."""
+        ends = self.compute_ends_by_stream[kernel.stream]  # kernels of one stream run one after the other
+        previous = bisect.bisect_right(ends, kernel.start) - 1
+        return min(max(ends[previous] if previous >= 0 else kernel.start, kernel.launch), kernel.start)
+
+
+def _gathers_and_reductions(ranges: list[Range], launches: _Launches) -> tuple[dict[str, list[Kernel]], list[Kernel]]:
+    """Each weight's all-gathers in order, and the reduce-scatters: the NCCL kernel launched inside each
+    ``fsdp.all_gather`` or ``fsdp.reduce_scatter`` range (the last to end, when there are several)."""
     gathers: dict[str, list[Kernel]] = {}
     reduces: list[Kernel] = []
     for r in ranges:
         if r.name.startswith(GATHER) or r.name.startswith(REDUCE):
-            nccl = [k for k in launched_in(r) if k.is_comm]
+            nccl = [k for k in launches.inside(r) if k.is_comm]
             if not nccl:
                 continue
             kernel = max(nccl, key=lambda k: k.end)
@@ -355,7 +365,21 @@ def analyze_gathers(trace: dict[str, Any]) -> dict[str, Any]:
                 gathers.setdefault(r.name.removeprefix(GATHER), []).append(kernel)
             else:
                 reduces.append(kernel)
+    return gathers, reduces
 
+
+def _phase_of(t: float, phase_ranges: list[Range]) -> str:
+    """The step phase (``forward``, ``backward``, ``optimizer``) whose CPU range holds ``t``; ``other`` if none."""
+    for r in phase_ranges:
+        if r.start <= t <= r.end:
+            return r.name.removeprefix("step.")
+    return "other"
+
+
+def _pair_uses(ranges: list[Range], gathers: dict[str, list[Kernel]], launches: _Launches,
+               phase_ranges: list[Range]) -> list[GatherUse]:
+    """The i-th ``fsdp.use`` of a weight against its i-th gather, needed by the first compute kernel launched after
+    the use; a use with no gather or no compute kernel after it is left out."""
     uses: list[GatherUse] = []
     seen: dict[str, int] = {}
     for r in ranges:
@@ -367,17 +391,19 @@ def analyze_gathers(trace: dict[str, Any]) -> dict[str, Any]:
         if index >= len(gathers.get(weight, [])):
             continue
         gather = gathers[weight][index]
-        position = bisect.bisect_left(compute_launch_times, r.start)
-        if position == len(compute_by_launch):
+        need = launches.first_compute_after(r.start)
+        if need is None:
             continue
-        need = compute_by_launch[position]
-        ends = compute_ends_by_stream[need.stream]  # kernels of one stream run one after the other
-        previous = bisect.bisect_right(ends, need.start) - 1
-        ready = max(ends[previous] if previous >= 0 else need.start, need.launch)
-        uses.append(GatherUse(weight, phase_of(r.start), gather.start, gather.end, need.start, min(ready, need.start)))
+        uses.append(GatherUse(weight, _phase_of(r.start, phase_ranges), gather.start, gather.end, need.start,
+                              launches.ready(need)))
+    return uses
 
-    compute_busy = union([(k.start, k.end) for k in compute])
-    comm_busy = union([(k.start, k.end) for k in comm])
+
+def _gathers_summary(kernels: list[Kernel], reduces: list[Kernel], uses: list[GatherUse]) -> dict[str, Any]:
+    """Busy time of compute and communication and their overlap (ms), and per phase the gathers, the late ones and
+    the compute stream's wait for them."""
+    compute_busy = union([(k.start, k.end) for k in kernels if not k.is_comm])
+    comm_busy = union([(k.start, k.end) for k in kernels if k.is_comm])
     overlap = _length(intersect(comm_busy, compute_busy))
     summary: dict[str, Any] = {
         "span_ms": (max(k.end for k in kernels) - min(k.start for k in kernels)) / 1e3 if kernels else 0.0,
@@ -392,7 +418,17 @@ def analyze_gathers(trace: dict[str, Any]) -> dict[str, Any]:
         summary[f"{phase}_gathers"] = len(in_phase)
         summary[f"{phase}_gathers_exposed"] = sum(u.exposed for u in in_phase)
         summary[f"{phase}_stall_ms"] = sum(u.stall_us for u in in_phase) / 1e3
-    return {"summary": summary, "uses": uses, "kernels": kernels, "reduces": reduces,
+    return summary
+
+
+def analyze_gathers(trace: dict[str, Any]) -> dict[str, Any]:
+    """Pair every FSDP gather with its use; totals of compute, communication and their overlap."""
+    kernels, ranges = kernels_and_ranges(trace)
+    launches = _Launches(kernels)
+    gathers, reduces = _gathers_and_reductions(ranges, launches)
+    phase_ranges = [r for r in ranges if r.name in FSDP_PHASES]
+    uses = _pair_uses(ranges, gathers, launches, phase_ranges)
+    return {"summary": _gathers_summary(kernels, reduces, uses), "uses": uses, "kernels": kernels, "reduces": reduces,
             "phases": [(r.name.removeprefix("step."), r) for r in phase_ranges]}
 
 
@@ -404,6 +440,80 @@ def _phase_gpu_spans(analysis: dict[str, Any]) -> list[tuple[str, float, float]]
         if inside:
             spans.append((name, min(k.start for k in inside), max(k.end for k in inside)))
     return spans
+
+
+GATHER_LANES = {"compute": 3, "all-gather": 2, "reduce-scatter": 1, "other comm": 0}  # y of each lane
+GATHER_COLORS = {"hidden": "#2ca02c", "exposed": "#d62728", "compute": "#7f7f7f", "reduce": "#1f77b4",
+                 "other": "#9467bd"}
+GATHER_LEGEND = (("compute", "compute kernel"), ("hidden", "all-gather done in time"),
+                 ("exposed", "all-gather the layer waited for"), ("reduce", "reduce-scatter"),
+                 ("other", "other communication"))
+
+
+def _zoom_windows(kernels: list[Kernel], spans: list[tuple[str, float, float]], ms: Callable[[float], float],
+                  zoom_ms: float) -> list[tuple[float, float]]:
+    """The two panels' time windows (ms): the whole step, and ``zoom_ms`` from the middle of the forward pass (of the
+    whole step when the trace names no forward phase)."""
+    forward = next(((a, b) for name, a, b in spans if name == "forward"),
+                   (min(k.start for k in kernels), max(k.end for k in kernels)))
+    middle = ms((forward[0] + forward[1]) / 2)
+    zoom_start = max(0.0, middle - zoom_ms / 2)
+    return [(0.0, ms(max(k.end for k in kernels))), (zoom_start, zoom_start + zoom_ms)]
+
+
+def _lane_and_color(kernel: Kernel, gathers: dict[tuple[float, float], GatherUse],
+                    reduce_ids: set[int]) -> tuple[int, str]:
+    """Where ``kernel`` is drawn: compute, an all-gather (hidden or late), a reduce-scatter, other communication."""
+    if not kernel.is_comm:
+        return GATHER_LANES["compute"], GATHER_COLORS["compute"]
+    if (kernel.start, kernel.end) in gathers:
+        state = "exposed" if gathers[(kernel.start, kernel.end)].exposed else "hidden"
+        return GATHER_LANES["all-gather"], GATHER_COLORS[state]
+    if id(kernel) in reduce_ids:
+        return GATHER_LANES["reduce-scatter"], GATHER_COLORS["reduce"]
+    return GATHER_LANES["other comm"], GATHER_COLORS["other"]
+
+
+def _kernel_bars(analysis: dict[str, Any], ms: Callable[[float], float], lo: float,
+                 hi: float) -> dict[tuple[int, str], list[tuple[float, float]]]:
+    """The ``(start, width)`` bars (ms) of the kernels that show between ``lo`` and ``hi``, by lane and color."""
+    gathers = {(u.gather_start, u.gather_end): u for u in analysis["uses"]}
+    reduce_ids = {id(k) for k in analysis["reduces"]}
+    bars: dict[tuple[int, str], list[tuple[float, float]]] = {}
+    for k in analysis["kernels"]:
+        if ms(k.end) < lo or ms(k.start) > hi:
+            continue
+        # A bar at least a pixel wide: kernels of a few microseconds vanish at the scale of a step.
+        bars.setdefault(_lane_and_color(k, gathers, reduce_ids), []).append(
+            (ms(k.start), max(ms(k.end) - ms(k.start), (hi - lo) / 3000)))
+    return bars
+
+
+def _draw_gathers_window(ax, analysis: dict[str, Any], spans: list[tuple[str, float, float]],
+                         ms: Callable[[float], float], lo: float, hi: float) -> None:
+    """One panel from ``lo`` to ``hi`` (ms): the kernels' lanes, a tick where each gathered weight was needed, the
+    phases shaded behind."""
+    for (lane, color), xs in _kernel_bars(analysis, ms, lo, hi).items():
+        ax.broken_barh(xs, (lane - 0.4, 0.8), facecolors=color, edgecolors="none")
+    needs = [ms(u.need) for u in analysis["uses"] if lo <= ms(u.need) <= hi]
+    gather_lane = GATHER_LANES["all-gather"]
+    ax.vlines(needs, gather_lane + 0.45, gather_lane + 0.75, colors="black", linewidth=0.6)
+    for name, a, b in spans:
+        if ms(b) >= lo and ms(a) <= hi:
+            ax.axvspan(max(ms(a), lo), min(ms(b), hi), color="#f3f3f3", zorder=-1)
+            ax.text((max(ms(a), lo) + min(ms(b), hi)) / 2, 3.55, name, ha="center", fontsize=8)
+    ax.set_xlim(lo, hi)
+    ax.set_ylim(-0.6, 3.8)
+    ax.set_yticks(list(GATHER_LANES.values()), list(GATHER_LANES))
+    ax.set_xlabel("time in the step (ms)")
+
+
+def _gathers_title(title: str, s: dict[str, Any]) -> str:
+    """``title`` over the step's late gathers, the compute stream's wait for them and the exposed communication."""
+    return (f"{title}\nforward: {s['forward_gathers_exposed']}/{s['forward_gathers']} all-gathers late "
+            f"(compute waited {s['forward_stall_ms']:.2f} ms); backward: {s['backward_gathers_exposed']}/"
+            f"{s['backward_gathers']} late ({s['backward_stall_ms']:.2f} ms); communication {s['comm_ms']:.1f} ms, "
+            f"{s['comm_exposed_ms']:.1f} ms of it not overlapped with compute")
 
 
 def render_gathers(analysis: dict[str, Any], path: Path | str, title: str, zoom_ms: float = 4.0) -> None:
@@ -424,61 +534,14 @@ def render_gathers(analysis: dict[str, Any], path: Path | str, title: str, zoom_
     def ms(t: float) -> float:
         return (t - t0) / 1e3
 
-    gather_ids = {(u.gather_start, u.gather_end): u for u in analysis["uses"]}
-    reduce_ids = {id(k) for k in analysis["reduces"]}
-    lanes = {"compute": 3, "all-gather": 2, "reduce-scatter": 1, "other comm": 0}
-    colors = {"hidden": "#2ca02c", "exposed": "#d62728", "compute": "#7f7f7f", "reduce": "#1f77b4", "other": "#9467bd"}
-
     spans = _phase_gpu_spans(analysis)
-    forward = next(((a, b) for name, a, b in spans if name == "forward"), (t0, max(k.end for k in kernels)))
-    middle = ms((forward[0] + forward[1]) / 2)
-    zoom_start = max(0.0, middle - zoom_ms / 2)
-    windows = [(0.0, ms(max(k.end for k in kernels))), (zoom_start, zoom_start + zoom_ms)]
-
     fig, axes = plt.subplots(2, 1, figsize=(14, 6.5))
-    for ax, (lo, hi) in zip(axes, windows):
-        bars: dict[tuple[int, str], list[tuple[float, float]]] = {}
-        for k in kernels:
-            if ms(k.end) < lo or ms(k.start) > hi:
-                continue
-            if not k.is_comm:
-                key = (lanes["compute"], colors["compute"])
-            elif (k.start, k.end) in gather_ids:
-                state = "exposed" if gather_ids[(k.start, k.end)].exposed else "hidden"
-                key = (lanes["all-gather"], colors[state])
-            elif id(k) in reduce_ids:
-                key = (lanes["reduce-scatter"], colors["reduce"])
-            else:
-                key = (lanes["other comm"], colors["other"])
-            # A bar at least a pixel wide: kernels of a few microseconds vanish at the scale of a step.
-            bars.setdefault(key, []).append((ms(k.start), max(ms(k.end) - ms(k.start), (hi - lo) / 3000)))
-        for (lane, color), xs in bars.items():
-            ax.broken_barh(xs, (lane - 0.4, 0.8), facecolors=color, edgecolors="none")
-        needs = [ms(u.need) for u in analysis["uses"] if lo <= ms(u.need) <= hi]
-        ax.vlines(needs, lanes["all-gather"] + 0.45, lanes["all-gather"] + 0.75, colors="black", linewidth=0.6)
-        for name, a, b in spans:
-            if ms(b) >= lo and ms(a) <= hi:
-                ax.axvspan(max(ms(a), lo), min(ms(b), hi), color="#f3f3f3", zorder=-1)
-                ax.text((max(ms(a), lo) + min(ms(b), hi)) / 2, 3.55, name, ha="center", fontsize=8)
-        ax.set_xlim(lo, hi)
-        ax.set_ylim(-0.6, 3.8)
-        ax.set_yticks(list(lanes.values()), list(lanes))
-        ax.set_xlabel("time in the step (ms)")
-    s = analysis["summary"]
-    axes[0].set_title(
-        f"{title}\nforward: {s['forward_gathers_exposed']}/{s['forward_gathers']} all-gathers late "
-        f"(compute waited {s['forward_stall_ms']:.2f} ms); backward: {s['backward_gathers_exposed']}/"
-        f"{s['backward_gathers']} late ({s['backward_stall_ms']:.2f} ms); communication {s['comm_ms']:.1f} ms, "
-        f"{s['comm_exposed_ms']:.1f} ms of it not overlapped with compute",
-        fontsize=9,
-    )
+    for ax, (lo, hi) in zip(axes, _zoom_windows(kernels, spans, ms, zoom_ms)):
+        _draw_gathers_window(ax, analysis, spans, ms, lo, hi)
+    axes[0].set_title(_gathers_title(title, analysis["summary"]), fontsize=9)
     axes[1].set_title(f"zoom: {zoom_ms:g} ms in the middle of the forward pass (ticks: when the layer needed its weight)",
                       fontsize=9)
-    legend = [Patch(color=colors["compute"], label="compute kernel"),
-              Patch(color=colors["hidden"], label="all-gather done in time"),
-              Patch(color=colors["exposed"], label="all-gather the layer waited for"),
-              Patch(color=colors["reduce"], label="reduce-scatter"),
-              Patch(color=colors["other"], label="other communication")]
+    legend = [Patch(color=GATHER_COLORS[key], label=label) for key, label in GATHER_LEGEND]
     axes[0].legend(handles=legend, loc="upper right", fontsize=7, ncol=5, bbox_to_anchor=(1.0, -0.18))
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
