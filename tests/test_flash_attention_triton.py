@@ -499,7 +499,7 @@ def test_error_grid_cases_are_those_of_the_committed_errors_file():
 
     from tests._flash_error_grid import ERRORS_FILE_NAME, GROUPS
 
-    path = Path(__file__).parents[1] / "writeup" / "results" / "h100-issue28" / "tests" / ERRORS_FILE_NAME
+    path = Path(__file__).parents[1] / "writeup" / "results" / "h100-hopper-backward" / "tests" / ERRORS_FILE_NAME
     records = json.loads(path.read_text())["records"]
     cases = [tuple(case) for group in GROUPS.values() for case in group()]
     fields = ("precision", "batch", "heads", "n_queries", "n_keys", "d", "is_causal")
