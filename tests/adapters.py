@@ -1,4 +1,4 @@
-"""The grader's entry points (SPEC section 7), each a plain call into the library.
+"""The grader's entry points, each a plain call into the library.
 
 The Triton Function is imported when asked for, so that importing this module never imports Triton.
 """
@@ -68,7 +68,7 @@ def get_sharded_optimizer(params, optimizer_cls: Type[torch.optim.Optimizer], **
 
 
 def get_fsdp(module: torch.nn.Module, compute_dtype: torch.dtype | None = None) -> torch.nn.Module:
-    """Fully sharded data parallel wrapper (SPEC section 6, the 2026 grader): ``Linear`` and ``Embedding``
+    """Fully sharded data parallel wrapper (the 2026 grader): ``Linear`` and ``Embedding``
     weights sharded over the ranks, weights cast to ``compute_dtype`` (if given) for communication and compute."""
     return FSDP(module, compute_dtype=compute_dtype)
 

@@ -1,4 +1,4 @@
-"""The package's layout rules (SPEC section 0): every benchmark tool is a leaf (no tool imports another; what
+"""The package's layout rules: every benchmark tool is a leaf (no tool imports another; what
 tools share lives in ``cs336_systems/bench/common/``), and the model never imports parallelism or benchmarks."""
 
 from __future__ import annotations

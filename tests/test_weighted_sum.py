@@ -1,4 +1,4 @@
-"""The weighted-sum warm-up kernels (SPEC section 3.5) against ``(x * w).sum(-1)``: through the Triton
+"""The weighted-sum warm-up kernels against ``(x * w).sum(-1)``: through the Triton
 CPU interpreter (``tests/interpreter/test_weighted_sum.py``), and on a GPU."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The bucketed-DDP overhead model (SPEC 4.6) against the measured bucketed step times.
+"""The bucketed-DDP overhead model (the handout's ``ddp_bucketed_benchmarking`` (b)) against the measured bucketed step times.
 
 Model. The gradients, ``s`` bytes in all, travel in ``n_b`` buckets of ``s / n_b`` bytes; one all-reduce
 of ``x`` bytes costs ``o + x / w`` (per-call overhead ``o``, algorithm bandwidth ``w`` = bytes per rank

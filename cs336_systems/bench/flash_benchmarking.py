@@ -1,6 +1,6 @@
 """FlashAttention-2 against PyTorch's attentions across lengths and head dims (problem ``flash_benchmarking``).
 
-SPEC 3.6: batch 1 (one head), causal, sequence length 128..65536 (powers of two) x head dim 16, 32, 64, 128 x
+The handout's sweep: batch 1 (one head), causal, sequence length 128..65536 (powers of two) x head dim 16, 32, 64, 128 x
 {bf16, fp32}; forward, backward and forward+backward latency with ``triton.testing.do_bench`` (mean over the
 samples; see ``common/attention_providers`` for what each phase times) of
 
@@ -76,7 +76,7 @@ def parser():
 
 
 def resolve_defaults(args, device: torch.device) -> None:
-    """Fill the grid: the SPEC sweep on a GPU (``--quick``: three lengths at d=64, bf16), tiny on a CPU (``--quick``:
+    """Fill the grid: the handout's sweep on a GPU (``--quick``: three lengths at d=64, bf16), tiny on a CPU (``--quick``:
     one length, d=16, fp32)."""
     if device.type != "cuda":
         providers = args.providers or CPU_PROVIDERS

@@ -1,5 +1,5 @@
-"""Host cost per call of each of our operators beside its PyTorch counterpart (problem ``op_overhead``, SPEC
-section 9: "host cost is part of speed").
+"""Host cost per call of each of our operators beside its PyTorch counterpart (problem ``op_overhead``): the host's
+time per call is part of an operator's speed.
 
 For each operator, provider, shape and pass, two numbers per call, both medians over ``--repeats`` loops of
 ``--calls`` calls:

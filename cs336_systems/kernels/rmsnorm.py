@@ -1,4 +1,4 @@
-"""Fused RMSNorm in Triton (SPEC section 6): forward and backward kernels, launch wrappers, an autograd
+"""Fused RMSNorm in Triton: forward and backward kernels, launch wrappers, an autograd
 Function, and :class:`FusedRMSNorm`, a drop-in replacement for ``cs336_basics.model.RMSNorm``.
 
 For a row ``x`` of ``N`` features and the gain ``g``::

@@ -1,4 +1,4 @@
-"""The assignment's Triton warm-up (SPEC section 3.5): ``y = (x * w).sum(-1)`` with a forward and a
+"""The assignment's Triton warm-up: ``y = (x * w).sum(-1)`` with a forward and a
 backward kernel and a ``torch.autograd.Function`` around them.
 
 For ``x`` of shape ``(..., D)`` (viewed as ``(n_rows, D)``) and ``w`` of shape ``(D,)``::
