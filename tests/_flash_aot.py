@@ -1,5 +1,6 @@
 """Compile ``@triton.jit`` (and ``@gluon.jit``) kernels for a GPU on a machine without one (ahead of time, down
-to a cubin through the ptxas that ships with Triton), and read their register, spill and shared-memory use.
+to a cubin through the ptxas that ships with Triton: ``ptxas`` for sm_90, ``ptxas-blackwell`` for sm_100), and read
+their register, spill, shared- and tensor-memory use.
 
 The CPU interpreter runs kernels as NumPy, so it cannot see what only the compiler checks (globals
 that are not ``tl.constexpr``, layouts, shared-memory and register limits); this can. It uses
@@ -14,7 +15,13 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 
+import torch
 import triton
+
+SHARED_MEMORY_PER_BLOCK = {90: 227 * 1024, 100: 232448}
+"""Bytes of shared memory one block may use, by compute capability (H100/H200: 227 KiB; B200: 227 KiB too)."""
+TENSOR_MEMORY_COLUMNS = {100: 512}
+"""Columns of tensor memory per SM (128 lanes of 32 bits each), where Blackwell's ``tcgen05.mma`` accumulates."""
 
 
 def nvidia_toolchain_available() -> bool:
@@ -35,12 +42,17 @@ class ResourceUsage:
     registers: int  # per thread
     spill_bytes: int  # per-thread stack, which is where ptxas spills registers
     shared_bytes: int  # dynamic shared memory the kernel asks for
+    tensor_memory_columns: int  # Blackwell's tensor memory the kernel allocates (0 before sm_100)
 
 
 def compile_for_gpu(jit_function, args: tuple, kwargs: dict, capability: int = 90):
     """Compile ``jit_function`` as a launch ``jit_function[grid](*args, **kwargs)`` would on a CUDA GPU
     of compute capability ``capability`` (90: H100). ``args`` may hold CPU tensors: only their dtypes
-    and the alignment of their pointers matter."""
+    and the alignment of their pointers matter. Gluon kernels compile only for Hopper (capability 9.x): ours are
+    written for it, and its ``warpgroup_mma`` compiled for another GPU aborts the whole process inside LLVM rather
+    than raising, so this refuses it first."""
+    if jit_function.is_gluon() and capability // 10 != 9:
+        raise ValueError(f"{jit_function.__name__} is a Gluon kernel for Hopper (sm_90): not compiled for sm_{capability}")
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import CUDABackend
     from triton.compiler.compiler import ASTSource
@@ -54,6 +66,36 @@ def compile_for_gpu(jit_function, args: tuple, kwargs: dict, capability: int = 9
     if jit_function.is_gluon():
         from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
     return triton.compile(ASTSource(jit_function, signature, constexprs, attrs), target=target, options=options.__dict__)
+
+
+def captured_attention_launches(monkeypatch, dtype: torch.dtype, head_dim: int, is_causal: bool) -> list[tuple]:
+    """``(kernel function, args, constexprs, name)`` of every Triton launch of one forward and backward of the
+    portable backend on ``(2, 3, 200, head_dim)`` inputs, recorded instead of run; names "fwd", "delta", "bwd"."""
+    from cs336_systems.attention.backends import triton as triton_backend
+
+    launches = []
+
+    def recorder(name, kernel):  # stands for a Kernel: records its launch
+        def launch(key, grid, args, constexprs, fixed, **options):
+            launches.append((kernel.fn, args, constexprs, name))
+
+        return launch
+
+    for name in ("fwd", "bwd"):
+        monkeypatch.setitem(triton_backend.KERNELS, name, recorder(name, triton_backend.KERNELS[name]))
+    monkeypatch.setattr(triton_backend, "DELTA_KERNEL", recorder("delta", triton_backend.DELTA_KERNEL))
+    q, k, v = (torch.randn(2, 3, 200, head_dim).to(dtype) for _ in range(3))
+    O, L = triton_backend.forward(q, k, v, is_causal, head_dim ** -0.5)
+    triton_backend.backward(q, k, v, O, L, torch.randn_like(O), is_causal, head_dim ** -0.5)
+    assert [launch[3] for launch in launches] == ["fwd", "delta", "bwd"]
+    return launches
+
+
+def fixed_launch_config(name: str, dtype: torch.dtype, head_dim: int):
+    """The configuration the portable backend launches kernel ``name`` ("fwd", "delta", "bwd") at, not autotuning."""
+    from cs336_systems.attention.backends import triton as triton_backend
+
+    return triton_backend.DELTA_CONFIG if name == "delta" else triton_backend.fixed_config(name, dtype, head_dim)
 
 
 def cuobjdump(compiled, flag: str) -> str:
@@ -72,7 +114,9 @@ def resource_usage(compiled) -> ResourceUsage:
     match = re.search(r"REG:(\d+) STACK:(\d+)", report)
     if match is None:
         raise RuntimeError(f"cannot read the resource usage from cuobjdump:\n{report}")
-    return ResourceUsage(int(match.group(1)), int(match.group(2)), compiled.metadata.shared)
+    metadata = compiled.metadata
+    return ResourceUsage(int(match.group(1)), int(match.group(2)), metadata.shared,
+                         getattr(metadata, "tmem_size", None) or 0)
 
 
 def serialized_wgmma(compiled) -> str | None:

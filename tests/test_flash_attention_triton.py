@@ -29,6 +29,7 @@ from cs336_systems.attention.op import FlashAttention2Triton, flash_attention
 from cs336_systems.kernels import launch
 from cs336_systems.kernels.launch import Kernel, poisoned_outputs
 from tests import adapters
+from tests._flash_aot import SHARED_MEMORY_PER_BLOCK, captured_attention_launches, fixed_launch_config
 from tests._flash_checks import (
     QUANTITIES,
     assert_lm_matches_naive,
@@ -170,28 +171,7 @@ def test_forward_launches_through_its_kernel_once_per_signature(monkeypatch):
     assert list(kernel.configs.values()) == 2 * [triton_backend.fixed_config("fwd", torch.bfloat16, 64)]
 
 
-def _captured_launches(monkeypatch, dtype, head_dim, is_causal):
-    """The (kernel function, args, meta) of every Triton launch of one forward and backward (on the portable path),
-    without running them."""
-    launches = []
-
-    def recorder(name, kernel):  # stands for a Kernel: records its launch
-        def launch(key, grid, args, constexprs, fixed, **options):
-            launches.append((kernel.fn, args, constexprs, name))
-
-        return launch
-
-    for name in ("fwd", "bwd"):
-        monkeypatch.setitem(triton_backend.KERNELS, name, recorder(name, triton_backend.KERNELS[name]))
-    monkeypatch.setattr(triton_backend, "DELTA_KERNEL", recorder("delta", triton_backend.DELTA_KERNEL))
-    q, k, v = (torch.randn(2, 3, 200, head_dim).to(dtype) for _ in range(3))
-    O, L = triton_backend.forward(q, k, v, is_causal, head_dim ** -0.5)
-    triton_backend.backward(q, k, v, O, L, torch.randn_like(O), is_causal, head_dim ** -0.5)
-    assert [launch[3] for launch in launches] == ["fwd", "delta", "bwd"]
-    return launches
-
-
-H100_SHARED_MEMORY = 227 * 1024
+H100_SHARED_MEMORY = SHARED_MEMORY_PER_BLOCK[90]
 
 
 def test_flash_config_is_explicit_and_checked():
@@ -224,9 +204,8 @@ def test_fixed_configs_compile_for_h100_without_spills(monkeypatch, dtype, head_
 
     if not nvidia_toolchain_available():
         pytest.skip("this Triton has no NVIDIA backend or ptxas")
-    for kernel, args, meta, name in _captured_launches(monkeypatch, dtype, head_dim, is_causal):
-        config = (triton_backend.DELTA_CONFIG if name == "delta"
-                  else triton_backend.fixed_config(name, dtype, head_dim))
+    for kernel, args, meta, name in captured_attention_launches(monkeypatch, dtype, head_dim, is_causal):
+        config = fixed_launch_config(name, dtype, head_dim)
         compiled = compile_for_gpu(kernel, args, {**meta, **config.all_kwargs()})
         usage = resource_usage(compiled)
         assert usage.spill_bytes == 0, f"{name} {config}: {usage}"
@@ -246,7 +225,7 @@ def test_backward_wgmma_are_not_serialized_on_h100(monkeypatch):
 
     if not nvidia_toolchain_available():
         pytest.skip("this Triton has no NVIDIA backend or ptxas")
-    kernel, args, meta, name = _captured_launches(monkeypatch, torch.bfloat16, 64, True)[2]
+    kernel, args, meta, name = captured_attention_launches(monkeypatch, torch.bfloat16, 64, True)[2]
     config = triton_backend.fixed_config(name, torch.bfloat16, 64)
     assert serialized_wgmma(compile_for_gpu(kernel, args, {**meta, **config.all_kwargs()})) is None
 
@@ -265,7 +244,7 @@ def test_autotune_configs_compile_for_h100(monkeypatch):
     if not nvidia_toolchain_available():
         pytest.skip("this Triton has no NVIDIA backend or ptxas")
     autotuners = {name: kernel.autotuner for name, kernel in triton_backend.KERNELS.items()}
-    for kernel, args, meta, name in _captured_launches(monkeypatch, torch.bfloat16, 64, True):
+    for kernel, args, meta, name in captured_attention_launches(monkeypatch, torch.bfloat16, 64, True):
         if name == "delta":
             continue
         autotuner = autotuners[name]
