@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 import triton
 
-SHARED_MEMORY_PER_BLOCK = {90: 227 * 1024, 100: 232448}
-"""Bytes of shared memory one block may use, by compute capability (H100/H200: 227 KiB; B200: 227 KiB too)."""
+SHARED_MEMORY_PER_BLOCK = {90: 227 * 1024, 100: 227 * 1024}
+"""Bytes of shared memory one block may use (232448), by compute capability: H100/H200 (9.0), B200 (10.0)."""
 TENSOR_MEMORY_COLUMNS = {100: 512}
 """Columns of tensor memory per SM (128 lanes of 32 bits each), where Blackwell's ``tcgen05.mma`` accumulates."""
 
@@ -52,7 +52,8 @@ def compile_for_gpu(jit_function, args: tuple, kwargs: dict, capability: int = 9
     written for it, and its ``warpgroup_mma`` compiled for another GPU aborts the whole process inside LLVM rather
     than raising, so this refuses it first."""
     if jit_function.is_gluon() and capability // 10 != 9:
-        raise ValueError(f"{jit_function.__name__} is a Gluon kernel for Hopper (sm_90): not compiled for sm_{capability}")
+        raise ValueError(f"{jit_function.__name__} is a Gluon kernel for Hopper (sm_90): "
+                         f"not compiled for sm_{capability}")
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import CUDABackend
     from triton.compiler.compiler import ASTSource

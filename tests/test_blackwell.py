@@ -37,6 +37,7 @@ BLACKWELL = 100
     "dtype, head_dim",
     [(torch.bfloat16, 64), pytest.param(torch.bfloat16, 128, marks=pytest.mark.slow),
      pytest.param(torch.float16, 64, marks=pytest.mark.slow), pytest.param(torch.float16, 128, marks=pytest.mark.slow)],
+    ids=["bf16-d64", "bf16-d128", "fp16-d64", "fp16-d128"],
 )
 def test_triton_kernels_compile_for_sm100(monkeypatch, dtype, head_dim):
     if not nvidia_toolchain_available():
@@ -81,7 +82,8 @@ def faked_capability(monkeypatch):
 
 
 @pytest.mark.parametrize("capability, chosen", [((10, 0), triton_backend), ((8, 0), triton_backend),
-                                                ((12, 0), triton_backend), ((9, 0), hopper)])
+                                                ((12, 0), triton_backend), ((9, 0), hopper)],
+                         ids=["sm100-triton", "sm80-triton", "sm120-triton", "sm90-hopper"])
 def test_dispatch_takes_the_gluon_kernels_on_hopper_only(faked_capability, capability, chosen):
     faked_capability(*capability)
     gpu = torch.device("cuda", 0)
@@ -93,7 +95,7 @@ def test_dispatch_takes_the_gluon_kernels_on_hopper_only(faked_capability, capab
         assert op.choose_backend(FlashConfig(kernels="triton"), gpu, torch.bfloat16, 64, part, True) is triton_backend
 
 
-@pytest.mark.parametrize("capability", [(10, 0), (12, 0), (8, 0)])
+@pytest.mark.parametrize("capability", [(10, 0), (12, 0), (8, 0)], ids=["sm100", "sm120", "sm80"])
 def test_forcing_the_gluon_kernels_off_hopper_is_an_error(faked_capability, capability):
     """The operator asks for its backend before it launches anything: the error comes before any compilation."""
     faked_capability(*capability)
