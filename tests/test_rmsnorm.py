@@ -162,13 +162,13 @@ def test_every_autotune_candidate_compiles_for_h100_without_spills(n_cols):
                 meta = dict(BLOCK_N=block_n, SINGLE_TILE=single_tile, **config.kwargs, num_warps=config.num_warps,
                             num_stages=config.num_stages)
                 if kernel == "fwd":
-                    args = (x, weight, x, rstd, n_cols, n_cols, 65536, n_cols, 64, 1e-5)
-                    compiled = compile_for_gpu(rmsnorm.rmsnorm_fwd_kernel, args, meta)
+                    args = (x, weight, x, rstd, n_cols, n_cols, 65536, n_cols, 64, 1e-5, x, x, n_cols, n_cols)
+                    compiled = compile_for_gpu(rmsnorm.rmsnorm_fwd_kernel, args, {**meta, "ADD_RESIDUAL": False})
                 else:
-                    args = (x, x, weight, rstd, x, partial, rstd, n_cols, n_cols, n_cols, 65536, n_cols, 128)
+                    args = (x, x, weight, rstd, x, partial, rstd, n_cols, n_cols, n_cols, 65536, n_cols, 128, x, n_cols)
                     prefetch = rmsnorm._prefetch(block_n, single_tile, x.element_size())
                     compiled = compile_for_gpu(rmsnorm.rmsnorm_bwd_kernel, args, {
-                        **meta, "PREFETCH": prefetch, "COMPUTE_DX": True, "COMPUTE_DW": True})
+                        **meta, "PREFETCH": prefetch, "COMPUTE_DX": True, "COMPUTE_DW": True, "ADD_DS": False})
                 assert resource_usage(compiled).spill_bytes == 0, (kernel, dtype, config)
     compiled = compile_for_gpu(rmsnorm.rmsnorm_dw_reduce_kernel, (partial, weight, 528, n_cols),
                                dict(BLOCK_P=rmsnorm.REDUCE_BLOCK_P, BLOCK_C=rmsnorm.REDUCE_BLOCK_C,
