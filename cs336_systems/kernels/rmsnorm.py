@@ -45,8 +45,12 @@ Under autocast, ``FusedRMSNorm.autocast_output`` (off by default) writes the out
 autocast dtype, which the matmuls that consume it would cast to anyway: half the bytes written, no cast
 kernel, and a 16-bit output gradient to read in backward.
 
-Not done: a variant fused with the preceding residual add. It needs the model's block to pass the
-residual to the norm, and under ``torch.compile`` the plain model already fuses that add with its norm.
+The residual add fused in (``cs336_systems.kernels.residual_rmsnorm``, which has the math) runs these kernels with
+their residual switches on: the forward's ``ADD_RESIDUAL`` adds a residual tile, stores the sum rounded to x's dtype
+and normalises it (a long row's second sweep adds again rather than reading back what other threads stored); the
+backward's ``ADD_DS`` adds a second incoming gradient to ``dx`` before the store. Off, they compile to the plain
+kernels. Not wired into the model: the block must pass its residual to the norm, and under ``torch.compile`` the
+plain model already fuses the add with its norm; whether the fused one pays wants a GPU measurement.
 """
 
 from __future__ import annotations
