@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from tests._flash_checks import relative_error
-from tests.test_rmsnorm import ERROR_FACTOR, ERROR_FLOOR, plain_rms_norm
+from tests.test_rmsnorm import ERROR_FACTOR, ERROR_FLOOR, assert_candidates_compile_without_spills, plain_rms_norm
 
 QUANTITIES = ("s", "y", "dx", "dresidual", "dw")
 
@@ -101,38 +101,15 @@ def test_rejects_cpu_tensors_when_compiled():
 @pytest.mark.parametrize("n_cols", [pytest.param(n, marks=() if n == 768 else pytest.mark.slow)
                                     for n in (80, 768, 2560, 9000)])
 def test_residual_variants_compile_for_h100_without_spills(n_cols):
-    """Ahead-of-time compile for sm_90 (see ``_flash_aot.py``) of the residual forward (two tiles loaded per step
-    beside the prefetched one) and the backward that adds ``ds``, at the fixed configuration and the heaviest
-    autotune candidate per warp count."""
-    from cs336_systems.kernels import rmsnorm
+    """Ahead-of-time compile for sm_90 (see ``_flash_aot.py``) of the residual forward (a residual tile loaded per
+    step beside the prefetched input) and the backward that adds ``ds``, at the fixed configuration and the
+    heaviest autotune candidate per warp count."""
     from cs336_systems.kernels.launch import interpreting
-    from tests._flash_aot import compile_for_gpu, nvidia_toolchain_available, resource_usage
+    from tests._flash_aot import nvidia_toolchain_available
 
     if interpreting() or not nvidia_toolchain_available():
         pytest.skip("needs Triton's NVIDIA backend and ptxas, outside the interpreter")
-    block_n, single_tile = rmsnorm._block_n(n_cols)
-    for dtype in (torch.bfloat16, torch.float32):
-        x, weight = torch.empty(16, n_cols, dtype=dtype), torch.empty(n_cols, dtype=dtype)
-        rstd, partial = torch.empty(16), torch.empty(4, n_cols)
-        for kernel, configs in (("fwd", rmsnorm.FWD_CONFIGS), ("bwd", rmsnorm.BWD_CONFIGS)):
-            candidates = rmsnorm._pruner(kernel)(configs, {"X": x, "rows_key": 64}, BLOCK_N=block_n,
-                                                 SINGLE_TILE=single_tile)
-            heaviest = {}
-            for c in candidates:
-                if c.num_warps not in heaviest or c.kwargs["BLOCK_M"] > heaviest[c.num_warps].kwargs["BLOCK_M"]:
-                    heaviest[c.num_warps] = c
-            for config in [*heaviest.values(), rmsnorm.fixed_config(kernel, n_cols, x.element_size())]:
-                meta = dict(BLOCK_N=block_n, SINGLE_TILE=single_tile, **config.kwargs, num_warps=config.num_warps,
-                            num_stages=config.num_stages)
-                if kernel == "fwd":
-                    args = (x, weight, x, rstd, n_cols, n_cols, 65536, n_cols, 64, 1e-5, x, x, n_cols, n_cols)
-                    compiled = compile_for_gpu(rmsnorm.rmsnorm_fwd_kernel, args, {**meta, "ADD_RESIDUAL": True})
-                else:
-                    args = (x, x, weight, rstd, x, partial, rstd, n_cols, n_cols, n_cols, 65536, n_cols, 128, x, n_cols)
-                    prefetch = rmsnorm._prefetch(block_n, single_tile, x.element_size())
-                    compiled = compile_for_gpu(rmsnorm.rmsnorm_bwd_kernel, args, {
-                        **meta, "PREFETCH": prefetch, "COMPUTE_DX": True, "COMPUTE_DW": True, "ADD_DS": True})
-                assert resource_usage(compiled).spill_bytes == 0, (kernel, dtype, config)
+    assert_candidates_compile_without_spills(n_cols, residual=True)
 
 
 # ---------------------------------------------------------------------------------------------------
