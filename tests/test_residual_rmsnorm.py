@@ -98,6 +98,19 @@ def test_rejects_cpu_tensors_when_compiled():
 
 
 @pytest.mark.compiled_kernels
+def test_operators_are_triton_ops_when_compiled():
+    """So that Inductor emits their launches in a compiled graph (under the interpreter they are opaque)."""
+    from torch._library.triton import triton_ops_to_kernels
+
+    from cs336_systems.kernels import residual_rmsnorm  # noqa: F401 (registers the operators)
+    from cs336_systems.kernels.launch import interpreting
+
+    assert not interpreting()
+    for name in ("add_rmsnorm_forward", "add_rmsnorm_backward"):
+        assert f"cs336_systems::{name}" in triton_ops_to_kernels
+
+
+@pytest.mark.compiled_kernels
 @pytest.mark.parametrize("n_cols", [pytest.param(n, marks=() if n == 768 else pytest.mark.slow)
                                     for n in (80, 768, 2560, 9000)])
 def test_residual_variants_compile_for_h100_without_spills(n_cols):

@@ -49,14 +49,15 @@ from cs336_systems.kernels.rmsnorm import check_inputs, launch_rmsnorm_forward, 
 
 def add_rmsnorm_forward(
     x: Float[Tensor, "n_rows N"], residual: Float[Tensor, "n_rows N"], weight: Float[Tensor, "N"], eps: float,
-    traced: bool = False,
-) -> tuple[Float[Tensor, "n_rows N"], Float[Tensor, "n_rows N"], Float[Tensor, "n_rows"]]:
-    """``s = x + residual`` and ``y = rmsnorm(s) * weight`` (x's dtype, contiguous) and ``1 / rms`` per row
-    (float32)."""
-    s = new_output(x.shape, x.dtype, x.device)
-    y = new_output(x.shape, x.dtype, x.device)
+    traced: bool = False, out_shape: torch.Size | None = None,
+) -> tuple[Float[Tensor, "... N"], Float[Tensor, "... N"], Float[Tensor, "n_rows"]]:
+    """``s = x + residual`` and ``y = rmsnorm(s) * weight`` (x's dtype, contiguous, of ``out_shape``: by default
+    x's) and ``1 / rms`` per row (float32)."""
+    out_shape = x.shape if out_shape is None else out_shape
+    s = new_output(out_shape, x.dtype, x.device)
+    y = new_output(out_shape, x.dtype, x.device)
     rstd = new_output(x.shape[:1], torch.float32, x.device)
-    launch_rmsnorm_forward(x, weight, y, rstd, eps, traced, residual=residual, s=s)
+    launch_rmsnorm_forward(x, weight, y.view(x.shape), rstd, eps, traced, residual=residual, s=s.view(x.shape))
     return s, y, rstd
 
 
@@ -129,15 +130,18 @@ class FusedAddRMSNormFunction(torch.autograd.Function):
         weight = unit_last_stride(weight)
         if torch.compiler.is_compiling():
             s, y, rstd = torch.ops.cs336_systems.add_rmsnorm_forward(x_rows, residual_rows, weight, eps)
+            s, y = s.view(x.shape), y.view(x.shape)
         else:
-            s, y, rstd = add_rmsnorm_forward(x_rows, residual_rows, weight, eps)
+            # Allocated in x's shape rather than viewed as it: the outputs are no views, so that the caller may
+            # change y in place (s is saved: changing it in place fails in backward, as it must).
+            s, y, rstd = add_rmsnorm_forward(x_rows, residual_rows, weight, eps, out_shape=x.shape)
         ctx.save_for_backward(s, weight, rstd)
-        ctx.x_shape = x.shape
-        return s.view(x.shape), y.view(x.shape)
+        return s, y
 
     @staticmethod
     def backward(ctx, ds: Float[Tensor, "... N"], dy: Float[Tensor, "... N"]):
         s, weight, rstd = ctx.saved_tensors
+        x_shape, s = s.shape, s.view(-1, s.shape[-1])
         compute_dx = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         compute_dw = ctx.needs_input_grad[2]
         n_cols = s.shape[-1]
@@ -149,7 +153,7 @@ class FusedAddRMSNormFunction(torch.autograd.Function):
                                                                   compute_dw)
         else:
             dx, dw = add_rmsnorm_backward(dy_rows, ds_rows, s, weight, rstd, compute_dx, compute_dw)
-        dx = dx.view(ctx.x_shape) if compute_dx else None
+        dx = dx.view(x_shape) if compute_dx else None
         return (dx if ctx.needs_input_grad[0] else None), (dx if ctx.needs_input_grad[1] else None), \
             (dw if compute_dw else None), None
 

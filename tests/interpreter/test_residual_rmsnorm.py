@@ -108,7 +108,7 @@ def test_saves_the_sum_gain_and_float32_inverse_rms():
     s, y = residual_rmsnorm.fused_add_rmsnorm(x, residual, weight.requires_grad_())
     saved = y.grad_fn.saved_tensors
     assert len(saved) == 3
-    torch.testing.assert_close(saved[0], s.reshape(12, 20), rtol=0, atol=0)
+    assert saved[0].data_ptr() == s.data_ptr() and saved[0].shape == s.shape  # the output itself, no copy
     rstd = saved[2]
     assert rstd.dtype == torch.float32 and rstd.shape == (12,)
     expected = torch.rsqrt(s.double().pow(2).mean(-1) + 1e-5).reshape(-1)
@@ -122,6 +122,23 @@ def test_sum_rounds_as_a_separate_add():
         x, residual, weight, _, _ = make_inputs((5, 77), dtype, "cpu")
         s, _ = residual_rmsnorm.fused_add_rmsnorm(x, residual, weight)
         torch.testing.assert_close(s, x + residual, rtol=0, atol=0)
+
+
+def test_outputs_changed_in_place():
+    """y may be changed in place (not saved); s is saved, so changing it fails in backward instead of giving
+    wrong gradients."""
+    x, residual, weight, dy, _ = make_inputs((2, 3, 16), torch.float32, "cpu")
+    leaf = x.clone().requires_grad_()
+    s, y = residual_rmsnorm.fused_add_rmsnorm(leaf, residual, weight)
+    y.mul_(2)
+    y.backward(dy)
+    reference = x.double().requires_grad_()
+    (2 * add_rms_norm_float64(reference, residual, weight)[1]).backward(dy.double())
+    torch.testing.assert_close(leaf.grad.double(), reference.grad, rtol=1e-5, atol=1e-5)
+    s, y = residual_rmsnorm.fused_add_rmsnorm(x.clone().requires_grad_(), residual, weight)
+    s.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward(dy)
 
 
 @pytest.mark.parametrize("shape", [(0, 17), (2, 0, 17)])
