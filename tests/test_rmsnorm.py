@@ -134,19 +134,13 @@ def test_use_fused_rmsnorm_swaps_every_norm_keeping_its_parameter():
         use_fused_rmsnorm(RMSNorm(4))
 
 
-@pytest.mark.compiled_kernels
-@pytest.mark.parametrize("n_cols", [pytest.param(n, marks=() if n == 80 else pytest.mark.slow)
-                                    for n in (1, 80, 768, 1600, 2560, 8192, 9000)])
-def test_every_autotune_candidate_compiles_for_h100_without_spills(n_cols):
-    """Ahead-of-time compile for sm_90 (see ``_flash_aot.py``) of the configurations the pruner lets the
-    autotuner try, for each warp count the one with the most elements per thread (the most registers), and of
-    the fixed configuration that the operators launch."""
+def assert_candidates_compile_without_spills(n_cols: int, residual: bool) -> None:
+    """Compile for sm_90 the forward and backward kernels at the fixed configuration and at the heaviest
+    candidate per warp count that the pruner lets the autotuner try, in bfloat16 and float32, and assert that
+    none spills; ``residual``: with the residual switches on (``ADD_RESIDUAL``, ``ADD_DS``)."""
     from cs336_systems.kernels import rmsnorm
-    from cs336_systems.kernels.launch import interpreting
-    from tests._flash_aot import compile_for_gpu, nvidia_toolchain_available, resource_usage
+    from tests._flash_aot import compile_for_gpu, resource_usage
 
-    if interpreting() or not nvidia_toolchain_available():
-        pytest.skip("needs Triton's NVIDIA backend and ptxas, outside the interpreter")
     block_n, single_tile = rmsnorm._block_n(n_cols)
     for dtype in (torch.bfloat16, torch.float32):
         x, weight = torch.empty(16, n_cols, dtype=dtype), torch.empty(n_cols, dtype=dtype)
@@ -162,14 +156,31 @@ def test_every_autotune_candidate_compiles_for_h100_without_spills(n_cols):
                 meta = dict(BLOCK_N=block_n, SINGLE_TILE=single_tile, **config.kwargs, num_warps=config.num_warps,
                             num_stages=config.num_stages)
                 if kernel == "fwd":
-                    args = (x, weight, x, rstd, n_cols, n_cols, 65536, n_cols, 64, 1e-5)
-                    compiled = compile_for_gpu(rmsnorm.rmsnorm_fwd_kernel, args, meta)
+                    args = (x, weight, x, rstd, n_cols, n_cols, 65536, n_cols, 64, 1e-5, x, x, n_cols, n_cols)
+                    compiled = compile_for_gpu(rmsnorm.rmsnorm_fwd_kernel, args, {**meta, "ADD_RESIDUAL": residual})
                 else:
-                    args = (x, x, weight, rstd, x, partial, rstd, n_cols, n_cols, n_cols, 65536, n_cols, 128)
+                    args = (x, x, weight, rstd, x, partial, rstd, n_cols, n_cols, n_cols, 65536, n_cols, 128, x, n_cols)
                     prefetch = rmsnorm._prefetch(block_n, single_tile, x.element_size())
                     compiled = compile_for_gpu(rmsnorm.rmsnorm_bwd_kernel, args, {
-                        **meta, "PREFETCH": prefetch, "COMPUTE_DX": True, "COMPUTE_DW": True})
+                        **meta, "PREFETCH": prefetch, "COMPUTE_DX": True, "COMPUTE_DW": True, "ADD_DS": residual})
                 assert resource_usage(compiled).spill_bytes == 0, (kernel, dtype, config)
+
+
+@pytest.mark.compiled_kernels
+@pytest.mark.parametrize("n_cols", [pytest.param(n, marks=() if n == 80 else pytest.mark.slow)
+                                    for n in (1, 80, 768, 1600, 2560, 8192, 9000)])
+def test_every_autotune_candidate_compiles_for_h100_without_spills(n_cols):
+    """Ahead-of-time compile for sm_90 (see ``_flash_aot.py``) of the configurations the pruner lets the
+    autotuner try, for each warp count the one with the most elements per thread (the most registers), and of
+    the fixed configuration that the operators launch."""
+    from cs336_systems.kernels import rmsnorm
+    from cs336_systems.kernels.launch import interpreting
+    from tests._flash_aot import compile_for_gpu, nvidia_toolchain_available, resource_usage
+
+    if interpreting() or not nvidia_toolchain_available():
+        pytest.skip("needs Triton's NVIDIA backend and ptxas, outside the interpreter")
+    assert_candidates_compile_without_spills(n_cols, residual=False)
+    partial, weight = torch.empty(4, n_cols), torch.empty(n_cols)
     compiled = compile_for_gpu(rmsnorm.rmsnorm_dw_reduce_kernel, (partial, weight, 528, n_cols),
                                dict(BLOCK_P=rmsnorm.REDUCE_BLOCK_P, BLOCK_C=rmsnorm.REDUCE_BLOCK_C,
                                     num_warps=rmsnorm.REDUCE_NUM_WARPS))

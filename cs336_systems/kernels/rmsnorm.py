@@ -45,8 +45,12 @@ Under autocast, ``FusedRMSNorm.autocast_output`` (off by default) writes the out
 autocast dtype, which the matmuls that consume it would cast to anyway: half the bytes written, no cast
 kernel, and a 16-bit output gradient to read in backward.
 
-Not done: a variant fused with the preceding residual add. It needs the model's block to pass the
-residual to the norm, and under ``torch.compile`` the plain model already fuses that add with its norm.
+The residual add fused in (``cs336_systems.kernels.residual_rmsnorm``, which has the math) runs these kernels with
+their residual switches on: the forward's ``ADD_RESIDUAL`` adds a residual tile, stores the sum rounded to x's dtype
+and normalises it (a long row's second sweep adds again rather than reading back what other threads stored); the
+backward's ``ADD_DS`` adds a second incoming gradient to ``dx`` before the store. Off, they compile to the plain
+kernels. Not wired into the model: the block must pass its residual to the norm, and under ``torch.compile`` the
+plain model already fuses the add with its norm; whether the fused one pays wants a GPU measurement.
 """
 
 from __future__ import annotations
@@ -122,6 +126,20 @@ def _load_tile(Ptr, rows, n_rows, stride_row, cols, col_mask):
     return tl.load(Ptr + rows.to(tl.int64)[:, None] * stride_row + cols[None, :], mask=mask, other=0.0)
 
 
+@triton.jit
+def _add_residual(x, R, S, rows, n_rows, stride_r_row, cols, col_mask):
+    """``x + r`` for the residual ``r`` of these rows, rounded to ``S``'s dtype as a separate add would be."""
+    r = _load_tile(R, rows, n_rows, stride_r_row, cols, col_mask)
+    return (x.to(tl.float32) + r.to(tl.float32)).to(S.dtype.element_ty)
+
+
+@triton.jit
+def _store_tile(Ptr, value, rows, n_rows, stride_row, cols, col_mask):
+    """Store ``value`` (BLOCK_M, BLOCK_N) in rows ``rows`` and columns ``cols``, in ``Ptr``'s dtype; in bounds only."""
+    mask = (rows < n_rows)[:, None] & col_mask[None, :]
+    tl.store(Ptr + rows.to(tl.int64)[:, None] * stride_row + cols[None, :], value.to(Ptr.dtype.element_ty), mask=mask)
+
+
 # Row counts vary from call to call: don't compile a variant per value (Triton otherwise specialises integers on
 # divisibility by 16 and on equality to 1). Column counts and strides keep it: it proves rows aligned.
 @triton.jit(do_not_specialize=["n_rows", "rows_key"])
@@ -133,9 +151,13 @@ def rmsnorm_fwd_kernel(
     stride_x_row, stride_y_row,
     n_rows, n_cols, rows_key,  # rows_key: coarsened rows per program, read only by the autotuner
     eps,
+    R,  # ADD_RESIDUAL: the residual (n_rows, n_cols), X's dtype, unit column stride (else unused)
+    S,  # ADD_RESIDUAL: output X + R (n_rows, n_cols), X's dtype, contiguous; the rows normalised (else unused)
+    stride_r_row, stride_s_row,
     BLOCK_M: tl.constexpr,  # rows per tile
     BLOCK_N: tl.constexpr,  # columns per tile: next_power_of_2(n_cols), or MAX_BLOCK_N when tiled
     SINGLE_TILE: tl.constexpr,  # n_cols <= BLOCK_N: a row is loaded once
+    ADD_RESIDUAL: tl.constexpr,  # normalise S = X + R, and write S
 ):
     pid, n_programs = tl.program_id(0), tl.num_programs(0)
     n_tiles = tl.cdiv(n_rows, BLOCK_M)
@@ -148,8 +170,12 @@ def rmsnorm_fwd_kernel(
         x_next = _load_tile(X, pid * BLOCK_M + offs_m, n_rows, stride_x_row, cols, col_mask)
         for tile in range(pid, n_tiles, n_programs):
             rows = tile * BLOCK_M + offs_m  # (BLOCK_M,)
-            x = x_next.to(tl.float32)  # (BLOCK_M, BLOCK_N)
+            x = x_next
             x_next = _load_tile(X, rows + n_programs * BLOCK_M, n_rows, stride_x_row, cols, col_mask)
+            if ADD_RESIDUAL:
+                x = _add_residual(x, R, S, rows, n_rows, stride_r_row, cols, col_mask)
+                _store_tile(S, x, rows, n_rows, stride_s_row, cols, col_mask)
+            x = x.to(tl.float32)  # (BLOCK_M, BLOCK_N)
             rstd = tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)  # (BLOCK_M,)
             y = x * rstd[:, None] * w[None, :]
             row_mask = rows < n_rows
@@ -163,14 +189,22 @@ def rmsnorm_fwd_kernel(
             sum_sq = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for start in range(0, n_cols, BLOCK_N):
                 offs = start + cols
-                x = _load_tile(X, rows, n_rows, stride_x_row, offs, offs < n_cols).to(tl.float32)
+                col_mask = offs < n_cols
+                x = _load_tile(X, rows, n_rows, stride_x_row, offs, col_mask)
+                if ADD_RESIDUAL:
+                    x = _add_residual(x, R, S, rows, n_rows, stride_r_row, offs, col_mask)
+                    _store_tile(S, x, rows, n_rows, stride_s_row, offs, col_mask)
+                x = x.to(tl.float32)
                 sum_sq += x * x
             rstd = tl.rsqrt(tl.sum(sum_sq, axis=1) / n_cols + eps)
             Y_rows = Y + rows.to(tl.int64)[:, None] * stride_y_row
             for start in range(0, n_cols, BLOCK_N):
                 offs = start + cols
                 col_mask = offs < n_cols
-                x = _load_tile(X, rows, n_rows, stride_x_row, offs, col_mask).to(tl.float32)
+                x = _load_tile(X, rows, n_rows, stride_x_row, offs, col_mask)
+                if ADD_RESIDUAL:  # the same sum again (the first sweep's stores came from other threads)
+                    x = _add_residual(x, R, S, rows, n_rows, stride_r_row, offs, col_mask)
+                x = x.to(tl.float32)
                 w = tl.load(W + offs, mask=col_mask, other=0.0).to(tl.float32)
                 y = x * rstd[:, None] * w[None, :]
                 tl.store(Y_rows + offs[None, :], y.to(Y.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
@@ -188,12 +222,15 @@ def rmsnorm_bwd_kernel(
     Coef,  # scratch for long rows: mean(h * x^) / rstd per row, float32 (n_rows,)
     stride_dy_row, stride_x_row, stride_dx_row,
     n_rows, n_cols, rows_key,  # rows_key: coarsened rows per program, for the autotuner
+    DS,  # ADD_DS: a gradient added to dx (n_rows, n_cols), unit column stride (else unused)
+    stride_ds_row,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SINGLE_TILE: tl.constexpr,
     PREFETCH: tl.constexpr,  # a single-tile row: load the next tile while working on this one
     COMPUTE_DX: tl.constexpr,
     COMPUTE_DW: tl.constexpr,
+    ADD_DS: tl.constexpr,  # dx = DS + the norm's input gradient (the input also fed a residual stream)
 ):
     pid, n_programs = tl.program_id(0), tl.num_programs(0)
     n_tiles = tl.cdiv(n_rows, BLOCK_M)
@@ -229,9 +266,9 @@ def rmsnorm_bwd_kernel(
                 h = dy * w[None, :]
                 c = tl.sum(h * x_hat, axis=1) / n_cols  # mean(h * x^) per row
                 dx = (h - x_hat * c[:, None]) * rstd[:, None]
-                mask = (rows < n_rows)[:, None] & col_mask[None, :]
-                DX_rows = DX + rows.to(tl.int64)[:, None] * stride_dx_row
-                tl.store(DX_rows + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+                if ADD_DS:
+                    dx += _load_tile(DS, rows, n_rows, stride_ds_row, cols, col_mask).to(tl.float32)
+                _store_tile(DX, dx, rows, n_rows, stride_dx_row, cols, col_mask)
             if COMPUTE_DW:
                 dw += dy * x_hat  # masked rows and columns are zeros
         if COMPUTE_DW:
@@ -269,9 +306,9 @@ def rmsnorm_bwd_kernel(
                 if COMPUTE_DX:
                     c = tl.load(Coef + rows, mask=row_mask, other=0.0)
                     dx = (dy * w[None, :] - x * (rstd * c)[:, None]) * rstd[:, None]
-                    DX_rows = DX + rows.to(tl.int64)[:, None] * stride_dx_row
-                    tl.store(DX_rows + offs[None, :], dx.to(DX.dtype.element_ty),
-                             mask=row_mask[:, None] & col_mask[None, :])
+                    if ADD_DS:
+                        dx += _load_tile(DS, rows, n_rows, stride_ds_row, offs, col_mask).to(tl.float32)
+                    _store_tile(DX, dx, rows, n_rows, stride_dx_row, offs, col_mask)
                 if COMPUTE_DW:
                     dw += dy * x * rstd[:, None]
             if COMPUTE_DW:
@@ -349,9 +386,9 @@ def _pruner(kernel: str):
 
 # The row length and the coarsened row count are the autotuner's keys; the dtypes of the tensor arguments are part
 # of every key automatically.
-_FORWARD = Kernel(rmsnorm_fwd_kernel, FWD_CONFIGS, ["n_cols", "rows_key"], _pruner("fwd"))
-_BACKWARD = Kernel(rmsnorm_bwd_kernel, BWD_CONFIGS, ["n_cols", "rows_key", "PREFETCH", "COMPUTE_DX", "COMPUTE_DW"],
-                   _pruner("bwd"))
+_FORWARD = Kernel(rmsnorm_fwd_kernel, FWD_CONFIGS, ["n_cols", "rows_key", "ADD_RESIDUAL"], _pruner("fwd"))
+_BACKWARD = Kernel(rmsnorm_bwd_kernel, BWD_CONFIGS,
+                   ["n_cols", "rows_key", "PREFETCH", "COMPUTE_DX", "COMPUTE_DW", "ADD_DS"], _pruner("bwd"))
 _DW_REDUCE = Kernel(rmsnorm_dw_reduce_kernel)
 
 
@@ -406,28 +443,47 @@ def rmsnorm_forward(
     n_rows, n_cols = x.shape
     y = new_output((n_rows, n_cols), out_dtype or x.dtype, x.device)
     rstd = new_output((n_rows,), torch.float32, x.device)
+    launch_rmsnorm_forward(x, weight, y, rstd, eps, traced)
+    return y, rstd
+
+
+def launch_rmsnorm_forward(
+    x: Float[Tensor, "n_rows N"], weight: Float[Tensor, "N"], y: Float[Tensor, "n_rows N"],
+    rstd: Float[Tensor, "n_rows"], eps: float, traced: bool = False, residual: Float[Tensor, "n_rows N"] | None = None,
+    s: Float[Tensor, "n_rows N"] | None = None,
+) -> None:
+    """Write ``y`` and ``rstd`` (contiguous) for the rows ``x``; with ``residual`` (x's dtype) normalise
+    ``s = x + residual`` instead, and write it to ``s`` (x's dtype, contiguous)."""
+    n_rows, n_cols = x.shape
     if n_rows == 0:
-        return y, rstd
+        return
+    add = residual is not None
+    residual, s = (residual, s) if add else (x, y)  # never touched without ADD_RESIDUAL
     block_n, single_tile = _block_n(n_cols)
     max_programs = _multiprocessor_count(x.device.index) * FWD_PROGRAMS_PER_SM
     rows_key = _rows_key(triton.cdiv(n_rows, max_programs))
-    args = (x, weight, y, rstd, x.stride(0), y.stride(0), n_rows, n_cols, rows_key, eps)
+    args = (x, weight, y, rstd, x.stride(0), y.stride(0), n_rows, n_cols, rows_key, eps, residual, s,
+            residual.stride(0), s.stride(0))
     # What the configuration and the compilation depend on (nothing while traced: fake tensors have no data).
-    key = None if traced else (x.dtype, weight.dtype, y.dtype, x.stride(0), n_cols, aligned(x, weight), rows_key,
-                               block_n)
+    key = None if traced else (x.dtype, weight.dtype, y.dtype, x.stride(0), n_cols, aligned(x, weight, residual, s),
+                               rows_key, block_n, add, residual.stride(0))
     _FORWARD(key, lambda tiles: (min(triton.cdiv(n_rows, tiles["BLOCK_M"]), max_programs),), args,
-             {"BLOCK_N": block_n, "SINGLE_TILE": single_tile}, lambda: fixed_config("fwd", n_cols, x.element_size()),
-             traced=traced, autotune=RMSNORM_CONFIG.get().autotune)
-    return y, rstd
+             {"BLOCK_N": block_n, "SINGLE_TILE": single_tile, "ADD_RESIDUAL": add},
+             lambda: fixed_config("fwd", n_cols, x.element_size()), traced=traced,
+             autotune=RMSNORM_CONFIG.get().autotune)
 
 
 def rmsnorm_backward(
     dy: Float[Tensor, "n_rows N"], x: Float[Tensor, "n_rows N"], weight: Float[Tensor, "N"], rstd: Float[Tensor, "n_rows"],
     compute_dx: bool = True, compute_dw: bool = True, traced: bool = False,
+    ds: Float[Tensor, "n_rows N"] | None = None,
 ) -> tuple[Float[Tensor, "n_rows N"] | None, Float[Tensor, "N"] | None]:
-    """``dx`` (x's dtype, contiguous) and ``dg`` (weight's dtype); None for a gradient not asked for."""
+    """``dx`` (x's dtype, contiguous) and ``dg`` (weight's dtype); None for a gradient not asked for. ``ds``: a
+    gradient of x from its other uses (unit column stride), added to ``dx``."""
     n_rows, n_cols = x.shape
     dx = new_output((n_rows, n_cols), x.dtype, x.device) if compute_dx else None
+    add_ds = ds is not None and compute_dx
+    ds = ds if add_ds else x  # never read without ADD_DS
     if n_rows == 0 or not (compute_dx or compute_dw):
         return dx, torch.zeros_like(weight) if compute_dw else None
     block_n, single_tile = _block_n(n_cols)
@@ -439,13 +495,14 @@ def rmsnorm_backward(
     dx_arg = dx if compute_dx else x  # never written when COMPUTE_DX is off
     rows_key = _rows_key(triton.cdiv(n_rows, n_programs))
     args = (dy, x, weight, rstd, dx_arg, dw_partial, coef, dy.stride(0), x.stride(0), dx_arg.stride(0),
-            n_rows, n_cols, rows_key)
+            n_rows, n_cols, rows_key, ds, ds.stride(0))
     prefetch = _prefetch(block_n, single_tile, max(x.element_size(), dy.element_size()))
     key = None if traced else (dy.dtype, x.dtype, weight.dtype, dy.stride(0), x.stride(0), n_cols,
-                               aligned(dy, x, weight), rows_key, block_n, prefetch, compute_dx, compute_dw)
+                               aligned(dy, x, weight, ds), rows_key, block_n, prefetch, compute_dx, compute_dw,
+                               ds.dtype, ds.stride(0), add_ds)
     _BACKWARD(key, lambda tiles: (n_programs,), args,
               dict(BLOCK_N=block_n, SINGLE_TILE=single_tile, PREFETCH=prefetch, COMPUTE_DX=compute_dx,
-                   COMPUTE_DW=compute_dw),
+                   COMPUTE_DW=compute_dw, ADD_DS=add_ds),
               lambda: fixed_config("bwd", n_cols, x.element_size()), traced=traced,
               autotune=RMSNORM_CONFIG.get().autotune)
     if not compute_dw:
