@@ -43,8 +43,9 @@ selective-checkpoint contexts): ``selective`` (every block keeps its attention o
 (every block recomputed whole), or ``auto``: each rank measures its free memory before building anything
 (``torch.cuda.mem_get_info``; on CPU ranks, the host's available memory), and the least of the ranks, less
 ``--memory-margin-gib``, is the budget :mod:`cs336_systems.train.checkpoint_plan` fills from the memory model
-(every block selective where that fits, then blocks kept whole, from the last, while they fit). By default each stack checkpoints as it always has (ours selective, PyTorch's
-full). Every row records the plan (``checkpoint_plan``: its one-line description and predicted peak).
+(every block selective where that fits, then blocks kept whole, from the last, while they fit). By default each
+stack checkpoints as it always has (ours selective, PyTorch's full). Every row records the plan
+(``checkpoint_plan``: its one-line description and predicted peak).
 
 *The one-GPU proxy* (``--world-size 1``): one rank's work of the two-GPU step, on one GPU: one sequence of
 32,768 tokens (``--per-rank-batch 1``), ``--num-layers`` blocks and the full 151,936-word head, both stacks in the
@@ -228,7 +229,7 @@ def _write_row(args, stack: str, config: dict[str, int], world_size: int, result
     store = result_store.ResultStore(PROBLEM, args.results_dir, args.force)
     case = case_of(args, stack, config, world_size)
     other = store.newest({**case, "stack": ROW_NAMES["torch" if stack == "ours" else "ours"]})
-    if other is not None:
+    if other is not None and other.get("checkpoint_option") == args.checkpoint_plan:  # the same plan option
         step_ms = result["step_ms"]
         ours_ms, pytorch_ms = (step_ms, other["step_ms"]) if stack == "ours" else (other["step_ms"], step_ms)
         result["ours_over_pytorch"] = ours_ms / pytorch_ms
@@ -239,9 +240,10 @@ def _write_row(args, stack: str, config: dict[str, int], world_size: int, result
 
 def case_of(args, stack: str, config: dict[str, int], world_size: int) -> dict[str, Any]:
     batch = args.per_rank_batch * world_size
-    # Rows measured before the plan existed checkpoint as the default does: their case has no plan key.
-    plan = {"checkpoint_plan": args.checkpoint_plan} if args.checkpoint_plan else {}
-    return dict(**plan, stack=ROW_NAMES[stack], num_layers=config["num_layers"], context_length=config["context_length"],
+    # Rows measured before the option existed checkpoint as the default does: their case has no such key.
+    plan = {"checkpoint_option": args.checkpoint_plan} if args.checkpoint_plan else {}
+    return dict(**plan, stack=ROW_NAMES[stack], num_layers=config["num_layers"],
+                context_length=config["context_length"],
                 batch_size=batch, world_size=world_size, rep_ms=args.rep_ms, warmup_ms=args.warmup_ms,
                 official=args.rep_ms == OFFICIAL["rep_ms"] and args.warmup_ms == OFFICIAL["warmup_ms"]
                 and config["num_layers"] == MODEL["num_layers"] and config["context_length"] == MODEL["context_length"]
