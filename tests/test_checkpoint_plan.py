@@ -156,3 +156,24 @@ def test_plan_applied_per_block_in_both_stacks(stack):
             step.forward_loss(tokens[:, :-1], tokens[:, 1:]).backward()
     forward = ["block0", "attention", "block1", "attention", "block2", "attention"]
     assert recorder.events == forward + ["block1", "block0", "attention"]
+
+
+@pytest.mark.parametrize("stack", ["ours", "torch"])
+def test_a_mixed_plan_trains_as_the_stacks_own_checkpointing(stack):
+    """Two steps of each sharded stack (one gloo rank, the plain parts) with a mixed plan and with the stack's own
+    checkpointing: the same losses, so the same gradients and updates."""
+    from cs336_systems.parallel.distributed import one_rank_group
+
+    plain = SHARDED_STACKS[stack].with_(attention="sdpa", rmsnorm="plain", loss="plain", optimizer="torch_fused",
+                                        compile="none")
+    tokens = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(0))
+    losses = []
+    with one_rank_group("gloo"):
+        for parts in (plain, plain.with_block_checkpointing(("keep", "full", "selective"))):
+            torch.manual_seed(0)
+            model = BasicsTransformerLM(vocab_size=50, context_length=8, d_model=16, num_layers=3, num_heads=2,
+                                        d_ff=32)
+            step = build_training_step(model, parts, autocast_dtype=torch.float32)
+            losses.append([step(tokens[:, :-1], tokens[:, 1:]).item() for _ in range(2)])
+    assert losses[0][0] != losses[0][1]  # the first step trained
+    assert losses[1] == losses[0]
