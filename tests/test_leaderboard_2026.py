@@ -18,6 +18,8 @@ def test_help(capsys):
     out = capsys.readouterr().out
     assert exit_info.value.code == 0 and "--check" in out
     assert "--cold" not in out and "--warm" in out  # the help names only options that exist
+    assert "--checkpoint-plan {auto,selective,full}" in out
+    assert "(ours selective, pytorch full)" in " ".join(out.split())  # the default, until auto is measured
 
 
 def test_step_flops_of_the_official_step():
@@ -79,3 +81,40 @@ def test_compiled_blocks_under_our_fsdp_compile_once_on_gpu():
 
     with one_rank_group("nccl"):
         check_compiled_blocks(torch.device("cuda"), torch.bfloat16, rtol=2e-2, atol=2e-2)
+
+
+def test_checkpoint_plan_option_chooses_each_stacks_modes():
+    """Default: each stack's checkpointing so far; ``selective``/``full``: the same in both stacks; ``auto``: the
+    planner on the ranks' free memory (one gloo rank: the host's), a row case of its own."""
+    from cs336_systems.parallel.distributed import one_rank_group
+
+    config = dict(step_model.MODEL, num_layers=4)
+    default = leaderboard_2026.parser().parse_args([])
+    assert default.checkpoint_plan is None
+    assert "checkpoint_option" not in leaderboard_2026.case_of(default, "ours", config, 2)
+    for stack, mode in (("ours", "selective"), ("torch", "full")):
+        plan = leaderboard_2026.rank_plan(default, stack, config, 2, torch.device("cpu"))
+        assert plan.modes == (mode,) * 4 and plan.budget_bytes is None
+        assert plan.peak_bytes == pytest.approx(step_model.memory_budget(config, stack, 2)["peak_gb"] * 1e9)
+    full = leaderboard_2026.parser().parse_args(["--checkpoint-plan", "full"])
+    assert leaderboard_2026.rank_plan(full, "ours", config, 2, torch.device("cpu")).modes == ("full",) * 4
+    assert leaderboard_2026.case_of(full, "ours", config, 2)["checkpoint_option"] == "full"
+    auto = leaderboard_2026.parser().parse_args(["--checkpoint-plan", "auto", "--memory-margin-gib", "1"])
+    with one_rank_group("gloo"):
+        free = leaderboard_2026.free_bytes_on_ranks(torch.device("cpu"))
+        plan = leaderboard_2026.rank_plan(auto, "ours", step_model.TINY, 1, torch.device("cpu"))
+    assert free > 0 and plan.margin_bytes == 2**30 and plan.budget_bytes <= free - 2**30 + 1e8
+    assert plan.modes == ("keep",) * step_model.TINY["num_layers"]  # a tiny model fits any host whole
+
+
+def test_memory_budget_by_block_modes():
+    layers = step_model.MODEL["num_layers"]
+    full, selective, keep = (step_model.memory_budget(step_model.MODEL, "ours", 2, modes=(mode,) * layers)
+                             for mode in ("full", "selective", "keep"))
+    assert selective["saved_activations_gb"] == pytest.approx(2 * full["saved_activations_gb"])
+    assert full["peak_gb"] < selective["peak_gb"] < keep["peak_gb"]
+    # keep: 9 d_model + 4 d_ff bf16 values a token per block
+    per_block = 2 * (9 * 4096 + 4 * 11_008) * step_model.MODEL["context_length"]
+    assert keep["saved_activations_gb"] == pytest.approx(layers * per_block / 1e9)
+    with pytest.raises(ValueError, match="3 checkpoint modes for 34 blocks"):
+        step_model.memory_budget(step_model.MODEL, "ours", 2, modes=("full",) * 3)

@@ -37,6 +37,16 @@ The FLOP and memory models live in ``bench/common/leaderboard_2026_model.py``, t
     python -m cs336_systems.bench.leaderboard_2026 --check
     python -m cs336_systems.bench.leaderboard_2026 --world-size 1 --per-rank-batch 1 --num-layers 4   # one-GPU proxy
 
+*The checkpoint plan* (``--checkpoint-plan``): what each block's backward recomputes, the same way in both stacks
+(our stack through our selective checkpointing, PyTorch's through ``torch.utils.checkpoint`` with its
+selective-checkpoint contexts): ``selective`` (every block keeps its attention output and log-sum-exp), ``full``
+(every block recomputed whole), or ``auto``: each rank measures its free memory before building anything
+(``torch.cuda.mem_get_info``; on CPU ranks, the host's available memory), and the least of the ranks, less
+``--memory-margin-gib``, is the budget :mod:`cs336_systems.train.checkpoint_plan` fills from the memory model
+(every block selective where that fits, then blocks kept whole, from the last, while they fit). By default each
+stack checkpoints as it always has (ours selective, PyTorch's full). Every row records the plan
+(``checkpoint_plan``: its one-line description and predicted peak).
+
 *The one-GPU proxy* (``--world-size 1``): one rank's work of the two-GPU step, on one GPU: one sequence of
 32,768 tokens (``--per-rank-batch 1``), ``--num-layers`` blocks and the full 151,936-word head, both stacks in the
 same invocation. Our FSDP and FSDP2 run on a one-rank group (their gathers and reductions are copies), so the rows
@@ -61,14 +71,16 @@ from cs336_systems.bench.common import cli, result_store, timing
 from cs336_systems.bench.common import distributed_launch as dl
 from cs336_systems.bench.common.leaderboard_2026_check import batch_of_rank, build, check_passes, run_check
 from cs336_systems.bench.common.leaderboard_2026_model import (
-    BATCH, GB, MODEL, ROW_NAMES, STACK_OF_ROW, TINY, memory_budget, step_flops,
+    BATCH, DEFAULT_MARGIN_BYTES, GB, MODEL, ROW_NAMES, STACK_OF_ROW, TINY, checkpoint_plan, fixed_plan, memory_budget,
+    stack_modes, step_flops,
 )
 from cs336_systems.train import SHARDED_STACKS
+from cs336_systems.train.checkpoint_plan import GiB, CheckpointPlan, uniform_modes
 
 PROBLEM = "leaderboard_2026"
 OFFICIAL = dict(rep_ms=30_000, warmup_ms=10_000)
 OFFICIAL_WORLD_SIZE = 2  # one sequence of the batch on each
-CHECKPOINTING = {"ours": "every block; attention output and log-sum-exp kept", "torch": "every block"}
+CHECKPOINT_PLANS = ("auto", "selective", "full")
 
 
 def parser():
@@ -85,6 +97,14 @@ def parser():
     p.add_argument("--per-rank-batch", type=int, default=1,
                    help="sequences per rank (official 1: batch 2 on two ranks); with --world-size 1, one rank's work")
     p.add_argument("--timeout-s", type=float, default=900.0, help="give up on a stack whose ranks hang this long")
+    p.add_argument("--checkpoint-plan", choices=CHECKPOINT_PLANS, default=None,
+                   help="what each block's backward recomputes, in both stacks: 'auto' plans from the free memory "
+                        "measured on the ranks (every block selective where that fits, then blocks kept whole, "
+                        "from the last, while they fit); "
+                        "'selective' / 'full' in every block. Default: each stack as it has been measured so far "
+                        "(ours selective, pytorch full), until 'auto' has been measured on GPUs")
+    p.add_argument("--memory-margin-gib", type=float, default=DEFAULT_MARGIN_BYTES / GiB,
+                   help="memory left out of the auto plan's budget (default 4 GiB: allocator, NCCL, CUDA context)")
     return p
 
 
@@ -110,7 +130,10 @@ def run_stack(rank: int, world_size: int, args, stack: str, launched_at: float, 
     on_gpu = device.type == "cuda"
     config = model_config(args, on_gpu)
     compute_dtype = torch.bfloat16 if on_gpu else torch.float32
-    step = build(stack, config, device, compute_dtype)
+    plan = rank_plan(args, stack, config, world_size, device)
+    if rank == 0:
+        print(f"# {stack}: checkpoint plan: {plan.describe()}", file=sys.stderr)
+    step = build(stack, config, device, compute_dtype, block_modes=plan.modes)
     batch = args.per_rank_batch * world_size
     x, y = batch_of_rank(config, device, rank, world_size, batch)
 
@@ -127,8 +150,29 @@ def run_stack(rank: int, world_size: int, args, stack: str, launched_at: float, 
     if rank != 0:
         return
     result = _stack_result(args, stack, config, world_size, everyone, on_gpu, compute_dtype, cold_total_s,
-                           loss.item() / world_size)
+                           loss.item() / world_size, plan)
     _write_row(args, stack, config, world_size, result)
+
+
+def free_bytes_on_ranks(device: torch.device) -> float:
+    """The least free memory of the ranks' devices: the GPU's (``torch.cuda.mem_get_info``), or on CPU ranks the
+    host's available memory."""
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    else:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return float(min(dl.gather(free)))
+
+
+def rank_plan(args, stack: str, config: dict[str, int], world_size: int, device: torch.device) -> CheckpointPlan:
+    """``stack``'s checkpoint plan as ``--checkpoint-plan`` says (module docstring); ``auto`` measures the free
+    memory of every rank, so call it on all ranks before anything is built."""
+    if args.checkpoint_plan == "auto":
+        return checkpoint_plan(config, stack, world_size, args.per_rank_batch, free_bytes_on_ranks(device),
+                               args.memory_margin_gib * GiB)
+    modes = (uniform_modes(args.checkpoint_plan, config["num_layers"]) if args.checkpoint_plan
+             else stack_modes(config, stack))
+    return fixed_plan(config, stack, world_size, args.per_rank_batch, modes)
 
 
 def _time_train_step(train_step: Callable[[], None], device: torch.device, args) -> dict[str, float | None]:
@@ -149,9 +193,11 @@ def _time_train_step(train_step: Callable[[], None], device: torch.device, args)
 
 
 def _stack_result(args, stack: str, config: dict[str, int], world_size: int, everyone: list[dict[str, Any]],
-                  on_gpu: bool, compute_dtype: torch.dtype, cold_total_s: float, loss: float) -> dict[str, Any]:
+                  on_gpu: bool, compute_dtype: torch.dtype, cold_total_s: float, loss: float,
+                  plan: CheckpointPlan) -> dict[str, Any]:
     """The row's measurements from every rank's (``everyone``): the slowest rank's step, the largest peak, MFU
-    against the slowest matmul rate; with how the step was built and the predicted memory."""
+    against the slowest matmul rate; with how the step was built (its checkpoint ``plan``) and the predicted
+    memory."""
     step_ms = max(r["step_ms"] for r in everyone)
     rates = [r["matmul_tflops"] for r in everyone if r["matmul_tflops"]]
     step_flop_count = step_flops(config, args.per_rank_batch * world_size)
@@ -169,10 +215,10 @@ def _stack_result(args, stack: str, config: dict[str, int], world_size: int, eve
         "matmul_tflops": min(rates) if rates else None,
         "param_dtype": "fp32 (master)",
         "compute_dtype": str(compute_dtype).removeprefix("torch."),
-        "checkpointing": CHECKPOINTING[stack],
-        "parts": dataclasses.asdict(SHARDED_STACKS[stack]),
+        "checkpoint_plan": {"describe": plan.describe(), "predicted_peak_gb": plan.peak_bytes / GB},
+        "parts": dataclasses.asdict(SHARDED_STACKS[stack].with_block_checkpointing(plan.modes)),
         "timer": "do_bench_on_ranks (triton do_bench, mean)" if on_gpu else "time_calls (min of 2)",
-        "predicted_memory": memory_budget(config, stack, world_size, args.per_rank_batch),
+        "predicted_memory": memory_budget(config, stack, world_size, args.per_rank_batch, modes=plan.modes),
         "loss_after_timing": loss,
     }
 
@@ -183,7 +229,7 @@ def _write_row(args, stack: str, config: dict[str, int], world_size: int, result
     store = result_store.ResultStore(PROBLEM, args.results_dir, args.force)
     case = case_of(args, stack, config, world_size)
     other = store.newest({**case, "stack": ROW_NAMES["torch" if stack == "ours" else "ours"]})
-    if other is not None:
+    if other is not None and other.get("checkpoint_option") == args.checkpoint_plan:  # the same plan option
         step_ms = result["step_ms"]
         ours_ms, pytorch_ms = (step_ms, other["step_ms"]) if stack == "ours" else (other["step_ms"], step_ms)
         result["ours_over_pytorch"] = ours_ms / pytorch_ms
@@ -194,7 +240,10 @@ def _write_row(args, stack: str, config: dict[str, int], world_size: int, result
 
 def case_of(args, stack: str, config: dict[str, int], world_size: int) -> dict[str, Any]:
     batch = args.per_rank_batch * world_size
-    return dict(stack=ROW_NAMES[stack], num_layers=config["num_layers"], context_length=config["context_length"],
+    # Rows measured before the option existed checkpoint as the default does: their case has no such key.
+    plan = {"checkpoint_option": args.checkpoint_plan} if args.checkpoint_plan else {}
+    return dict(**plan, stack=ROW_NAMES[stack], num_layers=config["num_layers"],
+                context_length=config["context_length"],
                 batch_size=batch, world_size=world_size, rep_ms=args.rep_ms, warmup_ms=args.warmup_ms,
                 official=args.rep_ms == OFFICIAL["rep_ms"] and args.warmup_ms == OFFICIAL["warmup_ms"]
                 and config["num_layers"] == MODEL["num_layers"] and config["context_length"] == MODEL["context_length"]

@@ -12,6 +12,7 @@ chosen by name in :class:`Parts`, so that the two stacks the benchmarks race dif
 | ``compile`` | ``none``, ``blocks`` (``torch.compile`` of each Transformer block and, unsharded, of the loss head: compiles one block's graph once, whatever the depth; see :func:`compile_block`) or ``model`` (the whole forward and loss as one graph) |
 | ``checkpointing`` | activation checkpointing group size (0: off; see ``BasicsTransformerLM.set_activation_checkpointing``) |
 | ``keep_attention`` | checkpointed groups keep each attention call's output (and log-sum-exp): selective checkpointing, so backward recomputes the rest of a block but never the attention itself |
+| ``block_checkpointing`` | per block, what its backward recomputes (in place of ``checkpointing`` and ``keep_attention``): ``keep`` (nothing), ``selective`` (all but the attention output, as ``keep_attention``) or ``full`` (the whole block), each block through ``torch.utils.checkpoint``; empty: off. Chosen from the memory a rank has by :mod:`cs336_systems.train.checkpoint_plan` |
 | ``sharding`` | ``none`` (one process, or any data-parallel wrapper around the step), ``ours`` (our FSDP by blocks) or ``fsdp2`` (``fully_shard`` per block and root); sharded stacks hold fp32 master weights and compute in the step's bf16 dtype (no autocast), gradients reduced in fp32 |
 | ``cudagraphs`` | capture the forward, loss and backward in one CUDA graph on the first call (after two warm-up passes on a side stream, which do not train) and replay it with the batch copied into static inputs: a step then costs the host one replay and the optimizer's launches (the optimizer runs outside the graph: the update's bias corrections are host scalars). One GPU, unsharded |
 | ``weights`` | ``fp32`` (every parameter float32, cast by autocast at each use) or ``bf16``: the linear layers' weights held in bf16, trained through float32 master weights that our fused AdamW keeps and rounds back after each update (the matmuls then read them with no cast, in forward and backward, and their gradients are bf16); needs the fused optimizer, bf16 autocast and one GPU |
@@ -46,6 +47,7 @@ from torch import Tensor, nn
 from cs336_basics.model import BasicsTransformerLM, Linear
 from cs336_basics.optimizer import AdamW
 from cs336_systems.attention import ATTENTION_NAMES, get_attention
+from cs336_systems.train.checkpoint_plan import check_modes
 
 ADAMW_HYPERPARAMETERS = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 COMPILE_MODES = ("none", "blocks", "model")
@@ -70,6 +72,7 @@ class Parts:
     sharding: str = "none"
     cudagraphs: bool = False
     weights: str = "fp32"
+    block_checkpointing: tuple[str, ...] = ()
 
     def __post_init__(self):
         for name, value, allowed in (("attention", self.attention, ATTENTION_NAMES),
@@ -82,6 +85,9 @@ class Parts:
             raise ValueError(f"checkpointing group size must be >= 0, got {self.checkpointing}")
         if self.keep_attention and not self.checkpointing:
             raise ValueError("keep_attention selects what checkpointed blocks keep: it needs checkpointing >= 1")
+        check_modes(self.block_checkpointing)
+        if self.block_checkpointing and self.checkpointing:
+            raise ValueError("block_checkpointing chooses per block: use it with checkpointing=0")
         if self.sharding != "none" and self.compile == "model":
             raise ValueError("a sharded step compiles blocks at most (compile='none' or 'blocks')")
         if self.weights not in WEIGHTS:
@@ -98,6 +104,16 @@ class Parts:
             raise ValueError(f"unknown part {unknown[0]!r}; choose among {', '.join(f.name for f in fields(self))}")
         return replace(self, **changes)
 
+    def with_block_checkpointing(self, modes: tuple[str, ...]) -> Parts:
+        """These parts with ``modes`` per block (:data:`CHECKPOINT_MODES`); one mode for every block is written
+        as the group checkpointing it equals (``selective``: ``checkpointing=1, keep_attention=True``)."""
+        check_modes(modes)
+        if len(set(modes)) > 1:
+            return self.with_(checkpointing=0, keep_attention=False, block_checkpointing=tuple(modes))
+        uniform = modes[0] if modes else "keep"
+        return self.with_(checkpointing=int(uniform != "keep"), keep_attention=uniform == "selective",
+                          block_checkpointing=())
+
     def with_overrides(self, items: list[str]) -> Parts:
         """These parts with ``part=value`` changes from a command line (e.g. ``["rmsnorm=plain", "checkpointing=2"]``)."""
         changes = {}
@@ -113,6 +129,8 @@ class Parts:
                 if value.lower() not in ("1", "true", "yes", "0", "false", "no"):
                     raise ValueError(f"{name} is true or false, not {value!r}")
                 changes[name] = value.lower() in ("1", "true", "yes")
+            elif name == "block_checkpointing":
+                changes[name] = tuple(value.split(",")) if value else ()
             else:
                 changes[name] = value
         return self.with_(**changes)
@@ -219,17 +237,42 @@ def apply_parts(model: BasicsTransformerLM, parts: Parts) -> BasicsTransformerLM
     return model
 
 
+def checkpointed_block(block: nn.Module, x: Float[Tensor, "batch seq d_model"], mode: str) -> Tensor:
+    """``block(x)``, its backward recomputing what ``mode`` says (``keep``, ``selective``, ``full``). The block is
+    called as a module inside the checkpoint, so a sharding wrapper's hooks run again in the recomputation."""
+    if mode == "keep" or not torch.is_grad_enabled():
+        return block(x)
+    options = {"context_fn": keep_attention_context} if mode == "selective" else {}
+    return torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False, **options)
+
+
+def hidden_states_by_block(model: BasicsTransformerLM, token_ids: Int[Tensor, "batch seq"],
+                           modes: tuple[str, ...]) -> Float[Tensor, "batch seq d_model"]:
+    """``model.hidden_states(token_ids)`` with block ``i`` checkpointed as ``modes[i]`` says."""
+    x = model.token_embeddings(token_ids)
+    for block, mode in zip(model.layers, modes, strict=True):
+        x = checkpointed_block(block, x, mode)
+    return model.ln_final(x)
+
+
 class LanguageModelLoss(nn.Module):
     """``model``'s mean next-token loss: its final hidden states, then ``head(hidden, model.lm_head, targets)``.
     One module, so that a sharding wrapper sees the whole step's forward (the fused head reads the LM head's
-    weight without calling the module)."""
+    weight without calling the module). ``block_modes``: what each block's backward recomputes (empty: as the
+    model's own checkpointing says)."""
 
-    def __init__(self, model: BasicsTransformerLM, head: Callable):
+    def __init__(self, model: BasicsTransformerLM, head: Callable, block_modes: tuple[str, ...] = ()):
         super().__init__()
-        self.model, self.head = model, head
+        if block_modes and len(block_modes) != len(model.layers):
+            raise ValueError(f"{len(block_modes)} checkpoint modes for a model of {len(model.layers)} blocks")
+        self.model, self.head, self.block_modes = model, head, block_modes
 
     def forward(self, token_ids: Int[Tensor, "batch seq"], targets: Int[Tensor, "batch seq"]) -> Tensor:
-        return self.head(self.model.hidden_states(token_ids), self.model.lm_head, targets)
+        if self.block_modes:
+            hidden = hidden_states_by_block(self.model, token_ids, self.block_modes)
+        else:
+            hidden = self.model.hidden_states(token_ids)
+        return self.head(hidden, self.model.lm_head, targets)
 
 
 def shard(net: LanguageModelLoss, sharding: str, compute_dtype: torch.dtype | None) -> nn.Module:
@@ -296,7 +339,7 @@ class TrainingStep:
         head = LOSS_HEADS[parts.loss]
         if parts.compile == "blocks" and not sharded:
             head = torch.compile(head)  # the blocks are compiled modules (below); the loss head is one more graph
-        self.net = shard(LanguageModelLoss(model, head), parts.sharding, autocast_dtype)
+        self.net = shard(LanguageModelLoss(model, head, parts.block_checkpointing), parts.sharding, autocast_dtype)
         if parts.compile == "blocks":
             for block in model.layers:
                 compile_block(block, parts.sharding)

@@ -40,6 +40,8 @@ def test_cli_rows_for_both_stacks(tmp_path):
         assert row["world_size"] == 2 and row["num_layers"] == 2 and not row["official"]
         assert row["step_ms"] > 0 and row["first_step_s"] > 0 and row["cold_total_s"] >= row["first_step_s"]
         assert row["predicted_memory"]["peak_gb"] > 0 and row["cold_caches"]
+        assert row["checkpoint_plan"]["predicted_peak_gb"] == pytest.approx(row["predicted_memory"]["peak_gb"])
+        assert row["checkpoint_plan"]["describe"].startswith("2 blocks: 2 ")
     assert rows[1]["ours_over_pytorch"] == pytest.approx(rows[1]["step_ms"] / rows[0]["step_ms"])
     leaderboard_2026.main(argv)  # measured already
     assert len((tmp_path / "leaderboard_2026.jsonl").read_text().splitlines()) == 2

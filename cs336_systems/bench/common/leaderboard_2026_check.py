@@ -20,11 +20,15 @@ from cs336_systems.train import SHARDED_STACKS, build_training_step
 from cs336_systems.train.step import ADAMW_HYPERPARAMETERS
 
 
-def build(stack: str, config: dict[str, int], device: torch.device, compute_dtype: torch.dtype):
-    """The training step of ``stack`` on a fresh model of ``config`` (seed 0: the same weights on every rank)."""
+def build(stack: str, config: dict[str, int], device: torch.device, compute_dtype: torch.dtype,
+          block_modes: tuple[str, ...] | None = None):
+    """The training step of ``stack`` on a fresh model of ``config`` (seed 0: the same weights on every rank);
+    ``block_modes``: each block's checkpoint mode, in place of the stack's own checkpointing."""
     torch.manual_seed(0)
     model = BasicsTransformerLM(**config, device=device)
     parts = SHARDED_STACKS[stack]
+    if block_modes is not None:
+        parts = parts.with_block_checkpointing(block_modes)
     if device.type != "cuda":
         parts = parts.with_(compile="none")  # Inductor on CPU ranks would only cost minutes
     return build_training_step(model, parts, autocast_dtype=compute_dtype)

@@ -1,9 +1,11 @@
 """The model of the 2026 leaderboard step (problem ``leaderboard_2026``): its configuration, the matmul FLOPs
-of one step by part, and the memory a rank is predicted to hold. Read by the tool, its check and the writeup."""
+of one step by part, the memory a rank is predicted to hold, and the checkpoint plan that fills a rank's memory.
+Read by the tool, its check and the writeup."""
 
 from __future__ import annotations
 
 from cs336_systems.bench.common import flops
+from cs336_systems.train.checkpoint_plan import GiB, CheckpointPlan, plan_checkpointing, uniform_modes
 from cs336_systems.train.step import LOSS_CHUNK_TOKENS, SHARDED_STACKS
 
 MODEL = dict(vocab_size=151_936, context_length=32_768, d_model=4096, d_ff=11_008, num_layers=34, num_heads=32)
@@ -14,6 +16,9 @@ BATCH = 2  # sequences per step, one per rank on two ranks
 ROW_NAMES = {"ours": "ours", "torch": "pytorch"}
 STACK_OF_ROW = {row: stack for stack, row in ROW_NAMES.items()}
 GB = 1e9
+# What each stack's backward recomputes today in every block (the tool's default plan).
+DEFAULT_CHECKPOINT_MODE = {"ours": "selective", "torch": "full"}
+DEFAULT_MARGIN_BYTES = 4 * GiB  # what the allocator's rounding and fragmentation, NCCL and the CUDA context may take
 
 
 def step_flop_parts(config: dict[str, int], batch: int) -> dict[str, float]:
@@ -30,25 +35,44 @@ def step_flops(config: dict[str, int], batch: int) -> float:
     return sum(step_flop_parts(config, batch).values())
 
 
+def stack_modes(config: dict[str, int], stack: str) -> tuple[str, ...]:
+    """Each block's checkpoint mode in ``stack`` as built today (:data:`DEFAULT_CHECKPOINT_MODE`)."""
+    return uniform_modes(DEFAULT_CHECKPOINT_MODE[stack], config["num_layers"])
+
+
+def kept_bytes_per_token(config: dict[str, int], mode: str) -> int:
+    """bf16 bytes per token a block holds from its forward to its backward under checkpoint ``mode``.
+
+    ``full``: its input. ``selective``: its input and attention output (the log-sum-exp, 4 bytes per head, left
+    out). ``keep``: all its backward reads, counted as eager autograd saves them: the input, both norms'
+    outputs, q, k, v, the attention output and its re-laid-out copy (the output projection's input), the input
+    of the MLP's residual, and the MLP's three d_ff-wide products with the SwiGLU gate (9 d_model + 4 d_ff)."""
+    d, d_ff = config["d_model"], config["d_ff"]
+    return 2 * {"full": d, "selective": 2 * d, "keep": 9 * d + 4 * d_ff}[mode]
+
+
 def memory_budget(config: dict[str, int], stack: str, world_size: int, per_rank_batch: int = 1,
-                  loss: str | None = None) -> dict[str, float]:
+                  loss: str | None = None, modes: tuple[str, ...] | None = None) -> dict[str, float]:
     """Predicted GB per rank of what the step holds, and its peak (``loss``: the loss part, by default the
-    stack's in ``SHARDED_STACKS``).
+    stack's in ``SHARDED_STACKS``; ``modes``: each block's checkpoint mode, by default :func:`stack_modes`).
 
     Always held: the rank's fp32 master shard and AdamW's two fp32 moments. Held from forward to the block's
-    backward: the activations checkpointing keeps (each block's bf16 input, and for ``ours`` its attention
-    output). Built up during backward while those drain: the fp32 gradient shard (``zero_grad`` frees it after
+    backward: the activations each block's checkpoint mode keeps (:func:`kept_bytes_per_token`). Built up
+    during backward while those drain: the fp32 gradient shard (``zero_grad`` frees it after
     the step). Transients: the loss head at the start of backward (by the stack's ``loss`` part: ``plain``, the
     full bf16 logits, their fp32 softmax and bf16 gradient; ``chunked``, the same for one chunk of tokens;
     ``fused``, the gathered bf16 head and its fp32 gradient) and one block's
     recomputation (q, k, v, attention output, the MLP's three d_ff-wide tensors and their gradients, two gathered
-    bf16 blocks). ``peak_gb``: the larger of the start of backward (all activations and the larger transient)
-    and its end (all gradients and a block's recomputation)."""
+    bf16 blocks; counted for a kept block's backward too). ``peak_gb``: the larger of the start of backward (all
+    activations and the larger transient) and its end (all gradients and a block's recomputation)."""
     d, d_ff, layers, vocab = config["d_model"], config["d_ff"], config["num_layers"], config["vocab_size"]
     params = layers * (4 * d * d + 3 * d * d_ff + 2 * d) + 2 * vocab * d + d
     tokens = per_rank_batch * config["context_length"]
     shard = params / world_size
-    kept_per_block = tokens * d * 2 * (2 if stack == "ours" else 1)
+    modes = stack_modes(config, stack) if modes is None else modes
+    if len(modes) != layers:
+        raise ValueError(f"{len(modes)} checkpoint modes for {layers} blocks")
+    kept = tokens * sum(kept_bytes_per_token(config, mode) for mode in modes)
     block_weights = 4 * d * d + 3 * d * d_ff
     recompute = tokens * (6 * d + 3 * d_ff) * 2 * 2 + 2 * block_weights * 2
     loss = loss or SHARDED_STACKS[stack].loss
@@ -60,7 +84,7 @@ def memory_budget(config: dict[str, int], stack: str, world_size: int, per_rank_
         "params_gb": 4 * shard / GB,
         "optimizer_state_gb": 8 * shard / GB,
         "grads_gb": 4 * shard / GB,
-        "saved_activations_gb": layers * kept_per_block / GB,
+        "saved_activations_gb": kept / GB,
         "block_recompute_gb": recompute / GB,
         "loss_head_gb": head / GB,
     }
@@ -69,3 +93,28 @@ def memory_budget(config: dict[str, int], stack: str, world_size: int, per_rank_
     end_of_backward = budget["grads_gb"] + budget["block_recompute_gb"]
     budget["peak_gb"] = held + max(start_of_backward, end_of_backward)
     return budget
+
+
+def checkpoint_plan(config: dict[str, int], stack: str, world_size: int, per_rank_batch: int,
+                    free_bytes: float, margin_bytes: float = DEFAULT_MARGIN_BYTES) -> CheckpointPlan:
+    """The checkpoint plan of ``stack`` that fills ``free_bytes`` less ``margin_bytes`` per rank, by
+    :func:`memory_budget` (:func:`cs336_systems.train.checkpoint_plan.plan_checkpointing`)."""
+
+    def peak_bytes(modes: tuple[str, ...]) -> float:
+        return memory_budget(config, stack, world_size, per_rank_batch, modes=modes)["peak_gb"] * GB
+
+    return plan_checkpointing(config["num_layers"], peak_bytes, free_bytes, margin_bytes)
+
+
+def fixed_plan(config: dict[str, int], stack: str, world_size: int, per_rank_batch: int,
+               modes: tuple[str, ...]) -> CheckpointPlan:
+    """``modes`` as a plan with its predicted peak (no budget)."""
+    peak = memory_budget(config, stack, world_size, per_rank_batch, modes=modes)["peak_gb"] * GB
+    return CheckpointPlan(tuple(modes), peak)
+
+
+def plan_for_card(card_gb: float, stack: str = "ours", margin_bytes: float = DEFAULT_MARGIN_BYTES) -> CheckpointPlan:
+    """On paper: the plan of the official step (two ranks, one sequence each) on cards of ``card_gb`` GB, all of
+    it free (80: H100, 141: H200, 180: B200)."""
+    return checkpoint_plan(MODEL, stack, world_size=2, per_rank_batch=1, free_bytes=card_gb * GB,
+                           margin_bytes=margin_bytes)
