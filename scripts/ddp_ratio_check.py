@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from cs336_basics.model import MODEL_SIZES, BasicsTransformerLM
 from cs336_basics.optimizer import AdamW
+from cs336_systems.bench.common import result_store
 from cs336_systems.parallel.ddp import wrap_ddp
 from cs336_systems.parallel.distributed import spawn
 
@@ -101,6 +102,22 @@ def cli_ratio(args: argparse.Namespace, bucketed: str) -> float | None:
     return None
 
 
+def write_row(args: argparse.Namespace, world_size: int, medians: dict[str, float], bucketed: str) -> None:
+    """One row of ``ddp_ratio_check.jsonl``: both median steps and their ratio, where and when."""
+    default = result_store.RESULTS_DIR if args.backend == "nccl" else result_store.SCRATCH_DIR / "results"
+    results_dir = args.results_dir or default
+    env = result_store.environment()
+    row = {"run": time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()), "problem": "ddp_ratio_check", "size": args.size,
+           "context_length": args.context, "batch_size": args.batch, "dtype": args.dtype, "bucket_mb": args.bucket_mb,
+           "world_size": world_size, "backend": args.backend, "torch_ddp_ms": medians["torch_ddp"] * 1e3,
+           "bucketed_ms": medians[bucketed] * 1e3, "ratio": medians[bucketed] / medians["torch_ddp"],
+           "device": env["device"], "env": env}
+    results_dir.mkdir(parents=True, exist_ok=True)
+    with (results_dir / "ddp_ratio_check.jsonl").open("a") as file:
+        file.write(json.dumps(row) + "\n")
+    print(f"# row written to {results_dir / 'ddp_ratio_check.jsonl'}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", default=None, choices=[*MODEL_SIZES, "tiny"])
@@ -112,6 +129,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--steps-per-round", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="2 gloo ranks on CPU, the tiny model")
+    p.add_argument("--results-dir", type=Path, default=None,
+                   help=f"where the row goes (default {result_store.RESULTS_DIR} on GPUs, "
+                        f"{result_store.SCRATCH_DIR / 'results'} on gloo)")
     args = p.parse_args()
     gpus = torch.cuda.device_count()
     args.backend = "nccl" if gpus >= 2 and not args.quick else "gloo"
@@ -133,6 +153,7 @@ def main() -> None:
     for name, seconds in medians.items():
         print(f"{name:>16}: {seconds * 1e3:9.2f} ms (median step)")
     print(f"{'plain loop ratio':>16}: {ratio:.3f} ({bucketed} / torch_ddp)")
+    write_row(args, len(per_rank), medians, bucketed)
     reference = cli_ratio(args, bucketed)
     if reference is None:
         print("# no ddp_benchmarking rows of this configuration to compare with")

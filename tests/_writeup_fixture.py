@@ -274,6 +274,19 @@ def ddp_benchmarking(figures: Path) -> list[dict]:
     return rows + ddp_on_four_gpus()
 
 
+def ddp_ratio_check() -> list[dict]:
+    """scripts/ddp_ratio_check.py on the DDP rows' 2 GPUs in both dtypes, and once on the later host of 4."""
+    rows = [row("ddp_ratio_check", {"size": "xl", "context_length": 512, "batch_size": 4, "dtype": dtype,
+                                    "bucket_mb": 100.0, "world_size": 2, "backend": "nccl"},
+                {"torch_ddp_ms": 300.0, "bucketed_ms": 300.0 * ratio, "ratio": ratio}, gpus=2, gpu="NVIDIA H200")
+            for dtype, ratio in (("fp32", 0.99), ("bf16", 1.01))]
+    rows.append(row("ddp_ratio_check", {"size": "large", "context_length": 512, "batch_size": 4, "dtype": "bf16",
+                                        "bucket_mb": 100.0, "world_size": 4, "backend": "nccl"},
+                    {"torch_ddp_ms": 240.0, "bucketed_ms": 230.0, "ratio": 230.0 / 240.0}, gpus=4,
+                    gpu="NVIDIA H100 80GB HBM3"))
+    return rows
+
+
 def ddp_on_four_gpus() -> list[dict]:
     """A later host of 4 GPUs: every variant at 4 ranks once, then PyTorch's DDP and our 1000 MiB bucketed DDP in
     alternating launches (three each) at 2 and 4 ranks, bf16."""
@@ -635,6 +648,7 @@ def write_fixture(results: Path, figures: Path) -> None:
         "flash_optimisation_log": flash_optimisation_log(),
         "distributed_communication_single_node": all_reduce(),
         "ddp_benchmarking": ddp_benchmarking(figures),
+        "ddp_ratio_check": ddp_ratio_check(),
         "optimizer_state_sharding_accounting": optimizer_state_sharding_accounting(),
         "fsdp_accounting": fsdp_accounting(figures),
         "rmsnorm": rmsnorm(),

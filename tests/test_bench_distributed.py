@@ -362,13 +362,18 @@ def test_overhead_model_fit_and_errors(tmp_path, capsys):
 
 
 @pytest.mark.slow  # a subprocess spawning ranks: about 40 s on two cores
-def test_ddp_ratio_check_script_runs_on_gloo():
-    """scripts/ddp_ratio_check.py: its own loop over PyTorch's DDP and our bucketed DDP (2 gloo ranks, tiny)."""
+def test_ddp_ratio_check_script_runs_on_gloo(tmp_path):
+    """scripts/ddp_ratio_check.py: its own loop over PyTorch's DDP and our bucketed DDP (2 gloo ranks, tiny), one
+    row with both median steps and their ratio."""
     import subprocess
     import sys
     from pathlib import Path
 
     script = Path(__file__).resolve().parents[1] / "scripts" / "ddp_ratio_check.py"
-    done = subprocess.run([sys.executable, str(script), "--quick"], capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, str(script), "--quick", "--results-dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "plain loop ratio" in done.stdout and "torch_ddp" in done.stdout
+    (row,) = read_rows(tmp_path / "ddp_ratio_check.jsonl")
+    assert row["world_size"] == 2 and row["backend"] == "gloo" and row["size"] == "tiny"
+    assert row["torch_ddp_ms"] > 0 and row["bucketed_ms"] > 0
+    assert row["ratio"] == pytest.approx(row["bucketed_ms"] / row["torch_ddp_ms"])

@@ -197,11 +197,30 @@ VARIANT_LABEL = {"naive": "naive (per parameter)", "flattened": "flattened (one 
                  "local": "one GPU alone (no communication)"}
 DDP_FILE = "writeup/results/ddp_benchmarking.jsonl"
 
-# The independent check of the bucketed / PyTorch DDP ratio. scripts/ddp_ratio_check.py times both in its own plain
-# loop on the same ranks, alternating rounds, and prints the ratio of their median steps; it writes no results row,
-# so its printout is transcribed here (the configuration of the ddp_benchmarking rows, bucketed 100 MiB).
-RATIO_CHECK = {"bucket_mb": 100.0, "ratios": {"fp32": 0.992, "bf16": 1.006},
-               "where": "2× NVIDIA H200, commit c043a0f, 2026-11-23"}
+RATIO_CHECK_FILE = "writeup/results/ddp_ratio_check.jsonl"
+
+
+def ratio_checks(res, ddp_rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The independent check of the bucketed / PyTorch DDP ratio (``scripts/ddp_ratio_check.py``: both wrappers in its
+    own plain loop on the same ranks, alternating rounds) on the DDP rows' device, model and world size: the newest
+    row per dtype, its bucket size and where it ran."""
+    first = ddp_rows[0]
+    same = [r for r in res.rows("ddp_ratio_check", one_device=False)
+            if (r["device"], r["size"], r["world_size"]) == (first["device"], first.get("size"), first["world_size"])]
+    by_dtype = {r["dtype"]: r for r in sorted(same, key=lambda r: r["run"])}
+    if not by_dtype:
+        raise Missing(RATIO_CHECK_FILE, f"a ratio check on {first['device']} ({first.get('size')}, "
+                                        f"{first['world_size']} ranks)")
+    row = next(iter(by_dtype.values()))
+    where = f"{row['device']}, commit {row['env'].get('commit')}, {str(row['env'].get('date'))[:10]}"
+    elsewhere = [r for r in res.rows("ddp_ratio_check", one_device=False) if r["device"] != first["device"]
+                 and r["backend"] == "nccl"]
+    others = {"runs": ", ".join(num(r["ratio"], 3) for r in sorted(elsewhere, key=lambda r: r["run"])),
+              "where": short_device(elsewhere[-1]["device"]) if elsewhere else DASH,
+              "size": elsewhere[-1]["size"] if elsewhere else DASH,
+              "world": str(elsewhere[-1]["world_size"]) if elsewhere else DASH, "any": bool(elsewhere)}
+    return {"bucket_mb": row["bucket_mb"], "ratios": {d: r["ratio"] for d, r in by_dtype.items()}, "where": where,
+            "others": others}
 
 
 def variant_of(name: str) -> str:
@@ -448,12 +467,14 @@ def ddp_bucketed_benchmarking(res, out: Output) -> dict[str, Any]:
                         "s / bucket size), the model's overhead with o and w from the all-reduce fit, and the model "
                         "fitted to each dtype's measured times.", size=8)
 
+    check_rows = ratio_checks(res, rows)
+
     def dtype_numbers(dtype: str) -> dict[str, str]:
         pts = series[dtype]
         best, worst = min(pts, key=lambda r: r["step_ms"]), max(pts, key=lambda r: r["step_ms"])
-        check = next((r for r in pts if r["bucket_size_mb"] == RATIO_CHECK["bucket_mb"]), None)
+        check = next((r for r in pts if r["bucket_size_mb"] == check_rows["bucket_mb"]), None)
         cli = check["step_ms"] / torch_ms[dtype] if check else None
-        loop = RATIO_CHECK["ratios"].get(dtype)
+        loop = check_rows["ratios"].get(dtype)
         f = fitted[dtype]
         usable = f is not None and f.per_call_s > 0 and math.isfinite(f.bandwidth_bytes_per_s)
         return {
@@ -474,7 +495,8 @@ def ddp_bucketed_benchmarking(res, out: Output) -> dict[str, Any]:
     smallest = series[DTYPE_ORDER[0]][0]
     n = {
         **{d: dtype_numbers(d) for d in DTYPE_ORDER}, **local_spread(rows),
-        "check_mb": f"{RATIO_CHECK['bucket_mb']:g}", "check_where": RATIO_CHECK["where"],
+        "check_mb": f"{check_rows['bucket_mb']:g}", "check_where": check_rows["where"],
+        "check_others": check_rows["others"],
         "size": size, "params": f"{params / 1e9:.3f}", "s_gb": num(grad_bytes / 1e9, 2), "world": str(world),
         "w_gbs": num(bandwidth / 1e9, 1), "o_us": num(per_call * 1e6, 0),
         "n_star": num(optimum["n_buckets"], 1), "b_star_mb": num(optimum["bucket_bytes"] / 2**20, 0),
