@@ -103,19 +103,14 @@ def cli_ratio(args: argparse.Namespace, bucketed: str) -> float | None:
 
 
 def write_row(args: argparse.Namespace, world_size: int, medians: dict[str, float], bucketed: str) -> None:
-    """One row of ``ddp_ratio_check.jsonl``: both median steps and their ratio, where and when."""
+    """One row of ``ddp_ratio_check.jsonl`` (through the benchmarks' result store): both median steps and their
+    ratio. Every run appends its own row; the writeup reads the file as a log."""
     default = result_store.RESULTS_DIR if args.backend == "nccl" else result_store.SCRATCH_DIR / "results"
-    results_dir = args.results_dir or default
-    env = result_store.environment()
-    row = {"run": time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()), "problem": "ddp_ratio_check", "size": args.size,
-           "context_length": args.context, "batch_size": args.batch, "dtype": args.dtype, "bucket_mb": args.bucket_mb,
-           "world_size": world_size, "backend": args.backend, "torch_ddp_ms": medians["torch_ddp"] * 1e3,
-           "bucketed_ms": medians[bucketed] * 1e3, "ratio": medians[bucketed] / medians["torch_ddp"],
-           "device": env["device"], "env": env}
-    results_dir.mkdir(parents=True, exist_ok=True)
-    with (results_dir / "ddp_ratio_check.jsonl").open("a") as file:
-        file.write(json.dumps(row) + "\n")
-    print(f"# row written to {results_dir / 'ddp_ratio_check.jsonl'}")
+    store = result_store.ResultStore("ddp_ratio_check", args.results_dir or default)
+    config = {"size": args.size, "context_length": args.context, "batch_size": args.batch, "dtype": args.dtype,
+              "bucket_mb": args.bucket_mb, "world_size": world_size, "backend": args.backend}
+    store.add(config, {"torch_ddp_ms": medians["torch_ddp"] * 1e3, "bucketed_ms": medians[bucketed] * 1e3,
+                       "ratio": medians[bucketed] / medians["torch_ddp"]})
 
 
 def main() -> None:

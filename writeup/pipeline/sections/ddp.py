@@ -205,7 +205,10 @@ def ratio_checks(res, ddp_rows: list[dict[str, Any]]) -> dict[str, Any]:
     own plain loop on the same ranks, alternating rounds) on the DDP rows' device, model and world size: the newest
     row per dtype, its bucket size and where it ran."""
     first = ddp_rows[0]
-    same = [r for r in res.rows("ddp_ratio_check", one_device=False)
+    # Every run is a row of its own (the script appends), so the file is read as a log, once.
+    runs = [r for r in res.log_rows("ddp_ratio_check", measured=lambda row: row.get("backend") == "nccl")
+            if r["backend"] == "nccl"]
+    same = [r for r in runs
             if (r["device"], r["size"], r["world_size"]) == (first["device"], first.get("size"), first["world_size"])]
     by_dtype = {r["dtype"]: r for r in sorted(same, key=lambda r: r["run"])}
     if not by_dtype:
@@ -213,8 +216,7 @@ def ratio_checks(res, ddp_rows: list[dict[str, Any]]) -> dict[str, Any]:
                                         f"{first['world_size']} ranks)")
     row = next(iter(by_dtype.values()))
     where = f"{row['device']}, commit {row['env'].get('commit')}, {str(row['env'].get('date'))[:10]}"
-    elsewhere = [r for r in res.rows("ddp_ratio_check", one_device=False) if r["device"] != first["device"]
-                 and r["backend"] == "nccl"]
+    elsewhere = [r for r in runs if r["device"] != first["device"]]
     others = {"runs": ", ".join(num(r["ratio"], 3) for r in sorted(elsewhere, key=lambda r: r["run"])),
               "where": short_device(elsewhere[-1]["device"]) if elsewhere else DASH,
               "size": elsewhere[-1]["size"] if elsewhere else DASH,
