@@ -9,6 +9,7 @@
 #   PART=ddp WORLD=4 bash scripts/device_gpus.sh    # every DDP variant (bf16, then fp32)
 #   PART=pairs bash scripts/device_gpus.sh          # PyTorch DDP and our best bucketed, alternating launches, 3 each
 #   PART="ddp optimizers" STEPS=20 bash scripts/device_gpus.sh   # parts one after another (also: zero1)
+#   PART=fsdp_memory bash scripts/device_gpus.sh    # FSDP and FSDP2 peaks with each AdamW, allocator snapshots
 # Rows go where the tools put them on a GPU, writeup/results, beside the committed ones (a stack's ratio finds the
 # other's row; cases measured on this device are skipped, so a cut-off part resumes next call).
 set -uo pipefail
@@ -82,8 +83,18 @@ pairs)  # the deciding pair in alternating launches (three each); every launch's
     done
     capped 100 python3 scripts/ddp_ratio_check.py --dtype bf16 --bucket-mb 100 --size large
     ;;
+fsdp_memory)  # ours and FSDP2 (xl, no checkpointing) with each AdamW, one step's allocator history each, reported
+    for optimizer in ${OPTIMIZERS:-torch basics}; do
+        capped 200 python3 -m cs336_systems.bench.fsdp_accounting --force --impls fsdp2 ours --checkpointing 0 \
+            --world-size "${WORLD:-2}" --optimizer "$optimizer" --memory-snapshot snapshots
+    done
+    for snapshot in snapshots/fsdp_*.pickle; do
+        capped 60 python3 scripts/memory_snapshot_report.py "$snapshot" --top 25
+        gzip -c "$snapshot" > "$OUT/$(basename "$snapshot").gz"
+    done
+    ;;
 *)
-    echo "unknown part ${part}: tests, official, allreduce, ddp, pairs, zero1 or optimizers" >&2
+    echo "unknown part ${part}: tests, official, allreduce, ddp, pairs, zero1, optimizers or fsdp_memory" >&2
     exit 2
     ;;
 esac

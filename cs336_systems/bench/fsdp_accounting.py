@@ -74,7 +74,8 @@ from cs336_systems.parallel.fsdp import FSDP
 from cs336_systems.train.step import fully_shard_blocks
 
 PROBLEM = "fsdp_accounting"
-IMPLS = ("ddp", "fsdp2", "ours")  # DDP first: the others' measured saving is against it
+IMPLS = ("ddp", "fsdp2", "ours")
+OPTIMIZERS = ("basics", "torch")  # DDP first: the others' measured saving is against it
 BYTES_PER_PARAM = 16  # fp32 weight, gradient, and AdamW's two moments: what the peak holds per parameter
 STATE_BYTES_PER_PARAM = 12  # between steps: the weight and the moments (zero_grad(set_to_none=True) freed the gradient)
 
@@ -96,6 +97,13 @@ def parser():
     p.add_argument("--trace", default=None, metavar="DIR", help="also trace one step of ours into DIR and draw it")
     p.add_argument("--figure", default=str(result_store.FIGURES_DIR / "fsdp_timeline.png"), help="where the timeline goes")
     p.add_argument("--check", action="store_true", help="only the correctness check against one process")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="basics",
+                   help="basics: cs336_basics' AdamW (FSDP2: on its local shards); torch: torch.optim.AdamW "
+                        "(its default foreach path, FSDP2 on the DTensors), as a user of the graders' adapters "
+                        "would write it")
+    p.add_argument("--memory-snapshot", default=None, metavar="DIR",
+                   help="also record rank 0's allocator history over one step after the timed ones, into "
+                        "DIR/fsdp_<impl>_<optimizer>.pickle (open it at pytorch.org/memory_viz)")
     p.add_argument("--timeout-s", type=float, default=580.0, help="give up if the spawned ranks hang this long")
     return p
 
@@ -169,14 +177,21 @@ def make_train_step(impl: str, model: nn.Module, optimizer, batch, dtype: torch.
     return step
 
 
-def setup(impl: str, config: LMConfig, dtype: torch.dtype | None, device: torch.device, checkpointing: int = 0):
+def make_optimizer(impl: str, model: nn.Module, optimizer: str):
+    if optimizer == "torch":
+        return torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+    optimizer_cls = LocalShardAdamW if impl == "fsdp2" else AdamW
+    return optimizer_cls(model.parameters(), lr=1e-4, weight_decay=0.01)
+
+
+def setup(impl: str, config: LMConfig, dtype: torch.dtype | None, device: torch.device, checkpointing: int = 0,
+          optimizer_name: str = "basics"):
     torch.manual_seed(0)
     model = build_model(config, device)
     model.set_activation_checkpointing(checkpointing)
     n_params = sum(p.numel() for p in model.parameters())
     model = wrap(impl, model, dtype, device)
-    optimizer_cls = LocalShardAdamW if impl == "fsdp2" else AdamW
-    optimizer = optimizer_cls(model.parameters(), lr=1e-4, weight_decay=0.01)
+    optimizer = make_optimizer(impl, model, optimizer_name)
     batch = random_batch(config, device, generator_seed=dist.get_rank())
     return model, optimizer, make_train_step(impl, model, optimizer, batch, dtype), n_params
 
@@ -185,18 +200,37 @@ def measure(impl: str, config: LMConfig, dtype: torch.dtype | None, device: torc
             checkpointing: int = 0) -> dict[str, Any]:
     """This rank's median step time and memory for ``impl``."""
     timing.free_memory()
-    model, optimizer, step, n_params = setup(impl, config, dtype, device, checkpointing)
-    for _ in range(args.warmup):
+    model, optimizer, step, n_params = setup(impl, config, dtype, device, checkpointing, args.optimizer)
+    with timing.peak_memory(device) as first:
+        step()
+    for _ in range(args.warmup - 1):
         step()
     dist.barrier()
     with timing.peak_memory(device) as peak:
         seconds = timing.time_calls(step, warmup=0, steps=args.steps, device=device)
     state = torch.cuda.memory_allocated(device) / 1e9 if device.type == "cuda" else None
     result = {**timing.summarize_ms(seconds), "peak_gb": peak.get("peak_gb"), "state_gb": state,
-              "params": n_params, "local_params": local_numel(impl, model)}
+              "first_step_peak_gb": first.get("peak_gb"), "params": n_params,
+              "local_params": local_numel(impl, model)}
+    if device.type == "cuda":
+        result["reserved_gb"] = torch.cuda.max_memory_reserved(device) / 1e9
+    if args.memory_snapshot and device.type == "cuda" and dist.get_rank() == 0:
+        record_snapshot(step, device, os.path.join(args.memory_snapshot, f"fsdp_{impl}_{args.optimizer}.pickle"))
     del model, optimizer, step
     timing.free_memory()
     return result
+
+
+def record_snapshot(step, device: torch.device, path: str) -> None:
+    """The allocator's history over one ``step`` into ``path`` (a pickle memory_viz reads)."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    timing.synchronize(device)
+    torch.cuda.memory._record_memory_history(max_entries=500_000)
+    step()
+    timing.synchronize(device)
+    torch.cuda.memory._dump_snapshot(path)
+    torch.cuda.memory._record_memory_history(enabled=None)
+    print(f"# memory snapshot of one step: {path}", file=sys.stderr)
 
 
 def expected(n_params: int, local_params: int) -> dict[str, float]:
@@ -208,13 +242,16 @@ def expected(n_params: int, local_params: int) -> dict[str, float]:
 
 def _latest(store: result_store.ResultStore, config: dict[str, Any], impl: str) -> dict[str, Any] | None:
     rows = [r for r in store.rows() if r.get("device") == store.env["device"] and r.get("measure") == "step"
-            and r.get("impl") == impl and all(r.get(k) == v for k, v in config.items() if k != "impl")]
+            and r.get("impl") == impl and r.get("optimizer") == config.get("optimizer")
+            and all(r.get(k) == v for k, v in config.items() if k != "impl")]
     return rows[-1] if rows else None
 
 
 def step_cases(args, world_size: int) -> list[dict[str, Any]]:
     base = dict(measure="step", size=args.size, context_length=args.context_length,
                 batch_per_rank=args.batch_per_rank, world_size=world_size, dtype=args.dtype)
+    if args.optimizer != "basics":  # rows without the key ran cs336_basics' AdamW
+        base["optimizer"] = args.optimizer
     # DDP, FSDP2, ours: in this order, so that ours finds the others' rows for its ratios
     return [{**base, "checkpointing": group, "impl": impl}
             for group in args.checkpointing for impl in IMPLS if impl in args.impls]
@@ -242,6 +279,8 @@ def run_measurements(rank: int, world_size: int, device: torch.device, args) -> 
             "peak_gb": max(peaks) if None not in peaks else None,
             "peak_gb_per_rank": peaks,
             "state_gb": mine["state_gb"],
+            "first_step_peak_gb": max(r["first_step_peak_gb"] or 0 for r in everyone) or None,
+            "reserved_gb": max(r.get("reserved_gb") or 0 for r in everyone) or None,
             "params": mine["params"],
             "local_params": mine["local_params"],
             "warmup": args.warmup,
