@@ -88,6 +88,7 @@ fsdp_memory)  # ours and FSDP2 (xl, no checkpointing) with each AdamW, one step'
         capped 200 python3 -m cs336_systems.bench.fsdp_accounting --force --impls fsdp2 ours --checkpointing 0 \
             --world-size "${WORLD:-2}" --optimizer "$optimizer" --memory-snapshot snapshots
     done
+    shopt -s nullglob
     for snapshot in snapshots/fsdp_*.pickle; do
         capped 60 python3 scripts/memory_snapshot_report.py "$snapshot" --top 25
         gzip -c "$snapshot" > "$OUT/$(basename "$snapshot").gz"

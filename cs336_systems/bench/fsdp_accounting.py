@@ -214,18 +214,24 @@ def measure(impl: str, config: LMConfig, dtype: torch.dtype | None, device: torc
               "local_params": local_numel(impl, model)}
     if device.type == "cuda":
         result["reserved_gb"] = torch.cuda.max_memory_reserved(device) / 1e9
-    if args.memory_snapshot and device.type == "cuda" and dist.get_rank() == 0:
-        record_snapshot(step, device, os.path.join(args.memory_snapshot, f"fsdp_{impl}_{args.optimizer}.pickle"))
+    if args.memory_snapshot and device.type == "cuda":  # every rank steps (collectives); rank 0 records
+        path = os.path.join(args.memory_snapshot, f"fsdp_{impl}_{args.optimizer}.pickle")
+        record_snapshot(step, device, path if dist.get_rank() == 0 else None)
     del model, optimizer, step
     timing.free_memory()
     return result
 
 
-def record_snapshot(step, device: torch.device, path: str) -> None:
-    """The allocator's history over one ``step`` into ``path`` (a pickle memory_viz reads)."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+def record_snapshot(step, device: torch.device, path: str | None) -> None:
+    """One more ``step``; with a ``path``, the allocator's history over it goes there (a pickle memory_viz reads).
+    Every rank must call this (the step's collectives), with a path or without."""
     timing.synchronize(device)
-    torch.cuda.memory._record_memory_history(max_entries=500_000)
+    if path is None:
+        step()
+        timing.synchronize(device)
+        return
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    torch.cuda.memory._record_memory_history(max_entries=500_000, stacks="python")
     step()
     timing.synchronize(device)
     torch.cuda.memory._dump_snapshot(path)
