@@ -86,7 +86,7 @@ pairs)  # the deciding pair in alternating launches (three each); every launch's
 fsdp_memory)  # ours and FSDP2 (xl, no checkpointing) with each AdamW, one step's allocator history each, reported
     for optimizer in ${OPTIMIZERS:-torch basics}; do
         capped 200 python3 -m cs336_systems.bench.fsdp_accounting --force --impls fsdp2 ours --checkpointing 0 \
-            --world-size "${WORLD:-2}" --optimizer "$optimizer" --memory-snapshot snapshots
+            --world-size "${WORLD:-2}" --optimizer "$optimizer" --memory-snapshot snapshots --warmup 2 --steps "${STEPS:-5}"
     done
     shopt -s nullglob
     for snapshot in snapshots/fsdp_*.pickle; do
