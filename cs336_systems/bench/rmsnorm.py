@@ -200,11 +200,12 @@ def with_copy_share(result: dict[str, Any], copy_gbps: float | None) -> dict[str
 
 def newest_kernel_run(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The kernel-part rows of the newest run that records ``copy_share`` (rows of earlier versions of the tool
-    have none), in file order; empty if there is none. Runs are ordered by their first row's date, then id."""
+    have none), in file order; empty if there is none. Runs are ordered by their first row's date, then by where
+    that row stands in ``rows`` (a file is appended to, so a later run starts further down)."""
     kernel = [r for r in rows if r.get("part") == "kernel" and "copy_share" in r]
-    started: dict[str, tuple[str, str]] = {}
-    for r in kernel:
-        started.setdefault(r["run"], ((r.get("env") or {}).get("date", ""), r["run"]))
+    started: dict[str, tuple[str, int]] = {}
+    for index, r in enumerate(kernel):
+        started.setdefault(r["run"], ((r.get("env") or {}).get("date", ""), index))
     if not started:
         return []
     newest = max(started, key=started.get)

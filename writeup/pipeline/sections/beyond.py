@@ -80,6 +80,8 @@ def _grid_figure(out: Output, at: dict[tuple, dict[str, Any]], providers: list[s
         if copy:
             ax.plot(*zip(*copy), linestyle="--", color="black", linewidth=1, label="copy")
         figures.log2_axis(ax, cols)
+        ax.tick_params(axis="x", labelsize=6)
+        ax.set_ylim(bottom=0)
         ax.set_title(f"{dtype}, {PASS_NAMES[pass_]}", fontsize=8)
         ax.set_xlabel("N")
     for ax in axes[::2]:
