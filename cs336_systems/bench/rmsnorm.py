@@ -248,7 +248,7 @@ def pending_in_run(store: result_store.ResultStore, cases: list[dict[str, Any]])
 def run_kernels(args, device: torch.device, store: result_store.ResultStore) -> list[dict[str, Any]]:
     if args.run_id:
         store.run = args.run_id
-    cases = [c for c in kernel_cases(args) if c["provider"] in ("copy", *args.providers)]
+    cases = kernel_cases(args)
     reasons = {p: unavailable(p, device) for p in args.providers}
     for provider, why in reasons.items():
         if why:
