@@ -1,6 +1,6 @@
 """The fused Triton RMSNorm (``cs336_systems.kernels.rmsnorm``) against a float64 reference: through the
 Triton CPU interpreter (``tests/interpreter/test_rmsnorm.py``), and on a GPU; input checks,
-the drop-in module and the model switch on the CPU; the benchmark's ``--quick`` run."""
+the drop-in module and the model switch on the CPU. The benchmark's tests: ``tests/test_bench_rmsnorm.py``."""
 
 from __future__ import annotations
 
@@ -268,61 +268,3 @@ def test_transformer_lm_with_fused_rmsnorm_matches_plain_on_gpu(compile_model, a
     torch.testing.assert_close(logits, plain_logits, rtol=2e-2, atol=2e-2)
     for name, grad in plain_grads.items():
         assert relative_error(grads[name], grad) < 2e-2, name
-
-
-# ---------------------------------------------------------------------------------------------------
-# The benchmark
-# ---------------------------------------------------------------------------------------------------
-
-
-def test_benchmark_byte_count_and_cases():
-    from cs336_systems.bench import rmsnorm as bench
-
-    assert bench.moved_bytes("fwd", 10, 8, 2, 4) == 2 * 10 * 8 * 2 + 8 * 4
-    assert bench.moved_bytes("fwd_bwd", 10, 8, 2, 4) == 5 * 10 * 8 * 2 + 3 * 8 * 4
-    assert bench.moved_bytes("copy", 10, 8, 2, 0) == 2 * 10 * 8 * 2
-    args = bench.parser().parse_args(["--sizes", "small", "xl"])
-    cases = bench.model_cases(args)
-    keys = [(c["size"], c["norm"], c["attention"], c["compile"]) for c in cases]
-    assert len(keys) == len(set(keys)) == 2 * 2 * 3 + 3
-    assert {("xl", "fused", "triton", True), ("xl", "fused_autocast", "triton", True), ("xl", "plain", "sdpa", True)} \
-        <= set(keys)
-    assert all(c["dtype"] == "bf16" and c["mode"] == "train_step" and c["batch_size"] == 4 for c in cases)
-    args = bench.parser().parse_args(["--rows", "8", "--cols", "16", "32", "--dtypes", "bf16"])
-    kernel = bench.kernel_cases(args)
-    assert len(kernel) == 2 * (1 + len(bench.PROVIDERS) * len(bench.PASSES))
-
-
-@pytest.mark.compiled_kernels
-def test_benchmark_quick_on_cpu(tmp_path, capsys):
-    """The CLI runs on a CPU, writes rows with the problem's keys, resumes, and skips what needs a GPU."""
-    import json
-
-    from cs336_systems.bench import rmsnorm as bench
-
-    argv = ["--quick", "--results-dir", str(tmp_path), "--cols", "48", "--rows", "64", "--providers", "eager", "ours",
-            "--sizes", "tiny", "--compile", "off", "--context-length", "16"]
-    bench.main(argv)
-    rows = [json.loads(line) for line in (tmp_path / "rmsnorm.jsonl").read_text().splitlines()]
-    kernel = [r for r in rows if r["part"] == "kernel"]
-    assert {(r["provider"], r["pass"]) for r in kernel} == {("copy", "copy"), ("eager", "fwd"), ("eager", "fwd_bwd")}
-    for r in kernel:
-        assert {"run", "provider", "pass", "rows", "cols", "dtype", "ms", "gbps", "bytes"} <= set(r)
-        assert r["rows"] == 64 and r["cols"] == 48 and r["gbps"] > 0
-        assert r["provider"] == "copy" or (r["fraction_of_copy"] > 0 and r["max_abs_error_vs_eager"] == 0)
-    model = [r for r in rows if r["part"] == "model"]
-    assert [(r["size"], r["norm"], r["compile"]) for r in model] == [("tiny", "plain", False)]
-    assert model[0]["median_ms"] > 0
-    err = capsys.readouterr().err
-    assert "skipped here: ours" in err and "only the plain RMSNorm" in err
-    bench.main(argv)  # everything measured: nothing added
-    assert len((tmp_path / "rmsnorm.jsonl").read_text().splitlines()) == len(rows)
-
-
-def test_benchmark_answers_help(capsys):
-    from cs336_systems.bench import rmsnorm as bench
-
-    with pytest.raises(SystemExit) as exit_info:
-        bench.main(["--help"])
-    assert exit_info.value.code == 0
-    assert "GB/s" in capsys.readouterr().out

@@ -399,6 +399,36 @@ def test_a_section_failing_on_other_keys_names_the_section(tmp_path):
         run_build(tmp_path, results)
 
 
+def test_rmsnorm_reads_only_the_newest_kernel_run_at_its_largest_row_count(fixture_data, fixture_results):
+    """The fixture's earlier run (no copy_share, 9,999 GB/s) stays out; the table is bf16 at M = 65,536 with each
+    provider's GB/s and share of the same run's copy; quack, never measured, is named as such."""
+    section = fixture_data["rmsnorm"]
+    n, rows = section["n"], section["tables"]["main"]["rows"]
+    assert not n["pending"] and (n["m"], n["dtype"], n["dtypes"]) == ("65,536", "bf16", "bf16, fp32")
+    assert n["providers"] == "ours, eager, compile, liger" and n["not_measured"] == "quack"
+    assert section["tables"]["main"]["header"][0] == ["pass", "N", "copy", "ours", "eager", "compile", "liger"]
+    assert [r[:4] for r in rows[:2]] == [["forward", "768", "2,500", "2,000 (80 %)"],
+                                          ["forward", "8,192", "2,500", "2,200 (88 %)"]]
+    assert rows[2][:4] == ["forward + backward", "768", "2,500", "1,600 (64 %)"]
+    assert not any("9,999" in cell for r in rows for cell in r)
+    assert (n["ours_share_fwd"], n["ours_share_fwd_bwd"]) == ("80 % to 88 %", "64 % to 70 %")
+    assert n["versus_fwd"].startswith("8.00× the bandwidth of eager; 1.33× the bandwidth of compile")
+    assert section["figures"]["main"]["path"] == "figures/rmsnorm_grid.png"
+
+
+def test_rmsnorm_grid_is_pending_without_a_run_of_the_current_tool(tmp_path):
+    """Rows of earlier versions of the tool only (no copy_share): the section builds, says pending, draws nothing."""
+    results = tmp_path / "results"
+    write_fixture(results, tmp_path / "row-figures")
+    path = results / "rmsnorm.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows if "copy_share" not in r))
+    section = SECTIONS["rmsnorm"](Results(results), Output(tmp_path / "figures", tmp_path / "build"))
+    assert section["n"]["pending"] and section["tables"] == {} and section["figures"] == {}
+    assert "plain RMSNorm was measured" in section["n"]["model"]
+    assert not (tmp_path / "figures" / "rmsnorm_grid.png").exists()
+
+
 def test_every_section_has_a_typst_body_and_the_reverse():
     typst = "".join(path.read_text() for path in (WRITEUP / "typ").glob("*.typ") if path.name != "lib.typ")
     in_typst = re.findall(r'#problem\("([^"]+)"', typst)

@@ -23,10 +23,10 @@ plt.rcParams.update(
 )
 
 
-def new(width: float = 6.5, height: float = 2.8, ncols: int = 1, sharey: bool = False):
-    """A figure ``width x height`` inches with ``ncols`` axes side by side."""
-    fig, axes = plt.subplots(1, ncols, figsize=(width, height), sharey=sharey, squeeze=False)
-    return fig, list(axes[0])
+def new(width: float = 6.5, height: float = 2.8, ncols: int = 1, sharey: bool = False, nrows: int = 1):
+    """A figure ``width x height`` inches with ``nrows x ncols`` axes, returned row by row in one list."""
+    fig, axes = plt.subplots(nrows, ncols, figsize=(width, height), sharey=sharey, squeeze=False)
+    return fig, list(axes.flat)
 
 
 def save(fig, path: Path) -> Path:

@@ -7,93 +7,128 @@ import re
 from typing import Any
 
 from cs336_systems.bench import flash_log
+from cs336_systems.bench import rmsnorm as rmsnorm_bench
 from pipeline import figures
-from pipeline.markup import DASH, num, span, spread, table, times
-from pipeline.results import Missing, display_path
+from pipeline.markup import DASH, num, pct, span, spread, table, times
+from pipeline.results import Missing, display_path, main_device
 from pipeline.sections.registry import Output, problem
 
-OURS = ("triton", "ours", "fused")
+PROVIDER_ORDER = ("ours", "eager", "compile", "liger", "quack")
+PASS_NAMES = {"fwd": "forward", "fwd_bwd": "forward + backward"}
 
 
 def load_rmsnorm(res) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """The kernel rows (``part == "kernel"``: provider, pass, rows × cols, GB/s, the copy reference) and the
-    model rows (``part == "model"``: a train step of one model size with ``norm`` plain or fused)."""
-    rows = res.rows("rmsnorm")
-    kernel = [r for r in rows if r.get("part", "kernel") == "kernel" and "provider" in r]
-    model = [r for r in rows if r.get("part") == "model"]
-    return kernel, model
+    """The kernel rows of the newest kernel-part run (``rmsnorm_bench.newest_kernel_run``: rows that record
+    ``copy_share``; earlier runs are left out) and the model rows (``part == "model"``: a train step of one model
+    size with ``norm`` plain or fused), the latest per configuration on their main device."""
+
+    def keep(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        model = [r for r in rows if r.get("part") == "model"]
+        if model:
+            device = main_device(model)
+            model = [r for r in model if r.get("device") == device]
+        return rmsnorm_bench.newest_kernel_run(rows) + model
+
+    rows = res.rows("rmsnorm", one_device=False, keep=keep)
+    return [r for r in rows if r.get("part") == "kernel"], [r for r in rows if r.get("part") == "model"]
+
+
+def _model_text(model: list[dict[str, Any]]) -> str:
+    measured = [r for r in model if not r.get("oom")]
+    norms = sorted({r.get("norm", "") for r in measured})
+    if len(norms) >= 2:
+        return "; ".join(f"{r.get('norm')}: {num(r.get('mean_ms'), 1)} ms" for r in measured)
+    if measured:
+        r = measured[0]
+        return (f"only the {r.get('norm', 'plain')} RMSNorm was measured in a model "
+                f"({r.get('size')} model, {r.get('dtype')}, context {r.get('context_length')}, "
+                f"{r.get('mode', 'train step').replace('_', ' ')}: {num(r.get('mean_ms'), 1)} ms), so the "
+                "model-level comparison with the fused kernel was not measured")
+    return "the model-level comparison was not measured"
+
+
+def _grid_table(at: dict[tuple, dict[str, Any]], providers: list[str], cols: list[int], dtype: str,
+                m: int) -> dict[str, Any]:
+    """GB/s and share of copy per provider, one line per (pass, N), at ``m`` rows in ``dtype``."""
+    body = []
+    for pass_ in rmsnorm_bench.PASSES:
+        for n_cols in cols:
+            copy = at.get(("copy", "copy", n_cols, dtype), {})
+            cells = [PASS_NAMES[pass_], f"{n_cols:,}", num(copy.get("gbps"), 0)]
+            for provider in providers:
+                row = at.get((provider, pass_, n_cols, dtype))
+                cells.append(f"{num(row['gbps'], 0)} ({pct(row.get('copy_share'))})" if row else DASH)
+            body.append(cells)
+    return table(["pass", "N", "copy", *providers], body,
+                 f"RMSNorm kernels at M = {m:,} rows of N, {dtype}: effective bandwidth in GB/s (bytes an ideal "
+                 "implementation reads and writes over the median time) and, in brackets, its share of the copy "
+                 "bandwidth of the same shape measured in the same run (copy: x.clone()).",
+                 align=["left", "right", "right", *["right"] * len(providers)], size=7)
+
+
+def _grid_figure(out: Output, at: dict[tuple, dict[str, Any]], providers: list[str], cols: list[int],
+                 dtypes: list[str], m: int) -> dict[str, str]:
+    """GB/s against N per provider, one panel per (dtype, pass), the copy bandwidth dashed."""
+    panels = [(dtype, pass_) for dtype in dtypes for pass_ in rmsnorm_bench.PASSES]
+    fig, axes = figures.new(6.5, 2.3 * len(dtypes), ncols=2, nrows=len(dtypes), sharey=True)
+    for ax, (dtype, pass_) in zip(axes, panels):
+        for provider in providers:
+            points = [(c, at[(provider, pass_, c, dtype)]["gbps"]) for c in cols if (provider, pass_, c, dtype) in at]
+            if points:
+                ax.plot(*zip(*points), marker="o", markersize=3, label=provider)
+        copy = [(c, at[("copy", "copy", c, dtype)]["gbps"]) for c in cols if ("copy", "copy", c, dtype) in at]
+        if copy:
+            ax.plot(*zip(*copy), linestyle="--", color="black", linewidth=1, label="copy")
+        figures.log2_axis(ax, cols)
+        ax.tick_params(axis="x", labelsize=6)
+        ax.set_ylim(bottom=0)
+        ax.set_title(f"{dtype}, {PASS_NAMES[pass_]}", fontsize=8)
+        ax.set_xlabel("N")
+    for ax in axes[::2]:
+        ax.set_ylabel("GB/s")
+    figures.legend_below(fig, axes[0], ncol=len(providers) + 1)
+    return out.save(fig, "rmsnorm_grid", f"RMSNorm kernels at M = {m:,} rows: effective bandwidth against the hidden "
+                    "size N per provider; dashed: the copy bandwidth of the same tensor.")
+
+
+def _ratio_text(at: dict[tuple, dict[str, Any]], providers: list[str], cols: list[int], dtype: str, pass_: str) -> str:
+    """Ours over each other provider in GB/s across N, as ``"0.9× to 1.2× the bandwidth of compile; ..."``."""
+    parts = []
+    for provider in providers:
+        ratios = [at[("ours", pass_, c, dtype)]["gbps"] / at[(provider, pass_, c, dtype)]["gbps"] for c in cols
+                  if ("ours", pass_, c, dtype) in at and (provider, pass_, c, dtype) in at]
+        if provider != "ours" and ratios:
+            parts.append(f"{spread(min(ratios), max(ratios))} the bandwidth of {provider}")
+    return "; ".join(parts) or DASH
 
 
 @problem("rmsnorm")
 def rmsnorm(res, out: Output) -> dict[str, Any]:
     kernel, model = load_rmsnorm(res)
-    rows = [r for r in kernel if not r.get("oom") and r["provider"] != "copy"]
-    copy = {(r["rows"], r["cols"], r["dtype"]): r for r in kernel if r["provider"] == "copy" and r.get("gbps")}
-    providers = sorted({r["provider"] for r in rows}, key=lambda p: (p.lower() not in OURS, p))
-    passes = sorted({r["pass"] for r in rows}, key=lambda p: (p != "fwd", p))
-    shapes = sorted({(r["rows"], r["cols"]) for r in rows}, key=lambda s: (s[0], s[1]))
-    dtypes = sorted({r["dtype"] for r in rows})
-    index = {(r["provider"], r["pass"], r["rows"], r["cols"], r["dtype"]): r for r in rows}
-    body = []
-    for dtype in dtypes:
-        for n_rows, n_cols in shapes:
-            ref = copy.get((n_rows, n_cols, dtype))
-            cells = [dtype, f"{n_rows:,} × {n_cols:,}", num(ref["gbps"], 0) if ref else DASH]
-            for p in passes:
-                for provider in providers:
-                    row = index.get((provider, p, n_rows, n_cols, dtype))
-                    cells.append(num(row["gbps"], 0) if row and row.get("gbps") else DASH)
-            body.append(cells)
-    header = [["", "", "", *[span(p.replace("_", "+"), len(providers)) for p in passes]],
-              ["dtype", "rows × cols", "copy", *providers * len(passes)]]
-    tab = table(header, body, "Fused RMSNorm kernel: effective bandwidth (GB/s, bytes read + written / time, median) "
-                "per provider and pass; copy is a plain device-to-device copy of the same bytes, the bandwidth "
-                "ceiling.", size=7)
-    fig, axes = figures.new(6.5, 2.6, ncols=len(passes), sharey=True)
+    n: dict[str, Any] = {"model": _model_text(model), "pending": not kernel,
+                         "grid": (f"M in {{{', '.join(f'{m:,}' for m in rmsnorm_bench.ROWS)}}} rows × N in "
+                                  f"{{{', '.join(f'{c:,}' for c in rmsnorm_bench.COLS)}}}"),
+                         "all_providers": ", ".join(rmsnorm_bench.PROVIDERS)}
+    if not kernel:
+        return {"tables": {}, "figures": {}, "n": n}
+    measured = [r for r in kernel if not r.get("oom") and r.get("gbps")]
+    m = max(r["rows"] for r in measured)
+    at = {(r["provider"], r["pass"], r["cols"], r["dtype"]): r for r in measured if r["rows"] == m}
+    present = {r["provider"] for r in measured} - {"copy"}
+    providers = [p for p in PROVIDER_ORDER if p in present] + sorted(present - set(PROVIDER_ORDER))
+    cols = sorted({r["cols"] for r in measured})
+    dtypes = sorted({r["dtype"] for r in measured})
     dtype = "bf16" if "bf16" in dtypes else dtypes[0]
-    width = 0.8 / max(1, len(providers) + 1)
-    for ax, p in zip(axes, passes):
-        for i, provider in enumerate([*providers, "copy"]):
-            if provider == "copy":
-                values = [copy.get((r, c, dtype), {}).get("gbps") or 0 for r, c in shapes]
-            else:
-                values = [index.get((provider, p, r, c, dtype), {}).get("gbps") or 0 for r, c in shapes]
-            ax.bar([x + i * width for x in range(len(shapes))], values, width, label=provider,
-                   color="0.75" if provider == "copy" else None)
-        ax.set_xticks([x + width * len(providers) / 2 for x in range(len(shapes))])
-        ax.set_xticklabels([f"{r // 1024}k×{c}" for r, c in shapes], fontsize=6)
-        ax.set_xlabel("rows × cols")
-        ax.set_title(p.replace("_", "+"))
-    axes[0].set_ylabel("GB/s")
-    figures.legend_below(fig, axes[0], ncol=len(providers) + 1)
-    figure = out.save(fig, "rmsnorm", f"Fused RMSNorm kernel bandwidth per provider, {dtype}; grey: copy.")
-    ours = next((p for p in providers if p.lower() in OURS), providers[0])
-    ratios: dict[str, list[float]] = {}
-    for (provider, p, r, c, d), row in index.items():
-        mine = index.get((ours, p, r, c, d))
-        if provider != ours and mine and mine.get("gbps") and row.get("gbps"):
-            ratios.setdefault(provider, []).append(mine["gbps"] / row["gbps"])
-    mine = [r for r in rows if r["provider"] == ours and r.get("fraction_of_copy") is not None]
-    best = max(mine, key=lambda r: r["gbps"], default=None)
-    norms = sorted({r.get("norm", "") for r in model if not r.get("oom")})
-    measured = [r for r in model if not r.get("oom")]
-    if len(norms) >= 2:
-        model_text = "; ".join(f"{r.get('norm')}: {num(r.get('mean_ms'), 1)} ms" for r in measured)
-    elif measured:
-        r = measured[0]
-        model_text = (f"only the {r.get('norm', 'plain')} RMSNorm was measured in a model "
-                      f"({r.get('size')} model, {r.get('dtype')}, context {r.get('context_length')}, "
-                      f"{r.get('mode', 'train step').replace('_', ' ')}: {num(r.get('mean_ms'), 1)} ms), so the "
-                      "model-level comparison with the fused kernel was not measured")
-    else:
-        model_text = "the model-level comparison was not measured"
-    n = {"ours": ours, "versus": "; ".join(f"{spread(min(v), max(v))} the bandwidth of {p}"
-                                          for p, v in ratios.items()) or DASH,
-         "best": num(best["gbps"], 0) if best else DASH,
-         "best_share": f"{100 * best['fraction_of_copy']:.0f} %" if best else DASH,
-         "dtypes": ", ".join(dtypes), "providers": ", ".join(providers),
-         "model": model_text}
-    return {"tables": {"main": tab}, "figures": {"main": figure}, "n": n}
+    ours_share = {p: [at[("ours", p, c, dtype)]["copy_share"] for c in cols
+                      if at.get(("ours", p, c, dtype), {}).get("copy_share") is not None] for p in rmsnorm_bench.PASSES}
+    n.update({"m": f"{m:,}", "dtype": dtype, "dtypes": ", ".join(dtypes), "providers": ", ".join(providers),
+              "run": kernel[0]["run"], "has_ours": bool(ours_share["fwd"] or ours_share["fwd_bwd"]),
+              "not_measured": ", ".join(p for p in rmsnorm_bench.PROVIDERS if p not in present)})
+    for pass_, shares in ours_share.items():
+        n[f"ours_share_{pass_}"] = spread(min(shares), max(shares), pct) if shares else DASH
+        n[f"versus_{pass_}"] = _ratio_text(at, providers, cols, dtype, pass_)
+    return {"tables": {"main": _grid_table(at, providers, cols, dtype, m)},
+            "figures": {"main": _grid_figure(out, at, providers, cols, dtypes, m)}, "n": n}
 
 
 def load_optimisation_log(res) -> tuple[list[dict[str, Any]], list[tuple[str, str]], list[dict[str, Any]]]:
