@@ -371,6 +371,22 @@ def test_full_step_rates_from_a_split_and_from_kernels_by_name():
     assert four["matmul_tflops"] == pytest.approx((flop4["weights"] + flop4["recompute_weights"]) / 0.25 / 1e12)
 
 
+def test_a_row_with_a_recorded_plan_shows_its_modes_and_its_prediction():
+    from pipeline.sections.leaderboard_2026_plans import row_modes, row_plan
+
+    modes = ["selective"] * 13 + ["keep"] * 21
+    r = {"stack": "ours", "num_layers": 34, "context_length": 32768, "batch_size": 2, "world_size": 2,
+         "parts": {"checkpointing": 0, "keep_attention": False, "block_checkpointing": modes},
+         "checkpoint_plan": {"describe": "34 blocks: ...", "predicted_peak_gb": 170.0}, "peak_gb_ranks": [178.5, 170.0]}
+    plan = row_plan(r)
+    assert plan["modes"] == tuple(modes) and plan["recorded"]
+    assert plan["label"] == "13 selective (0–12), 21 keep (13–33)"
+    assert (plan["predicted_gb"], plan["measured_gb"]) == (170.0, 178.5) and plan["error"] == pytest.approx(0.05)
+    # Before the plans: every block as the parts say (checkpointing 1; the attention output kept or not).
+    old = {**r, "parts": {"checkpointing": 1, "keep_attention": False}, "checkpoint_plan": None}
+    assert row_modes(old) == ("full",) * 34 and row_plan(old)["label"] == "34 full (from parts)"
+
+
 def test_the_optimisation_log_and_the_probe_history_each_build_alone(tmp_path):
     results = tmp_path / "results"
     write_fixture(results, tmp_path / "row-figures")
