@@ -5,6 +5,7 @@
 #   PART=tests bash scripts/device_gpus.sh          # the NCCL tests, leaderboard_2026 --check (what its 2-GPU test
 #                                                   # runs, here with its table), the sharded optimizers
 #   PART=official bash scripts/device_gpus.sh       # the 8B step under the official protocol, then its profile
+#   PART=split bash scripts/device_gpus.sh          # the full 8B step (34 layers) of both stacks split by category
 #   PART=allreduce bash scripts/device_gpus.sh      # all-reduce on NCCL at 2 and 4 ranks (as many as there are GPUs)
 #   PART=ddp WORLD=4 bash scripts/device_gpus.sh    # every DDP variant (bf16, then fp32)
 #   PART=pairs bash scripts/device_gpus.sh          # PyTorch DDP and our best bucketed, alternating launches, 3 each
@@ -48,6 +49,9 @@ tests)
 official)
     capped 420 python3 -m cs336_systems.bench.leaderboard_2026
     capped 200 python3 scripts/leaderboard_2026_profile.py --world-size 2 --layers 4 --stacks ours torch --top 12
+    ;;
+split)  # one warm-up and one profiled step of each stack at 34 layers, rank 0's time by category
+    capped 230 python3 scripts/leaderboard_2026_profile.py --stacks ours torch --timeout-s 220
     ;;
 zero1)  # the flat ZeRO-1 again (its NCCL test, rows with --force), e.g. after a change to it
     capped 90 python3 -m pytest -q -p no:cacheprovider -m gpu -k nccl tests/test_zero1.py
@@ -95,7 +99,7 @@ fsdp_memory)  # ours and FSDP2 (xl, no checkpointing) with each AdamW, one step'
     done
     ;;
 *)
-    echo "unknown part ${part}: tests, official, allreduce, ddp, pairs, zero1, optimizers or fsdp_memory" >&2
+    echo "unknown part ${part}: tests, official, split, allreduce, ddp, pairs, zero1, optimizers or fsdp_memory" >&2
     exit 2
     ;;
 esac

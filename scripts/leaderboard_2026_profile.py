@@ -1,9 +1,16 @@
-"""Where the 2026 leaderboard step's time goes, per stack: ``--layers`` blocks of the 8B model at context 32,768 on
-``--world-size`` GPUs (one sequence per rank; 1: the one-GPU proxy of one rank's work), warmed up, then
-``torch.profiler`` over one step on rank 0; prints the step's wall time and its GPU kernel time by category
-(attention forward/backward, matmuls, collectives, the rest), per block where it scales with depth, as JSON lines.
+"""Where the 2026 leaderboard step's time goes, per stack: ``--layers`` blocks (default 34: the full step) of the 8B
+model at context 32,768 on ``--world-size`` GPUs (one sequence per rank; 1: the one-GPU proxy of one rank's work),
+``--warmup-steps`` steps (compilation included), then ``torch.profiler`` (CPU and CUDA) over ``--steps`` steps on
+every rank. Rank 0's trace is split by ``cs336_systems.bench.common.step_split``: matmuls, attention forward and
+backward, recompute (forward kernels the backward runs again), elementwise, norms, loss, optimizer and the exposed
+communication (NCCL time no compute kernel hid), per step; the row (``leaderboard_2026_profile``) also keeps the
+kernels summed by name alone (``gpu_ms``) and the slowest kernels, and is appended to ``--results-dir``.
 
-    python scripts/leaderboard_2026_profile.py --layers 4 --stacks ours torch --override ours:keep_attention=false
+The full step on 2 GPUs (one warm-up step and one profiled step per stack: about a minute a stack, most of it
+building the model and compiling):
+
+    python scripts/leaderboard_2026_profile.py --stacks ours torch
+    python scripts/leaderboard_2026_profile.py --layers 4 --stacks ours --override ours:keep_attention=false
     python scripts/leaderboard_2026_profile.py --world-size 1 --layers 4     # the one-GPU proxy
 """
 
@@ -12,82 +19,117 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
+import tempfile
 import time
 
 import torch
 import torch.distributed as dist
 
 from cs336_basics.model import BasicsTransformerLM
-from cs336_systems.bench.common.leaderboard_2026_model import ROW_NAMES
+from cs336_systems.bench.common import result_store, step_split
+from cs336_systems.bench.common.leaderboard_2026_check import batch_of_rank
+from cs336_systems.bench.common.leaderboard_2026_model import MODEL, ROW_NAMES
+from cs336_systems.bench.common.timeline import load_trace
 from cs336_systems.parallel.distributed import spawn
 from cs336_systems.train import SHARDED_STACKS, build_training_step
+from cs336_systems.train.checkpoint_plan import uniform_modes
 
-MODEL = dict(vocab_size=151_936, context_length=32_768, d_model=4096, d_ff=11_008, num_heads=32)
-CATEGORIES = [  # (category, substrings of kernel names), first match wins
-    ("attention_backward", ("flash_attention_bwd", "_bwd_", "attn_bwd", "flash_bprop", "cudnn_bwd", "dq_", "dkdv")),
-    ("attention_forward", ("flash_attention_fwd", "_fwd_", "attn_fwd", "flash_fprop", "cudnn_fwd", "fmha")),
-    ("collectives", ("nccl",)),
-    ("matmul", ("gemm", "sm90_xmma", "cutlass", "nvjet", "wgmma")),
-    ("cross_entropy", ("cross_entropy", "softmax", "log_softmax", "nll")),
-    ("optimizer", ("adam",)),
-    ("rmsnorm", ("rmsnorm", "rms_norm")),
-]
+PROBLEM = "leaderboard_2026_profile"
+TOOL = "scripts/leaderboard_2026_profile.py"
 
 
-def category(name: str) -> str:
-    lower = name.lower()
-    for label, keys in CATEGORIES:
-        if any(key in lower for key in keys):
-            return label
-    return "other"
+def build_stack(stack: str, args, device: torch.device):
+    """``stack`` with its ``--override`` parts and ``--checkpoint-plan``, on a fresh model (seed 0)."""
+    overrides = [o.split(":", 1)[1] for o in args.override if o.startswith(stack + ":")]
+    parts = SHARDED_STACKS[stack].with_overrides(overrides)
+    if args.checkpoint_plan:
+        parts = parts.with_block_checkpointing(uniform_modes(args.checkpoint_plan, args.layers))
+    torch.manual_seed(0)
+    model = BasicsTransformerLM(**{**MODEL, "num_layers": args.layers}, device=device)
+    return build_training_step(model, parts, autocast_dtype=torch.bfloat16), overrides
+
+
+def profile_steps(step, x, y, steps: int, trace_path: str | None):
+    """``steps`` steps under ``torch.profiler``; the wall ms per step. Writes the Chrome trace to ``trace_path``."""
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    dist.barrier()
+    with torch.profiler.profile(activities=activities) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            step(x, y)
+        torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - start) * 1e3 / steps
+    if trace_path:
+        prof.export_chrome_trace(trace_path)
+    return wall_ms
+
+
+def step_row(kernels: list[step_split.StepKernel], wall_ms: float, steps: int, top: int) -> dict:
+    """The row's measurements from rank 0's kernels over ``steps`` steps: the split per step, the kernels by
+    name-only category and the ``top`` slowest kernels (ms per step)."""
+    split = step_split.split_step(kernels, wall_ms * steps)
+    per_step = {k: v / steps for k, v in split["split_ms"].items()}
+    by_name, by_kernel = collections.Counter(), collections.Counter()
+    for k in kernels:
+        by_name[step_split.name_category(k.name)] += (k.end - k.start) / 1e3 / steps
+        by_kernel[k.name[:90]] += (k.end - k.start) / 1e3 / steps
+    return {"wall_ms": wall_ms, "split_ms": {k: round(v, 2) for k, v in per_step.items()},
+            "communication_ms": split["communication_ms"] / steps, "idle_ms": split["idle_ms"] / steps,
+            "gpu_ms": {k: round(v, 1) for k, v in by_name.most_common()},
+            "top_kernels": {k: round(v, 1) for k, v in by_kernel.most_common(top)}}
 
 
 def rank(rank: int, world: int, args) -> None:
     device = torch.device("cuda", rank)
+    config = {**MODEL, "num_layers": args.layers}
     for stack in args.stacks:
-        parts = SHARDED_STACKS[stack]
-        overrides = [o.split(":", 1)[1] for o in args.override if o.startswith(stack + ":")]
-        parts = parts.with_overrides(overrides)
-        torch.manual_seed(0)
-        model = BasicsTransformerLM(**MODEL, num_layers=args.layers, device=device)
-        step = build_training_step(model, parts, autocast_dtype=torch.bfloat16)
-        tokens = torch.randint(0, MODEL["vocab_size"], (1, MODEL["context_length"] + 1),
-                               generator=torch.Generator().manual_seed(rank)).to(device)
-        x, y = tokens[:, :-1], tokens[:, 1:]
-        for _ in range(3):
+        step, overrides = build_stack(stack, args, device)
+        x, y = batch_of_rank(config, device, rank, world, world)
+        for _ in range(args.warmup_steps):
             step(x, y)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(device)
-        dist.barrier()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            start = time.perf_counter()
-            step(x, y)
-            torch.cuda.synchronize()
-            wall = time.perf_counter() - start
-        if rank == 0:
-            by_category, by_kernel = collections.Counter(), collections.Counter()
-            for event in prof.events():
-                if event.device_type == torch.autograd.DeviceType.CUDA:
-                    by_category[category(event.name)] += event.device_time / 1e3
-                    by_kernel[event.name[:90]] += event.device_time / 1e3
-            print(json.dumps({"stack": ROW_NAMES[stack], "parts": overrides, "layers": args.layers, "world_size": world,
-                              "wall_ms": wall * 1e3, "peak_gb": torch.cuda.max_memory_allocated(device) / 1e9,
-                              "gpu_ms": {k: round(v, 1) for k, v in by_category.most_common()},
-                              "top_kernels": {k: round(v, 1) for k, v in by_kernel.most_common(args.top)}}), flush=True)
-        del step, model
+        with tempfile.TemporaryDirectory() as folder:
+            trace_path = os.path.join(folder, "trace.json") if rank == 0 else None
+            wall_ms = profile_steps(step, x, y, args.steps, trace_path)
+            if rank == 0:
+                measured = step_row(step_split.kernels_of_trace(load_trace(trace_path)), wall_ms, args.steps,
+                                    args.top)
+                case = {"stack": ROW_NAMES[stack], "parts": overrides, "layers": args.layers, "world_size": world,
+                        "context_length": MODEL["context_length"], "batch_per_rank": 1,
+                        "checkpoint_option": args.checkpoint_plan, "warmup_steps": args.warmup_steps,
+                        "profiled_steps": args.steps}
+                measured["peak_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
+                store = result_store.ResultStore(PROBLEM, args.results_dir, quiet=True)
+                row = store.add(case, {**measured, "tool": TOOL})
+                print(json.dumps({k: row[k] for k in ("stack", "parts", "layers", "wall_ms", "split_ms",
+                                                      "communication_ms", "idle_ms")}), flush=True)
+        del step
         torch.cuda.empty_cache()
         dist.barrier()
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--layers", type=int, default=MODEL["num_layers"], help="blocks (default 34: the full step)")
     p.add_argument("--stacks", nargs="+", default=["ours", "torch"], choices=list(SHARDED_STACKS))
     p.add_argument("--override", nargs="*", default=[], help="stack:part=value, e.g. ours:attention=sdpa")
+    p.add_argument("--checkpoint-plan", choices=("selective", "full"), default=None,
+                   help="every block's checkpoint mode (default: each stack's own)")
+    p.add_argument("--warmup-steps", type=int, default=1, help="steps before the profiled ones (compilation)")
+    p.add_argument("--steps", type=int, default=1, help="profiled steps (the row gives per-step times)")
     p.add_argument("--top", type=int, default=10)
     p.add_argument("--world-size", type=int, default=2, help="GPUs (1: the one-GPU proxy of one rank's work)")
-    args = p.parse_args()
-    spawn(rank, args.world_size, args, backend="nccl", timeout_s=500)
+    p.add_argument("--results-dir", default=None, help="where the row goes (default writeup/results)")
+    p.add_argument("--timeout-s", type=float, default=600.0)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    spawn(rank, args.world_size, args, backend="nccl", timeout_s=args.timeout_s)
 
 
 if __name__ == "__main__":

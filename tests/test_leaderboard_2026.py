@@ -118,3 +118,33 @@ def test_memory_budget_by_block_modes():
     assert keep["saved_activations_gb"] == pytest.approx(layers * per_block / 1e9)
     with pytest.raises(ValueError, match="3 checkpoint modes for 34 blocks"):
         step_model.memory_budget(step_model.MODEL, "ours", 2, modes=("full",) * 3)
+
+
+def test_plan_flops_count_what_each_mode_recomputes():
+    config = {"vocab_size": 10, "context_length": 8, "d_model": 4, "d_ff": 6, "num_layers": 3, "num_heads": 2}
+    block_weights = 2 * 2 * 8 * (4 * 16 + 3 * 4 * 6)  # 2 sequences of 8 tokens through one block's matrices
+    block_attention = 4 * 2 * 8**2 * 4 / 2
+    parts = step_model.plan_flop_parts(config, 2, ("keep", "selective", "full"))
+    assert parts["recompute_weights"] == 2 * block_weights  # selective and full recompute the block's matmuls
+    assert parts["recompute_attention"] == block_attention  # only full runs attention again
+    assert {k: parts[k] for k in ("weights", "attention")} == step_model.step_flop_parts(config, 2)
+    kept = step_model.plan_flop_parts(config, 2, ("keep",) * 3)
+    assert kept["recompute_weights"] == kept["recompute_attention"] == 0
+    with pytest.raises(ValueError, match="2 checkpoint modes for 3 blocks"):
+        step_model.plan_flop_parts(config, 2, ("keep", "full"))
+
+
+def test_predicted_step_time_scales_each_part_by_its_peak_ratio():
+    flop_parts = {"weights": 8e12, "recompute_weights": 2e12, "attention": 3e12, "recompute_attention": 1e12}
+    rates = {"matmul_tflops": 500.0, "attention_tflops": 400.0, "memory_bound_ms": 30.0, "communication_ms": 9.0}
+    same = step_model.predict_step_ms(flop_parts, rates, "H200", "H200")
+    assert same["matmul_ms"] == pytest.approx(20.0)  # 10 TFLOP at 500 TFLOP/s
+    assert same["attention_ms"] == pytest.approx(10.0)
+    assert (same["memory_bound_ms"], same["communication_ms"]) == (30.0, 9.0)
+    assert same["step_ms"] == pytest.approx(69.0)
+    b200 = step_model.predict_step_ms(flop_parts, rates, "H200", "B200")
+    assert b200["matmul_ms"] == pytest.approx(20.0 * 989 / 2250)
+    assert b200["attention_ms"] == pytest.approx(10.0 * 989 / 2250)
+    assert b200["memory_bound_ms"] == pytest.approx(30.0 * 4.8 / 8.0)
+    assert b200["communication_ms"] == pytest.approx(9.0 * 0.9 / 1.8)
+    assert b200["step_ms"] == pytest.approx(sum(v for k, v in b200.items() if k != "step_ms"))

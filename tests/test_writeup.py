@@ -63,7 +63,8 @@ def test_builds_every_section_from_the_fixture(tmp_path, fixture_results):
     assert "NVIDIA H100 80GB HBM3" in data["benchmarking_script"]["env"]
     assert "2026-11-22" in data["benchmarking_script"]["env"]
     for figure in ("warmup_study.png", "pytorch_attention.png", "all_reduce.png", "ddp_bucketed.png",
-                   "train_step_ratio.png", "leaderboard_2026_profile.png", "leaderboard_2026_proxy_profile.png"):
+                   "train_step_ratio.png", "leaderboard_2026_profile.png", "leaderboard_2026_proxy_profile.png",
+                   "leaderboard_2026_split.png"):
         assert (tmp_path / "figures" / figure).exists()
     # The fast training step: only the current protocol's rows (with a variant; the earlier H200 rows stay out of
     # the comparison and of the environment line), ours' best over torch's best: 0.90x at xl 512 x 4, 1.02x elsewhere;
@@ -124,6 +125,18 @@ def test_builds_every_section_from_the_fixture(tmp_path, fixture_results):
     assert memory["predicted peak"] == ["75.4", "97.7"] and memory["measured peak"] == ["81.0", "93.0"]
     assert memory["loss head (transient)"] == ["5.0", "39.8"] and lb["n"]["ours_error"] == "+5.6"
     assert lb["tables"]["profile"]["header"][0] == ["GPU ms", "ours", "pytorch", "ours with SDPA attention"]
+    # Each official row's plan (none recorded: the stack's default from the parts), its predicted and measured peak.
+    plans = {r[2]: r[3:] for r in lb["tables"]["plans"]["rows"]}
+    assert plans["ours"] == ["34 selective (stack default)", "75.4", "81.0", f"+{100 * (81.0 / 75.367 - 1):.1f} %"]
+    assert plans["pytorch"][0] == "34 full (stack default)" and plans["pytorch"][3].startswith("−")
+    assert memory["checkpoint plan (blocks)"] == ["34 selective (stack default)", "34 full (stack default)"]
+    assert (lb["n"]["claim"]["claim_rows"], lb["n"]["claim"]["claim_holds"]) == ("2", False)
+    # The full step's split, and the B200 on paper from its rates: 21 blocks kept, 13 selective at 180 GB.
+    assert lb["n"]["has_split"] and lb["n"]["split"]["exposed"] == "50.0"
+    assert [r[0] for r in lb["tables"]["split"]["rows"]][-1] == "step (wall)"
+    paper = lb["n"]["paper"]
+    assert (paper["profile_split"], paper["kept"], paper["selective"], paper["full"]) == (True, "21", "13", "0")
+    assert [r[0] for r in lb["tables"]["paper"]["rows"]][0].startswith("H200, 34 selective")
     assert (lb["n"]["p_bwd_ratio"], lb["n"]["sdpa_ratio"]) == (f"{360 / 190:.2f}×", f"{860 / 880:.2f}×")
     assert (lb["n"]["ours_bwd_kernel"], lb["n"]["cudnn_bwd_kernel"]) == ("355", "188")
     assert lb["n"]["bwd_gap_covers_wall_gap"] and lb["n"]["sdpa_faster"]
@@ -332,6 +345,46 @@ def test_newer_official_leaderboard_2026_rows_on_other_gpus_take_over(tmp_path):
     assert memory["loss head (transient)"] == ["5.0", "5.0"]
     assert lb["tables"]["profile"]["header"][0] == ["GPU ms", "ours", "pytorch"] and not n["has_sdpa"]
     assert (n["p_ours_faster"], n["p_wall_lead"]) == (True, "80")  # 1,000 - 200 against 880 ms
+
+
+def test_full_step_rates_from_a_split_and_from_kernels_by_name():
+    from cs336_systems.bench.common.leaderboard_2026_model import MODEL, plan_flop_parts
+    from pipeline.sections.leaderboard_2026_plans import full_step_rates
+
+    selective = ("selective",) * 34
+    split = {"matmul": 2000.0, "recompute": 500.0, "attention_forward": 400.0, "attention_backward": 1600.0,
+             "elementwise": 300.0, "norms": 50.0, "loss": 10.0, "optimizer": 20.0, "exposed_communication": 40.0}
+    rates = full_step_rates({"layers": 34, "split_ms": split}, selective)
+    flop = plan_flop_parts(MODEL, 1, selective)
+    assert rates["matmul_tflops"] == pytest.approx((flop["weights"] + flop["recompute_weights"]) / 2.5 / 1e12)
+    assert rates["attention_tflops"] == pytest.approx(flop["attention"] / 2.0 / 1e12)
+    assert (rates["memory_bound_ms"], rates["communication_ms"]) == (380.0, 40.0)  # the full step: nothing scaled
+    # Four profiled blocks: the per-block kernels times 34 / 4, the optimizer and collectives by the parameters.
+    gpu_ms = {"matmul": 250.0, "attention_forward": 50.0, "attention_backward": 200.0, "other": 40.0,
+              "rmsnorm": 0.0, "cross_entropy": 10.0, "optimizer": 8.0, "collectives": 30.0}
+    four = full_step_rates({"layers": 4, "gpu_ms": gpu_ms}, ("selective",) * 4)
+    d, d_ff, vocab = MODEL["d_model"], MODEL["d_ff"], MODEL["vocab_size"]
+    ratio = (34 * (4 * d * d + 3 * d * d_ff) + 2 * vocab * d) / (4 * (4 * d * d + 3 * d * d_ff) + 2 * vocab * d)
+    assert four["memory_bound_ms"] == pytest.approx(40.0 * 34 / 4 + 10.0 + 8.0 * ratio)
+    assert four["communication_ms"] == pytest.approx(30.0 * ratio)
+    flop4 = plan_flop_parts({**MODEL, "num_layers": 4}, 1, ("selective",) * 4)
+    assert four["matmul_tflops"] == pytest.approx((flop4["weights"] + flop4["recompute_weights"]) / 0.25 / 1e12)
+
+
+def test_a_row_with_a_recorded_plan_shows_its_modes_and_its_prediction():
+    from pipeline.sections.leaderboard_2026_plans import row_modes, row_plan
+
+    modes = ["selective"] * 13 + ["keep"] * 21
+    r = {"stack": "ours", "num_layers": 34, "context_length": 32768, "batch_size": 2, "world_size": 2,
+         "parts": {"checkpointing": 0, "keep_attention": False, "block_checkpointing": modes},
+         "checkpoint_plan": {"describe": "34 blocks: ...", "predicted_peak_gb": 170.0}, "peak_gb_ranks": [178.5, 170.0]}
+    plan = row_plan(r)
+    assert plan["modes"] == tuple(modes) and plan["recorded"]
+    assert plan["label"] == "13 selective (0–12), 21 keep (13–33)"
+    assert (plan["predicted_gb"], plan["measured_gb"]) == (170.0, 178.5) and plan["error"] == pytest.approx(0.05)
+    # Before the plans: every block as the parts say (checkpointing 1; the attention output kept or not).
+    old = {**r, "parts": {"checkpointing": 1, "keep_attention": False}, "checkpoint_plan": None}
+    assert row_modes(old) == ("full",) * 34 and row_plan(old)["label"] == "34 full (from parts)"
 
 
 def test_the_optimisation_log_and_the_probe_history_each_build_alone(tmp_path):

@@ -15,6 +15,7 @@ library, and no tool imports another (``tests/test_layout.py`` checks it).
 | ``ddp_step`` | a data-parallel training step under a named DDP variant, with its exposed communication |
 | ``allreduce_fit`` | the latency-bandwidth fit of all-reduce timings |
 | ``timeline`` | compute and communication timelines from profiler traces, drawn |
-| ``leaderboard_2026_model`` | the 2026 leaderboard step's configuration, FLOPs by part and predicted memory per rank |
+| ``step_split`` | a profiled step's GPU time by kernel category (recompute and exposed communication included) |
+| ``leaderboard_2026_model`` | the 2026 leaderboard step's configuration, FLOPs by part (and recomputed by a checkpoint plan), predicted memory per rank, the step's time on another card from measured rates and published peaks |
 | ``leaderboard_2026_check`` | that step built on the ranks, and its check against one process |
 """

@@ -1,5 +1,6 @@
 """The model of the 2026 leaderboard step (problem ``leaderboard_2026``): its configuration, the matmul FLOPs
-of one step by part, the memory a rank is predicted to hold, and the checkpoint plan that fills a rank's memory.
+of one step by part (and what a checkpoint plan recomputes), the memory a rank is predicted to hold, the checkpoint
+plan that fills a rank's memory, and the step's time on another card from measured rates and published peaks.
 Read by the tool, its check and the writeup."""
 
 from __future__ import annotations
@@ -118,3 +119,53 @@ def plan_for_card(card_gb: float, stack: str = "ours", margin_bytes: float = DEF
     it free (80: H100, 141: H200, 180: B200)."""
     return checkpoint_plan(MODEL, stack, world_size=2, per_rank_batch=1, free_bytes=card_gb * GB,
                            margin_bytes=margin_bytes)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The step's time on another card, on paper
+# ---------------------------------------------------------------------------------------------------
+
+# The vendor's published peak figures per GPU: dense bf16 matmul TFLOP/s, HBM TB/s, NVLink TB/s (both directions).
+PUBLISHED_PEAKS = {
+    "H200": {"bf16_tflops": 989.0, "hbm_tbs": 4.8, "nvlink_tbs": 0.9},
+    "B200": {"bf16_tflops": 2250.0, "hbm_tbs": 8.0, "nvlink_tbs": 1.8},
+}
+
+
+def plan_flop_parts(config: dict[str, int], batch: int, modes: tuple[str, ...]) -> dict[str, float]:
+    """Matmul FLOPs of one training step on ``batch`` sequences under the checkpoint ``modes`` (one per block):
+    :func:`step_flop_parts` (``weights``, ``attention``) and what the backward recomputes. ``recompute_weights``:
+    a ``selective`` or ``full`` block's weight matmuls once more (selective keeps the attention output, but the
+    MLP's input needs the output projection again, and the attention's backward needs q, k, v);
+    ``recompute_attention``: a ``full`` block's attention forward once more. A ``keep`` block recomputes nothing."""
+    if len(modes) != config["num_layers"]:
+        raise ValueError(f"{len(modes)} checkpoint modes for {config['num_layers']} blocks")
+    d, d_ff, seq = config["d_model"], config["d_ff"], config["context_length"]
+    block_weights = 2 * batch * seq * (4 * d * d + 3 * d * d_ff)
+    block_attention = 4 * batch * seq**2 * d / 2  # causal: half the score matrix
+    recomputed = sum(mode != "keep" for mode in modes)
+    return {**step_flop_parts(config, batch), "recompute_weights": recomputed * block_weights,
+            "recompute_attention": modes.count("full") * block_attention}
+
+
+def predict_step_ms(flop_parts: dict[str, float], rates: dict[str, float], measured_on: str,
+                    predicted_for: str) -> dict[str, float]:
+    """One rank's step time on card ``predicted_for`` from rates measured on card ``measured_on``
+    (:data:`PUBLISHED_PEAKS` names both): each part at the measured rate scaled by the ratio of the published peaks.
+
+    ``flop_parts``: one rank's :func:`plan_flop_parts`. ``rates``: on the measured card, ``matmul_tflops`` and
+    ``attention_tflops`` achieved by the step's weight matmuls and attention kernels, ``memory_bound_ms`` (the
+    elementwise, norm, loss and optimizer kernels: scaled by HBM bandwidth) and ``communication_ms`` (exposed
+    communication: scaled by NVLink bandwidth). Returns each part's ms and their sum, ``step_ms``: the parts run one
+    after the other, as the kernels of one stream do."""
+    was, will = PUBLISHED_PEAKS[measured_on], PUBLISHED_PEAKS[predicted_for]
+    compute = will["bf16_tflops"] / was["bf16_tflops"]
+    weights = flop_parts["weights"] + flop_parts["recompute_weights"]
+    attention = flop_parts["attention"] + flop_parts["recompute_attention"]
+    parts = {
+        "matmul_ms": weights / (rates["matmul_tflops"] * 1e12 * compute) * 1e3,
+        "attention_ms": attention / (rates["attention_tflops"] * 1e12 * compute) * 1e3,
+        "memory_bound_ms": rates["memory_bound_ms"] * was["hbm_tbs"] / will["hbm_tbs"],
+        "communication_ms": rates["communication_ms"] * was["nvlink_tbs"] / will["nvlink_tbs"],
+    }
+    return {**parts, "step_ms": sum(parts.values())}

@@ -15,6 +15,7 @@ from cs336_systems.train.step import LOSS_CHUNK_TOKENS
 from pipeline import accounting, figures
 from pipeline.markup import DASH, num, pct, sig, table, times
 from pipeline.results import Missing
+from pipeline.sections import leaderboard_2026_plans as plans
 from pipeline.sections.registry import Output, problem
 from pipeline.sections.train_step import PART_NAMES
 
@@ -105,10 +106,10 @@ def variant_name(r: dict[str, Any]) -> str:
 
 def load_profile(res, world_size: int) -> dict[str, dict[str, Any]]:
     """The latest profiled step of each variant (stack and overrides) on ``world_size`` GPUs in
-    ``leaderboard_2026_profile.jsonl`` (rows without ``world_size`` are of 2): the two stacks as defined first, then
+    ``leaderboard_2026_profile.jsonl`` (rows without ``world_size`` are of 2; rows with the full step's split left out): the two stacks as defined first, then
     the variants."""
     rows = [r for r in _with_env(res.log_rows("leaderboard_2026_profile", measured=lambda row: False))
-            if r.get("world_size", 2) == world_size]
+            if r.get("world_size", 2) == world_size and "split_ms" not in r]  # the full step's split: its own table
     stacks = [r for r in rows if r["stack"] in STACKS and not r.get("parts")]
     if stacks:  # the device of the newest profile of a stack as defined: the variants profiled there
         device = max(stacks, key=lambda r: r.get("date", ""))["device"]
@@ -124,6 +125,31 @@ def load_profile(res, world_size: int) -> dict[str, dict[str, Any]]:
     res.used.extend(latest.values())
     return dict(sorted(latest.items(), key=lambda item: (bool(item[1].get("parts")), STACKS.index(item[1]["stack"])
                                                          if item[1]["stack"] in STACKS else len(STACKS), item[0])))
+
+
+def load_official(res) -> list[dict[str, Any]]:
+    """Every official row of both stacks in ``leaderboard_2026.jsonl``, oldest first."""
+    rows = [r for r in res.log_rows("leaderboard_2026", measured=lambda row: False)
+            if r.get("official") and r.get("stack") in STACKS]
+    res.used.extend(rows)
+    return sorted(rows, key=lambda r: r["run"])
+
+
+def load_paper_profile(res) -> tuple[dict[str, Any], dict[str, Any] | None] | None:
+    """The profiled step of our stack as defined on two H200s that the B200 on paper reads its rates from: the
+    newest full-step split if there is one, else the newest profile; with the official H200 row of ours from the
+    same commit (None if there is none). None without such a profile."""
+    rows = [r for r in _with_env(res.log_rows("leaderboard_2026_profile", measured=lambda row: False))
+            if r["stack"] == "ours" and not r.get("parts") and r.get("world_size", 2) == 2
+            and "H200" in r["device"]]
+    if not rows:
+        return None
+    profile = max(rows, key=lambda r: ("split_ms" in r, r.get("run", ""), r.get("date", "")))
+    commit = profile["env"].get("commit")
+    measured = [r for r in load_official(res) if r["stack"] == "ours" and r["device"] == profile["device"]
+                and r["env"].get("commit") == commit]
+    res.used.append(profile)
+    return profile, (measured[-1] if measured else None)
 
 
 def config_of(r: dict[str, Any]) -> dict[str, int]:
@@ -144,30 +170,38 @@ def _main_table(steps) -> dict[str, Any]:
     body = []
     for s in STACKS:
         r = steps[s]
-        body.append([s, num(r["step_ms"], 1), times(r["step_ms"] / steps["pytorch"]["step_ms"], 3),
-                     pct(r.get("mfu"), 1), num(r.get("matmul_tflops"), 0), num(r.get("peak_gb_per_rank"), 1),
-                     num(r.get("first_step_s"), 1), num(r.get("cold_total_s"), 1)])
-    header = ["stack", "step (ms)", "÷ pytorch", "MFU", "matmul TFLOP/s", "peak GB per GPU", "first step (s)",
-              "cold run (s)"]
+        plan = plans.row_plan(r)
+        body.append([s, plans.modes_summary(plan["modes"]), num(r["step_ms"], 1), times(r["step_ms"] / steps["pytorch"]["step_ms"], 3),
+                     pct(r.get("mfu"), 1), num(r.get("matmul_tflops"), 0), num(plan["predicted_gb"], 1),
+                     num(plan["measured_gb"], 1), plans.signed_pct(plan["error"]), num(r.get("first_step_s"), 1),
+                     num(r.get("cold_total_s"), 1)])
+    header = ["stack", "blocks", "step (ms)", "÷ pytorch", "MFU", "matmul TFLOP/s", "predicted peak GB",
+              "peak GB per GPU", "error", "first step (s)", "cold run (s)"]
     r = steps["ours"]
     return table(header, body,
                  f"The official step: {r['num_layers']} layers, context {r['context_length']:,}, batch "
                  f"{r['batch_size']} on {r['world_size']} GPUs, timed with do_bench (rep {r['rep_ms']:,.0f} ms, "
                  f"warm-up {r['warmup_ms']:,.0f} ms; its mean), each stack in its own freshly spawned ranks. MFU: "
                  "the step's matmul FLOPs over the bf16 matmul rate measured in the same run (matmul TFLOP/s, per "
-                 "GPU). Peak: the most memory allocated on a GPU. First step: its compilation included. Cold run: "
-                 "from launch to the last timed step, with empty Triton and Inductor caches.", size=8)
+                 "GPU). Blocks: the checkpoint plan, what each block's backward recomputes (the next tables; rows "
+                 "without a recorded plan ran their stack's default). Peak: the most memory allocated on a GPU, beside "
+                 "the peak memory_budget predicts for the row's plan (error: measured over predicted, less one). "
+                 "First step: its compilation included. Cold run: from launch to the last timed step, with empty Triton and Inductor caches.", size=8)
 
 
 def _memory_table(steps, budgets) -> dict[str, Any]:
     layers = steps["ours"]["num_layers"]
-    body = [[label.replace("all blocks", f"{layers} blocks"), *[num(budgets[s][key], 1) for s in STACKS]]
-            for key, label in BUDGET]
-    body.append(["predicted peak", *[num(budgets[s]["peak_gb"], 1) for s in STACKS]])
-    body.append(["measured peak", *[num(steps[s]["peak_gb_per_rank"], 1) for s in STACKS]])
+    row_plans = {s: plans.row_plan(steps[s]) for s in STACKS}
+    body = [["checkpoint plan (blocks)", *[row_plans[s]["label"] for s in STACKS]]]
+    body += [[label.replace("all blocks", f"{layers} blocks"), *[num(budgets[s][key], 1) for s in STACKS]]
+             for key, label in BUDGET]
+    body.append(["predicted peak", *[num(row_plans[s]["predicted_gb"], 1) for s in STACKS]])
+    body.append(["measured peak", *[num(row_plans[s]["measured_gb"], 1) for s in STACKS]])
+    body.append(["error", *[plans.signed_pct(row_plans[s]["error"]) for s in STACKS]])
     return table(["GB per GPU", *STACKS], body,
-                 "The memory budget of one GPU as cs336_systems.bench.common.leaderboard_2026_model.memory_budget predicts it, "
-                 "and the peak measured. Masters and moments are always held; the saved activations from forward to "
+                 "The memory budget of one GPU as cs336_systems.bench.common.leaderboard_2026_model.memory_budget predicts it "
+                 "for each row's checkpoint plan (rows without a recorded plan: the stack's default, read from their "
+                 "parts), and the peak measured. Masters and moments are always held; the saved activations from forward to "
                  "each block's backward; the gradients build up during backward as the activations drain. The "
                  "predicted peak is the larger of the start of backward (all saved activations and the larger "
                  "transient) and its end (all gradients and a block's recomputation), over masters and moments.",
@@ -257,7 +291,8 @@ def leaderboard_2026(res, out: Output) -> dict[str, Any]:
     attention = step_flop_parts(config, batch)["attention"]
     budgets = {s: memory_budget(config_of(steps[s]), STACK_OF_ROW[s], world_size=steps[s]["world_size"],
                                 per_rank_batch=steps[s]["batch_size"] // steps[s]["world_size"],
-                                loss=(steps[s].get("parts") or {}).get("loss")) for s in STACKS}
+                                loss=(steps[s].get("parts") or {}).get("loss"), modes=plans.row_modes(steps[s]))
+               for s in STACKS}
     ratio = ours["step_ms"] / torch["step_ms"]
     peak = max(ours.get("peak_gb_ranks") or [ours["peak_gb_per_rank"]])
 
@@ -362,12 +397,39 @@ def leaderboard_2026(res, out: Output) -> dict[str, Any]:
         })
     proxy, proxy_profile = load_proxy(res), load_profile(res, world_size=1)
     n["proxy"] = _proxy_numbers(proxy, proxy_profile)
-    return {"tables": {"stacks": _stacks_table(steps), "main": _main_table(steps),
-                       "memory": _memory_table(steps, budgets), "profile": _profile_table(profile),
-                       "proxy": _proxy_table(proxy), "proxy_profile": _profile_table(proxy_profile)},
-            "figures": {"profile": _profile_figure(out, profile),
-                        "proxy_profile": _profile_figure(out, proxy_profile, "leaderboard_2026_proxy_profile")},
-            "n": n}
+    tables = {"stacks": _stacks_table(steps), "main": _main_table(steps), "memory": _memory_table(steps, budgets),
+              "profile": _profile_table(profile), "proxy": _proxy_table(proxy),
+              "proxy_profile": _profile_table(proxy_profile)}
+    found = {"profile": _profile_figure(out, profile),
+             "proxy_profile": _profile_figure(out, proxy_profile, "leaderboard_2026_proxy_profile")}
+    _plans_and_paper(res, out, n, tables, found)
+    return {"tables": tables, "figures": found, "n": n}
+
+
+def _plans_and_paper(res, out: Output, n: dict[str, Any], tables: dict[str, Any], found: dict[str, Any]) -> None:
+    """Every official row's plan and peaks, the full step's split (when profiled) and the B200 on paper (when an
+    H200 profile exists), into ``n``, ``tables`` and ``found`` (the figures)."""
+    official = load_official(res)
+    tables["plans"] = plans.plans_table(official)
+    n["claim"] = plans.peak_claim_numbers(official)
+    split = plans.split_rows(_with_env(res.log_rows("leaderboard_2026_profile", measured=lambda row: False)))
+    n["has_split"] = bool(split)
+    if split:
+        res.used.extend(split.values())
+        tables["split"] = plans.split_table(split)
+        found["split"] = plans.split_figure(out, split.get("ours") or next(iter(split.values())))
+        first = split.get("ours") or next(iter(split.values()))
+        n["split"] = {"device": first["device"], "wall": num(first["wall_ms"], 0),
+                      "exposed": num(first["split_ms"]["exposed_communication"], 1),
+                      "communication": num(first["communication_ms"], 1),
+                      "recompute": num(first["split_ms"]["recompute"], 1)}
+    paper = load_paper_profile(res)
+    n["has_paper"] = paper is not None
+    if paper is not None:
+        result = plans.paper_step(*paper)
+        tables["paper"] = plans.paper_table(result)
+        n["paper"] = {**plans.paper_numbers(result), "profile_layers": str(paper[0]["layers"]),
+                      "profile_split": "split_ms" in paper[0], "profile_device": paper[0]["device"]}
 
 
 def _proxy_numbers(proxy, profile) -> dict[str, Any]:
