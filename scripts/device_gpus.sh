@@ -87,6 +87,20 @@ pairs)  # the deciding pair in alternating launches (three each); every launch's
     done
     capped 100 python3 scripts/ddp_ratio_check.py --dtype bf16 --bucket-mb 100 --size large
     ;;
+nccl_tests)  # the NCCL tests alone (4 ranks where the host has 4 GPUs, else 2)
+    capped 240 python3 -m pytest -q -p no:cacheprovider -m gpu -k nccl \
+        tests/test_ddp.py tests/test_fsdp.py tests/test_sharded_optimizer.py tests/test_zero1.py
+    ;;
+fsdp)  # FSDP against FSDP2 at $WORLD ranks, with and without checkpointing
+    capped 300 python3 -m cs336_systems.bench.fsdp_accounting --impls fsdp2 ours --checkpointing 0 1 \
+        --world-size "${WORLD:-2}" --steps "${STEPS:-10}"
+    ;;
+ddp_trace)  # one traced step of the naive and the per-parameter overlapped DDP (fp32, 2 ranks), traces kept
+    capped 200 python3 -m cs336_systems.bench.ddp_benchmarking --world-size 2 --dtypes fp32 --variants naive overlap \
+        --trace --trace-variants naive overlap --trace-dir "$OUT/ddp_traces" --steps "${STEPS:-10}"
+    for trace in "$OUT"/ddp_traces/*/*.json "$OUT"/ddp_traces/*.json; do [[ -f $trace ]] && gzip "$trace"; done
+    tar -cf "$OUT/figures.tar" writeup/figures/ddp_overlap_*.png
+    ;;
 fsdp_memory)  # ours and FSDP2 (xl, no checkpointing) with each AdamW, one step's allocator history each, reported
     for optimizer in ${OPTIMIZERS:-torch basics}; do
         capped 200 python3 -m cs336_systems.bench.fsdp_accounting --force --impls fsdp2 ours --checkpointing 0 \
@@ -99,7 +113,7 @@ fsdp_memory)  # ours and FSDP2 (xl, no checkpointing) with each AdamW, one step'
     done
     ;;
 *)
-    echo "unknown part ${part}: tests, official, split, allreduce, ddp, pairs, zero1, optimizers or fsdp_memory" >&2
+    echo "unknown part ${part}: tests, official, split, allreduce, ddp, pairs, zero1, optimizers, fsdp_memory, nccl_tests, fsdp or ddp_trace" >&2
     exit 2
     ;;
 esac
