@@ -133,16 +133,22 @@ def memory_profiling(figures: Path) -> list[dict]:
     rows = []
     for ctx in (128, 256):
         for dtype in ("fp32", "bf16"):
-            for mode in ("forward", "train_step"):
+            for mode in ("inference", "forward", "train_step"):
                 config = {"size": "2.7B", "context_length": ctx, "batch_size": 4, "mode": mode, "dtype": dtype, "kind": "peak"}
-                rows.append(row("memory_profiling", config, {"oom": False, "peak_gb": 20.0 + ctx / 64,
+                rows.append(row("memory_profiling", config, {"oom": False, "peak_gb": 20.0 + ctx / 64 + len(mode),
                                                              "params_gb": 13.6}))
-    for mode in ("forward", "train_step"):
-        config = {"size": "2.7B", "context_length": 256, "batch_size": 4, "mode": mode, "dtype": "fp32", "kind": "timeline"}
-        allocations = [{"mb": 32.0, "count": 64, "source": "model.py:122 (scaled_dot_product_attention)"},
-                       {"mb": 100.0, "count": 96, "source": "unknown"}]
-        rows.append(row("memory_profiling", config, {"oom": False, "figure": png(figures / f"memory_{mode}.png"),
-                                                     "timeline_peak_gb": 40.0, "largest_allocations": allocations}))
+    # 2.7B, batch 4, context 256: the scores are 4 * 32 * 256^2 * 4 bytes = 32 MiB in fp32, 16 MiB in bf16.
+    scores = ["cs336_basics/model.py:122 scaled_dot_product_attention", "cs336_basics/model.py:250 forward"]
+    cases = (("inference", "fp32", 32.0), ("inference", "bf16", 16.0), ("train_step", "fp32", 32.0))
+    for mode, dtype, mib in cases:
+        config = {"size": "2.7B", "context_length": 256, "batch_size": 4, "mode": mode, "dtype": dtype, "kind": "timeline"}
+        allocations = [{"mb": mib, "count": 96, "source": scores[0], "stack": scores},
+                       {"mb": mib, "count": 96, "source": "cs336_basics/nn_utils.py:15 softmax",
+                        "stack": ["cs336_basics/nn_utils.py:15 softmax", scores[0]]},
+                       {"mb": 20.0, "count": 64, "source": "cs336_basics/model.py:99 silu", "stack": []}]
+        rows.append(row("memory_profiling", config, {"oom": False, "figure": png(figures / f"memory_{mode}_{dtype}.png"),
+                                                     "timeline_peak_gb": 40.0, "largest_allocations": allocations,
+                                                     "snapshot": f"memory_2.7B_{mode}_{dtype}_ctx256.pickle"}))
     return rows
 
 

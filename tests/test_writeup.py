@@ -221,9 +221,32 @@ def test_memory_figure_captions_quote_the_peak_table(fixture_data):
     section = fixture_data["memory_profiling"]
     peaks = {r[0]: r[1:] for r in section["tables"]["peaks"]["rows"]}
     context = section["n"]["ctx"]
-    for mode, column in (("forward", 0), ("train_step", 1)):
-        caption = section["figures"][mode]["caption"]
+    for figure, column in (("inference_fp32", 0), ("train_step", 2), ("inference_bf16", 3)):
+        caption = section["figures"][figure]["caption"]
         assert f"the measured peak of this case, {peaks[context][column]} GB" in caption
+
+
+def test_memory_answer_names_the_largest_allocations_and_their_tensor(fixture_data):
+    section = fixture_data["memory_profiling"]
+    e = section["n"]["e"]
+    assert (e["fp32"]["mib"], e["fp32"]["count"]) == ("32", "192")  # two sources of 32 MiB, 96 each
+    assert e["fp32"]["what"] == "attention scores B·h·T², fp32" and e["bf16"]["what"] == "attention scores B·h·T², bf16"
+    assert e["fp32"]["sources"] == ("cs336_basics/model.py:122 scaled_dot_product_attention and "
+                                    "cs336_basics/nn_utils.py:15 softmax")
+    first = section["tables"]["allocations_fp32"]["rows"][0]
+    assert first == ["32.0", "96", "cs336_basics/model.py:122 scaled_dot_product_attention",
+                     "cs336_basics/model.py:250 forward", "attention scores B·h·T², fp32"]
+
+
+def test_memory_section_without_the_inference_snapshots_says_pending(tmp_path, fixture_results):
+    results = tmp_path / "results"
+    shutil.copytree(fixture_results, results)
+    path = results / "memory_profiling.jsonl"
+    kept = [line for line in path.read_text().splitlines() if '"inference"' not in line or '"peak"' in line]
+    path.write_text("\n".join(kept) + "\n")
+    section = SECTIONS["memory_profiling"](Results(results), Output(tmp_path / "figures", tmp_path / "build"))
+    assert section["figures"]["inference_fp32"] is None and section["figures"]["train_step"] is not None
+    assert section["n"]["e"]["fp32"] == {"pending": True} and section["tables"]["allocations_fp32"] is None
 
 
 def test_the_compile_comparison_names_its_eager_baseline(fixture_data):
