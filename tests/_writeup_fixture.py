@@ -272,10 +272,11 @@ def ddp_benchmarking(figures: Path) -> list[dict]:
             measured = {"bucket_mb": None if mb is None else float(mb), "step_ms": compute + exposed * scale,
                         "comm_ms": None if comm is None else comm * scale, "exposed_ms": exposed * scale,
                         "compute_ms": compute, "n_buckets": calls[variant], "grad_bytes": GRAD_BYTES}
-            if variant in ("naive", "bucketed_100mb"):
+            if variant in ("naive", "overlap", "bucketed_100mb"):
                 measured["trace_figure"] = png(figures / f"ddp_overlap_{variant}_{dtype}.png")
-                measured["trace_overlap_share"] = 0.0 if variant == "naive" else 0.9
+                measured["trace_overlap_share"] = {"naive": 0.0, "overlap": 0.8, "bucketed_100mb": 0.9}[variant]
                 measured["trace_comm_busy_ms"] = 50.0
+                measured["trace_comm_exposed_ms"] = 50.0 * (1 - measured["trace_overlap_share"])
             rows.append(row("ddp_benchmarking", config, measured, gpus=2, gpu="NVIDIA H200"))
     return rows + ddp_on_four_gpus()
 

@@ -249,6 +249,32 @@ def test_memory_section_without_the_inference_snapshots_says_pending(tmp_path, f
     assert section["n"]["e"]["fp32"] == {"pending": True} and section["tables"]["allocations_fp32"] is None
 
 
+def test_ddp_traces_set_naive_against_the_per_parameter_overlap(fixture_data):
+    section = fixture_data["ddp_overlap_individual_parameters_benchmarking"]
+    figures = section["figures"]
+    assert figures["naive_fp32"]["path"].endswith("ddp_overlap_naive_fp32.png")
+    assert figures["overlapped_fp32"]["path"].endswith("ddp_overlap_overlap_fp32.png")  # not the bucketed trace
+    trace = section["n"]["trace"]
+    assert (trace["naive"]["fp32"]["overlap"], trace["naive"]["fp32"]["exposed"]) == ("0 %", "50.0")
+    assert (trace["overlapped"]["fp32"]["overlap"], trace["overlapped"]["fp32"]["exposed"]) == ("80 %", "10.0")
+
+
+def test_ddp_section_without_the_overlap_trace_says_pending(tmp_path, fixture_results):
+    results = tmp_path / "results"
+    shutil.copytree(fixture_results, results)
+    path = results / "ddp_benchmarking.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    for row in rows:
+        if row["variant"] == "overlap":
+            row.pop("trace_figure", None)
+            row.pop("trace_comm_busy_ms", None)
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    section = SECTIONS["ddp_overlap_individual_parameters_benchmarking"](
+        Results(results), Output(tmp_path / "figures", tmp_path / "build"))
+    assert section["figures"]["overlapped_fp32"] is None and section["figures"]["naive_fp32"] is not None
+    assert section["n"]["trace"]["overlapped"]["fp32"] == {"pending": True}
+
+
 def test_the_compile_comparison_names_its_eager_baseline(fixture_data):
     section = fixture_data["torch_compile"]
     first = section["tables"]["model"]["rows"][0]
