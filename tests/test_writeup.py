@@ -410,11 +410,11 @@ def test_the_optimisation_log_and_the_probe_history_each_build_alone(tmp_path):
 def test_a_figure_named_by_a_row_must_exist(tmp_path, capsys):
     results = tmp_path / "results"
     write_fixture(results, tmp_path / "row-figures")
-    (tmp_path / "row-figures" / "memory_forward.png").unlink()
+    (tmp_path / "row-figures" / "memory_inference_fp32.png").unlink()
     _, missing = build.collect(Results(results), Output(tmp_path / "figures", tmp_path / "build"))
-    assert [Path(error.path).name for error in missing.values()] == ["memory_forward.png"]
+    assert [Path(error.path).name for error in missing.values()] == ["memory_inference_fp32.png"]
     assert run_build(tmp_path, results) == 1
-    assert "memory_forward.png" in capsys.readouterr().err  # the message names it too
+    assert "memory_inference_fp32.png" in capsys.readouterr().err  # the message names it too
 
 
 @pytest.mark.slow

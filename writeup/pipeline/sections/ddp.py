@@ -355,16 +355,15 @@ def traced_rows(res) -> dict[tuple[str, str], dict[str, Any]]:
 
 
 def trace_figure(out: Output, row: dict[str, Any] | None) -> dict[str, str] | None:
-    """The traced step's figure (``None`` while its row or its PNG is missing)."""
+    """The traced step's figure (``None`` while its row is missing; a row whose PNG is missing stops the build,
+    naming it)."""
     if row is None:
         return None
     caption = (f"Profiler timeline of one training step, {VARIANT_LABEL[row['variant']]} DDP, {row.get('dtype')}, "
                f"{row.get('device')}: per rank, the phases, the compute kernels and the NCCL kernels (green where "
                "they overlap computation).")
-    try:  # a path on the GPU machine: Output.existing falls back to the same name in the figures directory
-        return out.existing(row["trace_figure"], caption)
-    except Missing:
-        return None
+    # A path on the GPU machine: Output.existing falls back to the same name in the figures directory.
+    return out.existing(row["trace_figure"], caption)
 
 
 def trace_numbers(row: dict[str, Any] | None) -> dict[str, Any]:

@@ -440,19 +440,17 @@ def largest_allocation_numbers(row: dict[str, Any] | None, sizes: dict[int, str]
 
 
 def memory_timeline_figure(out: Output, row: dict[str, Any] | None, peaks: list[dict]) -> dict[str, str] | None:
-    """The timeline's PNG with its caption (``None`` while the row, or its figure, is missing)."""
+    """The timeline's PNG with its caption (``None`` while the row is missing; a row whose PNG is missing stops the
+    build, naming it)."""
     if row is None:
         return None
     # The peak quoted is the peak table's row for the same case, so that caption and table agree.
     peak = one(peaks, context_length=row["context_length"], dtype=row["dtype"], mode=row["mode"])
     peak_text = f"; the measured peak of this case, {gb(peak['peak_gb'])}, is in the table below" if peak and peak.get("peak_gb") else ""
     bands = "; bands: the sources holding most memory at the peak" if row.get("snapshot") else ""
-    try:
-        return out.existing(row["figure"], f"Active memory over time, {row['size']} model, context "
-                            f"{row['context_length']}, {row['dtype']}, {STEPS_RECORDED} × "
-                            f"{TIMELINE_MODE.get(row['mode'], row['mode'])}{bands}{peak_text}.")
-    except Missing:
-        return None
+    return out.existing(row["figure"], f"Active memory over time, {row['size']} model, context "
+                        f"{row['context_length']}, {row['dtype']}, {STEPS_RECORDED} × "
+                        f"{TIMELINE_MODE.get(row['mode'], row['mode'])}{bands}{peak_text}.")
 
 
 @problem("memory_profiling")
