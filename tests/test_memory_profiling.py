@@ -47,7 +47,7 @@ def forward_snapshot() -> dict:
         event("alloc", 0x4000, 1 * MIB, 5_000, [TORCH_ONLY]),
         event("segment_alloc", 0x0, 2 * 1024 * MIB, 5_500, []),
     ]
-    live = [(1016 * MIB, "active_allocated"), (80 * MIB, "active_allocated"), (128 * MIB, "active_awaiting_free"),
+    live = [(1016 * MIB, "active_allocated"), (80 * MIB, "active_allocated"), (128 * MIB, "active_pending_free"),
             (1 * MIB, "active_allocated"), (64 * MIB, "inactive")]
     return snapshot_of(trace, live)
 

@@ -230,12 +230,12 @@ def test_memory_answer_names_the_largest_allocations_and_their_tensor(fixture_da
     section = fixture_data["memory_profiling"]
     e = section["n"]["e"]
     assert (e["fp32"]["mib"], e["fp32"]["count"]) == ("32", "192")  # two sources of 32 MiB, 96 each
-    assert e["fp32"]["what"] == "attention scores B·h·T², fp32" and e["bf16"]["what"] == "attention scores B·h·T², bf16"
+    assert e["fp32"]["what"] == "fp32 attention scores (B·h·T²)" and e["bf16"]["what"] == "bf16 attention scores (B·h·T²)"
     assert e["fp32"]["sources"] == ("cs336_basics/model.py:122 scaled_dot_product_attention and "
                                     "cs336_basics/nn_utils.py:15 softmax")
     first = section["tables"]["allocations_fp32"]["rows"][0]
     assert first == ["32.0", "96", "cs336_basics/model.py:122 scaled_dot_product_attention",
-                     "cs336_basics/model.py:250 forward", "attention scores B·h·T², fp32"]
+                     "cs336_basics/model.py:250 forward", "fp32 attention scores (B·h·T²)"]
 
 
 def test_memory_section_without_the_inference_snapshots_says_pending(tmp_path, fixture_results):

@@ -4,7 +4,7 @@ active-memory timeline, and its largest allocations with the stack frames that m
 A snapshot (``torch.cuda.memory._snapshot()``, pickled as ``_dump_snapshot`` does) is a dict:
 
 * ``segments``: the allocator's cudaMalloc'd segments at the dump, each with ``device`` and ``blocks``; a block
-  has ``size``, ``requested_size``, ``state`` (``active_allocated``, ``active_awaiting_free``, ``inactive``)
+  has ``size``, ``requested_size``, ``state`` (``active_allocated``, ``active_pending_free``, ``inactive``)
   and ``frames``;
 * ``device_traces``: per device, the recorded events, each with ``action`` (``alloc``, ``free_requested``,
   ``free_completed``, ``segment_alloc``, ...), ``addr``, ``size`` (the requested bytes), ``time_us`` and
@@ -28,7 +28,7 @@ import torch
 from cs336_systems.bench.common import timing
 
 MAX_ENTRIES = 1_000_000  # events kept (a ring buffer): a few training steps of the 2.7B model need ~100k
-LIVE_STATES = ("active_allocated", "active_awaiting_free")
+LIVE_STATES = ("active_allocated", "active_pending_free")  # the names the C++ allocator writes
 CODE_ROOTS = ("cs336_basics", "cs336_systems")  # the model and this package: where an allocation "comes from"
 PACKAGE_ROOTS = (*CODE_ROOTS, "torch")
 NO_PYTHON_FRAME = "no Python frame (autograd's backward thread)"
