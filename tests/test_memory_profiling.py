@@ -5,11 +5,14 @@ its picture) on made-up snapshots in the format ``torch.cuda.memory._snapshot()`
 from __future__ import annotations
 
 import pickle
+from pathlib import Path
 
 import pytest
+import torch
 
 from cs336_systems.bench import memory_profiling
 from cs336_systems.bench.common import memory
+from cs336_systems.bench.common.lm import LMConfig
 
 MIB = 2**20
 TORCH_LINEAR = {"filename": "/venv/lib/python3.11/site-packages/torch/functional.py", "line": 407, "name": "einsum"}
@@ -113,3 +116,33 @@ def test_render_draws_a_pickled_snapshot(tmp_path, capsys):
     assert figure.stat().st_size > 10_000
     printed = capsys.readouterr().err
     assert "128.0 MiB x   2  cs336_basics/model.py:122 scaled_dot_product_attention" in printed
+
+
+def test_the_inference_step_runs_under_inference_mode_and_the_training_step_records_autograd():
+    config = LMConfig("tiny", context_length=16, batch_size=2)
+    seen = {}
+    for mode in ("inference", "forward", "train_step"):
+        state, step = memory_profiling.profiled_step(config, mode, "fp32", torch.device("cpu"))
+        state["model"].register_forward_hook(lambda *_, mode=mode: seen.__setitem__(mode, torch.is_inference_mode_enabled()))
+        step()
+        assert (state["optimizer"] is not None) == (mode == "train_step")
+    assert seen == {"inference": True, "forward": False, "train_step": False}
+
+
+def test_timeline_case_writes_the_figure_and_the_row_of_a_recorded_snapshot(tmp_path, monkeypatch):
+    """The recording itself needs CUDA: here it runs the steps and returns a made-up snapshot."""
+    recorded = {}
+
+    def record(fn, path, device):
+        recorded["path"] = path
+        fn()
+        return forward_snapshot()
+
+    monkeypatch.setattr(memory_profiling, "record_snapshot", record)
+    config = LMConfig("tiny", context_length=16, batch_size=2)
+    row = memory_profiling.timeline_case(config, "inference", "bf16", torch.device("cpu"), tmp_path / "snaps", tmp_path)
+    assert recorded["path"] == tmp_path / "snaps" / "memory_tiny_inference_bf16_ctx16.pickle"
+    assert row["snapshot"] == "memory_tiny_inference_bf16_ctx16.pickle"
+    assert row["figure"].endswith("memory_tiny_inference_bf16_ctx16.png") and (tmp_path / Path(row["figure"]).name).exists()
+    assert row["timeline_peak_gb"] == pytest.approx(1232 * MIB / 1e9)
+    assert row["largest_allocations"][0]["source"] == "cs336_basics/model.py:122 scaled_dot_product_attention"
