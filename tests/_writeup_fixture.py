@@ -133,16 +133,22 @@ def memory_profiling(figures: Path) -> list[dict]:
     rows = []
     for ctx in (128, 256):
         for dtype in ("fp32", "bf16"):
-            for mode in ("forward", "train_step"):
+            for mode in ("inference", "forward", "train_step"):
                 config = {"size": "2.7B", "context_length": ctx, "batch_size": 4, "mode": mode, "dtype": dtype, "kind": "peak"}
-                rows.append(row("memory_profiling", config, {"oom": False, "peak_gb": 20.0 + ctx / 64,
+                rows.append(row("memory_profiling", config, {"oom": False, "peak_gb": 20.0 + ctx / 64 + len(mode),
                                                              "params_gb": 13.6}))
-    for mode in ("forward", "train_step"):
-        config = {"size": "2.7B", "context_length": 256, "batch_size": 4, "mode": mode, "dtype": "fp32", "kind": "timeline"}
-        allocations = [{"mb": 32.0, "count": 64, "source": "model.py:122 (scaled_dot_product_attention)"},
-                       {"mb": 100.0, "count": 96, "source": "unknown"}]
-        rows.append(row("memory_profiling", config, {"oom": False, "figure": png(figures / f"memory_{mode}.png"),
-                                                     "timeline_peak_gb": 40.0, "largest_allocations": allocations}))
+    # 2.7B, batch 4, context 256: the scores are 4 * 32 * 256^2 * 4 bytes = 32 MiB in fp32, 16 MiB in bf16.
+    scores = ["cs336_basics/model.py:122 scaled_dot_product_attention", "cs336_basics/model.py:250 forward"]
+    cases = (("inference", "fp32", 32.0), ("inference", "bf16", 16.0), ("train_step", "fp32", 32.0))
+    for mode, dtype, mib in cases:
+        config = {"size": "2.7B", "context_length": 256, "batch_size": 4, "mode": mode, "dtype": dtype, "kind": "timeline"}
+        allocations = [{"mb": mib, "count": 96, "source": scores[0], "stack": scores},
+                       {"mb": mib, "count": 96, "source": "cs336_basics/nn_utils.py:15 softmax",
+                        "stack": ["cs336_basics/nn_utils.py:15 softmax", scores[0]]},
+                       {"mb": 20.0, "count": 64, "source": "cs336_basics/model.py:99 silu", "stack": []}]
+        rows.append(row("memory_profiling", config, {"oom": False, "figure": png(figures / f"memory_{mode}_{dtype}.png"),
+                                                     "timeline_peak_gb": 40.0, "largest_allocations": allocations,
+                                                     "snapshot": f"memory_2.7B_{mode}_{dtype}_ctx256.pickle"}))
     return rows
 
 
@@ -266,10 +272,11 @@ def ddp_benchmarking(figures: Path) -> list[dict]:
             measured = {"bucket_mb": None if mb is None else float(mb), "step_ms": compute + exposed * scale,
                         "comm_ms": None if comm is None else comm * scale, "exposed_ms": exposed * scale,
                         "compute_ms": compute, "n_buckets": calls[variant], "grad_bytes": GRAD_BYTES}
-            if variant in ("naive", "bucketed_100mb"):
+            if variant in ("naive", "overlap", "bucketed_100mb"):
                 measured["trace_figure"] = png(figures / f"ddp_overlap_{variant}_{dtype}.png")
-                measured["trace_overlap_share"] = 0.0 if variant == "naive" else 0.9
+                measured["trace_overlap_share"] = {"naive": 0.0, "overlap": 0.8, "bucketed_100mb": 0.9}[variant]
                 measured["trace_comm_busy_ms"] = 50.0
+                measured["trace_comm_exposed_ms"] = 50.0 * (1 - measured["trace_overlap_share"])
             rows.append(row("ddp_benchmarking", config, measured, gpus=2, gpu="NVIDIA H200"))
     return rows + ddp_on_four_gpus()
 

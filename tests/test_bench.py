@@ -20,7 +20,7 @@ from cs336_systems.bench import (
     pytorch_attention,
     torch_compile,
 )
-from cs336_systems.bench.common import flops, memory, result_store, timing
+from cs336_systems.bench.common import flops, result_store, timing
 from cs336_systems.bench.common.lm import LMConfig, build_model
 from cs336_systems.bench.common.result_store import REPO_ROOT
 
@@ -207,23 +207,6 @@ def test_torch_compile_quick_model_part(tmp_path):
     rows = read_rows(tmp_path / "torch_compile.jsonl")
     assert {(r["mode"], r["compile"]) for r in rows} == {
         ("forward", False), ("train_step", False), ("forward", "aot_eager"), ("train_step", "aot_eager")}
-
-
-def test_memory_timeline_and_largest_allocations_from_a_snapshot(tmp_path):
-    frames = [{"filename": "/x/torch/nn/functional.py", "line": 1, "name": "linear"},
-              {"filename": "/repo/cs336_basics/model.py", "line": 42, "name": "forward"}]
-    snapshot = {"device_traces": [[
-        {"action": "alloc", "size": 2_000_000_000, "time_us": 0, "frames": frames},
-        {"action": "alloc", "size": 1_000_000_000, "time_us": 1000, "frames": []},
-        {"action": "free_requested", "size": 2_000_000_000, "time_us": 1500, "frames": frames},
-        {"action": "free_completed", "size": 2_000_000_000, "time_us": 2000, "frames": frames},
-    ]]}
-    times, gbs = memory.active_memory_timeline(snapshot)
-    assert times == [0.0, 1.0, 2.0] and gbs == [2.0, 3.0, 1.0]
-    largest = memory.largest_allocations(snapshot)
-    assert largest[0]["source"] == "model.py:42 (forward)" and largest[0]["count"] == 1
-    memory.plot_timeline(times, gbs, "test", tmp_path / "t.png")
-    assert (tmp_path / "t.png").stat().st_size > 1000
 
 
 def test_activation_checkpointing_keeps_logits_and_gradients_and_saves_less():

@@ -227,6 +227,28 @@ def test_timeline_from_a_synthetic_gpu_trace(tmp_path):
     assert (tmp_path / "cli.png").exists()
 
 
+def launched(name: str, start_ms: float, end_ms: float, launch_ms: float, correlation: int) -> list[dict]:
+    """A kernel on stream 7 and the ``cudaLaunchKernel`` call (on the autograd thread, 300) that launched it."""
+    gpu = kernel(name, start_ms, end_ms, 7)
+    gpu["args"]["correlation"] = correlation
+    cpu = kernel("cudaLaunchKernel", launch_ms, launch_ms + 0.01, 300, cat="cuda_runtime")
+    cpu["args"] = {"correlation": correlation}
+    return [gpu, cpu]
+
+
+def test_a_phase_launched_from_another_thread_spans_the_kernels_it_launched():
+    """The backward's kernels come from autograd's thread: the profiler draws no GPU annotation for the main
+    thread's ``backward`` range, so the lane spans the compute kernels launched during it (not the NCCL ones)."""
+    events = [kernel("forward", 0, 10, 7, cat="gpu_user_annotation"), kernel("sgemm", 0, 10, 7),
+              kernel("backward", 9, 20, 100, cat="user_annotation"),  # CPU time of the main thread
+              *launched("sgemm_backward", 12, 25, 9.5, 1), *launched("elementwise", 25, 31, 19, 2),
+              *launched("ncclDevKernel_AllReduce", 20, 40, 19.5, 3),
+              *launched("adam", 41, 42, 30, 4)]  # launched after the range: not backward's
+    result = timeline.timeline_from_trace({"traceEvents": events})
+    phases = {s.name: (round(s.start_ms, 3), round(s.end_ms, 3)) for s in result.phases}
+    assert phases == {"forward": (0.0, 10.0), "backward": (12.0, 31.0)}
+
+
 def test_timeline_from_a_cpu_only_trace():
     """gloo: the collective runs on gloo's thread; compute is the busiest thread's operators."""
     events = [

@@ -234,9 +234,58 @@ def test_memory_figure_captions_quote_the_peak_table(fixture_data):
     section = fixture_data["memory_profiling"]
     peaks = {r[0]: r[1:] for r in section["tables"]["peaks"]["rows"]}
     context = section["n"]["ctx"]
-    for mode, column in (("forward", 0), ("train_step", 1)):
-        caption = section["figures"][mode]["caption"]
+    for figure, column in (("inference_fp32", 0), ("train_step", 2), ("inference_bf16", 3)):
+        caption = section["figures"][figure]["caption"]
         assert f"the measured peak of this case, {peaks[context][column]} GB" in caption
+
+
+def test_memory_answer_names_the_largest_allocations_and_their_tensor(fixture_data):
+    section = fixture_data["memory_profiling"]
+    e = section["n"]["e"]
+    assert (e["fp32"]["mib"], e["fp32"]["count"]) == ("32", "192")  # two sources of 32 MiB, 96 each
+    assert e["fp32"]["what"] == "fp32 attention scores (B·h·T²)" and e["bf16"]["what"] == "bf16 attention scores (B·h·T²)"
+    assert e["fp32"]["sources"] == ("cs336_basics/model.py:122 scaled_dot_product_attention and "
+                                    "cs336_basics/nn_utils.py:15 softmax")
+    first = section["tables"]["allocations_fp32"]["rows"][0]
+    assert first == ["32.0", "96", "cs336_basics/model.py:122 scaled_dot_product_attention",
+                     "cs336_basics/model.py:250 forward", "fp32 attention scores (B·h·T²)"]
+
+
+def test_memory_section_without_the_inference_snapshots_says_pending(tmp_path, fixture_results):
+    results = tmp_path / "results"
+    shutil.copytree(fixture_results, results)
+    path = results / "memory_profiling.jsonl"
+    kept = [line for line in path.read_text().splitlines() if '"inference"' not in line or '"peak"' in line]
+    path.write_text("\n".join(kept) + "\n")
+    section = SECTIONS["memory_profiling"](Results(results), Output(tmp_path / "figures", tmp_path / "build"))
+    assert section["figures"]["inference_fp32"] is None and section["figures"]["train_step"] is not None
+    assert section["n"]["e"]["fp32"] == {"pending": True} and section["tables"]["allocations_fp32"] is None
+
+
+def test_ddp_traces_set_naive_against_the_per_parameter_overlap(fixture_data):
+    section = fixture_data["ddp_overlap_individual_parameters_benchmarking"]
+    figures = section["figures"]
+    assert figures["naive_fp32"]["path"].endswith("ddp_overlap_naive_fp32.png")
+    assert figures["overlapped_fp32"]["path"].endswith("ddp_overlap_overlap_fp32.png")  # not the bucketed trace
+    trace = section["n"]["trace"]
+    assert (trace["naive"]["fp32"]["overlap"], trace["naive"]["fp32"]["exposed"]) == ("0 %", "50.0")
+    assert (trace["overlapped"]["fp32"]["overlap"], trace["overlapped"]["fp32"]["exposed"]) == ("80 %", "10.0")
+
+
+def test_ddp_section_without_the_overlap_trace_says_pending(tmp_path, fixture_results):
+    results = tmp_path / "results"
+    shutil.copytree(fixture_results, results)
+    path = results / "ddp_benchmarking.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    for row in rows:
+        if row["variant"] == "overlap":
+            row.pop("trace_figure", None)
+            row.pop("trace_comm_busy_ms", None)
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    section = SECTIONS["ddp_overlap_individual_parameters_benchmarking"](
+        Results(results), Output(tmp_path / "figures", tmp_path / "build"))
+    assert section["figures"]["overlapped_fp32"] is None and section["figures"]["naive_fp32"] is not None
+    assert section["n"]["trace"]["overlapped"]["fp32"] == {"pending": True}
 
 
 def test_the_compile_comparison_names_its_eager_baseline(fixture_data):
@@ -414,11 +463,11 @@ def test_the_optimisation_log_and_the_probe_history_each_build_alone(tmp_path):
 def test_a_figure_named_by_a_row_must_exist(tmp_path, capsys):
     results = tmp_path / "results"
     write_fixture(results, tmp_path / "row-figures")
-    (tmp_path / "row-figures" / "memory_forward.png").unlink()
+    (tmp_path / "row-figures" / "memory_inference_fp32.png").unlink()
     _, missing = build.collect(Results(results), Output(tmp_path / "figures", tmp_path / "build"))
-    assert [Path(error.path).name for error in missing.values()] == ["memory_forward.png"]
+    assert [Path(error.path).name for error in missing.values()] == ["memory_inference_fp32.png"]
     assert run_build(tmp_path, results) == 1
-    assert "memory_forward.png" in capsys.readouterr().err  # the message names it too
+    assert "memory_inference_fp32.png" in capsys.readouterr().err  # the message names it too
 
 
 @pytest.mark.slow

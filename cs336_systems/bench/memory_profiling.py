@@ -1,24 +1,30 @@
 """Memory profile of the 2.7B model (problem ``memory_profiling``).
 
-1. Peak allocated device memory for a forward pass and for a full training step (forward, loss,
-   backward, AdamW), at context 128, 256 and 512, in fp32 and under bf16 autocast (rows; out of
-   memory is a row).
-2. For forward and for the training step (fp32, the longest context that fits): a CUDA memory
-   history (``torch.cuda.memory._record_memory_history``) dumped as a snapshot pickle that
-   https://pytorch.org/memory_viz loads (``--snapshot-dir``; large, kept out of git), our own PNG of
-   the active-memory timeline (``writeup/figures/memory_<case>.png``), and the largest allocations
-   with the Python line that made them (in the row).
+1. Peak allocated device memory of an inference forward pass (``torch.inference_mode``: no autograd graph), of
+   a forward pass with autograd recording (as in training) and of a full training step (forward, loss, backward,
+   AdamW), at context 128, 256 and 512, in fp32 and under bf16 autocast (rows; out of memory is a row).
+2. At the longest context that fits: a CUDA memory history (``torch.cuda.memory._record_memory_history``)
+   of three inference forward passes, in fp32 and in bf16, recorded once the model is built (its weights are
+   memory alive before the recording), and of three fp32 training steps, recorded from the model's
+   construction on. Each is dumped as the snapshot pickle that https://pytorch.org/memory_viz loads
+   (``--snapshot-dir``; large, kept out of git), drawn as our own PNG of its active-memory timeline
+   (``writeup/figures/memory_<size>_<mode>_<dtype>_ctx<context>.png``), and its largest allocations, each with
+   the innermost frame of the model code that made it and its call chain, go in the row.
 
-Both read CUDA's caching allocator: on a machine without a CUDA GPU the tool says so and writes nothing.
+``--render PICKLE ...`` draws the timelines of snapshot pickles already dumped (on any machine) and prints
+their largest allocations, without measuring. Measuring reads CUDA's caching allocator: on a machine without
+a CUDA GPU the tool says so and writes nothing.
 
 Examples::
 
     python -m cs336_systems.bench.memory_profiling
     python -m cs336_systems.bench.memory_profiling --contexts 128 --dtypes fp32 --snapshot-dir /tmp/snapshots
+    python -m cs336_systems.bench.memory_profiling --render /tmp/snapshots/memory_2.7B_inference_fp32_ctx512.pickle
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 from typing import Any
@@ -27,15 +33,14 @@ import torch
 
 from cs336_systems.bench.common import cli, result_store, timing
 from cs336_systems.bench.common.lm import DTYPES, SIZES, LMConfig, build_model, make_optimizer, make_step, random_batch
-from cs336_systems.bench.common.memory import (
-    active_memory_timeline,
-    largest_allocations,
-    plot_timeline,
-    record_snapshot,
-)
+from cs336_systems.bench.common.memory import largest_allocations, load_snapshot, record_snapshot, render_snapshot
 
 PROBLEM = "memory_profiling"
 STEPS = 3  # the optimizer state appears in the first step; three show the steady pattern
+# "inference": the forward under torch.inference_mode; "forward": with autograd recording, as in training.
+PEAK_MODES = ("inference", "forward", "train_step")
+MODE_TITLE = {"inference": "forward (inference)", "forward": "forward (autograd recording)",
+              "train_step": "training step (AdamW)"}
 
 
 def parser():
@@ -47,101 +52,142 @@ def parser():
     p.add_argument("--snapshot-dir", type=Path, default=Path("snapshots"), help="where snapshot pickles go")
     cli.add_figures_dir(p)
     p.add_argument("--no-timelines", action="store_true", help="peaks only, no snapshots or pictures")
+    p.add_argument("--render", nargs="+", type=Path, default=None, metavar="PICKLE",
+                   help="draw these snapshot pickles' timelines into --figures-dir and print their largest "
+                        "allocations; measures nothing")
     return p
 
 
+def profiled_step(config: LMConfig, mode: str, dtype: str, device: torch.device) -> tuple[dict[str, Any], Any]:
+    """A fresh model (with its optimizer for a training step) and ``step()`` of ``mode``; the first value holds
+    the model and optimizer, so that the caller decides when they are freed."""
+    held: dict[str, Any] = {"model": build_model(config, device)}
+    held["optimizer"] = make_optimizer(held["model"]) if mode == "train_step" else None
+    step = make_step(held["model"], random_batch(config, device), "forward" if mode == "inference" else mode,
+                     DTYPES[dtype], held["optimizer"])
 
+    def run() -> None:
+        with torch.inference_mode() if mode == "inference" else contextlib.nullcontext():
+            step(None)
 
-
-
-
-
-
-
+    return held, run
 
 
 def measure_peak(config: LMConfig, mode: str, dtype: str, device: torch.device) -> dict[str, Any]:
     """Peak allocated memory over ``STEPS`` steps of a freshly built model (weights included)."""
     timing.free_memory()
-    model = build_model(config, device)
-    optimizer = make_optimizer(model) if mode == "train_step" else None
-    params_gb = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e9
-    step = make_step(model, random_batch(config, device), mode, DTYPES[dtype], optimizer)
+    state, step = profiled_step(config, mode, dtype, device)
+    params_gb = sum(p.numel() * p.element_size() for p in state["model"].parameters()) / 1e9
     try:
         with timing.peak_memory(device) as peak:
             for _ in range(STEPS):
-                step(None)
+                step()
         return {"peak_gb": peak.get("peak_gb"), "params_gb": params_gb}
     finally:
-        del model, optimizer, step
+        del state, step
         timing.free_memory()
 
 
-def timeline_case(config: LMConfig, mode: str, device: torch.device, snapshot_dir: Path, figures_dir: Path) -> dict:
-    """Snapshot, PNG and largest allocations of ``STEPS`` fp32 steps, recorded from model construction on."""
-    timing.free_memory()
-    name = f"{config.size}_{mode}_ctx{config.context_length}"
-    holder: dict[str, Any] = {}
+def timeline_name(config: LMConfig, mode: str, dtype: str) -> str:
+    return f"memory_{config.size}_{mode}_{dtype}_ctx{config.context_length}"
 
-    def run():
-        holder["model"] = model = build_model(config, device)
-        optimizer = make_optimizer(model) if mode == "train_step" else None
-        step = make_step(model, random_batch(config, device), mode, None, optimizer)
+
+def timeline_case(config: LMConfig, mode: str, dtype: str, device: torch.device, snapshot_dir: Path,
+                  figures_dir: Path) -> dict:
+    """Snapshot, PNG and largest allocations of ``STEPS`` steps of ``mode``. A training step is recorded from the
+    model's construction on; the inference forward once the model is built, so that the trace holds the forward
+    pass alone (the weights are memory alive before it)."""
+    timing.free_memory()
+    name = timeline_name(config, mode, dtype)
+    held: dict[str, Any] = {}
+
+    def build():
+        held["state"], held["step"] = profiled_step(config, mode, dtype, device)
+
+    def steps():
         for _ in range(STEPS):
-            step(None)
-        holder["optimizer"] = optimizer
+            held["step"]()
 
     try:
-        snapshot = record_snapshot(run, snapshot_dir / f"memory_{name}.pickle", device)
+        if mode == "inference":
+            build()
+            snapshot = record_snapshot(steps, snapshot_dir / f"{name}.pickle", device)
+        else:
+            snapshot = record_snapshot(lambda: (build(), steps()), snapshot_dir / f"{name}.pickle", device)
     finally:
-        holder.clear()
+        held.clear()
         timing.free_memory()
-    times, gbs = active_memory_timeline(snapshot)
-    figure = figures_dir / f"memory_{name}.png"
-    label = "forward only" if mode == "forward" else "full training step (AdamW)"
-    plot_timeline(times, gbs, f"{config.size}, batch {config.batch_size}, context {config.context_length}, fp32: "
-                  f"{STEPS} x {label}", figure)
+    figure = figures_dir / f"{name}.png"
+    title = (f"{config.size}, batch {config.batch_size}, context {config.context_length}, {dtype}: "
+             f"{STEPS} x {MODE_TITLE[mode]}")
+    timeline = render_snapshot(snapshot, figure, title)
+    shown = figure.resolve()
     return {
-        "figure": str(figure.relative_to(result_store.REPO_ROOT)) if figure.is_relative_to(result_store.REPO_ROOT) else str(figure),
-        "timeline_peak_gb": max(gbs) if gbs else None,
+        "figure": str(shown.relative_to(result_store.REPO_ROOT) if shown.is_relative_to(result_store.REPO_ROOT) else shown),
+        "snapshot": f"{name}.pickle",
+        "timeline_peak_gb": timeline.peak_gb,
         "largest_allocations": largest_allocations(snapshot),
     }
 
 
+def print_allocations(title: str, allocations: list[dict[str, Any]]) -> None:
+    print(f"# {title}", file=sys.stderr)
+    for alloc in allocations:
+        chain = " <- ".join(alloc.get("stack", [])[1:3])
+        print(f"#   {alloc['mb']:9.1f} MiB x{alloc['count']:4d}  {alloc['source']}"
+              f"{f'  (from {chain})' if chain else ''}", file=sys.stderr)
+
+
+def render_pickles(pickles: list[Path], figures_dir: Path) -> None:
+    """Draw each snapshot pickle's timeline to ``<figures_dir>/<pickle name>.png``; print its largest allocations."""
+    for path in pickles:
+        snapshot = load_snapshot(path)
+        figure = figures_dir / f"{path.stem}.png"
+        timeline = render_snapshot(snapshot, figure, f"{path.stem}: active memory")
+        print_allocations(f"{path}: {figure}, peak {timeline.peak_gb or 0:.2f} GB", largest_allocations(snapshot))
+
+
+def record_timelines(args, store: result_store.ResultStore, size: str, device: torch.device, figures_dir: Path) -> None:
+    """The timeline cases (inference in every dtype, the fp32 training step) at the longest context whose peak
+    row on this device did not run out of memory."""
+    measured = [r for r in store.rows() if r.get("kind") == "peak" and r.get("size") == size
+                and r.get("device") == store.env["device"] and not r["oom"]]
+    for mode, dtype in [*(("inference", d) for d in args.dtypes), ("train_step", "fp32")]:
+        fitting = sorted(r["context_length"] for r in measured if r["mode"] == mode and r["dtype"] == dtype)
+        if not fitting:
+            continue
+        case = dict(size=size, context_length=fitting[-1], batch_size=args.batch_size, mode=mode, dtype=dtype,
+                    kind="timeline")
+        if store.done(case):
+            continue
+        config = LMConfig(size, fitting[-1], args.batch_size)
+        result = result_store.measure_or_oom(
+            lambda: timeline_case(config, mode, dtype, device, args.snapshot_dir, figures_dir))
+        store.add(case, result)
+        print_allocations(f"{mode} {dtype}: {result.get('figure')}", result.get("largest_allocations", []))
+
+
 def main(argv: list[str] | None = None) -> None:
     args, device, tiny = cli.start(parser(), argv)
+    figures_dir = args.figures_dir or result_store.FIGURES_DIR
+    if args.render:
+        render_pickles(args.render, figures_dir)
+        return
     if device.type != "cuda":
         # The tool records the CUDA caching allocator (peaks, memory history); a CPU has none: nothing to write.
         print("# no CUDA device: there is no CUDA memory to record, so no rows and no timelines", file=sys.stderr)
         return
     size = args.size or ("tiny" if tiny else "2.7B")
     contexts = args.contexts or ([16] if tiny else [128, 256, 512])
-    figures_dir = args.figures_dir or result_store.FIGURES_DIR
     store = result_store.ResultStore(PROBLEM, args.results_dir, args.force)
     cases = [dict(size=size, context_length=c, batch_size=args.batch_size, mode=m, dtype=d, kind="peak")
-             for c in contexts for m in ("forward", "train_step") for d in args.dtypes]
+             for c in contexts for m in PEAK_MODES for d in args.dtypes]
     for case in cli.progress(store.pending(cases), PROBLEM):
         config = LMConfig(size, case["context_length"], args.batch_size)
         store.add(case, result_store.measure_or_oom(lambda: measure_peak(config, case["mode"], case["dtype"], device)))
     cli.print_table(store.asked_rows(), ["size", "context_length", "mode", "dtype", "peak_gb", "oom"])
-    if args.no_timelines:
-        return
-    measured = [r for r in store.rows() if r.get("kind") == "peak" and r.get("size") == size and r["dtype"] == "fp32"
-                and r.get("device") == store.env["device"]]
-    for mode in ("forward", "train_step"):
-        fitting = sorted(r["context_length"] for r in measured if r["mode"] == mode and not r["oom"])
-        if not fitting:
-            continue
-        case = dict(size=size, context_length=fitting[-1], batch_size=args.batch_size, mode=mode, dtype="fp32",
-                    kind="timeline")
-        if store.done(case):
-            continue
-        config = LMConfig(size, fitting[-1], args.batch_size)
-        result = result_store.measure_or_oom(lambda: timeline_case(config, mode, device, args.snapshot_dir, figures_dir))
-        store.add(case, result)
-        print(f"# {mode}: {result.get('figure')}", file=sys.stderr)
-        for alloc in result.get("largest_allocations", []):
-            print(f"#   {alloc['mb']:9.1f} MB x{alloc['count']:4d}  {alloc['source']}", file=sys.stderr)
+    if not args.no_timelines:
+        record_timelines(args, store, size, device, figures_dir)
 
 
 if __name__ == "__main__":

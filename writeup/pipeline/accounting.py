@@ -34,6 +34,18 @@ def attention_scores_bytes(batch: int, heads: int, seq: int, bytes_per_element: 
     return batch * heads * seq * seq * bytes_per_element
 
 
+def model_tensor_bytes(batch: int, seq: int, vocab: int, d_model: int, d_ff: int, num_heads: int,
+                       **_: Any) -> dict[str, int]:
+    """The bytes of the language model's tensors that a memory trace shows, in fp32 and bf16, by name: an
+    allocation of one of these sizes is (most likely) that tensor."""
+    shapes = {"attention scores (B·h·T²)": batch * num_heads * seq * seq, "FFN hidden state (B·T·d_ff)": batch * seq * d_ff,
+              "logits (B·T·V)": batch * seq * vocab, "residual stream (B·T·d)": batch * seq * d_model,
+              "FFN weight (d·d_ff)": d_model * d_ff, "embedding (V·d)": vocab * d_model,
+              "attention weight (d·d)": d_model * d_model}
+    return {f"{dtype} {name}": elements * size for dtype, size in (("fp32", FP32), ("bf16", BF16))
+            for name, elements in shapes.items()}
+
+
 NAIVE_ATTENTION_SAVED_MATRICES = 3
 """Score-sized float32 matrices the naive causal attention keeps for backward: the masked scores (the softmax's
 row maximum and its backward need them), the exponentials and the probabilities."""

@@ -139,6 +139,9 @@ def timeline_from_trace(trace: dict[str, Any] | list[dict[str, Any]], phases: tu
         phase_events = [e for e in events if e.get("cat") == "gpu_user_annotation" and e["name"] in phases]
         if not phase_events:
             phase_events = [e for e in events if e.get("cat") == "user_annotation" and e["name"] in phases]
+        else:
+            drawn = {e["name"] for e in phase_events}
+            phase_events += _phases_from_launches(trace, [p for p in phases if p not in drawn])
     else:
         source = "cpu"
         operators = [e for e in events if e.get("cat") in ("cpu_op", "user_annotation")]
@@ -156,6 +159,22 @@ def timeline_from_trace(trace: dict[str, Any] | list[dict[str, Any]], phases: tu
         return sorted(out, key=lambda s: s.start_ms)
 
     return Timeline(spans(compute), spans(communication), spans(phase_events), source)
+
+
+def _phases_from_launches(trace: dict[str, Any] | list[dict[str, Any]], names: list[str]) -> list[dict[str, Any]]:
+    """The GPU extent of each CPU range named in ``names``: from the first to the last compute kernel launched during
+    it. The profiler gives a range a GPU annotation only for kernels its own thread launched, so the backward, whose
+    kernels autograd's engine thread launches, has none."""
+    if not names:
+        return []
+    kernels, ranges = kernels_and_ranges(trace if isinstance(trace, dict) else {"traceEvents": trace})
+    out = []
+    for r in ranges:
+        inside = [k for k in kernels if r.name in names and not k.is_comm and r.start <= k.launch <= r.end]
+        if inside:
+            start, end = min(k.start for k in inside), max(k.end for k in inside)
+            out.append({"name": r.name, "ts": start, "dur": end - start})
+    return out
 
 
 def merge(spans: list[Span]) -> list[tuple[float, float]]:

@@ -240,15 +240,12 @@ def _order(values: list[str], value: Any) -> int:
 
 def load_ddp(res, world_size: int = 2) -> list[dict[str, Any]]:
     """Rows ``{variant, dtype, step_ms, compute_ms, comm_ms, exposed_ms, n_buckets, grad_bytes}`` (+
-    ``bucket_size_mb`` from ``bucket_mb``, ``figure`` from ``trace_figure``), ``variant`` normalised to
+    ``bucket_size_mb`` from ``bucket_mb``), ``variant`` normalised to
     :data:`VARIANT_ORDER`. Every variant ran on freshly spawned ranks that first timed the step without
     communication (``local``): ``compute_ms`` is that launch's local step and ``exposed_ms = step_ms - compute_ms``."""
     rows = []
     for row in res.rows("ddp_benchmarking", world_size=world_size):
-        row = dict(row, variant=variant_of(row["variant"]), bucket_size_mb=row.get("bucket_mb"))
-        if row.get("trace_figure"):  # a path on the GPU machine; Output.existing falls back to the figures dir
-            row["figure"] = row["trace_figure"]
-        rows.append(row)
+        rows.append(dict(row, variant=variant_of(row["variant"]), bucket_size_mb=row.get("bucket_mb")))
     return sorted(rows, key=lambda r: (_order(VARIANT_ORDER, r["variant"]), _order(DTYPE_ORDER, r.get("dtype")),
                                        r.get("bucket_size_mb") or 0))
 
@@ -343,35 +340,56 @@ def minimal_ddp_flat_benchmarking(res, out: Output) -> dict[str, Any]:
                   "speedup": {d: times(naive[d]["_step"] / flat[d]["_step"]) for d in DTYPE_ORDER}}}
 
 
-def trace_figures(out: Output, rows: list[dict[str, Any]]) -> list[dict[str, str]]:
-    return [out.existing(r["figure"], f"Profiler timeline of one training step, {variant_label(r)}"
-                         f"{', ' + r['dtype'] if r.get('dtype') else ''}: compute stream above, NCCL below.")
-            for r in rows if r.get("figure")]
+TRACED = ("naive", "overlapped")  # part (b): the naive DDP against the per-parameter overlapped one
+
+
+def traced_rows(res) -> dict[tuple[str, str], dict[str, Any]]:
+    """The newest row with a profiler-trace figure of each (variant, dtype) of :data:`TRACED`, on 2 GPUs of any
+    device (a trace may be recorded on another host than the timing sweep; its figure names its device)."""
+    rows = res.rows("ddp_benchmarking", one_device=False, world_size=2, keep=lambda rows: [
+        r for r in rows if r.get("trace_figure") and variant_of(r["variant"]) in TRACED])
+    newest: dict[tuple[str, str], dict[str, Any]] = {}
+    for row in sorted(rows, key=lambda r: (r.get("env", {}).get("date", ""), r.get("run", ""))):
+        newest[(variant_of(row["variant"]), row.get("dtype"))] = dict(row, variant=variant_of(row["variant"]))
+    return newest
+
+
+def trace_figure(out: Output, row: dict[str, Any] | None) -> dict[str, str] | None:
+    """The traced step's figure (``None`` while its row is missing; a row whose PNG is missing stops the build,
+    naming it)."""
+    if row is None:
+        return None
+    caption = (f"Profiler timeline of one training step, {VARIANT_LABEL[row['variant']]} DDP, {row.get('dtype')}, "
+               f"{row.get('device')}: per rank, the phases, the compute kernels and the NCCL kernels (green where "
+               "they overlap computation).")
+    # A path on the GPU machine: Output.existing falls back to the same name in the figures directory.
+    return out.existing(row["trace_figure"], caption)
+
+
+def trace_numbers(row: dict[str, Any] | None) -> dict[str, Any]:
+    """NCCL busy time, its share overlapped with computation and the rest, exposed (ms, mean over ranks)."""
+    if row is None or row.get("trace_comm_busy_ms") is None:
+        return {"pending": True}
+    return {"pending": False, "busy": num(row["trace_comm_busy_ms"]), "overlap": pct(row.get("trace_overlap_share")),
+            "exposed": num(row.get("trace_comm_exposed_ms")), "step_exposed": num(row.get("exposed_ms")),
+            "device": str(row.get("device", DASH))}
 
 
 @problem("ddp_overlap_individual_parameters_benchmarking")
 def ddp_overlap_individual_parameters_benchmarking(res, out: Output) -> dict[str, Any]:
     rows = load_ddp(res)
     shown = [r for r in rows if r["variant"] in ("naive", "flattened", "overlapped", "torch_ddp")]
-    # The traced steps: naive, and an overlapped variant (bucketed, which overlaps as the per-parameter one does).
-    traced = [r for r in rows if r.get("figure")]
-    naive_traces = [r for r in traced if r["variant"] == "naive"]
-    overlap_traces = [r for r in traced if r["variant"] in ("overlapped", "bucketed")]
-    if not naive_traces or not overlap_traces:
-        raise Missing(DDP_FILE, "profiler-trace figures (key 'trace_figure') of naive and of an overlapped variant")
-    overlap_trace = {d: next((r for r in overlap_traces if r.get("dtype") == d), None) for d in DTYPE_ORDER}
     numbers = {v: per_dtype(rows, v) for v in ("naive", "flattened", "overlapped", "torch_ddp")}
+    traced = traced_rows(res)
+    figures = {f"{v}_{d}": trace_figure(out, traced.get((v, d))) for v in TRACED for d in DTYPE_ORDER}
     return {"tables": {"main": ddp_table(shown, CAPTION.format(setup=ddp_setup(rows)))},
-            "figures": trace_figures(out, naive_traces + overlap_traces),
+            "figures": figures,
             "n": {**numbers, "torch": numbers["torch_ddp"],
                   "speedup": {d: times(numbers["naive"][d]["_step"] / numbers["overlapped"][d]["_step"])
                               for d in DTYPE_ORDER},
                   "vs_torch": {d: times(numbers["overlapped"][d]["_step"] / numbers["torch_ddp"][d]["_step"])
                                for d in DTYPE_ORDER},
-                  "naive_overlap": pct(naive_traces[0].get("trace_overlap_share")),
-                  "traced": variant_label(overlap_traces[0]),
-                  "trace": {d: {"overlap": pct(r and r.get("trace_overlap_share")),
-                                "busy": num(r and r.get("trace_comm_busy_ms"))} for d, r in overlap_trace.items()}}}
+                  "trace": {v: {d: trace_numbers(traced.get((v, d))) for d in DTYPE_ORDER} for v in TRACED}}}
 
 
 def overhead_fits(bucketed: list[dict[str, Any]], collective: list[dict[str, Any]]) -> dict[str, Any]:

@@ -387,63 +387,124 @@ def benchmarking_mixed_precision(res, out: Output) -> dict[str, Any]:
 # -----------------------------------------------------------------------------------------------
 
 
-@problem("memory_profiling")
-def memory_profiling(res, out: Output) -> dict[str, Any]:
-    rows = res.rows("memory_profiling")
-    peaks = [row for row in rows if row.get("kind") == "peak"]
-    timelines = [row for row in rows if row.get("kind") == "timeline"]
-    if not timelines:
-        raise Missing("writeup/results/memory_profiling.jsonl", "no timeline rows")
-    size = peaks[0]["size"] if peaks else timelines[0]["size"]
+MEMORY_FILE = "writeup/results/memory_profiling.jsonl"
+VOCAB_SIZE = 10_000  # the benchmarked model's (cs336_systems.bench.common.lm)
+STEPS_RECORDED = 3  # passes in each snapshot (cs336_systems.bench.memory_profiling.STEPS)
+PEAK_COLUMNS = (("inference", "inference"), ("forward", "forward"), ("train_step", "training step"))
+TIMELINE_MODE = {"inference": "forward pass only (inference, torch.inference_mode)", "forward": "forward pass",
+                 "train_step": "full training step (AdamW)"}
+
+
+def memory_peak_table(peaks: list[dict], size: str, batch: int) -> dict[str, Any]:
     contexts = sorted({row["context_length"] for row in peaks})
     dtypes = [d for d in ("fp32", "bf16") if any(row["dtype"] == d for row in peaks)]
     body = []
     for ctx in contexts:
         cells = [str(ctx)]
         for dtype in dtypes:
-            for mode in ("forward", "train_step"):
+            for mode, _ in PEAK_COLUMNS:
                 row = one(peaks, context_length=ctx, dtype=dtype, mode=mode)
                 cells.append(oom_or(row, num(row and row.get("peak_gb"))))
         body.append(cells)
-    header = [["", *[span(d, 2) for d in dtypes]], ["context", *["forward", "training step"] * len(dtypes)]]
-    peak_table = table(header, body, f"Peak allocated memory (GB) of the {size} model, batch "
-                       f"{peaks[0]['batch_size'] if peaks else '?'}; bf16 means autocast with fp32 parameters.")
-    figs = {}
-    for row in timelines:
-        # The peak quoted is the peak table's row for the same case, so that caption and table agree.
-        peak = one(peaks, context_length=row["context_length"], dtype=row["dtype"], mode=row["mode"])
-        peak_text = f"; the measured peak of this case, {gb(peak['peak_gb'])}, is in the table below" if peak and peak.get("peak_gb") else ""
-        figs[row["mode"]] = out.existing(
-            row["figure"], f"Active memory over time, {row['size']} model, context {row['context_length']}, "
-            f"{row['dtype']}, {MODE_LABEL.get(row['mode'], row['mode'])}{peak_text}.")
-    params_gb = next((row["params_gb"] for row in peaks if row.get("params_gb")), float("nan"))
+    header = [["", *[span(d, len(PEAK_COLUMNS)) for d in dtypes]],
+              ["context", *[label for _, label in PEAK_COLUMNS] * len(dtypes)]]
+    return table(header, body, f"Peak allocated memory (GB) of the {size} model, batch {batch}, over three steps "
+                 "of a freshly built model (weights included). Inference: the forward pass under "
+                 "torch.inference_mode (no autograd graph); forward: the forward pass with autograd recording, as in "
+                 "training; training step: forward, loss, backward and AdamW. bf16 means autocast with fp32 "
+                 "parameters; a dash: not measured yet.", size=8)
+
+
+def largest_allocations_table(row: dict[str, Any], sizes: dict[int, str]) -> dict[str, Any]:
+    """The largest allocations of one snapshot: size, how often, the innermost model frame, its caller, and the
+    tensor of the model that has this size."""
+    body = []
+    for a in row.get("largest_allocations", [])[:8]:
+        stack = a.get("stack") or [a["source"]]
+        body.append([num(a["mb"], 1), str(a["count"]), a["source"], stack[1] if len(stack) > 1 else DASH,
+                     sizes.get(round(a["mb"] * 2**20), DASH)])
+    caption = (f"Largest allocations in the memory snapshot of the {TIMELINE_MODE[row['mode']]}, {row['dtype']}, "
+               f"context {row['context_length']} (three passes): size, how many times, the innermost frame of the "
+               "model code that made it (file:line function), its caller, and the model tensor of that size.")
+    return table(["MiB", "count", "allocated at", "called from", "tensor of this size"], body, caption,
+                 align=["right", "right", "left", "left", "left"], size=7)
+
+
+def largest_allocation_numbers(row: dict[str, Any] | None, sizes: dict[int, str]) -> dict[str, Any]:
+    if row is None or not row.get("largest_allocations"):
+        return {"pending": True}
+    top = row["largest_allocations"][0]
+    same = [a for a in row["largest_allocations"] if a["mb"] == top["mb"]]
+    return {"pending": False, "mib": num(top["mb"], 0), "count": str(sum(a["count"] for a in same)),
+            "sources": join_words([a["source"] for a in same]), "what": sizes.get(round(top["mb"] * 2**20), DASH)}
+
+
+def memory_timeline_figure(out: Output, row: dict[str, Any] | None, peaks: list[dict]) -> dict[str, str] | None:
+    """The timeline's PNG with its caption (``None`` while the row is missing; a row whose PNG is missing stops the
+    build, naming it)."""
+    if row is None:
+        return None
+    # The peak quoted is the peak table's row for the same case, so that caption and table agree.
+    peak = one(peaks, context_length=row["context_length"], dtype=row["dtype"], mode=row["mode"])
+    peak_text = f"; the measured peak of this case, {gb(peak['peak_gb'])}, is in the table below" if peak and peak.get("peak_gb") else ""
+    bands = "; bands: the sources holding most memory at the peak" if row.get("snapshot") else ""
+    return out.existing(row["figure"], f"Active memory over time, {row['size']} model, context "
+                        f"{row['context_length']}, {row['dtype']}, {STEPS_RECORDED} × "
+                        f"{TIMELINE_MODE.get(row['mode'], row['mode'])}{bands}{peak_text}.")
+
+
+@problem("memory_profiling")
+def memory_profiling(res, out: Output) -> dict[str, Any]:
+    rows = res.rows("memory_profiling")
+    peaks = [row for row in rows if row.get("kind") == "peak"]
+    timelines = [row for row in rows if row.get("kind") == "timeline"]
+    if not peaks:
+        raise Missing(MEMORY_FILE, "no peak rows")
+    size, batch = peaks[0]["size"], peaks[0]["batch_size"]
     hp = MODEL_SIZES[size]
-    batch = peaks[0]["batch_size"] if peaks else timelines[0]["batch_size"]
-    ctx_max = max(contexts) if contexts else timelines[0]["context_length"]
+    ctx_max = max(row["context_length"] for row in peaks)
+    sizes = {}
+    for name, nbytes in accounting.model_tensor_bytes(batch, ctx_max, VOCAB_SIZE, **hp).items():
+        sizes.setdefault(nbytes, name)
+    cases = {"inference_fp32": one(timelines, mode="inference", dtype="fp32"),
+             "inference_bf16": one(timelines, mode="inference", dtype="bf16"),
+             "train_step": one(timelines, mode="train_step", dtype="fp32")}
+    figs = {name: memory_timeline_figure(out, row, peaks) for name, row in cases.items()}
+    tables = {"peaks": memory_peak_table(peaks, size, batch)}
+    for dtype in ("fp32", "bf16"):
+        row = cases[f"inference_{dtype}"]
+        tables[f"allocations_{dtype}"] = largest_allocations_table(row, sizes) if row else None
+    n = memory_numbers(peaks, size, batch, ctx_max)
+    n["e"] = {d: largest_allocation_numbers(cases[f"inference_{d}"], sizes) for d in ("fp32", "bf16")}
+    n["snapshot"] = (cases["inference_fp32"] or {}).get("snapshot") or "memory_2.7B_inference_fp32_ctx512.pickle"
+    return {"tables": tables, "figures": figs, "n": n}
+
+
+def memory_numbers(peaks: list[dict], size: str, batch: int, ctx_max: int) -> dict[str, Any]:
+    """The peaks and sizes the answers quote."""
+    hp = MODEL_SIZES[size]
+    contexts = sorted({row["context_length"] for row in peaks})
+    params_gb = next((row["params_gb"] for row in peaks if row.get("params_gb")), float("nan"))
     residual = accounting.residual_stream_bytes(batch, ctx_max, hp["d_model"], 4)
-    scores = accounting.attention_scores_bytes(batch, hp["num_heads"], ctx_max, 4)
-    ffn = accounting.residual_stream_bytes(batch, ctx_max, hp["d_ff"], 4)
-    weight = hp["d_model"] * hp["d_ff"] * 4
-    train = next((r for r in timelines if r["mode"] == "train_step"), timelines[0])
-    allocations = [[num(a["mb"], 1), str(a["count"]), a["source"]] for a in train.get("largest_allocations", [])[:8]]
-    alloc_table = table(["size (MiB)", "count", "allocated at"], allocations,
-                        f"Largest allocations during the {MODE_LABEL.get(train['mode'])} timeline (size, how many "
-                        "times, and the source line that made them).", align=["right", "right", "left"], size=8)
-    fwd_fp32 = {r["context_length"]: r.get("peak_gb") for r in by(peaks, dtype="fp32", mode="forward")}
-    fwd_bf16 = {r["context_length"]: r.get("peak_gb") for r in by(peaks, dtype="bf16", mode="forward")}
-    step_fp32 = {r["context_length"]: r.get("peak_gb") for r in by(peaks, dtype="fp32", mode="train_step")}
-    c0 = contexts[0] if contexts else None
-    n = {
+    peak = {(mode, dtype): {r["context_length"]: r.get("peak_gb") for r in by(peaks, dtype=dtype, mode=mode)}
+            for mode, _ in PEAK_COLUMNS for dtype in ("fp32", "bf16")}
+    c0 = contexts[0]
+    return {
         "size": size, "batch": str(batch), "ctx": str(ctx_max), "d_model": f"{hp['d_model']:,}",
         "d_ff": f"{hp['d_ff']:,}", "heads": str(hp["num_heads"]),
         "residual_bytes": f"{residual:,}", "residual_mib": num(residual / 2**20, 1), "residual_mb": num(residual / 1e6, 1),
-        "scores_mib": num(scores / 2**20, 0), "ffn_mib": num(ffn / 2**20, 0), "weight_mib": num(weight / 2**20, 0),
+        "scores_mib": num(accounting.attention_scores_bytes(batch, hp["num_heads"], ctx_max, 4) / 2**20, 0),
+        "scores_bf16_mib": num(accounting.attention_scores_bytes(batch, hp["num_heads"], ctx_max, 2) / 2**20, 0),
+        "ffn_mib": num(accounting.residual_stream_bytes(batch, ctx_max, hp["d_ff"], 4) / 2**20, 0),
+        "weight_mib": num(hp["d_model"] * hp["d_ff"] * 4 / 2**20, 0),
         "params_gb": num(params_gb, 1), "state_gb": num(4 * params_gb, 1), "half_params_gb": num(params_gb / 2, 1),
-        "fwd_fp32_c0": gb(fwd_fp32.get(c0)), "fwd_bf16_c0": gb(fwd_bf16.get(c0)), "c0": str(c0),
-        "step_fp32_c0": gb(step_fp32.get(c0)), "step_fp32_cmax": gb(step_fp32.get(ctx_max)),
-        "fwd_fp32_cmax": gb(fwd_fp32.get(ctx_max)), "fwd_bf16_cmax": gb(fwd_bf16.get(ctx_max)),
+        "c0": str(c0),
+        "fwd_fp32_c0": gb(peak["forward", "fp32"].get(c0)), "fwd_bf16_c0": gb(peak["forward", "bf16"].get(c0)),
+        "step_fp32_c0": gb(peak["train_step", "fp32"].get(c0)), "step_fp32_cmax": gb(peak["train_step", "fp32"].get(ctx_max)),
+        "fwd_fp32_cmax": gb(peak["forward", "fp32"].get(ctx_max)), "fwd_bf16_cmax": gb(peak["forward", "bf16"].get(ctx_max)),
+        "inf_fp32_cmax": gb(peak["inference", "fp32"].get(ctx_max)), "inf_bf16_cmax": gb(peak["inference", "bf16"].get(ctx_max)),
+        "inference_measured": bool(peak["inference", "fp32"]),
     }
-    return {"tables": {"peaks": peak_table, "allocations": alloc_table}, "figures": figs, "n": n}
 
 
 # -----------------------------------------------------------------------------------------------
