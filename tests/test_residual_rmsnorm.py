@@ -74,8 +74,10 @@ def test_rejects_mismatched_inputs():
         fused_add_rmsnorm(x, torch.randn(4, 7), weight)
     with pytest.raises(ValueError, match="one shape"):
         fused_add_rmsnorm(x, torch.randn(8), weight)  # no broadcasting
-    with pytest.raises(TypeError, match="one dtype"):
-        fused_add_rmsnorm(x, x.half(), weight)
+    with pytest.raises(TypeError, match="int64 for residual"):
+        fused_add_rmsnorm(x, x.long(), weight)
+    with pytest.raises(TypeError, match="output dtype torch.float64"):
+        fused_add_rmsnorm(x, x, weight, out_dtype=torch.float64)
     with pytest.raises(ValueError, match="last dimension of x must match"):
         fused_add_rmsnorm(x, x, torch.ones(7))
     with pytest.raises(TypeError, match="int64 for x"):
