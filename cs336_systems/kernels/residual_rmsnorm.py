@@ -123,12 +123,12 @@ def check_add_inputs(x: Tensor, residual: Tensor, weight: Tensor) -> None:
     x's device; the dtypes may differ)."""
     if residual.shape != x.shape:
         raise ValueError(f"x and residual must have one shape, got {tuple(x.shape)} and {tuple(residual.shape)}")
-    if residual.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"unsupported dtype {residual.dtype} for residual: the fused RMSNorm takes float16, bfloat16 "
-                        "or float32")
     if residual.device != x.device:
         raise ValueError(f"x and residual must be on one device, got {x.device} and {residual.device}")
     check_inputs(x, weight)
+    if residual.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"unsupported dtype {residual.dtype} for residual: the fused RMSNorm takes float16, bfloat16 "
+                        "or float32")
 
 
 class FusedAddRMSNormFunction(torch.autograd.Function):
