@@ -144,3 +144,19 @@ def test_compiled_blocks_trace_in_one_graph_and_match_eager():
         assert set(traced) == set(eager)
         for name, grad in traced.items():
             torch.testing.assert_close(grad, eager[name], rtol=1e-6, atol=1e-7, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.slow
+def test_leaderboard_rows_of_both_residual_norms(tmp_path):
+    """Our sharded stack on 2 gloo ranks with each choice: one row each, side by side, recording it."""
+    import json
+
+    from cs336_systems.bench import leaderboard_2026
+
+    argv = ["--quick", "--results-dir", str(tmp_path), "--rep-ms", "1", "--warmup-ms", "1", "--stacks", "ours"]
+    for choice in ("separate", "fused"):
+        leaderboard_2026.main([*argv, "--residual-norm", choice])
+    rows = [json.loads(line) for line in (tmp_path / "leaderboard_2026.jsonl").read_text().splitlines()]
+    assert [(row["residual_norm"], row["parts"]["fused_residual_norm"]) for row in rows] == [
+        ("separate", False), ("fused", True)]
+    assert all("residual_norm" in row["config_keys"] and row["step_ms"] > 0 for row in rows)
