@@ -147,6 +147,24 @@ def test_compiled_blocks_trace_in_one_graph_and_match_eager():
 
 
 @pytest.mark.slow
+def test_steps_with_inductor_compiled_blocks_train_alike():
+    """Two training steps of our stack with blocks compiled by Inductor (the operators opaque here) and selective
+    checkpointing: the same losses and parameters with the part on as off."""
+    ids, targets = tokens()
+    results = []
+    for fused in (False, True):
+        model = tiny_model()
+        parts = OURS.with_(compile="blocks", checkpointing=1, keep_attention=True, fused_residual_norm=fused)
+        step = build_training_step(model, parts, autocast_dtype=None)
+        losses = [step(ids, targets) for _ in range(2)]
+        results.append((torch.stack(losses), {name: p.detach() for name, p in model.named_parameters()}))
+    (losses, params), (expected_losses, expected_params) = results
+    torch.testing.assert_close(losses, expected_losses, rtol=1e-6, atol=0)
+    for name, param in params.items():
+        torch.testing.assert_close(param, expected_params[name], rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.slow
 def test_leaderboard_rows_of_both_residual_norms(tmp_path):
     """Our sharded stack on 2 gloo ranks with each choice: one row each, side by side, recording it."""
     import json
