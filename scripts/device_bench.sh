@@ -5,15 +5,57 @@
 # Each argument is one `python -m cs336_systems.bench.<argument>` command. Rows land in writeup/results/
 # (which travelled with the checkout, so finished cases are skipped: a cut-off sweep resumes next call);
 # a command still running at the deadline is stopped, and what it wrote so far is kept.
+#   PART=residual bash scripts/device_bench.sh
+# The residual add fused into our RMSNorm: its GPU tests, the kernel alone against the add and our RMSNorm
+# (scripts/residual_norm_timing.py), then our stack's xl training step with --residual-norm separate and fused in
+# isolated launches, alternating, $RESIDUAL_ROUNDS (2) of each, at each context:batch of $RESIDUAL_SHAPES (512:4),
+# in the variants $RESIDUAL_VARIANTS (default: eager launches). PART=residual_step runs only the training steps:
+#   PART=residual_step RESIDUAL_SHAPES=2048:4 bash scripts/device_bench.sh
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 deadline=$(( $(date +%s) + ${DEADLINE_S:-540} ))
-for command in "$@"; do
-    left=$(( deadline - $(date +%s) ))
-    if (( left < 10 )); then echo "# deadline reached: skipping $command" | tee -a "$OUT/bench.log"; continue; fi
-    echo "# $(date -u +%H:%M:%S) python -m cs336_systems.bench.$command (at most ${left}s)" | tee -a "$OUT/bench.log"
-    # shellcheck disable=SC2086
-    timeout --signal=INT --kill-after=15 "$left" python3 -m cs336_systems.bench.$command 2>&1 \
-        | grep --line-buffered -v 'it/s\]\|s/it\]' | tee -a "$OUT/bench.log"
-done
+log="$OUT/bench.log"
+
+capped() {  # capped SECONDS command...: at most SECONDS, and never past the deadline
+    local left=$(( deadline - $(date +%s) ))
+    local cap=$(( $1 < left ? $1 : left ))
+    shift
+    if (( cap < 10 )); then echo "# deadline reached: skipping $*" | tee -a "$log"; return; fi
+    echo "# $(date -u +%H:%M:%S) (at most ${cap}s) $*" | tee -a "$log"
+    timeout --signal=INT --kill-after=15 "$cap" "$@" 2>&1 | grep --line-buffered -v 'it/s\]\|s/it\]' | tee -a "$log"
+}
+
+residual_steps() {  # our xl step, separate and fused in alternating launches (--force: every launch its own row)
+    for shape in ${RESIDUAL_SHAPES:-512:4}; do
+        for (( round = 1; round <= ${RESIDUAL_ROUNDS:-2}; round++ )); do
+            for choice in separate fused; do
+                # shellcheck disable=SC2086
+                capped 180 python3 -m cs336_systems.bench.train_step --sizes xl --shapes "$shape" --stacks ours \
+                    --variants ${RESIDUAL_VARIANTS:-default} --residual-norm "$choice" --force
+            done
+        done
+    done
+}
+
+case "${PART:-}" in
+"")
+    for command in "$@"; do
+        # shellcheck disable=SC2086
+        capped "$(( deadline - $(date +%s) ))" python3 -m cs336_systems.bench.$command
+    done
+    ;;
+residual)
+    capped 240 python3 -m pytest -q -p no:cacheprovider -m gpu -k residual \
+        tests/test_residual_rmsnorm.py tests/test_residual_stream.py
+    capped 120 python3 scripts/residual_norm_timing.py
+    residual_steps
+    ;;
+residual_step)
+    residual_steps
+    ;;
+*)
+    echo "unknown part ${PART}: residual or residual_step (or none: the arguments are bench commands)" >&2
+    exit 2
+    ;;
+esac
 tar -cf "$OUT/results.tar" writeup/results writeup/figures 2>/dev/null || tar -cf "$OUT/results.tar" writeup/results

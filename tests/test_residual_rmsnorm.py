@@ -74,8 +74,10 @@ def test_rejects_mismatched_inputs():
         fused_add_rmsnorm(x, torch.randn(4, 7), weight)
     with pytest.raises(ValueError, match="one shape"):
         fused_add_rmsnorm(x, torch.randn(8), weight)  # no broadcasting
-    with pytest.raises(TypeError, match="one dtype"):
-        fused_add_rmsnorm(x, x.half(), weight)
+    with pytest.raises(TypeError, match="int64 for residual"):
+        fused_add_rmsnorm(x, x.long(), weight)
+    with pytest.raises(TypeError, match="output dtype torch.float64"):
+        fused_add_rmsnorm(x, x, weight, out_dtype=torch.float64)
     with pytest.raises(ValueError, match="last dimension of x must match"):
         fused_add_rmsnorm(x, x, torch.ones(7))
     with pytest.raises(TypeError, match="int64 for x"):
@@ -189,3 +191,28 @@ def test_torch_compile_keeps_one_graph_on_gpu(fixed_launch):
         results.append((s, y, a.grad, r.grad, w.grad))
     for eager, traced in zip(*results):
         torch.testing.assert_close(traced, eager, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_torch_compile_keeps_one_graph_with_a_bf16_branch_on_a_float32_stream_on_gpu(fixed_launch):
+    """The blocks' use under autocast, compiled with ``fullgraph=True``: a bf16 branch onto a float32 stream, the norm
+    written in bf16, and a last call whose sum is unused (no gradient arrives for it)."""
+    from cs336_systems.kernels.residual_rmsnorm import fused_add_rmsnorm
+
+    x, _, weight, _, _ = make_inputs((4, 64, 768), torch.bfloat16, "cuda", weight_dtype=torch.float32)
+    stream, dy = torch.randn(4, 64, 768, device="cuda"), torch.randn(4, 64, 768, device="cuda").bfloat16()
+
+    def two_norms(a, r, w):
+        s, y = fused_add_rmsnorm(a, r, w, out_dtype=torch.bfloat16)
+        return fused_add_rmsnorm(y, s, w, out_dtype=torch.bfloat16)[1]
+
+    compiled = torch.compile(two_norms, fullgraph=True)
+    results = []
+    for fn in (two_norms, compiled):
+        a, r, w = (t.clone().requires_grad_() for t in (x, stream, weight))
+        y = fn(a, r, w)
+        y.backward(dy)
+        assert (y.dtype, a.grad.dtype, r.grad.dtype) == (torch.bfloat16, torch.bfloat16, torch.float32)
+        results.append((y, a.grad, r.grad, w.grad))
+    for eager, traced in zip(*results):
+        torch.testing.assert_close(traced, eager)

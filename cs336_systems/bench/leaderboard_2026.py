@@ -47,6 +47,11 @@ selective-checkpoint contexts): ``selective`` (every block keeps its attention o
 stack checkpoints as it always has (ours selective, PyTorch's full). Every row records the plan
 (``checkpoint_plan``: its one-line description and predicted peak).
 
+*The residual adds* (``--residual-norm``): ``fused`` runs our stack with each residual add inside the norm that
+reads its sum (the ``fused_residual_norm`` part; ``--check`` then checks that step), ``separate`` as it is by
+default; given either way, our rows record it (``residual_norm``; rows without the key are ``separate``).
+PyTorch's stack keeps its adds and norms.
+
 *The one-GPU proxy* (``--world-size 1``): one rank's work of the two-GPU step, on one GPU: one sequence of
 32,768 tokens (``--per-rank-batch 1``), ``--num-layers`` blocks and the full 151,936-word head, both stacks in the
 same invocation. Our FSDP and FSDP2 run on a one-rank group (their gathers and reductions are copies), so the rows
@@ -76,6 +81,7 @@ from cs336_systems.bench.common.leaderboard_2026_model import (
 )
 from cs336_systems.train import SHARDED_STACKS
 from cs336_systems.train.checkpoint_plan import GiB, CheckpointPlan, uniform_modes
+from cs336_systems.train.step import RESIDUAL_NORMS
 
 PROBLEM = "leaderboard_2026"
 OFFICIAL = dict(rep_ms=30_000, warmup_ms=10_000)
@@ -103,6 +109,9 @@ def parser():
                         "from the last, while they fit); "
                         "'selective' / 'full' in every block. Default: each stack as it has been measured so far "
                         "(ours selective, pytorch full), until 'auto' has been measured on GPUs")
+    p.add_argument("--residual-norm", choices=RESIDUAL_NORMS, default=None,
+                   help="our stack's residual adds fused into its RMSNorm or separate (default: separate, rows "
+                        "without the key)")
     p.add_argument("--memory-margin-gib", type=float, default=DEFAULT_MARGIN_BYTES / GiB,
                    help="memory left out of the auto plan's budget (default 4 GiB: allocator, NCCL, CUDA context)")
     return p
@@ -133,7 +142,7 @@ def run_stack(rank: int, world_size: int, args, stack: str, launched_at: float, 
     plan = rank_plan(args, stack, config, world_size, device)
     if rank == 0:
         print(f"# {stack}: checkpoint plan: {plan.describe()}", file=sys.stderr)
-    step = build(stack, config, device, compute_dtype, block_modes=plan.modes)
+    step = build(stack, config, device, compute_dtype, block_modes=plan.modes, residual_norm=args.residual_norm)
     batch = args.per_rank_batch * world_size
     x, y = batch_of_rank(config, device, rank, world_size, batch)
 
@@ -216,7 +225,8 @@ def _stack_result(args, stack: str, config: dict[str, int], world_size: int, eve
         "param_dtype": "fp32 (master)",
         "compute_dtype": str(compute_dtype).removeprefix("torch."),
         "checkpoint_plan": {"describe": plan.describe(), "predicted_peak_gb": plan.peak_bytes / GB},
-        "parts": dataclasses.asdict(SHARDED_STACKS[stack].with_block_checkpointing(plan.modes)),
+        "parts": dataclasses.asdict(SHARDED_STACKS[stack].with_block_checkpointing(plan.modes)
+                                    .with_residual_norm(args.residual_norm or "separate")),
         "timer": "do_bench_on_ranks (triton do_bench, mean)" if on_gpu else "time_calls (min of 2)",
         "predicted_memory": memory_budget(config, stack, world_size, args.per_rank_batch, modes=plan.modes),
         "loss_after_timing": loss,
@@ -228,8 +238,11 @@ def _write_row(args, stack: str, config: dict[str, int], world_size: int, result
     the other's in the same case."""
     store = result_store.ResultStore(PROBLEM, args.results_dir, args.force)
     case = case_of(args, stack, config, world_size)
-    other = store.newest({**case, "stack": ROW_NAMES["torch" if stack == "ours" else "ours"]})
-    if other is not None and other.get("checkpoint_option") == args.checkpoint_plan:  # the same plan option
+    other_case = case_of(args, "torch" if stack == "ours" else "ours", config, world_size)
+    other = store.newest(other_case)
+    # The same plan option and residual adds (a row without a key matches rows with it: newest reads a subset)
+    if other is not None and all(other.get(key) == other_case.get(key) for key in ("checkpoint_option",
+                                                                                    "residual_norm")):
         step_ms = result["step_ms"]
         ours_ms, pytorch_ms = (step_ms, other["step_ms"]) if stack == "ours" else (other["step_ms"], step_ms)
         result["ours_over_pytorch"] = ours_ms / pytorch_ms
@@ -242,6 +255,8 @@ def case_of(args, stack: str, config: dict[str, int], world_size: int) -> dict[s
     batch = args.per_rank_batch * world_size
     # Rows measured before the option existed checkpoint as the default does: their case has no such key.
     plan = {"checkpoint_option": args.checkpoint_plan} if args.checkpoint_plan else {}
+    if args.residual_norm and SHARDED_STACKS[stack].rmsnorm == "fused":
+        plan["residual_norm"] = args.residual_norm
     return dict(**plan, stack=ROW_NAMES[stack], num_layers=config["num_layers"],
                 context_length=config["context_length"],
                 batch_size=batch, world_size=world_size, rep_ms=args.rep_ms, warmup_ms=args.warmup_ms,
@@ -273,7 +288,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.check:
         with tempfile.TemporaryDirectory() as folder:
             out = os.path.join(folder, "check.json")
-            dl.launch(run_check, world_size, args.stacks, args.quick, out, rank_env, backend=backend,
+            dl.launch(run_check, world_size, args.stacks, args.quick, out, rank_env, args.residual_norm, backend=backend,
                       timeout_s=args.timeout_s)
             if not dl.is_rank0_process():
                 return

@@ -14,10 +14,16 @@ the faster of the torch stack's variants measured for the same size and shape (`
 case runs in a fresh process (``--case``), so no compiled code, cache or allocation of one stack can help or
 hinder the other.
 
+``--residual-norm fused`` runs the stacks whose RMSNorm is ours with each residual add inside the norm that reads
+its sum (the ``fused_residual_norm`` part), ``separate`` without (the stacks' default); given either way, the rows
+of those stacks record it (``residual_norm``), so both choices' rows stand side by side (rows without the key are
+``separate``). PyTorch's stack keeps its adds and norms as they are.
+
     python -m cs336_systems.bench.train_step                              # every size, three shapes, both stacks
     python -m cs336_systems.bench.train_step --sizes xl --shapes 512:4 --stacks ours torch
     python -m cs336_systems.bench.train_step --override attention=sdpa    # ours with one part swapped
     python -m cs336_systems.bench.train_step --variants default           # without CUDA graphs
+    python -m cs336_systems.bench.train_step --sizes xl --shapes 512:4 --stacks ours --residual-norm fused
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ import torch
 from cs336_systems.bench.common import cli, flops, result_store, timing
 from cs336_systems.bench.common.lm import SIZES, VOCAB_SIZE, LMConfig, build_model, random_batch
 from cs336_systems.train import STACKS, build_training_step
+from cs336_systems.train.step import RESIDUAL_NORMS, Parts
 
 PROBLEM = "train_step"
 VARIANTS = {"default": [], "cudagraphs": ["cudagraphs=true"]}
@@ -60,6 +67,8 @@ def parser():
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
                    help="default: eager launches; cudagraphs: forward and backward replayed from a CUDA graph")
     p.add_argument("--override", nargs="*", default=[], help="part=value changes to every stack (e.g. compile=model)")
+    p.add_argument("--residual-norm", choices=RESIDUAL_NORMS, default=None,
+                   help="residual adds fused into our RMSNorm or separate (default: separate, rows without the key)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--phase-steps", type=int, default=3)
@@ -67,8 +76,23 @@ def parser():
     return p
 
 
-def measure(config: LMConfig, stack: str, variant: str, args, device: torch.device) -> dict[str, Any]:
-    parts = STACKS[stack].with_overrides([*VARIANTS[variant], *args.override])
+def case_parts(case: dict[str, Any], overrides: list[str]) -> Parts:
+    """The parts a case measures: its stack's, its variant's and the command line's changes, its residual norm."""
+    parts = STACKS[case["stack"]].with_overrides([*VARIANTS[case["variant"]], *overrides])
+    return parts.with_residual_norm(case.get("residual_norm", "separate"))
+
+
+def residual_norm_key(stack: str, args) -> dict[str, str]:
+    """``{"residual_norm": choice}`` for a stack whose RMSNorm is ours when ``--residual-norm`` is given, else
+    nothing (the rows measured before the option, and PyTorch's stack, have no such key)."""
+    if args.residual_norm is None or STACKS[stack].with_overrides(args.override).rmsnorm != "fused":
+        return {}
+    return {"residual_norm": args.residual_norm}
+
+
+def measure(case: dict[str, Any], args, device: torch.device) -> dict[str, Any]:
+    config = LMConfig(case["size"], case["context_length"], case["batch_size"])
+    parts = case_parts(case, args.override)
     model = build_model(config, device)
     step = build_training_step(model, parts)
     x, y = random_batch(config, device)
@@ -109,9 +133,7 @@ def measure_in_fresh_process(case: dict[str, Any], args) -> dict[str, Any]:
 
 def measure_case(case: dict[str, Any], args, device: torch.device) -> None:
     """The ``--case`` child: measure one case and print its result as one JSON line."""
-    config = LMConfig(case["size"], case["context_length"], case["batch_size"])
-    result = result_store.measure_or_oom(lambda: measure(config, case["stack"], case["variant"], args,
-                                                         device))
+    result = result_store.measure_or_oom(lambda: measure(case, args, device))
     print("RESULT " + json.dumps(result))
 
 
@@ -119,6 +141,7 @@ def fastest_torch_row(store: result_store.ResultStore, case: dict[str, Any]) -> 
     """Of the newest ``torch`` row of each variant for ``case``'s size, shape and settings measured on this device
     (each case runs in its own process anyway, so a row of an earlier invocation compares like one of this), the
     fastest."""
+    case = {key: value for key, value in case.items() if key != "residual_norm"}  # torch's adds are its own
     rows = [store.newest({**case, "stack": "torch", "variant": variant}) for variant in VARIANTS]
     return min((row for row in rows if row and not row.get("oom")), key=lambda row: row["step_ms"], default=None)
 
@@ -149,7 +172,8 @@ def main(argv: list[str] | None = None) -> None:
     # The torch stack first, so that ours' rows find its rows of this run.
     stacks = sorted(args.stacks, key=lambda stack: stack != "torch")
     cases = [dict(size=size, context_length=context, batch_size=batch, stack=stack, variant=variant,
-                  overrides=sorted(args.override), dtype="bf16", warmup=args.warmup, steps=args.steps)
+                  overrides=sorted(args.override), dtype="bf16", warmup=args.warmup, steps=args.steps,
+                  **residual_norm_key(stack, args))
              for size in args.sizes for context, batch in args.shapes for stack in stacks for variant in args.variants]
     pending = store.pending(cases)
     peak_tflops = timing.measure_matmul_tflops(device) if pending else None
@@ -168,7 +192,8 @@ def main(argv: list[str] | None = None) -> None:
             result["ours_over_torch"] = result["step_ms"] / torch_row["step_ms"]
             result["torch_variant"], result["torch_run"] = torch_row["variant"], torch_row["run"]
         store.add(case, result)
-    cli.print_table(store.asked_rows(), ["size", "context_length", "batch_size", "stack", "variant", "step_ms",
+    cli.print_table(store.asked_rows(), ["size", "context_length", "batch_size", "stack", "variant", "residual_norm",
+                                         "step_ms",
                                          "forward_ms", "backward_ms", "optimizer_ms", "mfu", "peak_gb",
                                          "ours_over_torch", "oom"], digits=3)
 

@@ -49,8 +49,8 @@ The residual add fused in (``cs336_systems.kernels.residual_rmsnorm``, which has
 their residual switches on: the forward's ``ADD_RESIDUAL`` adds a residual tile, stores the sum rounded to x's dtype
 and normalises it (a long row's second sweep adds again rather than reading back what other threads stored); the
 backward's ``ADD_DS`` adds a second incoming gradient to ``dx`` before the store. Off, they compile to the plain
-kernels. Not wired into the model: the block must pass its residual to the norm, and under ``torch.compile`` the
-plain model already fuses the add with its norm; whether the fused one pays wants a GPU measurement.
+kernels. The training step's ``fused_residual_norm`` part (``cs336_systems.train.residual_stream``) builds the
+model's blocks on them.
 """
 
 from __future__ import annotations
@@ -452,8 +452,8 @@ def launch_rmsnorm_forward(
     rstd: Float[Tensor, "n_rows"], eps: float, traced: bool = False, residual: Float[Tensor, "n_rows N"] | None = None,
     s: Float[Tensor, "n_rows N"] | None = None,
 ) -> None:
-    """Write ``y`` and ``rstd`` (contiguous) for the rows ``x``; with ``residual`` (x's dtype) normalise
-    ``s = x + residual`` instead, and write it to ``s`` (x's dtype, contiguous)."""
+    """Write ``y`` and ``rstd`` (contiguous) for the rows ``x``; with ``residual`` normalise ``s = x + residual``
+    instead (summed in float32), and write it to ``s`` (contiguous; rounded to its dtype)."""
     n_rows, n_cols = x.shape
     if n_rows == 0:
         return
@@ -466,7 +466,7 @@ def launch_rmsnorm_forward(
             residual.stride(0), s.stride(0))
     # What the configuration and the compilation depend on (nothing while traced: fake tensors have no data).
     key = None if traced else (x.dtype, weight.dtype, y.dtype, x.stride(0), n_cols, aligned(x, weight, residual, s),
-                               rows_key, block_n, add, residual.stride(0))
+                               rows_key, block_n, add, residual.stride(0), residual.dtype, s.dtype)
     _FORWARD(key, lambda tiles: (min(triton.cdiv(n_rows, tiles["BLOCK_M"]), max_programs),), args,
              {"BLOCK_N": block_n, "SINGLE_TILE": single_tile, "ADD_RESIDUAL": add},
              lambda: fixed_config("fwd", n_cols, x.element_size()), traced=traced,
@@ -636,26 +636,32 @@ class FusedRMSNorm(RMSNorm):
     autocast_output: bool = False
 
     def forward(self, x: Float[Tensor, "... d_model"]) -> Float[Tensor, "... d_model"]:
-        out_dtype = None
+        return FusedRMSNormFunction.apply(x, self.weight, self.eps, self.output_dtype(x))
+
+    def output_dtype(self, x: Tensor) -> torch.dtype | None:
+        """The dtype the norm of ``x`` is written in: the autocast dtype under ``autocast_output``, else None (the
+        input's)."""
         if self.autocast_output and torch.is_autocast_enabled(x.device.type):
-            out_dtype = torch.get_autocast_dtype(x.device.type)
-        return FusedRMSNormFunction.apply(x, self.weight, self.eps, out_dtype)
+            return torch.get_autocast_dtype(x.device.type)
+        return None
 
 
-def use_fused_rmsnorm(model: nn.Module, enabled: bool = True, autocast_output: bool = False) -> nn.Module:
-    """Swap every ``RMSNorm`` in ``model`` for a :class:`FusedRMSNorm` (``enabled=False``: back), in place.
+def use_fused_rmsnorm(model: nn.Module, enabled: bool = True, autocast_output: bool = False,
+                      norm_class: type[FusedRMSNorm] = FusedRMSNorm) -> nn.Module:
+    """Swap every ``RMSNorm`` in ``model`` (plain or fused) for a ``norm_class`` (:class:`FusedRMSNorm` or a
+    subclass; ``enabled=False``: back to the plain one), in place.
 
     The new modules share the old ones' ``weight`` parameters (same tensors), so optimizers and state
     dicts keep working. ``autocast_output``: see :class:`FusedRMSNorm`. Returns ``model``.
     """
-    source, target = (RMSNorm, FusedRMSNorm) if enabled else (FusedRMSNorm, RMSNorm)
-    if type(model) is source:
+    target = norm_class if enabled else RMSNorm
+    if isinstance(model, RMSNorm):
         raise TypeError(f"use_fused_rmsnorm swaps the norms inside a model; for a lone norm build a {target.__name__}")
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if enabled and type(child) is FusedRMSNorm:
+            if enabled and type(child) is target:
                 child.autocast_output = autocast_output
-            elif type(child) is source:
+            elif isinstance(child, RMSNorm) and type(child) is not target:
                 replacement = target(child.weight.shape[0], eps=child.eps, device="meta")
                 replacement.weight = child.weight
                 replacement.train(child.training)

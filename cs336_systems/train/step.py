@@ -15,6 +15,7 @@ chosen by name in :class:`Parts`, so that the two stacks the benchmarks race dif
 | ``block_checkpointing`` | per block, what its backward recomputes (in place of ``checkpointing`` and ``keep_attention``): ``keep`` (nothing), ``selective`` (all but the attention output, as ``keep_attention``) or ``full`` (the whole block), each block through ``torch.utils.checkpoint``; empty: off. Chosen from the memory a rank has by :mod:`cs336_systems.train.checkpoint_plan` |
 | ``sharding`` | ``none`` (one process, or any data-parallel wrapper around the step), ``ours`` (our FSDP by blocks) or ``fsdp2`` (``fully_shard`` per block and root); sharded stacks hold fp32 master weights and compute in the step's bf16 dtype (no autocast), gradients reduced in fp32 |
 | ``cudagraphs`` | capture the forward, loss and backward in one CUDA graph on the first call (after two warm-up passes on a side stream, which do not train) and replay it with the batch copied into static inputs: a step then costs the host one replay and the optimizer's launches (the optimizer runs outside the graph: the update's bias corrections are host scalars). One GPU, unsharded |
+| ``fused_residual_norm`` | each residual add runs inside the norm that reads its sum (``ln2``, the next block's ``ln1``, ``ln_final``): one Triton kernel writes the sum and its norm, one computes both gradients (:mod:`cs336_systems.train.residual_stream`); needs ``rmsnorm='fused'``. Off: the add and the norm are separate operations (fused with each other only as far as ``torch.compile`` does) |
 | ``weights`` | ``fp32`` (every parameter float32, cast by autocast at each use) or ``bf16``: the linear layers' weights held in bf16, trained through float32 master weights that our fused AdamW keeps and rounds back after each update (the matmuls then read them with no cast, in forward and backward, and their gradients are bf16); needs the fused optimizer, bf16 autocast and one GPU |
 
 :data:`STACKS` names the two compared stacks: ``ours`` (our attention operator, fused RMSNorm, fused
@@ -48,12 +49,19 @@ from cs336_basics.model import BasicsTransformerLM, Linear
 from cs336_basics.optimizer import AdamW
 from cs336_systems.attention import ATTENTION_NAMES, get_attention
 from cs336_systems.train.checkpoint_plan import check_modes
+from cs336_systems.train.residual_stream import (
+    block_groups,
+    hidden_states_with_fused_residual_norm,
+    use_fused_residual_norm,
+)
 
 ADAMW_HYPERPARAMETERS = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 COMPILE_MODES = ("none", "blocks", "model")
 LOSSES = ("plain", "chunked", "fused")
 LOSS_CHUNK_TOKENS = 4096  # the ``chunked`` loss: 4,096 tokens of a 151,936-word head are 1.2 GB of bf16 logits
 OPTIMIZERS = ("basics", "torch_fused", "torch_foreach", "fused")
+RESIDUAL_NORMS = ("separate", "fused")
+"""The benchmarks' ``--residual-norm`` choices: the ``fused_residual_norm`` part off or on."""
 SHARDINGS = ("none", "ours", "fsdp2")
 WEIGHTS = ("fp32", "bf16")
 
@@ -73,6 +81,7 @@ class Parts:
     cudagraphs: bool = False
     weights: str = "fp32"
     block_checkpointing: tuple[str, ...] = ()
+    fused_residual_norm: bool = False
 
     def __post_init__(self):
         for name, value, allowed in (("attention", self.attention, ATTENTION_NAMES),
@@ -97,6 +106,8 @@ class Parts:
                              "optimizer='fused' and sharding='none'")
         if self.cudagraphs and self.sharding != "none":
             raise ValueError("cudagraphs captures a one-GPU step: use it with sharding='none'")
+        if self.fused_residual_norm and self.rmsnorm != "fused":
+            raise ValueError("fused_residual_norm adds the residual inside our RMSNorm kernel: it needs rmsnorm='fused'")
 
     def with_(self, **changes) -> Parts:
         unknown = sorted(set(changes) - {f.name for f in fields(self)})
@@ -125,7 +136,7 @@ class Parts:
                 if not value.isdigit():
                     raise ValueError(f"checkpointing is a group size (0, 1, 2, ...), not {value!r}")
                 changes[name] = int(value)
-            elif name in ("keep_attention", "cudagraphs"):
+            elif name in ("keep_attention", "cudagraphs", "fused_residual_norm"):
                 if value.lower() not in ("1", "true", "yes", "0", "false", "no"):
                     raise ValueError(f"{name} is true or false, not {value!r}")
                 changes[name] = value.lower() in ("1", "true", "yes")
@@ -134,6 +145,13 @@ class Parts:
             else:
                 changes[name] = value
         return self.with_(**changes)
+
+    def with_residual_norm(self, choice: str) -> Parts:
+        """These parts with the residual adds ``separate`` from the norms or ``fused`` into them
+        (:data:`RESIDUAL_NORMS`); parts whose RMSNorm is PyTorch's keep theirs separate, as they must."""
+        if choice not in RESIDUAL_NORMS:
+            raise ValueError(f"unknown residual norm {choice!r}; choose one of {', '.join(RESIDUAL_NORMS)}")
+        return self.with_(fused_residual_norm=choice == "fused" and self.rmsnorm == "fused")
 
 
 STACKS: dict[str, Parts] = {
@@ -233,16 +251,26 @@ def apply_parts(model: BasicsTransformerLM, parts: Parts) -> BasicsTransformerLM
         from cs336_systems.kernels.rmsnorm import use_fused_rmsnorm
 
         use_fused_rmsnorm(model, autocast_output=True)
+    if parts.fused_residual_norm:
+        use_fused_residual_norm(model, autocast_output=True)
     model.set_activation_checkpointing(parts.checkpointing, keep_attention_context if parts.keep_attention else None)
     return model
+
+
+def checkpoint_options(mode: str) -> dict | None:
+    """The ``torch.utils.checkpoint`` options of a block whose backward recomputes what ``mode`` says (``keep``:
+    None, not checkpointed)."""
+    if mode == "keep":
+        return None
+    return {"context_fn": keep_attention_context} if mode == "selective" else {}
 
 
 def checkpointed_block(block: nn.Module, x: Float[Tensor, "batch seq d_model"], mode: str) -> Tensor:
     """``block(x)``, its backward recomputing what ``mode`` says (``keep``, ``selective``, ``full``). The block is
     called as a module inside the checkpoint, so a sharding wrapper's hooks run again in the recomputation."""
-    if mode == "keep" or not torch.is_grad_enabled():
+    options = checkpoint_options(mode)
+    if options is None or not torch.is_grad_enabled():
         return block(x)
-    options = {"context_fn": keep_attention_context} if mode == "selective" else {}
     return torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False, **options)
 
 
@@ -259,16 +287,22 @@ class LanguageModelLoss(nn.Module):
     """``model``'s mean next-token loss: its final hidden states, then ``head(hidden, model.lm_head, targets)``.
     One module, so that a sharding wrapper sees the whole step's forward (the fused head reads the LM head's
     weight without calling the module). ``block_modes``: what each block's backward recomputes (empty: as the
-    model's own checkpointing says)."""
+    model's own checkpointing says). ``fused_residual_norm``: the model's blocks pass the residual stream and the
+    pending branch output (:mod:`cs336_systems.train.residual_stream`)."""
 
-    def __init__(self, model: BasicsTransformerLM, head: Callable, block_modes: tuple[str, ...] = ()):
+    def __init__(self, model: BasicsTransformerLM, head: Callable, block_modes: tuple[str, ...] = (),
+                 fused_residual_norm: bool = False):
         super().__init__()
         if block_modes and len(block_modes) != len(model.layers):
             raise ValueError(f"{len(block_modes)} checkpoint modes for a model of {len(model.layers)} blocks")
         self.model, self.head, self.block_modes = model, head, block_modes
+        self.fused_residual_norm = fused_residual_norm
 
     def forward(self, token_ids: Int[Tensor, "batch seq"], targets: Int[Tensor, "batch seq"]) -> Tensor:
-        if self.block_modes:
+        if self.fused_residual_norm:
+            groups = block_groups(self.model, self.block_modes, checkpoint_options)
+            hidden = hidden_states_with_fused_residual_norm(self.model, token_ids, groups)
+        elif self.block_modes:
             hidden = hidden_states_by_block(self.model, token_ids, self.block_modes)
         else:
             hidden = self.model.hidden_states(token_ids)
@@ -339,7 +373,8 @@ class TrainingStep:
         head = LOSS_HEADS[parts.loss]
         if parts.compile == "blocks" and not sharded:
             head = torch.compile(head)  # the blocks are compiled modules (below); the loss head is one more graph
-        self.net = shard(LanguageModelLoss(model, head, parts.block_checkpointing), parts.sharding, autocast_dtype)
+        net = LanguageModelLoss(model, head, parts.block_checkpointing, parts.fused_residual_norm)
+        self.net = shard(net, parts.sharding, autocast_dtype)
         if parts.compile == "blocks":
             for block in model.layers:
                 compile_block(block, parts.sharding)

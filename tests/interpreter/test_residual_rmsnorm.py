@@ -156,9 +156,10 @@ def test_operators_pass_opcheck():
     """Schema and shape functions of both operators (their autograd is the Function's)."""
     x, residual, weight, dy, ds = make_inputs((6, 40), torch.float32, "cpu")
     forward = torch.ops.cs336_systems.add_rmsnorm_forward.default
-    torch.library.opcheck(forward, (x, residual, weight, 1e-5),
-                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
-    s, _, rstd = forward(x, residual, weight, 1e-5)
+    for inputs in [(x, residual, weight, 1e-5, torch.float32), (x.half(), residual, weight, 1e-5, torch.float16)]:
+        torch.library.opcheck(forward, inputs,
+                              test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+    s, _, rstd = forward(x, residual, weight, 1e-5, torch.float32)
     backward = torch.ops.cs336_systems.add_rmsnorm_backward.default
     for compute_dx, compute_dw in [(True, True), (False, True), (True, False)]:
         torch.library.opcheck(backward, (dy, ds, s, weight, rstd, compute_dx, compute_dw),

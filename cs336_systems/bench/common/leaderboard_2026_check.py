@@ -21,14 +21,17 @@ from cs336_systems.train.step import ADAMW_HYPERPARAMETERS
 
 
 def build(stack: str, config: dict[str, int], device: torch.device, compute_dtype: torch.dtype,
-          block_modes: tuple[str, ...] | None = None):
+          block_modes: tuple[str, ...] | None = None, residual_norm: str | None = None):
     """The training step of ``stack`` on a fresh model of ``config`` (seed 0: the same weights on every rank);
-    ``block_modes``: each block's checkpoint mode, in place of the stack's own checkpointing."""
+    ``block_modes``: each block's checkpoint mode, in place of the stack's own checkpointing; ``residual_norm``:
+    the residual adds ``fused`` into the norms or ``separate`` (None: as the stack has them)."""
     torch.manual_seed(0)
     model = BasicsTransformerLM(**config, device=device)
     parts = SHARDED_STACKS[stack]
     if block_modes is not None:
         parts = parts.with_block_checkpointing(block_modes)
+    if residual_norm is not None:
+        parts = parts.with_residual_norm(residual_norm)
     if device.type != "cuda":
         parts = parts.with_(compile="none")  # Inductor on CPU ranks would only cost minutes
     return build_training_step(model, parts, autocast_dtype=compute_dtype)
@@ -63,10 +66,12 @@ def reference_step(config: dict[str, int], device: torch.device, compute_dtype: 
     return loss.item(), params
 
 
-def run_check(rank: int, world_size: int, stacks: list[str], quick: bool, out_path: str, rank_env: dict[str, str]) -> None:
+def run_check(rank: int, world_size: int, stacks: list[str], quick: bool, out_path: str, rank_env: dict[str, str],
+              residual_norm: str | None = None) -> None:
     """One rank of the check: each of ``stacks`` steps once from the same weights; rank 0 compares the losses and
     updates with :func:`reference_step` and writes the report (JSON) to ``out_path``. ``rank_env``: environment
-    variables the libraries read (e.g. ``TRITON_INTERPRET``), set before anything is built."""
+    variables the libraries read (e.g. ``TRITON_INTERPRET``), set before anything is built; ``residual_norm``: as
+    :func:`build`'s."""
     os.environ.update(rank_env)
     device = dl.rank_device()
     on_gpu = device.type == "cuda"
@@ -74,7 +79,7 @@ def run_check(rank: int, world_size: int, stacks: list[str], quick: bool, out_pa
     compute_dtype = torch.bfloat16 if on_gpu else torch.float32
     results = {}
     for stack in stacks:
-        step = build(stack, config, device, compute_dtype)
+        step = build(stack, config, device, compute_dtype, residual_norm=residual_norm)
         x, y = batch_of_rank(config, device, rank, world_size, BATCH)
         initial = full_parameters(step)
         loss = step(x, y).float().reshape(1)

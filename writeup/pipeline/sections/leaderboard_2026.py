@@ -83,10 +83,11 @@ def load_proxy(res) -> dict[str, dict[str, Any]]:
 
 
 def _newest_of_both_stacks(res, accept: Callable[[dict[str, Any]], bool]) -> dict[str, dict[str, Any]] | None:
-    """The newest row of each stack among the ``leaderboard_2026`` rows ``accept`` takes, if both exist and come from
-    one commit (each stack runs in its own ranks, hence its own run id), by stack; else None."""
+    """The newest row of each stack among the ``leaderboard_2026`` rows ``accept`` takes (of the stacks as defined:
+    residual adds separate from the norms), if both exist and come from one commit (each stack runs in its own
+    ranks, hence its own run id), by stack; else None."""
     rows = [r for r in res.log_rows("leaderboard_2026", measured=lambda row: False)
-            if r.get("stack") in STACKS and accept(r)]
+            if r.get("stack") in STACKS and r.get("residual_norm", "separate") == "separate" and accept(r)]
     latest = {r["stack"]: r for r in sorted(rows, key=lambda r: r["run"])}
     if set(latest) != set(STACKS) or len({r["env"].get("commit") for r in latest.values()}) != 1:
         return None

@@ -52,6 +52,8 @@ PART_NAMES = {
     ("cudagraphs", True): "forward, loss and backward replayed as one graph, optimizer outside",
     ("weights", "fp32"): "fp32 (autocast casts them to bf16)",
     ("weights", "bf16"): "linear layers bf16, fp32 masters in the optimizer",
+    ("fused_residual_norm", False): "separate from the norms",
+    ("fused_residual_norm", True): "each inside the RMSNorm kernel that reads the sum",
 }
 # A row's ``parts`` may leave out a part at its default (cs336_systems/train/step.py StepParts).
 PART_DEFAULTS = {"weights": "fp32", "cudagraphs": False}
@@ -93,8 +95,10 @@ Case = dict[tuple[str, str], dict[str, Any]]  # (stack, variant) -> row
 
 def new_protocol(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The rows of the current protocol (those with a ``variant``: both stacks in both variants, ours against
-    torch's faster variant), without overrides, on the device with the most such rows."""
-    rows = [r for r in rows if r.get("variant") in VARIANTS and not r.get("overrides") and r.get("stack") in STACKS]
+    torch's faster variant), without overrides and with the residual adds separate from the norms (the stacks as
+    defined), on the device with the most such rows."""
+    rows = [r for r in rows if r.get("variant") in VARIANTS and not r.get("overrides") and r.get("stack") in STACKS
+            and r.get("residual_norm", "separate") == "separate"]
     if not rows:
         return []
     device = main_device(rows)
