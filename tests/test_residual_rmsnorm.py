@@ -189,8 +189,10 @@ def test_torch_compile_keeps_one_graph_on_gpu(fixed_launch):
         s, y = fn(a, r, w)
         torch.autograd.backward((s, y), (ds, dy))
         results.append((s, y, a.grad, r.grad, w.grad))
+    # Inductor fuses the surrounding product and the gradient sums into its own kernels, which may round an element
+    # of a bf16 result the other way: one bf16 ulp apart is the same computation
     for eager, traced in zip(*results):
-        torch.testing.assert_close(traced, eager, rtol=0, atol=0)
+        torch.testing.assert_close(traced, eager, rtol=2**-7, atol=2**-7)
 
 
 @pytest.mark.gpu
@@ -214,5 +216,7 @@ def test_torch_compile_keeps_one_graph_with_a_bf16_branch_on_a_float32_stream_on
         y.backward(dy)
         assert (y.dtype, a.grad.dtype, r.grad.dtype) == (torch.bfloat16, torch.bfloat16, torch.float32)
         results.append((y, a.grad, r.grad, w.grad))
+    # the float32 stream's gradient passes through bf16 norms: an element rounded the other way by Inductor's fused
+    # sums moves it by a bf16 ulp of its terms
     for eager, traced in zip(*results):
-        torch.testing.assert_close(traced, eager)
+        torch.testing.assert_close(traced, eager, rtol=2**-7, atol=1e-4)
