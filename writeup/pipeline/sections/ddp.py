@@ -360,7 +360,7 @@ def trace_figure(out: Output, row: dict[str, Any] | None) -> dict[str, str] | No
     if row is None:
         return None
     caption = (f"Profiler timeline of one training step, {VARIANT_LABEL[row['variant']]} DDP, {row.get('dtype')}, "
-               f"{row.get('device')}: per rank, the phases, the compute kernels and the NCCL kernels (green where "
+               f"{row.get('world_size')} ranks on {row.get('device')}: per rank, the phases, the compute kernels and the NCCL kernels (green where "
                "they overlap computation).")
     # A path on the GPU machine: Output.existing falls back to the same name in the figures directory.
     return out.existing(row["trace_figure"], caption)
