@@ -249,6 +249,18 @@ def test_a_phase_launched_from_another_thread_spans_the_kernels_it_launched():
     assert phases == {"forward": (0.0, 10.0), "backward": (12.0, 31.0)}
 
 
+def test_a_phase_whose_gpu_annotation_is_shorter_than_its_launches_is_widened_to_them():
+    """Real traces: the main thread launches a kernel or two of the backward (the loss's gradient), so the range has a
+    short GPU annotation; the lane still spans what autograd's thread launched during the range."""
+    events = [kernel("forward", 0, 10, 7, cat="gpu_user_annotation"), kernel("sgemm", 0, 10, 7),
+              kernel("backward", 9, 20, 100, cat="user_annotation"),
+              kernel("backward", 10, 11, 7, cat="gpu_user_annotation"),  # the loss's gradient kernel only
+              *launched("sgemm_backward", 12, 25, 9.5, 1), *launched("elementwise", 25, 31, 19, 2)]
+    phases = {s.name: (round(s.start_ms, 3), round(s.end_ms, 3))
+              for s in timeline.timeline_from_trace({"traceEvents": events}).phases}
+    assert phases == {"forward": (0.0, 10.0), "backward": (12.0, 31.0)}
+
+
 def test_timeline_from_a_cpu_only_trace():
     """gloo: the collective runs on gloo's thread; compute is the busiest thread's operators."""
     events = [

@@ -139,9 +139,14 @@ def timeline_from_trace(trace: dict[str, Any] | list[dict[str, Any]], phases: tu
         phase_events = [e for e in events if e.get("cat") == "gpu_user_annotation" and e["name"] in phases]
         if not phase_events:
             phase_events = [e for e in events if e.get("cat") == "user_annotation" and e["name"] in phases]
-        else:
-            drawn = {e["name"] for e in phase_events}
-            phase_events += _phases_from_launches(trace, [p for p in phases if p not in drawn])
+        else:  # a range's GPU annotation covers only what its own thread launched: widen it to its launches
+            counts = Counter(e["name"] for e in phase_events)
+            widest = {e["name"]: e for e in phase_events if counts[e["name"]] == 1}
+            for e in _phases_from_launches(trace, [p for p in phases if counts[p] <= 1]):
+                known = widest.get(e["name"])
+                if known is None or e["dur"] > known["dur"]:
+                    widest[e["name"]] = e
+            phase_events = [e for e in phase_events if counts[e["name"]] > 1] + list(widest.values())
     else:
         source = "cpu"
         operators = [e for e in events if e.get("cat") in ("cpu_op", "user_annotation")]
