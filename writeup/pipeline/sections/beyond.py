@@ -115,7 +115,8 @@ def _against_rivals(grid: dict[tuple, dict[str, Any]]) -> list[dict[str, Any]]:
     measured there (``ratio``, from GB/s) and which one that was; ``grid`` is keyed (provider, pass, M, N, dtype)."""
     cases = []
     for (provider, pass_, m, n_cols, dtype), row in grid.items():
-        rivals = [(grid[(p, pass_, m, n_cols, dtype)]["gbps"], p) for p in RIVALS if (p, pass_, m, n_cols, dtype) in grid]
+        rivals = [(grid[(p, pass_, m, n_cols, dtype)]["gbps"], p) for p in RIVALS
+                  if (p, pass_, m, n_cols, dtype) in grid]
         if provider == "ours" and m * n_cols >= LARGE_SHAPE and rivals:
             best, rival = max(rivals)
             cases.append({"dtype": dtype, "pass": pass_, "m": m, "n": n_cols, "ratio": row["gbps"] / best,
@@ -167,7 +168,8 @@ def _copy_share_text(grid: dict[tuple, dict[str, Any]], dtypes: list[str]) -> li
                 continue
             unsteady = sorted((r for r in rows if _unsteady(r)), key=lambda r: (r["rows"], r["cols"]))
             steady = [r for r in rows if not _unsteady(r)]
-            apart = unsteady and steady and max(r["copy_share"] for r in unsteady) < min(r["copy_share"] for r in steady)
+            apart = (unsteady and steady
+                     and max(r["copy_share"] for r in unsteady) < min(r["copy_share"] for r in steady))
             text = f"{dtype} {PASS_NAMES[pass_]}: {_share_range(steady if apart else rows)}"
             if apart:
                 spans = [_time_span(r) for r in unsteady]
@@ -182,8 +184,9 @@ def _rival_share(grid: dict[tuple, dict[str, Any]], pass_: str) -> dict[str, str
     """The share of the copy bandwidth of the faster rival at each shape of at least ``LARGEST_SHAPES`` elements:
     its range and median over shapes and dtypes."""
     shares = []
-    for (p, q, m, n_cols, d), r in grid.items():
-        rivals = [grid[(rival, q, m, n_cols, d)].get("copy_share") for rival in RIVALS if (rival, q, m, n_cols, d) in grid]
+    for p, q, m, n_cols, d in grid:
+        rivals = [grid[(rival, q, m, n_cols, d)].get("copy_share") for rival in RIVALS
+                  if (rival, q, m, n_cols, d) in grid]
         if (p, q) == ("ours", pass_) and m * n_cols >= LARGEST_SHAPES and rivals and None not in rivals:
             shares.append(max(rivals))
     if not shares:
