@@ -601,7 +601,7 @@ def test_residual_norm_table_and_step_come_from_the_rows(fixture_data):
     assert (r["separate"]["launches"], r["separate"]["median"], r["separate"]["spread"]) == ("112.0, 110.0",
                                                                                              "111.0", "2 %")
     assert (r["fused"]["launches"], r["fused"]["median"], r["fused"]["spread"]) == ("118.0, 109.0", "113.5", "8 %")
-    assert r["verdict"] == "none" and r["change"] == "2 %"
+    assert (r["verdict"], r["change"], r["direction"]) == ("none", "2 %", "above")
     assert r["step_setup"] == "xl model, context 512, batch 4, bf16, our stack without CUDA graphs"
 
 

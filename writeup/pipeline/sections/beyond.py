@@ -335,7 +335,7 @@ def _residual_step_numbers(res) -> dict[str, Any]:
     # A difference of the medians within the spread of either choice's launches is not a measured one.
     change = statistics.median(steps["fused"]) / statistics.median(steps["separate"]) - 1
     noise = max(max(t) / min(t) - 1 for t in steps.values())
-    n["change"] = pct(abs(change))
+    n["change"], n["direction"] = pct(abs(change)), "above" if change > 0 else "below"
     n["verdict"] = "none" if abs(change) <= noise else ("saving" if change < 0 else "slower")
     return n
 
