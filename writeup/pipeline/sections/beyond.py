@@ -4,6 +4,7 @@ FlashAttention optimisation log."""
 from __future__ import annotations
 
 import re
+import statistics
 from typing import Any
 
 from cs336_systems.bench import flash_log
@@ -102,6 +103,110 @@ def _ratio_text(at: dict[tuple, dict[str, Any]], providers: list[str], cols: lis
     return "; ".join(parts) or DASH
 
 
+LARGE_SHAPE = 1 << 24  # elements (M × N) from which ours is set against the fastest other kernel
+LARGEST_SHAPES = 1 << 26  # elements from which its share of the copy bandwidth is quoted
+RIVALS = ("compile", "liger", "quack")
+CLOSE = 0.05  # a shortfall within 5 % is counted, a larger one named
+STEADY = 0.05  # a time whose 20th to 80th percentile spans at most 5 % of its median
+
+
+def _against_rivals(grid: dict[tuple, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per shape of at least ``LARGE_SHAPE`` elements, dtype and pass: ours over the fastest of the rival kernels
+    measured there (``ratio``, from GB/s) and which one that was; ``grid`` is keyed (provider, pass, M, N, dtype)."""
+    cases = []
+    for (provider, pass_, m, n_cols, dtype), row in grid.items():
+        rivals = [(grid[(p, pass_, m, n_cols, dtype)]["gbps"], p) for p in RIVALS
+                  if (p, pass_, m, n_cols, dtype) in grid]
+        if provider == "ours" and m * n_cols >= LARGE_SHAPE and rivals:
+            best, rival = max(rivals)
+            cases.append({"dtype": dtype, "pass": pass_, "m": m, "n": n_cols, "ratio": row["gbps"] / best,
+                          "rival": rival, "unsteady": _unsteady(row)})
+    return sorted(cases, key=lambda c: (c["dtype"], rmsnorm_bench.PASSES.index(c["pass"]), c["m"], c["n"]))
+
+
+def _against_table(cases: list[dict[str, Any]], cols: list[int], rivals: str) -> dict[str, Any]:
+    """One line per (dtype, pass, M), one column per N: ours over the fastest rival."""
+    lines: dict[tuple[str, str, int], dict[int, float]] = {}
+    for c in cases:
+        lines.setdefault((c["dtype"], c["pass"], c["m"]), {})[c["n"]] = c["ratio"]
+    body = [[dtype, PASS_NAMES[pass_], f"{m:,}", *[num(ratios.get(n), 2) if n in ratios else DASH for n in cols]]
+            for (dtype, pass_, m), ratios in lines.items()]
+    return table(["dtype", "pass", "M", *[f"N = {n:,}" for n in cols]], body,
+                 f"Ours over the faster of {rivals} at each shape of at least {LARGE_SHAPE / 2**20:g}M elements "
+                 "(M × N; smaller shapes: –): ratio of effective bandwidths, above 1 where ours is faster.",
+                 align=["left", "left", "right", *["right"] * len(cols)], size=7)
+
+
+def _against_text(cases: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per dtype and pass (``items``): at how many shapes ours is at least as fast as the fastest rival, at how
+    many within ``CLOSE`` of it, and the shapes where it is further behind with its ratio; and how many of those
+    larger shortfalls are at shapes where our time is unsteady."""
+    items = []
+    for dtype in sorted({c["dtype"] for c in cases}):
+        for pass_ in rmsnorm_bench.PASSES:
+            these = [c for c in cases if (c["dtype"], c["pass"]) == (dtype, pass_)]
+            if not these:
+                continue
+            close = sum(1 - CLOSE <= c["ratio"] < 1 for c in these)
+            far = [f"{c['m']:,} × {c['n']:,} ({num(c['ratio'], 2)})" for c in these if c["ratio"] < 1 - CLOSE]
+            text = (f"{dtype} {PASS_NAMES[pass_]}: at least as fast at {sum(c['ratio'] >= 1 for c in these)} of "
+                    f"{len(these)} shapes" + (f", within {pct(CLOSE)} at {close}" if close else ""))
+            items.append(text + (f", further behind at {', '.join(far)}" if far else "") + ".")
+    far = [c for c in cases if c["ratio"] < 1 - CLOSE]
+    return {"items": items, "far": len(far), "far_unsteady": sum(c["unsteady"] for c in far)}
+
+
+def _copy_share_text(grid: dict[tuple, dict[str, Any]], dtypes: list[str]) -> list[str]:
+    """Ours' share of the copy bandwidth at the shapes of at least ``LARGEST_SHAPES`` elements, one item per dtype
+    and pass; where the lowest shares are all at shapes whose time is unsteady, those are quoted apart."""
+    items = []
+    for dtype in dtypes:
+        for pass_ in rmsnorm_bench.PASSES:
+            rows = [r for (p, q, m, n_cols, d), r in grid.items()
+                    if (p, q, d) == ("ours", pass_, dtype) and m * n_cols >= LARGEST_SHAPES and r.get("copy_share")]
+            if not rows:
+                continue
+            unsteady = sorted((r for r in rows if _unsteady(r)), key=lambda r: (r["rows"], r["cols"]))
+            steady = [r for r in rows if not _unsteady(r)]
+            apart = (unsteady and steady
+                     and max(r["copy_share"] for r in unsteady) < min(r["copy_share"] for r in steady))
+            text = f"{dtype} {PASS_NAMES[pass_]}: {_share_range(steady if apart else rows)}"
+            if apart:
+                spans = [_time_span(r) for r in unsteady]
+                text += (f" at {len(steady)} of {len(rows)} shapes, {_share_range(unsteady)} at the other "
+                         f"{len(unsteady)} (" + ", ".join(f"{r['rows']:,} × {r['cols']:,}" for r in unsteady) +
+                         f"), where our time is unsteady ({spread(min(spans), max(spans), pct)} of the median)")
+            items.append(text + ".")
+    return items
+
+
+def _rival_share(grid: dict[tuple, dict[str, Any]], pass_: str) -> dict[str, str]:
+    """The share of the copy bandwidth of the faster rival at each shape of at least ``LARGEST_SHAPES`` elements:
+    its range and median over shapes and dtypes."""
+    shares = []
+    for p, q, m, n_cols, d in grid:
+        rivals = [grid[(rival, q, m, n_cols, d)].get("copy_share") for rival in RIVALS
+                  if (rival, q, m, n_cols, d) in grid]
+        if (p, q) == ("ours", pass_) and m * n_cols >= LARGEST_SHAPES and rivals and None not in rivals:
+            shares.append(max(rivals))
+    if not shares:
+        return {"range": DASH, "median": DASH}
+    return {"range": spread(min(shares), max(shares), pct), "median": pct(statistics.median(shares))}
+
+
+def _time_span(row: dict[str, Any]) -> float:
+    """The 20th to 80th percentile of a kernel's time over its median (0 where the row has no percentiles)."""
+    return (row["ms_p80"] - row["ms_p20"]) / row["ms"] if "ms_p20" in row and "ms_p80" in row else 0.0
+
+
+def _unsteady(row: dict[str, Any]) -> bool:
+    return _time_span(row) > STEADY
+
+
+def _share_range(rows: list[dict[str, Any]]) -> str:
+    return spread(min(r["copy_share"] for r in rows), max(r["copy_share"] for r in rows), pct)
+
+
 @problem("rmsnorm")
 def rmsnorm(res, out: Output) -> dict[str, Any]:
     kernel, model = load_rmsnorm(res)
@@ -109,26 +214,130 @@ def rmsnorm(res, out: Output) -> dict[str, Any]:
                          "grid": (f"M in {{{', '.join(f'{m:,}' for m in rmsnorm_bench.ROWS)}}} rows × N in "
                                   f"{{{', '.join(f'{c:,}' for c in rmsnorm_bench.COLS)}}}"),
                          "all_providers": ", ".join(rmsnorm_bench.PROVIDERS)}
+    residual = residual_norm(res)
+    n["residual"] = residual["n"]
+    tables = {"residual": residual["table"]} if residual["table"] else {}
     if not kernel:
-        return {"tables": {}, "figures": {}, "n": n}
+        return {"tables": tables, "figures": {}, "n": n}
     measured = [r for r in kernel if not r.get("oom") and r.get("gbps")]
+    grid = {(r["provider"], r["pass"], r["rows"], r["cols"], r["dtype"]): r for r in measured}
     m = max(r["rows"] for r in measured)
-    at = {(r["provider"], r["pass"], r["cols"], r["dtype"]): r for r in measured if r["rows"] == m}
+    at = {(p, q, c, d): r for (p, q, rows, c, d), r in grid.items() if rows == m}
     present = {r["provider"] for r in measured} - {"copy"}
     providers = [p for p in PROVIDER_ORDER if p in present] + sorted(present - set(PROVIDER_ORDER))
     cols = sorted({r["cols"] for r in measured})
     dtypes = sorted({r["dtype"] for r in measured})
     dtype = "bf16" if "bf16" in dtypes else dtypes[0]
-    ours_share = {p: [at[("ours", p, c, dtype)]["copy_share"] for c in cols
-                      if at.get(("ours", p, c, dtype), {}).get("copy_share") is not None] for p in rmsnorm_bench.PASSES}
+    cases = _against_rivals(grid)
+    rivals = " and ".join(p for p in RIVALS if p in present)
     n.update({"m": f"{m:,}", "dtype": dtype, "dtypes": ", ".join(dtypes), "providers": ", ".join(providers),
-              "run": kernel[0]["run"], "has_ours": bool(ours_share["fwd"] or ours_share["fwd_bwd"]),
+              "run": kernel[0]["run"], "has_ours": "ours" in present, "has_rivals": bool(cases), "rivals": rivals,
+              "large": f"{LARGE_SHAPE / 2**20:g}M", "largest": f"{LARGEST_SHAPES / 2**20:g}M",
+              "close": pct(CLOSE), "steady": pct(STEADY),
+              "at_least": sum(c["ratio"] >= 1 for c in cases), "cases": len(cases),
+              "against": _against_text(cases), "copy_share": _copy_share_text(grid, dtypes),
+              "rival_share_fwd": _rival_share(grid, "fwd"),
               "not_measured": ", ".join(p for p in rmsnorm_bench.PROVIDERS if p not in present)})
-    for pass_, shares in ours_share.items():
-        n[f"ours_share_{pass_}"] = spread(min(shares), max(shares), pct) if shares else DASH
-        n[f"versus_{pass_}"] = _ratio_text(at, providers, cols, dtype, pass_)
-    return {"tables": {"main": _grid_table(at, providers, cols, dtype, m)},
-            "figures": {"main": _grid_figure(out, at, providers, cols, dtypes, m)}, "n": n}
+    for pass_ in rmsnorm_bench.PASSES:
+        n[f"versus_eager_{pass_}"] = _ratio_text(at, ["eager"], cols, dtype, pass_)
+    tables["main"] = _grid_table(at, providers, cols, dtype, m)
+    if cases:
+        tables["against"] = _against_table(cases, cols, rivals)
+    return {"tables": tables, "figures": {"main": _grid_figure(out, at, providers, cols, dtypes, m)}, "n": n}
+
+
+RESIDUAL_PASSES = {"forward": "fwd", "forward_backward": "fwd_bwd"}  # the script's pass names, the grid's
+
+
+def residual_norm(res) -> dict[str, Any]:
+    """The residual add fused into the RMSNorm: the kernel against an add then our RMSNorm
+    (``residual_norm_timing.jsonl``, latest row per configuration on its main device), and every launch of the
+    training step with ``residual_norm`` separate and fused (``train_step.jsonl``)."""
+    try:
+        kernel = res.rows("residual_norm_timing")
+    except Missing:
+        return {"table": None, "n": {"has_kernel": False, "has_step": False}}
+    n = {"has_kernel": True, **_residual_kernel_numbers(kernel), **_residual_step_numbers(res)}
+    return {"table": _residual_table(kernel), "n": n}
+
+
+def _residual_cases(kernel: list[dict[str, Any]]) -> dict[tuple[int, int, str], dict[str, dict[str, Any]]]:
+    """Rows by (M, N, stream dtype) then by pass, the shapes in order of their elements."""
+    cases: dict[tuple[int, int, str], dict[str, dict[str, Any]]] = {}
+    for r in sorted(kernel, key=lambda r: (r["n_rows"] * r["d_model"], r["stream_dtype"] != "bf16")):
+        cases.setdefault((r["n_rows"], r["d_model"], r["stream_dtype"]), {})[r["pass"]] = r
+    return cases
+
+
+def _residual_table(kernel: list[dict[str, Any]]) -> dict[str, Any]:
+    body = []
+    for (m, n_cols, stream), by_pass in _residual_cases(kernel).items():
+        cells = [f"{m:,} × {n_cols:,}", stream]
+        for pass_ in RESIDUAL_PASSES:
+            r = by_pass.get(pass_)
+            cells += ([num(r["fused_ms"], 3), num(r["separate_ms"], 3), num(r["fused_over_separate"], 2)] if r
+                      else [DASH] * 3)
+        body.append(cells)
+    branch = sorted({r["branch_dtype"] for r in kernel})
+    header = [["shape", "stream", span("forward", 3), span("forward + backward", 3)],
+              ["M × N", "", *["fused (ms)", "separate (ms)", "fused / separate"] * 2]]
+    return table(header, body,
+                 f"The residual add fused into our RMSNorm (one kernel writes s = x + r and the norm of s) against "
+                 f"the add followed by our RMSNorm: median times (do_bench); the branch x is {', '.join(branch)}, "
+                 "the stream r bf16 or float32 (the sum takes the stream's dtype), the norm is written in the "
+                 "branch's dtype; the backward takes gradients arriving at both s and the norm.",
+                 align=["left", "left", *["right"] * 6], size=7)
+
+
+def _residual_kernel_numbers(kernel: list[dict[str, Any]]) -> dict[str, Any]:
+    """Fused over separate: its range at the shapes of at least ``LARGEST_SHAPES`` elements (and the saving it
+    means), every case of the smaller shapes, and the (shape, stream) of those where fused is slower."""
+    large = [r["fused_over_separate"] for r in kernel if r["n_rows"] * r["d_model"] >= LARGEST_SHAPES]
+    small = {key: by_pass for key, by_pass in _residual_cases(kernel).items() if key[0] * key[1] < LARGEST_SHAPES}
+    text: dict[tuple[int, int], list[str]] = {}
+    for (m, n_cols, stream), by_pass in small.items():
+        text.setdefault((m, n_cols), []).append(f"{stream} stream " + ", ".join(
+            f"{PASS_NAMES[RESIDUAL_PASSES[q]]} {num(r['fused_over_separate'], 2)}" for q, r in by_pass.items()))
+    slower = [f"{m:,} × {n_cols:,} with the {stream} stream" for (m, n_cols, stream), by_pass in small.items()
+              if any(r["fused_over_separate"] > 1 for r in by_pass.values())]
+    return {"large_ratio": spread(min(large), max(large), lambda x: num(x, 2)) if large else DASH,
+            "large_saving": spread(1 - max(large), 1 - min(large), pct) if large else DASH,
+            "small": "; ".join(f"at {m:,} × {n_cols:,}, {'; '.join(t)}" for (m, n_cols), t in text.items()),
+            "small_slower": ", ".join(slower)}
+
+
+def _residual_step_numbers(res) -> dict[str, Any]:
+    """Each launch of the training step with ``residual_norm`` separate and fused, of the configuration measured
+    last: its median step per launch, the median over launches and the spread (largest over smallest launch)."""
+    try:
+        rows = [r for r in res.log_rows("train_step", measured=lambda row: False)
+                if "residual_norm" in r and not r.get("oom")]
+    except Missing:
+        rows = []
+    if not rows:
+        return {"has_step": False}
+    config = {k: rows[-1].get(k) for k in rows[-1]["config_keys"] if k != "residual_norm"}
+    rows = [r for r in rows if r["device"] == rows[-1]["device"] and all(r.get(k) == v for k, v in config.items())]
+    res.used.extend(rows)
+    graphs = "with" if rows[-1].get("parts", {}).get("cudagraphs") else "without"
+    n: dict[str, Any] = {"has_step": True, "step_setup": (
+        f"{config.get('size')} model, context {config.get('context_length')}, batch {config.get('batch_size')}, "
+        f"{config.get('dtype')}, {'our' if config.get('stack') == 'ours' else 'the ' + str(config.get('stack'))} "
+        f"stack {graphs} CUDA graphs")}
+    steps = {choice: [r["median_ms"] for r in rows if r["residual_norm"] == choice] for choice in ("separate", "fused")}
+    if not all(steps.values()):
+        return {"has_step": False}
+    for choice, launches in steps.items():
+        stds = [r["std_ms"] for r in rows if r["residual_norm"] == choice]
+        n[choice] = {"launches": ", ".join(num(t, 1) for t in launches), "median": num(statistics.median(launches), 1),
+                     "spread": pct(max(launches) / min(launches) - 1),
+                     "std": spread(min(stds), max(stds), lambda x: num(x, 1))}
+    # A difference of the medians within the spread of either choice's launches is not a measured one.
+    change = statistics.median(steps["fused"]) / statistics.median(steps["separate"]) - 1
+    noise = max(max(t) / min(t) - 1 for t in steps.values())
+    n["change"], n["direction"] = pct(abs(change)), "above" if change > 0 else "below"
+    n["verdict"] = "none" if abs(change) <= noise else ("saving" if change < 0 else "slower")
+    return n
 
 
 def load_optimisation_log(res) -> tuple[list[dict[str, Any]], list[tuple[str, str]], list[dict[str, Any]]]:
