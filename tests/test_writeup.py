@@ -335,7 +335,7 @@ def test_fsdp_table_names_the_ranks_and_device_of_every_row(fixture_data):
     assert rows[("2 × H200", "none", "cs336_basics")][4] == "300.0"  # DDP measured on the H200s only
     for device in ("2x NVIDIA H200", "2x NVIDIA H100 80GB HBM3", "4x NVIDIA H100 80GB HBM3"):
         assert device in table["caption"] and device in section["env"]
-    assert "5 timed steps after 1 warm-up steps on 2 × H100;" in table["caption"]
+    assert "5 timed steps after 2 warm-up steps on 2 × H100;" in table["caption"]
     assert "10 timed steps after 3 warm-up steps on 2 × H200 and 4 × H100" in table["caption"]
 
 
