@@ -376,8 +376,8 @@ def fsdp_accounting(figures: Path) -> list[dict]:
         rows.append(row("fsdp_accounting", config,
                         {"step_ms": step, "mean_ms": step * 1.02, "std_ms": step * 0.1, "peak_gb": peak,
                          "reserved_gb": reserved, "first_step_peak_gb": peak - 8.0, "state_gb": 24.0 / world,
-                         "params": 1_998_235_200, "local_params": 1_998_235_200 // world, "warmup": 2 if steps < 10 else 3,
-                         "steps": steps}, gpus=world))
+                         "params": 1_998_235_200, "local_params": 1_998_235_200 // world,
+                         "warmup": 2 if steps < 10 else 3, "steps": steps}, gpus=world))
     rows.append(row("fsdp_accounting", {"measure": "timeline", "impl": "ours", "size": "xl", "world_size": 2,
                                         "dtype": "bf16", "context_length": 512, "batch_per_rank": 4},
                     {"span_ms": 480.0, "compute_ms": 225.0, "comm_ms": 440.0, "comm_hidden_ms": 200.0,

@@ -271,8 +271,8 @@ def fsdp_table(settings: list[dict[str, Any]], size: str) -> dict[str, Any]:
                  f"{first.get('batch_per_rank')} per GPU, context {first.get('context_length')}, {first.get('dtype')} "
                  f"compute, one rank per GPU ({devices}), each case on freshly spawned ranks. Step: the slowest rank's "
                  f"median over the timed steps ({protocol}); peaks: the highest allocated and reserved (by the caching "
-                 "allocator) memory per GPU over the timed steps; AdamW: cs336_basics' (FSDP2 steps its local shards) or "
-                 "torch.optim.AdamW with its defaults; a dash: not measured.",
+                 "allocator) memory per GPU over the timed steps; AdamW: cs336_basics' (FSDP2 steps its local shards) "
+                 "or torch.optim.AdamW with its defaults; a dash: not measured.",
                  align=["left", "left", "left", *["right"] * 10], size=7.5)
 
 
