@@ -362,8 +362,22 @@ def fsdp_accounting(figures: Path) -> list[dict]:
                                             "world_size": 2, "dtype": "bf16", "batch_per_rank": 4,
                                             "checkpointing": checkpointing},
                         {"step_ms": step, "mean_ms": step * 1.02, "std_ms": step * 0.1, "peak_gb": peak,
-                         "state_gb": state, "params": 1_998_235_200, "local_params": local, "steps": 10,
+                         "state_gb": state, "params": 1_998_235_200, "local_params": local, "warmup": 3, "steps": 10,
                          "expected_state_gb": 16 * local / 1e9}, **h200))
+    # Today's rows: 2 H100s with both AdamWs (5 timed steps, reserved peaks), 4 H100s with and without checkpointing.
+    for world, optimizer, checkpointing, impl, step, peak, reserved, steps in (
+            (2, None, 0, "fsdp2", 575.0, 31.1, 36.68, 5), (2, None, 0, "ours", 456.0, 30.85, 36.92, 5),
+            (2, "torch", 0, "fsdp2", 668.0, 31.09, 36.68, 5), (2, "torch", 0, "ours", 517.0, 30.85, 40.35, 5),
+            (4, None, 0, "fsdp2", 620.0, 24.94, 28.41, 10), (4, None, 0, "ours", 425.0, 24.98, 28.52, 10),
+            (4, None, 1, "fsdp2", 792.0, 9.11, 11.36, 10), (4, None, 1, "ours", 720.0, 9.14, 13.59, 10)):
+        config = {"measure": "step", "impl": impl, "size": "xl", "context_length": 512, "world_size": world,
+                  "dtype": "bf16", "batch_per_rank": 4, "checkpointing": checkpointing,
+                  **({"optimizer": optimizer} if optimizer else {})}
+        rows.append(row("fsdp_accounting", config,
+                        {"step_ms": step, "mean_ms": step * 1.02, "std_ms": step * 0.1, "peak_gb": peak,
+                         "reserved_gb": reserved, "first_step_peak_gb": peak - 8.0, "state_gb": 24.0 / world,
+                         "params": 1_998_235_200, "local_params": 1_998_235_200 // world,
+                         "warmup": 2 if steps < 10 else 3, "steps": steps}, gpus=world))
     rows.append(row("fsdp_accounting", {"measure": "timeline", "impl": "ours", "size": "xl", "world_size": 2,
                                         "dtype": "bf16", "context_length": 512, "batch_per_rank": 4},
                     {"span_ms": 480.0, "compute_ms": 225.0, "comm_ms": 440.0, "comm_hidden_ms": 200.0,
@@ -372,6 +386,34 @@ def fsdp_accounting(figures: Path) -> list[dict]:
                      "backward_gathers_exposed": 48, "backward_stall_ms": 207.0,
                      "figure": png(figures / "fsdp_timeline.png")}, **h200))
     return rows
+
+
+FSDP_SNAPSHOT_REPORT = """# 15:26:52 python3 scripts/memory_snapshot_report.py snapshots/fsdp_{impl}_{optimizer}.pickle
+snapshots/fsdp_{impl}_{optimizer}.pickle: peak of the recorded step {peak:.2f} GB in 1409 blocks
+      GB  blocks  allocated at
+  {state:.3f}       1  (allocated before recording)
+   2.517      48  cs336_basics/nn_utils.py:15 softmax
+   2.517      96  cs336_basics/model.py:101 silu
+   0.266       5  (no stack)
+   0.082       1  cs336_systems/bench/fsdp_accounting.py:168 step
+{own}   0.001      97  cs336_basics/model.py:77 forward
+   0.000       1  cs336_basics/nn_utils.py:28 cross_entropy
+"""
+
+
+def fsdp_memory_log(results: Path) -> None:
+    """What scripts/memory_snapshot_report.py printed for the 2-H100 snapshots of ours and FSDP2, with the
+    benchmark's own output around it (a table of rows that is not a report)."""
+    folder = results / "h100x2-fsdp-memory"  # fsdp_accounting's FSDP_MEMORY_LOG
+    folder.mkdir(parents=True, exist_ok=True)
+    bench = ("# 15:25:21 (at most 200s) python3 -m cs336_systems.bench.fsdp_accounting --optimizer torch\n"
+             " impl  checkpointing  step_ms  peak_gb\nfsdp2              0   667.99    31.09\n")
+    gather = "   {:.3f}       1  cs336_systems/parallel/fsdp/transport.py:126 _allocate\n"
+    reports = [FSDP_SNAPSHOT_REPORT.format(impl=impl, optimizer=optimizer, peak=5.383 + state + own, state=state,
+                                           own=gather.format(own) if own else "")
+               for impl, state, own in (("fsdp2", 12.264, 0.0), ("ours", 12.057, 0.032))
+               for optimizer in ("basics", "torch")]
+    (folder / "part_fsdp_memory.log").write_text(bench + "".join(reports))
 
 
 def rmsnorm() -> list[dict]:
@@ -725,6 +767,7 @@ def write_fixture(results: Path, figures: Path) -> None:
             file.writelines(json.dumps(r) + "\n" for r in rows)
     flash_probe(results)
     train_step_profiles(results)
+    fsdp_memory_log(results)
     errors = results / "h100-hopper-backward" / "tests" / "flash_attention_triton_errors.json"  # flash.ERRORS_FILE
     errors.parent.mkdir(parents=True, exist_ok=True)
     errors.write_text(json.dumps(flash_errors()))

@@ -32,6 +32,7 @@ build = _load_build()
 from pipeline import accounting
 from pipeline.results import Missing, Results, environment_line, latest_per_config
 from pipeline.sections import SECTIONS, Output
+from pipeline.snapshot_reports import parse_snapshot_reports
 
 
 def run_build(tmp_path: Path, results: Path, *extra: str) -> int:
@@ -109,9 +110,14 @@ def test_builds_every_section_from_the_fixture(tmp_path, fixture_results):
     sharding = data["optimizer_state_sharding_accounting"]["n"]
     assert sharding["fp32"]["measured_saving"] == "8.0" and sharding["bf16"]["vs_zero"] == "1.000×"
     # FSDP: only the rows with a `checkpointing` key (the earlier per-Linear FSDP's row stays out, and out of the
-    # environment line), ratios to FSDP2 checkpointed alike.
+    # environment line), ratios to FSDP2 on the same GPUs, checkpointed alike, with the same AdamW; at each world
+    # size the machine with the most timed steps is the reference (2 ranks: the H200s' 10 steps, not the H100s' 5).
     fsdp = data["fsdp_accounting"]
-    assert (fsdp["n"]["plain"]["vs_fsdp2"], fsdp["n"]["ckpt"]["vs_fsdp2"]) == ("0.80×", f"{363 / 660:.2f}×")
+    two, four = fsdp["n"]["ranks"]
+    assert (two["gpus"], two["plain"]["ratio"], two["ckpt"]["ratio"]) == ("2 × H200", "0.80×", f"{363 / 660:.2f}×")
+    assert (four["gpus"], four["plain"]["ratio"], four["ckpt"]["ratio"]) == ("4 × H100", f"{425 / 620:.2f}×",
+                                                                             f"{720 / 792:.2f}×")
+    assert fsdp["n"]["others"].startswith(f"{456 / 575:.2f}× on 2 × H100 (no checkpointing, cs336_basics' AdamW, 5")
     assert not any("999.0" in cell for r in fsdp["tables"]["main"]["rows"] for cell in r)
     assert "2026-11-21" not in fsdp["env"] and fsdp["n"]["has_check"]
     # The 2026 leaderboard step: the official rows only (the 4-layer trial stays out), ours 7.5 s against 6.0 s;
@@ -314,6 +320,69 @@ def test_sharding_names_the_machine_of_the_quoted_variation(fixture_data):
     assert n["where"] != "–" and n["ddp_where"] != "–"
     typst = (WRITEUP / "typ" / "sharding.typ").read_text()
     assert "within noise" not in typst and "#n.ddp_where" in typst
+
+
+def test_fsdp_table_names_the_ranks_and_device_of_every_row(fixture_data):
+    section = fixture_data["fsdp_accounting"]
+    table = section["tables"]["main"]
+    rows = {(r[0], r[1], r[2]): r for r in table["rows"]}
+    assert set(rows) == {("2 × H100", "none", "cs336_basics"), ("2 × H100", "none", "torch (foreach)"),
+                         ("2 × H200", "none", "cs336_basics"), ("2 × H200", "every block", "cs336_basics"),
+                         ("4 × H100", "none", "cs336_basics"), ("4 × H100", "every block", "cs336_basics")}
+    # steps, DDP / FSDP2 / ours (ms), ratio, DDP / FSDP2 / ours peaks, FSDP2 / ours reserved
+    assert rows[("2 × H100", "none", "torch (foreach)")][3:] == ["5", "–", "668.0", "517.0", f"{517 / 668:.2f}×",
+                                                               "–", "31.09", "30.85", "36.68", "40.35"]
+    assert rows[("2 × H200", "none", "cs336_basics")][4] == "300.0"  # DDP measured on the H200s only
+    for device in ("2x NVIDIA H200", "2x NVIDIA H100 80GB HBM3", "4x NVIDIA H100 80GB HBM3"):
+        assert device in table["caption"] and device in section["env"]
+    assert "5 timed steps after 2 warm-up steps on 2 × H100;" in table["caption"]
+    assert "10 timed steps after 3 warm-up steps on 2 × H200 and 4 × H100" in table["caption"]
+
+
+def test_fsdp_memory_reads_the_snapshot_reports_and_the_reserved_peaks(fixture_data):
+    m = fixture_data["fsdp_accounting"]["n"]["memory"]
+    assert (m["gpus"], m["ours_state"], m["fsdp2_state"], m["own"]) == ("2 × H100", "12.06", "12.26", "0.03")
+    assert m["at_end_of_forward"] and m["same_activations"] and m["own_is_root"] and m["shard_larger"]
+    assert (m["activations"], m["largest_mib"], m["shard_mib"], m["fsdp2_shard_mib"]) == ("5.04", "50", "78", "31")
+    # The reports print the peaks to 0.01 GB: 5.383 GB besides the state and our FSDP's buffer, 17.65 against 17.47.
+    assert (m["state_gap"], m["peak_gap"]) == (f"{12.264 - 12.057:.2f}", f"{17.65 - 17.47:.2f}")
+    assert (m["reserved_gap"], m["basics_gap"]) == (f"{40.35 - 36.68:.1f}", f"{36.92 - 36.68:.2f}")
+    assert m["elsewhere"] == ("on 4 × H100 with every block checkpointed and cs336_basics' AdamW, ours reserves "
+                              "2.23 GB more than FSDP2 (13.59 against 11.36 GB)")
+    sites = fixture_data["fsdp_accounting"]["tables"]["sites"]["rows"]
+    assert sites[0] == ["cs336_basics/nn_utils.py:15 softmax", "48", "50.0", "2.517", "2.517"]
+    assert ["cs336_systems/parallel/fsdp/transport.py:126 _allocate", "1", "30.5", "0.032", "–"] in sites
+
+
+SNAPSHOT_LOG = """# 10:00:00 python3 -m cs336_systems.bench.fsdp_accounting --memory-snapshot snapshots
+ impl  checkpointing  step_ms  peak_gb
+ ours              0   517.11    30.85
+# 10:00:05 python3 scripts/memory_snapshot_report.py snapshots/fsdp_ours_torch.pickle --top 3
+snapshots/fsdp_ours_torch.pickle: peak of the recorded step 3.50 GB in 4 blocks
+      GB  blocks  allocated at
+   0.500       2  cs336_basics/model.py:101 silu
+   2.000       1  (allocated before recording)
+   1.000       1  cs336_systems/parallel/fsdp/transport.py:126 _allocate
+# 10:00:06 python3 scripts/memory_snapshot_report.py other/fsdp_fsdp2_basics.pickle
+other/fsdp_fsdp2_basics.pickle: peak of the recorded step 1.25 GB in 1 blocks
+      GB  blocks  allocated at
+   1.250       1  cs336_basics/nn_utils.py:15 softmax
+   0.100  not a group
+# 10:00:07 echo done
+   9.999       9  printed by another command
+"""
+
+
+def test_snapshot_reports_are_read_back_from_a_log():
+    reports = parse_snapshot_reports(SNAPSHOT_LOG)
+    assert sorted(reports) == ["fsdp_fsdp2_basics", "fsdp_ours_torch"]
+    ours, fsdp2 = reports["fsdp_ours_torch"], reports["fsdp_fsdp2_basics"]
+    assert (ours.peak_gb, ours.blocks, ours.before_recording_gb, ours.model_code_gb) == (3.5, 4, 2.0, 0.5)
+    assert [g.site for g in ours.groups] == ["(allocated before recording)",
+                                            "cs336_systems/parallel/fsdp/transport.py:126 _allocate",
+                                            "cs336_basics/model.py:101 silu"]
+    assert ours.gb_at("cs336_systems/parallel/fsdp") == 1.0 and ours.groups[2].mib_per_block == 0.25e9 / 2**20
+    assert [(g.gb, g.blocks) for g in fsdp2.groups] == [(1.25, 1)] and fsdp2.before_recording_gb == 0.0
 
 
 # What a reader of the repository cannot know: the task tracker's numbers, the project's internal spec and the

@@ -189,6 +189,15 @@ def sharding_memory(params: int, world: int) -> dict[str, float]:
             "fsdp_total": (weights + grads + state) / world}
 
 
+def fsdp_shard_bytes(vocab_size: int, d_model: int, d_ff: int, world: int, **_: Any) -> dict[str, int]:
+    """fp32 bytes a rank holds of the largest parameter each FSDP gives the optimizer: ours, one flat shard per
+    ``TransformerBlock`` (``4d² + 3·d·d_ff + 2d`` elements over ``world`` ranks); FSDP2, a shard of each tensor on
+    its own, the largest being the embedding or LM head (``V·d``) or an FFN weight (``d·d_ff``)."""
+    block = 4 * d_model**2 + 3 * d_model * d_ff + 2 * d_model
+    return {"ours_block": FP32 * math.ceil(block / world),
+            "fsdp2_largest": FP32 * math.ceil(max(vocab_size * d_model, d_model * d_ff) / world)}
+
+
 def sharding_traffic(params: int, world: int) -> dict[str, float]:
     """Bytes each rank receives per step (ring collectives): DDP's all-reduce, ours (all-reduce + broadcasts
     of the parameters owned elsewhere), ZeRO stage 1 (reduce-scatter of gradients + all-gather of parameters)."""

@@ -3,13 +3,15 @@ the accounting."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from cs336_basics.model import MODEL_SIZES
 from pipeline import accounting
-from pipeline.markup import DASH, num, pm, table, times
+from pipeline.markup import DASH, num, span, spread, table, times
 from pipeline.results import Missing
 from pipeline.sections.registry import Output, problem
+from pipeline.snapshot_reports import BEFORE_RECORDING, parse_snapshot_reports
 
 
 def model_params(rows: list[dict[str, Any]]) -> tuple[str, int, int]:
@@ -176,17 +178,26 @@ def fsdp(res, out: Output) -> dict[str, Any]:
 
 
 FSDP_FILE = "writeup/results/fsdp_accounting.jsonl"
-FSDP_NAMES = {"ddp": "DDP (no sharding)", "fsdp2": "PyTorch FSDP2", "ours": "ours (FSDP by blocks)"}
-STATE_BYTES = 12  # held between steps: fp32 weights and AdamW's two moments (zero_grad(set_to_none=True) frees gradients)
+FSDP_MEMORY_LOG = "h100x2-fsdp-memory/part_fsdp_memory.log"  # allocator snapshots of one step, reported by site
+FSDP_OWN_SITE = "cs336_systems/parallel/fsdp"
+# Rows without an ``optimizer`` key stepped cs336_basics' AdamW (FSDP2 on its local shards); ``torch`` is
+# torch.optim.AdamW with its defaults (the multi-tensor "foreach" step on CUDA).
+FSDP_OPTIMIZERS = {"basics": "cs336_basics", "torch": "torch (foreach)"}
+FSDP_OPTIMIZER_NAMES = {"basics": "cs336_basics' AdamW", "torch": "torch.optim.AdamW"}
 
 
 def checkpointing_label(group: int) -> str:
     return "none" if not group else "every block" if group == 1 else f"groups of {group} blocks"
 
 
+def checkpointing_phrase(group: int) -> str:
+    return "no checkpointing" if not group else f"{checkpointing_label(group)} checkpointed"
+
+
 def load_fsdp_accounting(res) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
-    """The rows of ``fsdp_accounting.jsonl`` by ``measure``: ``step`` (impl ours / fsdp2 / ddp: step time, peak
-    and state memory per GPU), ``check`` (ours against single-process training on NCCL) and ``timeline``.
+    """The rows of ``fsdp_accounting.jsonl`` on every machine, by ``measure``: ``step`` (impl ours / fsdp2 / ddp:
+    step time, peak allocated and reserved memory per GPU), ``check`` (ours against single-process training on
+    NCCL) and ``timeline``.
 
     Only ``step`` rows with a ``checkpointing`` key (commit c043a0f on): the rows before it measured an earlier FSDP,
     sharded per Linear layer; they stay in the file, out of the writeup. Likewise only the ``check`` and ``timeline``
@@ -199,10 +210,173 @@ def load_fsdp_accounting(res) -> tuple[list[dict[str, Any]], list[dict[str, Any]
         return [r for r in rows if (r.get("measure") == "step" and "checkpointing" in r)
                 or (r.get("measure") in ("check", "timeline") and when(r) >= since)]
 
-    rows = res.rows("fsdp_accounting", keep=current)
+    rows = res.rows("fsdp_accounting", one_device=False, keep=current)
     by = lambda m: sorted((r for r in rows if r.get("measure") == m), key=lambda r: (when(r), r.get("run", "")),
                           reverse=True)
     return by("step"), by("check"), by("timeline")
+
+
+def gpus_label(row: dict[str, Any]) -> str:
+    """``2 × H100``: the row's ranks and the GPU model of its device (``2x NVIDIA H100 80GB HBM3``)."""
+    model = re.search(r"NVIDIA (\S+)", row.get("device", ""))
+    return f"{row.get('world_size', DASH)} × {model.group(1) if model else row.get('device', DASH)}"
+
+
+def fsdp_settings(steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One setting per (ranks, device, AdamW, checkpointing), its rows by implementation, with the ratios of ours
+    to FSDP2 run alike; ordered by ranks, device, AdamW, checkpointing."""
+    grouped: dict[tuple, dict[str, dict[str, Any]]] = {}
+    for r in steps:
+        key = (r.get("world_size", 2), r.get("device", ""), r.get("optimizer", "basics"), r["checkpointing"])
+        grouped.setdefault(key, {})[r["impl"]] = r
+    settings = []
+    for (world, device, optimizer, group), rows in sorted(grouped.items()):
+        ours, fsdp2 = (rows.get(i) if rows.get(i) and not rows[i].get("oom") else None for i in ("ours", "fsdp2"))
+        both = ours is not None and fsdp2 is not None
+        ratio = lambda key: ours[key] / fsdp2[key] if both and ours.get(key) and fsdp2.get(key) else None
+        first = next(iter(rows.values()))
+        settings.append({"world": world, "device": device, "optimizer": optimizer, "checkpointing": group,
+                         "rows": rows, "ours": ours, "fsdp2": fsdp2, "gpus": gpus_label(first),
+                         "steps": first.get("steps"), "warmup": first.get("warmup"),
+                         "step_ratio": ratio("step_ms"), "mean_ratio": ratio("mean_ms"),
+                         "peak_ratio": ratio("peak_gb"),
+                         "reserved_gap": ours["reserved_gb"] - fsdp2["reserved_gb"]
+                         if both and ours.get("reserved_gb") and fsdp2.get("reserved_gb") else None})
+    return settings
+
+
+def fsdp_table(settings: list[dict[str, Any]], size: str) -> dict[str, Any]:
+    """Step time, peak allocated and peak reserved memory per GPU of DDP, FSDP2 and ours, a row per setting."""
+    def cell(s: dict[str, Any], impl: str, key: str, digits: int) -> str:
+        r = s["rows"].get(impl)
+        return DASH if r is None else "OOM" if r.get("oom") else num(r.get(key), digits)
+
+    body = [[s["gpus"], checkpointing_label(s["checkpointing"]), FSDP_OPTIMIZERS.get(s["optimizer"], s["optimizer"]),
+             str(s["steps"]), *[cell(s, impl, "step_ms", 1) for impl in ("ddp", "fsdp2", "ours")],
+             times(s["step_ratio"]), *[cell(s, impl, "peak_gb", 2) for impl in ("ddp", "fsdp2", "ours")],
+             *[cell(s, impl, "reserved_gb", 2) for impl in ("fsdp2", "ours")]] for s in settings]
+    first = settings[0]["rows"][next(iter(settings[0]["rows"]))]
+    devices = "; ".join(dict.fromkeys(f"{s['gpus']}: {s['device']}" for s in settings))
+    protocols: dict[tuple, list[str]] = {}
+    for s in settings:
+        machines = protocols.setdefault((s["warmup"], s["steps"]), [])
+        machines += [s["gpus"]] if s["gpus"] not in machines else []
+    protocol = "; ".join(f"{steps} timed steps{f' after {warmup} warm-up steps' if warmup else ''} on "
+                         f"{' and '.join(machines)}" for (warmup, steps), machines in protocols.items())
+    header = [["", "", "", "", span("step (ms)", 4), span("peak allocated (GB)", 3), span("peak reserved (GB)", 2)],
+              ["GPUs", "checkpointing", "AdamW", "steps", "DDP", "FSDP2", "ours", "ours / FSDP2", "DDP", "FSDP2",
+               "ours", "FSDP2", "ours"]]
+    return table(header, body,
+                 f"Our FSDP by blocks against PyTorch's FSDP2 (and DDP, where measured): {size} model, batch "
+                 f"{first.get('batch_per_rank')} per GPU, context {first.get('context_length')}, {first.get('dtype')} "
+                 f"compute, one rank per GPU ({devices}), each case on freshly spawned ranks. Step: the slowest rank's "
+                 f"median over the timed steps ({protocol}); peaks: the highest allocated and reserved (by the caching "
+                 "allocator) memory per GPU over the timed steps; AdamW: cs336_basics' (FSDP2 steps its local shards) "
+                 "or torch.optim.AdamW with its defaults; a dash: not measured.",
+                 align=["left", "left", "left", *["right"] * 10], size=7.5)
+
+
+def fsdp_reference(settings: list[dict[str, Any]], world: int) -> dict[str, Any]:
+    """The comparison at ``world`` ranks on the machine with the most timed steps (ties: the latest rows), with
+    cs336_basics' AdamW: ours against FSDP2 without and with checkpointing every block."""
+    mine = [s for s in settings if s["world"] == world and s["optimizer"] == "basics" and s["step_ratio"]]
+    plain = [s for s in mine if s["checkpointing"] == 0]
+    if not plain:
+        return {"has": False}
+    when = lambda s: s["ours"].get("env", {}).get("date", "")
+    chosen = max(plain, key=lambda s: (s["steps"] or 0, when(s)))
+    ckpt = next((s for s in mine if s["device"] == chosen["device"] and s["checkpointing"] == 1), None)
+
+    def case(s: dict[str, Any] | None) -> dict[str, Any]:
+        if s is None:
+            return {"has": False}
+        return {"has": True, "ratio": times(s["step_ratio"]), "mean_ratio": times(s["mean_ratio"]),
+                "ours_ms": num(s["ours"]["step_ms"]), "fsdp2_ms": num(s["fsdp2"]["step_ms"]),
+                "ours_peak": num(s["ours"]["peak_gb"], 1), "fsdp2_peak": num(s["fsdp2"]["peak_gb"], 1)}
+
+    cost = lambda impl: times(ckpt[impl]["step_ms"] / chosen[impl]["step_ms"]) if ckpt else DASH
+    return {"has": True, "world": str(world), "gpus": chosen["gpus"], "steps": str(chosen["steps"]),
+            "plain": case(chosen), "ckpt": case(ckpt), "ckpt_cost": cost("ours"), "fsdp2_ckpt_cost": cost("fsdp2"),
+            "used": [s for s in (chosen, ckpt) if s]}
+
+
+def fsdp_memory(settings: list[dict[str, Any]], reports: dict[str, Any], hp: dict[str, int]) -> dict[str, Any]:
+    """What the allocator snapshots of one step (ours and FSDP2, torch.optim.AdamW, no checkpointing) hold at the
+    allocated peak, and the reserved peaks of the same setting with either AdamW."""
+    torch_run = next((s for s in settings if s["optimizer"] == "torch" and s["reserved_gap"] is not None), None)
+    ours, fsdp2 = reports.get("fsdp_ours_torch"), reports.get("fsdp_fsdp2_torch")
+    if torch_run is None or ours is None or fsdp2 is None:
+        return {"has": False}
+    basics = next((s for s in settings if s["optimizer"] == "basics" and s["device"] == torch_run["device"]
+                   and s["checkpointing"] == torch_run["checkpointing"] and s["reserved_gap"] is not None), None)
+    elsewhere = [s for s in settings if s is not torch_run and s is not basics and s["reserved_gap"] is not None
+                 and abs(s["reserved_gap"]) >= 1.0]
+    world = torch_run["world"]
+    shards = accounting.fsdp_shard_bytes(vocab_size=10_000, world=world, **hp)
+    compute_bytes = 2 if torch_run["ours"].get("dtype") in ("bf16", "fp16") else accounting.FP32
+    root_gb = 10_000 * hp["d_model"] * compute_bytes / 1e9  # the LM head, gathered in the compute dtype
+    own = ours.gb_at(FSDP_OWN_SITE)
+    state_gap = fsdp2.before_recording_gb - ours.before_recording_gb
+    return {
+        "has": True, "gpus": torch_run["gpus"], "world": str(world),
+        "at_end_of_forward": all(any("cross_entropy" in g.site for g in r.groups) for r in (ours, fsdp2)),
+        "ours_state": num(ours.before_recording_gb, 2), "fsdp2_state": num(fsdp2.before_recording_gb, 2),
+        "ours_peak": num(ours.peak_gb, 2), "fsdp2_peak": num(fsdp2.peak_gb, 2),
+        "activations": num(ours.model_code_gb, 2),
+        "same_activations": abs(ours.model_code_gb - fsdp2.model_code_gb) < 0.01,
+        "own": num(own, 2), "own_is_root": abs(own - root_gb) < 0.02 * root_gb,
+        "peak_gap": num(abs(fsdp2.peak_gb - ours.peak_gb), 2), "state_gap": num(abs(state_gap), 2),
+        "largest_mib": num(max(g.mib_per_block for g in ours.model_code), 0),
+        "shard_mib": num(shards["ours_block"] / 2**20, 0), "fsdp2_shard_mib": num(shards["fsdp2_largest"] / 2**20, 0),
+        "shard_larger": shards["ours_block"] > 2**20 * max(g.mib_per_block for g in ours.model_code),
+        "ours_reserved": num(torch_run["ours"]["reserved_gb"], 2),
+        "fsdp2_reserved": num(torch_run["fsdp2"]["reserved_gb"], 2),
+        "ours_allocated": num(torch_run["ours"]["peak_gb"], 2),
+        "fsdp2_allocated": num(torch_run["fsdp2"]["peak_gb"], 2),
+        "reserved_gap": num(torch_run["reserved_gap"], 1), "reserved_more": torch_run["reserved_gap"] > 0,
+        "has_basics": basics is not None,
+        "basics_gap": num(abs(basics["reserved_gap"]), 2) if basics else DASH,
+        "basics_ours": num(basics and basics["ours"]["reserved_gb"], 2),
+        "basics_fsdp2": num(basics and basics["fsdp2"]["reserved_gb"], 2),
+        "elsewhere": "; ".join(
+            f"on {s['gpus']} with {checkpointing_phrase(s['checkpointing'])} and "
+            f"{FSDP_OPTIMIZER_NAMES.get(s['optimizer'], s['optimizer'])}, ours reserves "
+            f"{num(abs(s['reserved_gap']), 2)} GB {'more' if s['reserved_gap'] > 0 else 'less'} than FSDP2 "
+            f"({num(s['ours']['reserved_gb'], 2)} against {num(s['fsdp2']['reserved_gb'], 2)} GB)" for s in elsewhere),
+    }
+
+
+def snapshot_tables(reports: dict[str, Any], where: str) -> dict[str, dict[str, Any]]:
+    """The snapshots' peaks by what holds them, and the sites live at the peak of ours and of FSDP2."""
+    impl_name = {"ours": "ours", "fsdp2": "FSDP2"}
+    summary = []
+    for name, r in sorted(reports.items()):
+        _, impl, optimizer = name.split("_", 2)
+        own = r.gb_at(FSDP_OWN_SITE)
+        rest = r.peak_gb - r.before_recording_gb - r.model_code_gb - own
+        summary.append([impl_name.get(impl, impl), FSDP_OPTIMIZERS.get(optimizer, optimizer), num(r.peak_gb, 2),
+                        num(r.before_recording_gb, 3), num(r.model_code_gb, 3), num(own, 3), num(rest, 3)])
+    summary_table = table(["implementation", "AdamW", "peak (GB)", "before the step", "model code", "our FSDP",
+                           "other"], summary,
+                          f"Allocator snapshots of one training step ({where}, no checkpointing): the peak of "
+                          "allocated memory over the step and what is live then, in GB: allocated before the step "
+                          "(the state held between steps: fp32 shards and AdamW's moments), by the model code "
+                          "(cs336_basics: the activations), by our FSDP (cs336_systems/parallel/fsdp), and the rest.",
+                          align=["left", "left", *["right"] * 5], size=8)
+    ours, fsdp2 = reports.get("fsdp_ours_torch"), reports.get("fsdp_fsdp2_torch")
+    if ours is None or fsdp2 is None:
+        return {"snapshots": summary_table}
+    sites = {g.site: g for g in (*fsdp2.groups, *ours.groups) if g.gb >= 0.01 and g.site != BEFORE_RECORDING}
+    by_site = lambda r: {g.site: g for g in r.groups}
+    body = [[site, str(g.blocks), num(g.mib_per_block, 1), num(by_site(ours).get(site) and by_site(ours)[site].gb, 3),
+             num(by_site(fsdp2).get(site) and by_site(fsdp2)[site].gb, 3)]
+            for site, g in sorted(sites.items(), key=lambda item: -item[1].gb)]
+    sites_table = table(["allocated at", "blocks", "MiB a block (mean)", "ours (GB)", "FSDP2 (GB)"], body,
+                        f"What is live at the allocated peak of one step ({where}, torch.optim.AdamW, no "
+                        "checkpointing), by allocation site (the innermost frame in the model or our code), sites of "
+                        "at least 0.01 GB; a dash: nothing from that site.",
+                        align=["left", "right", "right", "right", "right"], size=7.5)
+    return {"snapshots": summary_table, "sites": sites_table}
 
 
 @problem("fsdp_accounting")
@@ -210,80 +384,71 @@ def fsdp_accounting(res, out: Output) -> dict[str, Any]:
     steps, checks, timelines = load_fsdp_accounting(res)
     if not steps:
         raise Missing(FSDP_FILE, "no rows with measure 'step' and a 'checkpointing' key")
-    size, params, world = model_params(steps)
-    order = {"ddp": 0, "fsdp2": 1, "ours": 2}
-    steps = sorted(steps, key=lambda r: (r["checkpointing"], order.get(r["impl"], 9)))
-    ok = {(r["checkpointing"], r["impl"]): r for r in steps if not r.get("oom") and r.get("peak_gb")}
-
-    def versus(r: dict[str, Any], key: str) -> str:
-        fsdp2 = ok.get((r["checkpointing"], "fsdp2"))
-        return times(r[key] / fsdp2[key]) if fsdp2 and not r.get("oom") and r.get(key) else DASH
-
-    body = [[checkpointing_label(r["checkpointing"]), FSDP_NAMES.get(r["impl"], r["impl"])]
-            + (["OOM", DASH, DASH, DASH, DASH, DASH, DASH] if r.get("oom") else
-               [num(r.get("step_ms")), pm(r.get("mean_ms"), r.get("std_ms")), versus(r, "step_ms"),
-                num(r.get("peak_gb"), 1), versus(r, "peak_gb"), num(r.get("state_gb"), 1),
-                num(STATE_BYTES * r["local_params"] / 1e9 if r.get("local_params") else None, 1)])
-            for r in steps]
-    first = steps[0]
-    tab = table(["checkpointing", "implementation", "step (ms)", "mean ± std (ms)", "vs FSDP2", "peak (GB)",
-                 "vs FSDP2", "state (GB)", "expected state (GB)"], body,
-                f"{size} model on {world} GPUs, batch {first.get('batch_per_rank')} per GPU, context "
-                f"{first.get('context_length')}, {first.get('dtype')} compute, AdamW, each case on freshly spawned ranks, "
-                f"without and with activation checkpointing: the slowest rank's median step time over {first.get('steps')} "
-                "steps (and mean ± standard deviation), peak memory per GPU, the ratios of both to FSDP2 checkpointed "
-                f"alike, and the memory held between steps (state) against {STATE_BYTES} bytes per local parameter (fp32 "
-                "weights and AdamW's two moments; the gradients are freed between steps).",
-                align=["left", "left", "right", "right", "right", "right", "right", "right", "right"], size=8)
-    tl = timelines[0] if timelines else {}
-    figs = []
-    if tl.get("figure"):
-        figs.append(out.existing(tl["figure"],
-                                 f"Profiler timeline of one step of our FSDP ({tl.get('dtype')} compute, no "
-                                 "checkpointing) on rank 0: all-gathers and reduce-scatters (communication stream) "
-                                 "against the blocks that use them (compute stream); an all-gather is red when its "
-                                 "block waited for it."))
-    expected = accounting.sharding_memory(params, world)
+    settings = fsdp_settings(steps)
+    compared = [s for s in settings if s["step_ratio"] is not None]
+    with_ddp = next((s for s in settings if s["ours"] and s["rows"].get("ddp") and not s["checkpointing"]), None)
+    size = steps[0].get("size", "xl")
     hp = MODEL_SIZES[size]
+    params = accounting.parameter_count(vocab_size=10_000, **hp)
+    world = with_ddp["world"] if with_ddp else compared[0]["world"]
+    expected = accounting.sharding_memory(params, world)
     block_params = 4 * hp["d_model"] ** 2 + 3 * hp["d_model"] * hp["d_ff"] + 2 * hp["d_model"]
-    compute_bytes = 2 if first.get("dtype") in ("bf16", "fp16") else accounting.FP32
+    compute_bytes = 2 if steps[0].get("dtype") in ("bf16", "fp16") else accounting.FP32
+    references = [fsdp_reference(settings, w) for w in sorted({s["world"] for s in compared})]
+    used = [id(s) for ref in references if ref["has"] for s in ref.pop("used")]
+    others = [s for s in compared if id(s) not in used]
+    reports = parse_snapshot_reports(res.text(FSDP_MEMORY_LOG))
+    memory = fsdp_memory(settings, reports, hp)
+    n = {
+        "size": size, "params": f"{params / 1e9:.3f}", "world": str(world),
+        "total": num(expected["total"] / 1e9, 1), "fsdp_total": num(expected["fsdp_total"] / 1e9, 1),
+        "expected_saving": num((expected["total"] - expected["fsdp_total"]) / 1e9, 1),
+        "gathered_mb": num(3 * block_params * compute_bytes / 1e6, 0),
+        "dtype": str(steps[0].get("dtype")), "bf16_weights_gb": num(2 * params / 1e9, 1),
+        "ddp": ddp_numbers(with_ddp, expected), "ranks": [r for r in references if r["has"]],
+        "others": "; ".join(f"{times(s['step_ratio'])} on {s['gpus']} ({checkpointing_phrase(s['checkpointing'])}, "
+                            f"{FSDP_OPTIMIZER_NAMES.get(s['optimizer'], s['optimizer'])}, {s['steps']} timed steps)"
+                            for s in others),
+        "all_faster": all(s["step_ratio"] < 1 for s in compared),
+        "peak_ratio": spread(min(s["peak_ratio"] for s in compared), max(s["peak_ratio"] for s in compared)),
+        "memory": memory,
+        **fsdp_check_and_timeline(checks, timelines),
+    }
+    tl = timelines[0] if timelines else {}
+    timed = next((s for s in compared if tl and s["device"] == tl.get("device") and s["world"] == tl.get("world_size")
+                  and not s["checkpointing"] and s["optimizer"] == "basics"), None)
+    n["tl_timed_ms"] = num(timed and timed["ours"]["step_ms"])
+    figs = [] if not tl.get("figure") else [out.existing(
+        tl["figure"], f"Profiler timeline of one step of our FSDP ({tl.get('dtype')} compute, no checkpointing, "
+        f"{gpus_label(tl)}) on rank 0: all-gathers and reduce-scatters (communication stream) against the blocks "
+        "that use them (compute stream); an all-gather is red when its block waited for it.")]
+    tables = {"main": fsdp_table(settings, size), **snapshot_tables(reports, memory.get("gpus", DASH))}
+    return {"tables": tables, "figures": figs, "n": n}
 
-    def case(group: int) -> dict[str, Any]:
-        ours, base, fsdp2 = ok.get((group, "ours")), ok.get((group, "ddp")), ok.get((group, "fsdp2"))
-        return {
-            "has_ours": bool(ours), "has_ddp": bool(ours and base), "has_fsdp2": bool(ours and fsdp2),
-            "ours_ms": num(ours and ours["step_ms"]), "ours_peak": num(ours and ours["peak_gb"], 1),
-            "ddp_ms": num(base and base["step_ms"]), "ddp_peak": num(base and base["peak_gb"], 1),
-            "fsdp2_ms": num(fsdp2 and fsdp2["step_ms"]), "fsdp2_peak": num(fsdp2 and fsdp2["peak_gb"], 1),
-            "saving": num(base["peak_gb"] - ours["peak_gb"], 1) if ours and base else DASH,
-            "excess": num(base["peak_gb"] - ours["peak_gb"] - (expected["total"] - expected["fsdp_total"]) / 1e9, 1)
-            if ours and base else DASH,
-            "vs_ddp": times(ours["step_ms"] / base["step_ms"]) if ours and base else DASH,
-            "vs_fsdp2": times(ours["step_ms"] / fsdp2["step_ms"]) if ours and fsdp2 else DASH,
-            "peak_vs_fsdp2": times(ours["peak_gb"] / fsdp2["peak_gb"]) if ours and fsdp2 else DASH,
-            "mean_vs_fsdp2": times(ours["mean_ms"] / fsdp2["mean_ms"])
-            if ours and fsdp2 and ours.get("mean_ms") and fsdp2.get("mean_ms") else DASH,
-            "fsdp2_std": num(fsdp2 and fsdp2.get("std_ms"), 0), "ours_std": num(ours and ours.get("std_ms"), 0),
-        }
 
-    plain, ckpt = ok.get((0, "ours")), ok.get((1, "ours"))
-    fsdp2_plain, fsdp2_ckpt = ok.get((0, "fsdp2")), ok.get((1, "fsdp2"))
+def ddp_numbers(s: dict[str, Any] | None, expected: dict[str, float]) -> dict[str, Any]:
+    """Ours against DDP (no sharding) in the one setting that measured both."""
+    if s is None:
+        return {"has": False}
+    ours, ddp = s["ours"], s["rows"]["ddp"]
+    saving = ddp["peak_gb"] - ours["peak_gb"]
+    return {"has": True, "gpus": s["gpus"], "ours_peak": num(ours["peak_gb"], 1), "ddp_peak": num(ddp["peak_gb"], 1),
+            "saving": num(saving, 1), "excess": num(saving - (expected["total"] - expected["fsdp_total"]) / 1e9, 1),
+            "vs_ddp": times(ours["step_ms"] / ddp["step_ms"]), "ours_ms": num(ours["step_ms"]),
+            "ddp_ms": num(ddp["step_ms"])}
+
+
+def fsdp_check_and_timeline(checks: list[dict[str, Any]], timelines: list[dict[str, Any]]) -> dict[str, Any]:
+    """The GPU correctness check against single-process training, and the newest profiled step's gathers."""
     check_text = "; ".join(
         f"{c.get('dtype')}: {'bit-exact' if c.get('bit_exact') else 'max |Δ| ' + num(c.get('max_abs_diff'), 6)} "
         f"after {c.get('steps')} steps ({'passed' if c.get('passed') else 'FAILED'})" for c in checks)
-    n = {
-        "size": size, "world": str(world), "params": f"{params / 1e9:.3f}",
-        "total": num(expected["total"] / 1e9, 1), "fsdp_total": num(expected["fsdp_total"] / 1e9, 1),
-        "expected_saving": num((expected["total"] - expected["fsdp_total"]) / 1e9, 1),
-        "gathered_mb": num(3 * block_params * compute_bytes / 1e6, 0), "dtype": str(first.get("dtype")),
-        "bf16_weights_gb": num(2 * params / 1e9, 1),
-        "plain": case(0), "ckpt": case(1), "has_ckpt": bool(ckpt),
-        "ckpt_cost": times(ckpt["step_ms"] / plain["step_ms"]) if ckpt and plain else DASH,
-        "fsdp2_ckpt_cost": times(fsdp2_ckpt["step_ms"] / fsdp2_plain["step_ms"]) if fsdp2_ckpt and fsdp2_plain else DASH,
+    tl = timelines[0] if timelines else {}
+    return {
         "has_check": bool(checks), "check": check_text,
         "check_setup": (f"{checks[0].get('size')} model, context {checks[0].get('context_length')}, "
                         f"{checks[0].get('world_size')} GPUs over {checks[0].get('backend')}") if checks else "",
-        "has_timeline": bool(tl),
+        "has_timeline": bool(tl), "tl_gpus": gpus_label(tl) if tl else DASH,
         "tl_span": num(tl.get("span_ms"), 1), "tl_compute": num(tl.get("compute_ms"), 1),
         "tl_fwd": str(tl.get("forward_gathers", DASH)), "tl_fwd_exposed": str(tl.get("forward_gathers_exposed", DASH)),
         "tl_fwd_stall": num(tl.get("forward_stall_ms"), 1),
@@ -292,4 +457,3 @@ def fsdp_accounting(res, out: Output) -> dict[str, Any]:
         "tl_comm": num(tl.get("comm_ms"), 1), "tl_hidden": num(tl.get("comm_hidden_ms"), 1),
         "tl_exposed": num(tl.get("comm_exposed_ms"), 1), "tl_rs": str(tl.get("reduce_scatters", DASH)),
     }
-    return {"tables": {"main": tab}, "figures": figs, "n": n}
