@@ -136,6 +136,61 @@ print(" ".join(seen))
     assert result.stdout.split() == ["ieee", "tf32", "tf32", "ieee", "tf32", "tf32"]
 
 
+def test_float32_products_follow_the_configuration_where_pytorch_does_not_allow_tf32(monkeypatch):
+    monkeypatch.setattr(triton_backend, "_pytorch_allows_tf32", lambda: False)
+    with FLASH_CONFIG.use(FlashConfig(fp32_products="tf32x3")):
+        assert triton_backend._dot_precision(torch.float32) == "tf32x3"
+        assert triton_backend._dot_precision(torch.bfloat16) == "tf32"  # 16-bit inputs: the dot's default
+    assert triton_backend._dot_precision(torch.float32) == "ieee"  # the default configuration
+    monkeypatch.setattr(triton_backend, "_pytorch_allows_tf32", lambda: True)
+    with FLASH_CONFIG.use(FlashConfig(fp32_products="tf32x3")):
+        assert triton_backend._dot_precision(torch.float32) == "tf32"  # PyTorch allows TF32: so do we
+
+
+def test_float32_products_configuration_is_checked_and_read_from_the_environment():
+    with pytest.raises(ValueError, match="fp32_products must be one of ieee, tf32x3"):
+        FlashConfig(fp32_products="tf32x2")
+    assert FlashConfig.from_environment({"CS336_FLASH_FP32": "tf32x3"}).fp32_products == "tf32x3"
+    assert FlashConfig.from_environment({}).fp32_products == "ieee"
+
+
+def test_tf32x3_products_take_their_own_fixed_tiles(monkeypatch):
+    monkeypatch.setattr(triton_backend, "interpreting", lambda: False)
+    for name in ("fwd", "bwd"):
+        for head_dim in (64, 128):
+            ieee = triton_backend.fixed_config(name, torch.float32, head_dim)
+            tf32x3 = triton_backend.fixed_config(name, torch.float32, head_dim, "tf32x3")
+            assert ieee == triton_backend.fixed_config(name, torch.float32, head_dim, "ieee")
+            assert tf32x3.all_kwargs() != ieee.all_kwargs() or head_dim > 64
+        assert triton_backend.fixed_config(name, torch.bfloat16, 64, "tf32x3") == triton_backend.fixed_config(
+            name, torch.bfloat16, 64)  # the precision concerns float32 inputs only
+
+
+@pytest.mark.compiled_kernels
+@pytest.mark.slow
+@pytest.mark.parametrize("head_dim, most_spilled", [(64, 0), (128, 24)])
+def test_tf32x3_kernels_run_their_products_on_the_tensor_cores_for_h100(monkeypatch, head_dim, most_spilled):
+    """Float32 with tf32x3: the forward's and backward's products compile for sm_90 to TF32 tensor-core
+    instructions (wgmma or mma.sync on .tf32 operands) at the fixed tiles, spilling at most what ptxas was seen to
+    spill there (none at head dim 64, 24 bytes at 128)."""
+    from tests._flash_aot import compile_for_gpu, nvidia_toolchain_available, resource_usage
+
+    if not nvidia_toolchain_available():
+        pytest.skip("this Triton has no NVIDIA backend or ptxas")
+    with FLASH_CONFIG.use(FlashConfig(fp32_products="tf32x3")):
+        launches = captured_attention_launches(monkeypatch, torch.float32, head_dim, True)
+    for kernel, args, meta, name in launches:
+        if name == "delta":
+            continue
+        assert meta["DOT_PRECISION"] == "tf32x3"
+        config = fixed_launch_config(name, torch.float32, head_dim, "tf32x3")
+        compiled = compile_for_gpu(kernel, args, {**meta, **config.all_kwargs()})
+        usage, ptx = resource_usage(compiled), compiled.asm["ptx"]
+        assert ".tf32" in ptx and ("wgmma" in ptx or "mma.sync" in ptx), f"{name} {config}"
+        assert usage.spill_bytes <= most_spilled, f"{name} {config}: {usage}"
+        assert usage.shared_bytes <= SHARED_MEMORY_PER_BLOCK[90], f"{name} {config}: {usage}"
+
+
 class _RecordingLauncher:
     """Stands for a Kernel's Launcher: records the launches that compile and those that take the short path."""
 
@@ -286,6 +341,23 @@ def test_triton_kernels_match_float64_reference_gpu(case):
     """Awkward cases with the portable Triton kernels forced (on a Hopper GPU "auto" runs the large 16-bit ones on
     the Gluon kernels)."""
     assert not failures(measure(case, kernels="triton"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_tf32x3_products_keep_float32_accuracy_gpu(fixed_tiles_poisoned_outputs, head_dim):
+    """Float32 inputs with three TF32 products: every output and gradient within twice the IEEE products' relative
+    error against float64 (plus a floor of 1e-6 where both are at float32's rounding)."""
+    Q, K, V = make_qkv(2, 4, 1000, 1000, head_dim, torch.float32, "cuda")
+    dO = torch.randn_like(Q)
+    reference = run_reference(Q, K, V, True, dO)
+    errors = {}
+    for products in ("ieee", "tf32x3"):
+        with FLASH_CONFIG.use(FlashConfig(kernels="triton", fp32_products=products)):
+            result = run_function(FlashAttention2Triton, Q, K, V, True, dO)
+        errors[products] = {name: relative_error(result[name], reference[name]) for name in result}
+    for name, ieee in errors["ieee"].items():
+        assert errors["tf32x3"][name] <= 2 * ieee + 1e-6, (name, errors)
 
 
 @pytest.mark.gpu

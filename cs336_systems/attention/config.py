@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from cs336_systems.kernels.launch import CurrentConfig
 
 KERNEL_FAMILIES = ("auto", "hopper", "triton")
+FP32_PRODUCTS = ("ieee", "tf32x3")
 
 
 @dataclass(frozen=True)
@@ -37,24 +38,33 @@ class FlashConfig:
     fast as the Triton kernels from one head of 4,096 (32 programs) up (measured on an H100, bf16, causal: one head
     of 16,384, forward + backward 0.56 ms against 0.61 at d = 64, 0.81 against 1.01 at d = 128); below, both are
     bound by their launches.
+    ``fp32_products``: how the Triton kernels multiply float32 inputs where PyTorch does not allow TF32 (where it
+    does, they use TF32 as PyTorch's matmuls do): "ieee" on the FMA units, or "tf32x3" on the tensor cores, each
+    operand split into a TF32 high part and a TF32 remainder and the product summed from three TF32 products (the
+    remainders' product dropped), which stays close to float32's rounding at about a third of TF32's rate.
     """
 
     kernels: str = "auto"
     autotune: bool = False
     hopper_min_programs: int = 32
+    fp32_products: str = "ieee"
 
     def __post_init__(self):
         if self.kernels not in KERNEL_FAMILIES:
             raise ValueError(f"FlashConfig.kernels must be one of {', '.join(KERNEL_FAMILIES)}, not {self.kernels!r}")
+        if self.fp32_products not in FP32_PRODUCTS:
+            raise ValueError(f"FlashConfig.fp32_products must be one of {', '.join(FP32_PRODUCTS)}, "
+                             f"not {self.fp32_products!r}")
         if self.hopper_min_programs < 1:
             raise ValueError(f"FlashConfig.hopper_min_programs must be >= 1, not {self.hopper_min_programs}")
 
     @classmethod
     def from_environment(cls, environ: Mapping[str, str] = os.environ) -> FlashConfig:
-        """``CS336_FLASH_KERNELS`` (auto, hopper, triton) and ``CS336_FLASH_AUTOTUNE`` (1 to autotune), for
-        command-line tools."""
+        """``CS336_FLASH_KERNELS`` (auto, hopper, triton), ``CS336_FLASH_AUTOTUNE`` (1 to autotune) and
+        ``CS336_FLASH_FP32`` (ieee, tf32x3), for command-line tools."""
         return cls(kernels=environ.get("CS336_FLASH_KERNELS", "auto"),
-                   autotune=environ.get("CS336_FLASH_AUTOTUNE", "0") == "1")
+                   autotune=environ.get("CS336_FLASH_AUTOTUNE", "0") == "1",
+                   fp32_products=environ.get("CS336_FLASH_FP32", "ieee"))
 
 
 FLASH_CONFIG: CurrentConfig[FlashConfig] = CurrentConfig(FlashConfig())

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from cs336_systems.attention.config import FLASH_CONFIG, FP32_PRODUCTS
 from cs336_systems.bench.common import attention_providers as fp
 from cs336_systems.bench.common import cli, result_store, timing
 
@@ -68,6 +69,9 @@ def parser():
                    help="longest length for naive and naive_compiled (default: all; out-of-memory becomes a row)")
     p.add_argument("--fixed-tiles", action="store_true", help="our kernels with fixed tiles (the default)")
     p.add_argument("--autotune", action="store_true", help="autotune our kernels' tiles per length bucket instead")
+    p.add_argument("--fp32-products", choices=FP32_PRODUCTS, default=None,
+                   help="our kernels' float32 products: ieee (FMA units) or tf32x3 (three TF32 tensor-core products); "
+                        "default: CS336_FLASH_FP32, else ieee. tf32x3 rows carry the key fp32_products")
     p.add_argument("--time-limit-s", type=float, default=None,
                    help="start no new case after this many seconds (run again to resume)")
     cli.add_figures_dir(p)
@@ -108,6 +112,11 @@ def max_seq(provider: str, args) -> int | None:
     return None
 
 
+def fp32_products(args) -> str:
+    """How our kernels multiply float32 inputs in this run (``--fp32-products``, else the configuration's)."""
+    return args.fp32_products or FLASH_CONFIG.get().fp32_products
+
+
 def make_cases(args) -> list[dict[str, Any]]:
     """Every (dtype, head dim, length, provider) configuration within the providers' length caps, grouped by
     shape so that each shape's inputs are made once."""
@@ -118,8 +127,11 @@ def make_cases(args) -> list[dict[str, Any]]:
                 for provider in args.providers:
                     cap = max_seq(provider, args)
                     if cap is None or seq_len <= cap:
-                        cases.append(dict(provider=provider, seq_len=seq_len, d_head=d_head, dtype=dtype, batch=1,
-                                          causal=True, rep_ms=args.rep, warmup_ms=args.warmup))
+                        case = dict(provider=provider, seq_len=seq_len, d_head=d_head, dtype=dtype, batch=1,
+                                    causal=True, rep_ms=args.rep, warmup_ms=args.warmup)
+                        if dtype == "fp32" and provider.startswith("ours") and fp32_products(args) != "ieee":
+                            case["fp32_products"] = fp32_products(args)  # rows without the key: IEEE products
+                        cases.append(case)
     return cases
 
 
@@ -212,7 +224,7 @@ def plot(rows: list[dict[str, Any]], dtype: str, path: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     args, device, _ = cli.start(parser(), argv)
     resolve_defaults(args, device)
-    fp.choose_tiles(args.fixed_tiles, args.autotune)
+    fp.choose_tiles(args.fixed_tiles, args.autotune, args.fp32_products)
     store = run_sweep(args, device)
     rows = latest_rows(store)
     import pandas as pd

@@ -135,12 +135,18 @@ DELTA_KERNEL = Kernel(triton_kernels.attn_bwd_delta_kernel)
 """Delta = rowsum(O * dO) (and the Hopper backward's float32 dQ accumulator zeroed), at :data:`DELTA_CONFIG`."""
 
 
-def fixed_config(kernel: str, dtype: torch.dtype, head_dim: int) -> triton.Config:
+def fixed_config(kernel: str, dtype: torch.dtype, head_dim: int, precision: str = "ieee") -> triton.Config:
     """The configuration of ``kernel`` ("fwd" or "bwd") when not autotuning: the fastest in the autotuner's H100
     timings at 16384 tokens (bf16, causal) among those with no register spills at any head dim (checked with
-    ptxas for sm_90)."""
+    ptxas for sm_90). Float32 with ``precision`` "tf32x3" (three products on the tensor cores, each operand split in
+    two) takes the largest tiles ptxas for sm_90 fits in the registers: none spill at head dim 64, and at 128 the
+    smallest tiles still spill 24 bytes (not yet timed against the IEEE tiles)."""
     if interpreting():
         return INTERPRETER_CONFIGS[kernel]
+    if dtype == torch.float32 and precision == "tf32x3":
+        if head_dim <= 64:
+            return _config(128, 32, 8, 2) if kernel == "fwd" else _bwd_config(32, 32, 4, 1)
+        return _config(32, 16, 8, 2) if kernel == "fwd" else _bwd_config(32, 16, 8, 1)
     if dtype == torch.float32:
         num_warps = 4 if head_dim <= 64 else 8
         return _config(32, 16, num_warps, 2) if kernel == "fwd" else _bwd_config(32, 16, num_warps, 1)
@@ -176,15 +182,20 @@ def _tiled_grid(batch_heads: int, n_rows: int, tile: str) -> Grid:
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
-    """TF32 for float32 exactly when PyTorch's own matmuls may use it; 16-bit inputs take the default.
+    """TF32 for float32 exactly when PyTorch's own matmuls may use it, else ``FlashConfig.fp32_products`` ("ieee" or
+    "tf32x3"); 16-bit inputs take the default.
 
     Reads ``torch.backends.cuda.matmul.fp32_precision``, which ``allow_tf32 = True`` and
     ``torch.set_float32_matmul_precision("high")`` also set, and which (unlike ``allow_tf32``) does not
     raise once a program has mixed the legacy and the new precision APIs.
     """
-    if dtype == torch.float32 and torch.backends.cuda.matmul.fp32_precision != "tf32":
-        return "ieee"
+    if dtype == torch.float32 and not _pytorch_allows_tf32():
+        return FLASH_CONFIG.get().fp32_products
     return "tf32"
+
+
+def _pytorch_allows_tf32() -> bool:
+    return torch.backends.cuda.matmul.fp32_precision == "tf32"
 
 
 def _length_key(n: int) -> int:
@@ -330,7 +341,7 @@ def _forward_plan(Q: Tensor, K: Tensor, V: Tensor, O: Tensor, is_causal: bool, s
             n_heads, n_queries, n_keys, _length_key(n_queries), _length_key(n_keys), sm_scale * _LOG2_E)
     constexprs = dict(HEAD_DIM=head_dim, IS_CAUSAL=is_causal, DOT_PRECISION=_dot_precision(Q.dtype))
     return LaunchPlan(tail, (batch_heads, n_queries), _tiled_grid(batch_heads, n_queries, "BLOCK_M"), constexprs,
-                      functools.partial(fixed_config, "fwd", Q.dtype, head_dim))
+                      functools.partial(fixed_config, "fwd", Q.dtype, head_dim, constexprs["DOT_PRECISION"]))
 
 
 def launch_delta(O: Float[Tensor, "batch *heads q d"], dO: Float[Tensor, "batch *heads q d"],
@@ -386,4 +397,4 @@ def _backward_plan(Q: Tensor, K: Tensor, V: Tensor, dO: Tensor, dQ: Tensor, dK: 
     n_rows = max(n_queries, n_keys)  # program i: key tile i, then query tile i
     constexprs = dict(HEAD_DIM=head_dim, IS_CAUSAL=is_causal, DOT_PRECISION=_dot_precision(Q.dtype))
     return LaunchPlan(tail, (batch_heads, n_rows), _tiled_grid(batch_heads, n_rows, "TILE"), constexprs,
-                      functools.partial(fixed_config, "bwd", Q.dtype, head_dim))
+                      functools.partial(fixed_config, "bwd", Q.dtype, head_dim, constexprs["DOT_PRECISION"]))

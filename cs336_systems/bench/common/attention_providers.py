@@ -161,15 +161,17 @@ def get_provider(name: str) -> Provider:
     return PROVIDERS[name]
 
 
-def choose_tiles(fixed_tiles: bool = False, autotune: bool = False) -> None:
-    """Set our attention's configuration for a flash tool: ``CS336_FLASH_KERNELS`` and
-    ``CS336_FLASH_AUTOTUNE`` (see :class:`cs336_systems.attention.config.FlashConfig`), then ``--fixed-tiles`` or
-    ``--autotune``, which win."""
+def choose_tiles(fixed_tiles: bool = False, autotune: bool = False, fp32_products: str | None = None) -> None:
+    """Set our attention's configuration for a flash tool: ``CS336_FLASH_KERNELS``, ``CS336_FLASH_AUTOTUNE`` and
+    ``CS336_FLASH_FP32`` (see :class:`cs336_systems.attention.config.FlashConfig`), then ``--fixed-tiles`` or
+    ``--autotune`` and ``--fp32-products``, which win."""
     from cs336_systems.attention.config import FLASH_CONFIG, FlashConfig
 
     config = FlashConfig.from_environment()
     if fixed_tiles or autotune:
         config = dataclasses.replace(config, autotune=autotune and not fixed_tiles)
+    if fp32_products is not None:
+        config = dataclasses.replace(config, fp32_products=fp32_products)
     FLASH_CONFIG.set(config)
 
 

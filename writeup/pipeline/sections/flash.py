@@ -68,7 +68,8 @@ def provider_role(name: str) -> str:
 
 
 def load_flash_benchmarking(res) -> list[dict[str, Any]]:
-    return res.rows("flash_benchmarking")
+    """The sweep's rows of our default kernels (rows with ``fp32_products`` ran a float32 variant of ours)."""
+    return res.rows("flash_benchmarking", keep=lambda rows: [r for r in rows if "fp32_products" not in r])
 
 
 def cell(row: dict[str, Any] | None, key: str) -> str:
