@@ -81,6 +81,14 @@ def test_plan_for_an_80_gb_card_fits_80_gb(stack):
         step_model.memory_budget(step_model.MODEL, stack, 2, modes=plan.modes)["peak_gb"] * GB)
 
 
+def test_the_default_margin_grows_with_the_memory():
+    assert step_model.default_margin_bytes(80 * GB) == step_model.DEFAULT_MARGIN_BYTES  # 4 GiB > 5 % of 80 GB
+    assert step_model.default_margin_bytes(180 * GB) == pytest.approx(0.05 * 180 * GB)
+    plan = step_model.plan_for_card(180)
+    assert plan.margin_bytes == pytest.approx(9 * GB) and plan.budget_bytes == pytest.approx(171 * GB)
+    assert step_model.plan_for_card(180, margin_bytes=0).budget_bytes == pytest.approx(180 * GB)
+
+
 @pytest.mark.parametrize("card_gb", [80, 141, 180])
 def test_card_plans_fill_the_card(card_gb):
     """Each card's plan fits, and one step further up the chain would not (the most that fits)."""

@@ -137,11 +137,12 @@ def test_builds_every_section_from_the_fixture(tmp_path, fixture_results):
     assert plans["pytorch"][0] == "34 full (stack default)" and plans["pytorch"][3].startswith("−")
     assert memory["checkpoint plan (blocks)"] == ["34 selective (stack default)", "34 full (stack default)"]
     assert (lb["n"]["claim"]["claim_rows"], lb["n"]["claim"]["claim_holds"]) == ("2", False)
-    # The full step's split, and the B200 on paper from its rates: 21 blocks kept, 13 selective at 180 GB.
+    # The full step's split, and the B200 on paper from its rates: 20 blocks kept, 14 selective at 180 GB (a margin
+    # of 5 % of the card).
     assert lb["n"]["has_split"] and lb["n"]["split"]["exposed"] == "50.0"
     assert [r[0] for r in lb["tables"]["split"]["rows"]][-1] == "step (wall)"
     paper = lb["n"]["paper"]
-    assert (paper["profile_split"], paper["kept"], paper["selective"], paper["full"]) == (True, "21", "13", "0")
+    assert (paper["profile_split"], paper["kept"], paper["selective"], paper["full"]) == (True, "20", "14", "0")
     assert [r[0] for r in lb["tables"]["paper"]["rows"]][0].startswith("H200, 34 selective")
     assert (lb["n"]["p_bwd_ratio"], lb["n"]["sdpa_ratio"]) == (f"{360 / 190:.2f}×", f"{860 / 880:.2f}×")
     assert (lb["n"]["ours_bwd_kernel"], lb["n"]["cudnn_bwd_kernel"]) == ("355", "188")

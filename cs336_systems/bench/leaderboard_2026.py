@@ -42,7 +42,7 @@ The FLOP and memory models live in ``bench/common/leaderboard_2026_model.py``, t
 selective-checkpoint contexts): ``selective`` (every block keeps its attention output and log-sum-exp), ``full``
 (every block recomputed whole), or ``auto``: each rank measures its free memory before building anything
 (``torch.cuda.mem_get_info``; on CPU ranks, the host's available memory), and the least of the ranks, less
-``--memory-margin-gib``, is the budget :mod:`cs336_systems.train.checkpoint_plan` fills from the memory model
+``--memory-margin-gib`` (by default the larger of 4 GiB and 5 % of it), is the budget :mod:`cs336_systems.train.checkpoint_plan` fills from the memory model
 (every block selective where that fits, then blocks kept whole, from the last, while they fit). By default each
 stack checkpoints as it always has (ours selective, PyTorch's full). Every row records the plan
 (``checkpoint_plan``: its one-line description and predicted peak).
@@ -76,7 +76,7 @@ from cs336_systems.bench.common import cli, result_store, timing
 from cs336_systems.bench.common import distributed_launch as dl
 from cs336_systems.bench.common.leaderboard_2026_check import batch_of_rank, build, check_passes, run_check
 from cs336_systems.bench.common.leaderboard_2026_model import (
-    BATCH, DEFAULT_MARGIN_BYTES, GB, MODEL, ROW_NAMES, STACK_OF_ROW, TINY, checkpoint_plan, fixed_plan, memory_budget,
+    BATCH, GB, MODEL, ROW_NAMES, STACK_OF_ROW, TINY, checkpoint_plan, fixed_plan, memory_budget,
     stack_modes, step_flops,
 )
 from cs336_systems.train import SHARDED_STACKS
@@ -112,8 +112,9 @@ def parser():
     p.add_argument("--residual-norm", choices=RESIDUAL_NORMS, default=None,
                    help="our stack's residual adds fused into its RMSNorm or separate (default: separate, rows "
                         "without the key)")
-    p.add_argument("--memory-margin-gib", type=float, default=DEFAULT_MARGIN_BYTES / GiB,
-                   help="memory left out of the auto plan's budget (default 4 GiB: allocator, NCCL, CUDA context)")
+    p.add_argument("--memory-margin-gib", type=float, default=None,
+                   help="memory left out of the auto plan's budget (default: the larger of 4 GiB and 5 %% of the "
+                        "free memory: allocator, NCCL, CUDA context and what the memory model leaves out)")
     return p
 
 
@@ -178,7 +179,7 @@ def rank_plan(args, stack: str, config: dict[str, int], world_size: int, device:
     memory of every rank, so call it on all ranks before anything is built."""
     if args.checkpoint_plan == "auto":
         return checkpoint_plan(config, stack, world_size, args.per_rank_batch, free_bytes_on_ranks(device),
-                               args.memory_margin_gib * GiB)
+                               None if args.memory_margin_gib is None else args.memory_margin_gib * GiB)
     modes = (uniform_modes(args.checkpoint_plan, config["num_layers"]) if args.checkpoint_plan
              else stack_modes(config, stack))
     return fixed_plan(config, stack, world_size, args.per_rank_batch, modes)
