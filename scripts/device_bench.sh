@@ -16,15 +16,6 @@ source "$(dirname "$0")/device_env.sh"
 deadline=$(( $(date +%s) + ${DEADLINE_S:-540} ))
 log="$OUT/bench.log"
 
-capped() {  # capped SECONDS command...: at most SECONDS, and never past the deadline
-    local left=$(( deadline - $(date +%s) ))
-    local cap=$(( $1 < left ? $1 : left ))
-    shift
-    if (( cap < 10 )); then echo "# deadline reached: skipping $*" | tee -a "$log"; return; fi
-    echo "# $(date -u +%H:%M:%S) (at most ${cap}s) $*" | tee -a "$log"
-    timeout --signal=INT --kill-after=15 "$cap" "$@" 2>&1 | grep --line-buffered -v 'it/s\]\|s/it\]' | tee -a "$log"
-}
-
 residual_steps() {  # our xl step, separate and fused in alternating launches (--force: every launch its own row)
     for shape in ${RESIDUAL_SHAPES:-512:4}; do
         for (( round = 1; round <= ${RESIDUAL_ROUNDS:-2}; round++ )); do

@@ -18,15 +18,6 @@ source "$(dirname "$0")/device_env.sh"
 deadline=$(( $(date +%s) + ${DEADLINE_S:-560} ))
 log="$OUT/part.log"
 
-capped() {  # capped SECONDS command...: at most SECONDS, and never past the deadline
-    local left=$(( deadline - $(date +%s) ))
-    local cap=$(( $1 < left ? $1 : left ))
-    shift
-    if (( cap < 10 )); then echo "# deadline reached: skipping $*" | tee -a "$log"; return; fi
-    echo "# $(date -u +%H:%M:%S) (at most ${cap}s) $*" | tee -a "$log"
-    timeout --signal=INT --kill-after=15 "$cap" "$@" 2>&1 | grep --line-buffered -v 'it/s\]\|s/it\]' | tee -a "$log"
-}
-
 {
     date -u +%Y-%m-%dT%H:%M:%SZ
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader

@@ -4,7 +4,8 @@ was allocated.
 The allocator's trace (``device_traces``) is replayed from the start of the recording; blocks already live when
 recording began (``segments`` minus what the trace frees first) count as "before recording". At the moment the
 allocated total peaks, the live blocks are grouped by their innermost frame in this project or in the model code
-(``cs336_systems``, ``cs336_basics``), else in ``torch/distributed`` or ``torch/optim``, else their innermost frame.
+(``cs336_systems``, ``cs336_basics``), else their innermost Python frame
+(``cs336_systems.bench.common.memory.allocation_source``).
 
     python scripts/memory_snapshot_report.py snapshots/fsdp_ours_torch.pickle [--top 15]
 """
@@ -12,46 +13,25 @@ allocated total peaks, the live blocks are grouped by their innermost frame in t
 from __future__ import annotations
 
 import argparse
-import pickle
 from collections import defaultdict
 
-OWN = ("cs336_systems", "cs336_basics")
-TORCH_PARTS = ("torch/distributed", "torch/optim", "torch/utils/checkpoint", "torch/autograd")
+from cs336_systems.bench.common.memory import alloc_free_events, allocation_source, load_snapshot, preexisting_bytes
 
-
-def origin(frames: list[dict]) -> str:
-    """``file:line function`` of the most telling frame of an allocation's stack."""
-    def label(frame: dict) -> str:
-        path = frame.get("filename", "?")
-        for marker in OWN + ("torch/",):
-            if marker in path:
-                path = path[path.index(marker):]
-                break
-        return f"{path}:{frame.get('line', '?')} {frame.get('name', '?')}"
-
-    for wanted in (OWN, TORCH_PARTS):
-        for frame in frames:
-            if any(part in frame.get("filename", "") for part in wanted):
-                return label(frame)
-    return label(frames[0]) if frames else "(no stack)"
+BEFORE_RECORDING = "(allocated before recording)"
 
 
 def live_at_peak(snapshot: dict, device: int = 0) -> tuple[int, list[tuple[int, str]]]:
     """The peak of allocated bytes over the trace and the ``(size, origin)`` of every block live then.
 
-    The total at the start of the recording is the total at the dump (the snapshot's active blocks) less what the
-    trace allocated plus what it freed; blocks allocated before recording show as one group."""
-    trace = [e for e in snapshot["device_traces"][device] if e["action"] in ("alloc", "free_completed")]
-    at_dump = sum(block["size"] for segment in snapshot["segments"] if segment.get("device", device) == device
-                  for block in segment["blocks"] if block["state"] == "active_allocated")
-    total = at_dump - sum(e["size"] for e in trace if e["action"] == "alloc") + sum(
-        e["size"] for e in trace if e["action"] == "free_completed")
+    The replay starts from what was live when recording began (:func:`~cs336_systems.bench.common.memory.
+    preexisting_bytes`); that memory shows as one block, :data:`BEFORE_RECORDING`."""
+    total = peak = preexisting_bytes(snapshot, device)
     live: dict[int, tuple[int, str]] = {}
-    peak, peak_live, peak_traced = total, {}, 0
-    traced = 0
-    for event in trace:
+    peak_live: dict[int, tuple[int, str]] = {}
+    traced = peak_traced = 0
+    for event in alloc_free_events(snapshot, device):
         if event["action"] == "alloc":
-            live[event["addr"]] = (event["size"], origin(event.get("frames", [])))
+            live[event["addr"]] = (event["size"], allocation_source(event.get("frames", [])))
             total += event["size"]
             traced += event["size"]
             if total > peak:
@@ -62,7 +42,7 @@ def live_at_peak(snapshot: dict, device: int = 0) -> tuple[int, list[tuple[int, 
                 traced -= live.pop(event["addr"])[0]
     blocks = list(peak_live.values())
     if peak - peak_traced:
-        blocks.append((peak - peak_traced, "(allocated before recording)"))
+        blocks.append((peak - peak_traced, BEFORE_RECORDING))
     return peak, blocks
 
 
@@ -72,9 +52,7 @@ def main() -> None:
     p.add_argument("--device", type=int, default=0)
     p.add_argument("--top", type=int, default=15)
     args = p.parse_args()
-    with open(args.snapshot, "rb") as f:
-        snapshot = pickle.load(f)
-    peak, blocks = live_at_peak(snapshot, args.device)
+    peak, blocks = live_at_peak(load_snapshot(args.snapshot), args.device)
     groups: dict[str, list[int]] = defaultdict(list)
     for size, where in blocks:
         groups[where].append(size)

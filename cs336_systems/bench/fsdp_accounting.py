@@ -56,7 +56,7 @@ from torch.autograd.profiler import record_function
 
 from cs336_basics.nn_utils import cross_entropy
 from cs336_basics.optimizer import AdamW
-from cs336_systems.bench.common import cli, result_store, timeline, timing
+from cs336_systems.bench.common import cli, memory, result_store, timeline, timing
 from cs336_systems.bench.common.lm import (
     DTYPES,
     SIZES,
@@ -214,29 +214,16 @@ def measure(impl: str, config: LMConfig, dtype: torch.dtype | None, device: torc
               "local_params": local_numel(impl, model)}
     if device.type == "cuda":
         result["reserved_gb"] = torch.cuda.max_memory_reserved(device) / 1e9
-    if args.memory_snapshot and device.type == "cuda":  # every rank steps (collectives); rank 0 records
-        path = os.path.join(args.memory_snapshot, f"fsdp_{impl}_{args.optimizer}.pickle")
-        record_snapshot(step, device, path if dist.get_rank() == 0 else None)
+    if args.memory_snapshot and device.type == "cuda":  # one more step on every rank (collectives); rank 0 records
+        if dist.get_rank() == 0:
+            path = os.path.join(args.memory_snapshot, f"fsdp_{impl}_{args.optimizer}.pickle")
+            memory.record_snapshot(step, path, device)
+            print(f"# memory snapshot of one step: {path}", file=sys.stderr)
+        else:
+            step()
     del model, optimizer, step
     timing.free_memory()
     return result
-
-
-def record_snapshot(step, device: torch.device, path: str | None) -> None:
-    """One more ``step``; with a ``path``, the allocator's history over it goes there (a pickle memory_viz reads).
-    Every rank must call this (the step's collectives), with a path or without."""
-    timing.synchronize(device)
-    if path is None:
-        step()
-        timing.synchronize(device)
-        return
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    torch.cuda.memory._record_memory_history(max_entries=500_000, stacks="python")
-    step()
-    timing.synchronize(device)
-    torch.cuda.memory._dump_snapshot(path)
-    torch.cuda.memory._record_memory_history(enabled=None)
-    print(f"# memory snapshot of one step: {path}", file=sys.stderr)
 
 
 def expected(n_params: int, local_params: int) -> dict[str, float]:

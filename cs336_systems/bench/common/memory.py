@@ -118,7 +118,8 @@ def largest_allocations(snapshot: dict, top: int = 10, device: int = 0) -> list[
 # ---------------------------------------------------------------------------------------------------
 
 
-def _alloc_free_events(snapshot: dict, device: int) -> list[dict]:
+def alloc_free_events(snapshot: dict, device: int) -> list[dict]:
+    """The trace's allocations and completed frees on ``device``, in order."""
     traces = snapshot["device_traces"]
     return [e for e in (traces[device] if device < len(traces) else []) if e["action"] in ("alloc", "free_completed")]
 
@@ -130,7 +131,7 @@ def preexisting_bytes(snapshot: dict, device: int = 0) -> int:
         return 0
     live = sum(block.get("requested_size", block["size"]) for segment in snapshot["segments"]
                if segment.get("device", 0) == device for block in segment["blocks"] if block["state"] in LIVE_STATES)
-    net = sum(_signed(e) for e in _alloc_free_events(snapshot, device))
+    net = sum(_signed(e) for e in alloc_free_events(snapshot, device))
     return max(live - net, 0)
 
 
@@ -178,7 +179,7 @@ def _event_source(event: dict, source_of: dict[int, str]) -> str:
 def active_memory_timeline(snapshot: dict, device: int = 0, bands: int = 5) -> MemoryTimeline:
     """The active memory over the trace, from the memory alive before it, with the ``bands`` sources holding most
     memory at the peak drawn apart (the rest as ``other``)."""
-    events = _alloc_free_events(snapshot, device)
+    events = alloc_free_events(snapshot, device)
     base = preexisting_bytes(snapshot, device)
     if not events:
         return MemoryTimeline()
