@@ -23,7 +23,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from cs336_systems.bench.common.timeline import LAUNCH_CATEGORIES, intersect, union
+from cs336_systems.bench.common.timeline import LAUNCH_CATEGORIES, intersect, total_length, union
 
 # (category, pattern searched in the lower-cased kernel name); the first that matches wins, so the norms' and the
 # loss's own "fwd"/"bwd" kernels are claimed before attention's patterns see them.
@@ -74,14 +74,10 @@ class StepKernel:
         return "recompute" if forward else category
 
 
-def _length(intervals: list[tuple[float, float]]) -> float:
-    return sum(end - start for start, end in intervals)
-
-
 def exposed_us(communication: list[tuple[float, float]], compute: list[tuple[float, float]]) -> float:
     """How long communication ran while no compute did: the union of ``communication`` less that of ``compute``."""
     comm = union(communication)
-    return _length(comm) - _length(intersect(comm, union(compute)))
+    return total_length(comm) - total_length(intersect(comm, union(compute)))
 
 
 def split_step(kernels: list[StepKernel], wall_ms: float) -> dict[str, Any]:
@@ -98,8 +94,8 @@ def split_step(kernels: list[StepKernel], wall_ms: float) -> dict[str, Any]:
         compute.append((k.start, k.end))
         split[category] += (k.end - k.start) / 1e3
     split["exposed_communication"] = exposed_us(comm, compute) / 1e3
-    busy = _length(union(comm + compute)) / 1e3
-    return {"split_ms": split, "communication_ms": _length(union(comm)) / 1e3,
+    busy = total_length(union(comm + compute)) / 1e3
+    return {"split_ms": split, "communication_ms": total_length(union(comm)) / 1e3,
             "idle_ms": max(0.0, wall_ms - busy), "wall_ms": wall_ms}
 
 

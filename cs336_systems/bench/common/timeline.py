@@ -92,7 +92,8 @@ def intersect(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> lis
     return out
 
 
-def _length(intervals: list[tuple[float, float]]) -> float:
+def total_length(intervals: list[tuple[float, float]]) -> float:
+    """The summed length of disjoint ``(start, end)`` intervals (as :func:`union` returns them)."""
     return sum(end - start for start, end in intervals)
 
 
@@ -190,12 +191,12 @@ def merge(spans: list[Span]) -> list[tuple[float, float]]:
 def overlap_summary(timeline: Timeline) -> dict[str, float | None]:
     """Busy time of each lane, communication time overlapped with compute, and its share (ms)."""
     compute, communication = merge(timeline.compute), merge(timeline.communication)
-    comm_ms = _length(communication)
-    overlap_ms = _length(intersect(compute, communication))
+    comm_ms = total_length(communication)
+    overlap_ms = total_length(intersect(compute, communication))
     everything = merge(timeline.compute + timeline.communication)
     return {
         "span_ms": everything[-1][1] - everything[0][0] if everything else 0.0,
-        "compute_busy_ms": _length(compute),
+        "compute_busy_ms": total_length(compute),
         "comm_busy_ms": comm_ms,
         "comm_overlapped_ms": overlap_ms,
         "comm_exposed_ms": comm_ms - overlap_ms,
@@ -428,13 +429,13 @@ def _gathers_summary(kernels: list[Kernel], reduces: list[Kernel], uses: list[Ga
     the compute stream's wait for them."""
     compute_busy = union([(k.start, k.end) for k in kernels if not k.is_comm])
     comm_busy = union([(k.start, k.end) for k in kernels if k.is_comm])
-    overlap = _length(intersect(comm_busy, compute_busy))
+    overlap = total_length(intersect(comm_busy, compute_busy))
     summary: dict[str, Any] = {
         "span_ms": (max(k.end for k in kernels) - min(k.start for k in kernels)) / 1e3 if kernels else 0.0,
-        "compute_ms": _length(compute_busy) / 1e3,
-        "comm_ms": _length(comm_busy) / 1e3,
+        "compute_ms": total_length(compute_busy) / 1e3,
+        "comm_ms": total_length(comm_busy) / 1e3,
         "comm_hidden_ms": overlap / 1e3,
-        "comm_exposed_ms": (_length(comm_busy) - overlap) / 1e3,
+        "comm_exposed_ms": (total_length(comm_busy) - overlap) / 1e3,
         "reduce_scatters": len(reduces),
     }
     for phase in ("forward", "backward"):
