@@ -4,7 +4,8 @@
 # (the rows). $WORLD (default 2) is the number of ranks of the DDP and optimizer parts.
 #   PART=tests bash scripts/device_gpus.sh          # the NCCL tests, leaderboard_2026 --check (what its 2-GPU test
 #                                                   # runs, here with its table), the sharded optimizers
-#   PART=official bash scripts/device_gpus.sh       # the 8B step under the official protocol, then its profile
+#   PART=official bash scripts/device_gpus.sh       # the 8B step under the official protocol (the planner's
+#                                                   # checkpoint plan), then the full step split
 #   PART=split bash scripts/device_gpus.sh          # the full 8B step (34 layers) of both stacks split by category
 #   PART=allreduce bash scripts/device_gpus.sh      # all-reduce on NCCL at 2 and 4 ranks (as many as there are GPUs)
 #   PART=ddp WORLD=4 bash scripts/device_gpus.sh    # every DDP variant (bf16, then fp32)
@@ -37,12 +38,19 @@ tests)
             --dtype "$dtype" --optimizers adamw sharded zero_redundancy zero1_flat
     done
     ;;
-official)
-    capped 420 python3 -m cs336_systems.bench.leaderboard_2026
-    capped 200 python3 scripts/leaderboard_2026_profile.py --world-size 2 --layers 4 --stacks ours torch --top 12
+official)  # the 8B step under the official protocol with the checkpoint plan $PLAN (default auto: the planner's);
+            # if a stack fails (out of memory), again with a margin of $RETRY_MARGIN GiB; then the full step split
+    margin=${MARGIN:+--memory-margin-gib $MARGIN}
+    capped 330 python3 -m cs336_systems.bench.leaderboard_2026 --checkpoint-plan "${PLAN:-auto}" $margin --timeout-s 320 \
+        || { margin="--memory-margin-gib ${RETRY_MARGIN:-16}"
+             capped 330 python3 -m cs336_systems.bench.leaderboard_2026 --checkpoint-plan "${PLAN:-auto}" $margin \
+                 --timeout-s 320; }
+    capped 230 python3 scripts/leaderboard_2026_profile.py --stacks ours torch --checkpoint-plan "${PLAN:-auto}" \
+        $margin --timeout-s 220
     ;;
-split)  # one warm-up and one profiled step of each stack at 34 layers, rank 0's time by category
-    capped 230 python3 scripts/leaderboard_2026_profile.py --stacks ours torch --timeout-s 220
+split)  # one warm-up and one profiled step of each stack at 34 layers (plan $PLAN), rank 0's time by category
+    capped 230 python3 scripts/leaderboard_2026_profile.py --stacks ours torch ${PLAN:+--checkpoint-plan $PLAN} \
+        --timeout-s 220
     ;;
 zero1)  # the flat ZeRO-1 again (its NCCL test, rows with --force), e.g. after a change to it
     capped 90 python3 -m pytest -q -p no:cacheprovider -m gpu -k nccl tests/test_zero1.py
@@ -86,9 +94,12 @@ fsdp)  # FSDP against FSDP2 at $WORLD ranks, with and without checkpointing
     capped 300 python3 -m cs336_systems.bench.fsdp_accounting --impls fsdp2 ours --checkpointing 0 1 \
         --world-size "${WORLD:-2}" --steps "${STEPS:-10}"
     ;;
-ddp_trace)  # one traced step of the naive and the per-parameter overlapped DDP (fp32, 2 ranks), traces kept
-    capped 200 python3 -m cs336_systems.bench.ddp_benchmarking --world-size 2 --dtypes fp32 --variants naive overlap \
-        --trace --trace-variants naive overlap --trace-dir "$OUT/ddp_traces" --steps "${STEPS:-10}"
+ddp_trace)  # one traced step of each of $VARIANTS (default the naive and the per-parameter overlapped DDP) in
+            # $DTYPE (default fp32) on 2 ranks, traces kept
+    variants=(${VARIANTS:-naive overlap})
+    capped 200 python3 -m cs336_systems.bench.ddp_benchmarking --world-size 2 --dtypes "${DTYPE:-fp32}" --force \
+        --variants "${variants[@]}" --trace --trace-variants "${variants[@]}" --trace-dir "$OUT/ddp_traces" \
+        --steps "${STEPS:-10}"
     for trace in "$OUT"/ddp_traces/*/*.json "$OUT"/ddp_traces/*.json; do [[ -f $trace ]] && gzip "$trace"; done
     tar -cf "$OUT/figures.tar" writeup/figures/ddp_overlap_*.png
     ;;

@@ -10,6 +10,7 @@ The full step on 2 GPUs (one warm-up step and one profiled step per stack: about
 building the model and compiling):
 
     python scripts/leaderboard_2026_profile.py --stacks ours torch
+    python scripts/leaderboard_2026_profile.py --stacks ours torch --checkpoint-plan auto   # the planner's plan
     python scripts/leaderboard_2026_profile.py --layers 4 --stacks ours --override ours:keep_attention=false
     python scripts/leaderboard_2026_profile.py --world-size 1 --layers 4     # the one-GPU proxy
 """
@@ -27,27 +28,36 @@ import torch
 import torch.distributed as dist
 
 from cs336_basics.model import BasicsTransformerLM
+from cs336_systems.bench.common import distributed_launch as dl
 from cs336_systems.bench.common import result_store, step_split
 from cs336_systems.bench.common.leaderboard_2026_check import batch_of_rank
-from cs336_systems.bench.common.leaderboard_2026_model import MODEL, ROW_NAMES
+from cs336_systems.bench.common.leaderboard_2026_model import GB, MODEL, ROW_NAMES, plan_of_option
 from cs336_systems.bench.common.timeline import load_trace
 from cs336_systems.parallel.distributed import spawn
 from cs336_systems.train import SHARDED_STACKS, build_training_step
-from cs336_systems.train.checkpoint_plan import uniform_modes
+from cs336_systems.train.checkpoint_plan import GiB
 
 PROBLEM = "leaderboard_2026_profile"
 TOOL = "scripts/leaderboard_2026_profile.py"
 
 
-def build_stack(stack: str, args, device: torch.device):
-    """``stack`` with its ``--override`` parts and ``--checkpoint-plan``, on a fresh model (seed 0)."""
+def build_stack(stack: str, args, device: torch.device, world: int):
+    """``stack`` with its ``--override`` parts and its ``--checkpoint-plan`` (``auto`` measures every rank's free
+    memory, so every rank calls this), on a fresh model (seed 0); the overrides and the plan."""
     overrides = [o.split(":", 1)[1] for o in args.override if o.startswith(stack + ":")]
     parts = SHARDED_STACKS[stack].with_overrides(overrides)
+    plan = None
     if args.checkpoint_plan:
-        parts = parts.with_block_checkpointing(uniform_modes(args.checkpoint_plan, args.layers))
+        config = {**MODEL, "num_layers": args.layers}
+        free = dl.least_free_bytes(device) if args.checkpoint_plan == "auto" else None
+        margin = None if args.memory_margin_gib is None else args.memory_margin_gib * GiB
+        plan = plan_of_option(args.checkpoint_plan, config, stack, world, 1, free, margin)
+        parts = parts.with_block_checkpointing(plan.modes)
+        if dist.get_rank() == 0:
+            print(f"# {stack}: checkpoint plan: {plan.describe()}", flush=True)
     torch.manual_seed(0)
     model = BasicsTransformerLM(**{**MODEL, "num_layers": args.layers}, device=device)
-    return build_training_step(model, parts, autocast_dtype=torch.bfloat16), overrides
+    return build_training_step(model, parts, autocast_dtype=torch.bfloat16), overrides, plan
 
 
 def profile_steps(step, x, y, steps: int, trace_path: str | None):
@@ -84,7 +94,7 @@ def rank(rank: int, world: int, args) -> None:
     device = torch.device("cuda", rank)
     config = {**MODEL, "num_layers": args.layers}
     for stack in args.stacks:
-        step, overrides = build_stack(stack, args, device)
+        step, overrides, plan = build_stack(stack, args, device, world)
         x, y = batch_of_rank(config, device, rank, world, world)
         for _ in range(args.warmup_steps):
             step(x, y)
@@ -101,6 +111,10 @@ def rank(rank: int, world: int, args) -> None:
                         "checkpoint_option": args.checkpoint_plan, "warmup_steps": args.warmup_steps,
                         "profiled_steps": args.steps}
                 measured["peak_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
+                if plan is not None:
+                    measured["checkpoint_plan"] = {"describe": plan.describe(),
+                                                   "predicted_peak_gb": plan.peak_bytes / GB,
+                                                   "modes": list(plan.modes)}
                 store = result_store.ResultStore(PROBLEM, args.results_dir, quiet=True)
                 row = store.add(case, {**measured, "tool": TOOL})
                 print(json.dumps({k: row[k] for k in ("stack", "parts", "layers", "wall_ms", "split_ms",
@@ -115,8 +129,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=MODEL["num_layers"], help="blocks (default 34: the full step)")
     p.add_argument("--stacks", nargs="+", default=["ours", "torch"], choices=list(SHARDED_STACKS))
     p.add_argument("--override", nargs="*", default=[], help="stack:part=value, e.g. ours:attention=sdpa")
-    p.add_argument("--checkpoint-plan", choices=("selective", "full"), default=None,
-                   help="every block's checkpoint mode (default: each stack's own)")
+    p.add_argument("--checkpoint-plan", choices=("auto", "selective", "full"), default=None,
+                   help="what each block's backward recomputes, as in cs336_systems.bench.leaderboard_2026: 'auto' "
+                        "plans from the ranks' free memory; 'selective' / 'full' in every block (default: each "
+                        "stack's own)")
+    p.add_argument("--memory-margin-gib", type=float, default=None,
+                   help="memory left out of the auto plan's budget (default: the larger of 4 GiB and 5 %% of the "
+                        "free memory)")
     p.add_argument("--warmup-steps", type=int, default=1, help="steps before the profiled ones (compilation)")
     p.add_argument("--steps", type=int, default=1, help="profiled steps (the row gives per-step times)")
     p.add_argument("--top", type=int, default=10)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from cs336_systems.bench import leaderboard_2026
+from cs336_systems.bench.common import distributed_launch as dl
 from cs336_systems.bench.common import leaderboard_2026_model as step_model
 from cs336_systems.train import SHARDED_STACKS, STACKS, Parts
 
@@ -101,10 +102,12 @@ def test_checkpoint_plan_option_chooses_each_stacks_modes():
     assert leaderboard_2026.case_of(full, "ours", config, 2)["checkpoint_option"] == "full"
     auto = leaderboard_2026.parser().parse_args(["--checkpoint-plan", "auto", "--memory-margin-gib", "1"])
     with one_rank_group("gloo"):
-        free = leaderboard_2026.free_bytes_on_ranks(torch.device("cpu"))
+        free = dl.least_free_bytes(torch.device("cpu"))
         plan = leaderboard_2026.rank_plan(auto, "ours", step_model.TINY, 1, torch.device("cpu"))
     assert free > 0 and plan.margin_bytes == 2**30 and plan.budget_bytes <= free - 2**30 + 1e8
     assert plan.modes == ("keep",) * step_model.TINY["num_layers"]  # a tiny model fits any host whole
+    with pytest.raises(ValueError, match="needs the free memory"):
+        step_model.plan_of_option("auto", config, "ours", 2, 1)
 
 
 def test_memory_budget_by_block_modes():

@@ -116,3 +116,7 @@ def test_the_profile_script_profiles_the_full_step_by_default():
     args = script.parser().parse_args([])
     assert (args.layers, args.world_size, args.warmup_steps, args.steps) == (34, 2, 1, 1)
     assert args.stacks == ["ours", "torch"] and args.checkpoint_plan is None
+    auto = script.parser().parse_args(["--checkpoint-plan", "auto", "--memory-margin-gib", "6"])
+    assert (auto.checkpoint_plan, auto.memory_margin_gib) == ("auto", 6.0)
+    with pytest.raises(SystemExit):
+        script.parser().parse_args(["--checkpoint-plan", "keep"])

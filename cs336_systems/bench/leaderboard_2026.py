@@ -76,11 +76,10 @@ from cs336_systems.bench.common import cli, result_store, timing
 from cs336_systems.bench.common import distributed_launch as dl
 from cs336_systems.bench.common.leaderboard_2026_check import batch_of_rank, build, check_passes, run_check
 from cs336_systems.bench.common.leaderboard_2026_model import (
-    BATCH, GB, MODEL, ROW_NAMES, STACK_OF_ROW, TINY, checkpoint_plan, fixed_plan, memory_budget,
-    stack_modes, step_flops,
+    BATCH, GB, MODEL, ROW_NAMES, STACK_OF_ROW, TINY, memory_budget, plan_of_option, step_flops,
 )
 from cs336_systems.train import SHARDED_STACKS
-from cs336_systems.train.checkpoint_plan import GiB, CheckpointPlan, uniform_modes
+from cs336_systems.train.checkpoint_plan import GiB, CheckpointPlan
 from cs336_systems.train.step import RESIDUAL_NORMS
 
 PROBLEM = "leaderboard_2026"
@@ -164,25 +163,12 @@ def run_stack(rank: int, world_size: int, args, stack: str, launched_at: float, 
     _write_row(args, stack, config, world_size, result)
 
 
-def free_bytes_on_ranks(device: torch.device) -> float:
-    """The least free memory of the ranks' devices: the GPU's (``torch.cuda.mem_get_info``), or on CPU ranks the
-    host's available memory."""
-    if device.type == "cuda":
-        free = torch.cuda.mem_get_info(device)[0]
-    else:
-        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return float(min(dl.gather(free)))
-
-
 def rank_plan(args, stack: str, config: dict[str, int], world_size: int, device: torch.device) -> CheckpointPlan:
     """``stack``'s checkpoint plan as ``--checkpoint-plan`` says (module docstring); ``auto`` measures the free
     memory of every rank, so call it on all ranks before anything is built."""
-    if args.checkpoint_plan == "auto":
-        return checkpoint_plan(config, stack, world_size, args.per_rank_batch, free_bytes_on_ranks(device),
-                               None if args.memory_margin_gib is None else args.memory_margin_gib * GiB)
-    modes = (uniform_modes(args.checkpoint_plan, config["num_layers"]) if args.checkpoint_plan
-             else stack_modes(config, stack))
-    return fixed_plan(config, stack, world_size, args.per_rank_batch, modes)
+    free = dl.least_free_bytes(device) if args.checkpoint_plan == "auto" else None
+    margin = None if args.memory_margin_gib is None else args.memory_margin_gib * GiB
+    return plan_of_option(args.checkpoint_plan, config, stack, world_size, args.per_rank_batch, free, margin)
 
 
 def _time_train_step(train_step: Callable[[], None], device: torch.device, args) -> dict[str, float | None]:

@@ -83,6 +83,16 @@ def rank_device() -> torch.device:
     return torch.device("cpu")
 
 
+def least_free_bytes(device: torch.device) -> float:
+    """The least free memory of the ranks' devices, on every rank: the GPU's (``torch.cuda.mem_get_info``), or on
+    CPU ranks the host's available memory."""
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    else:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return float(min(gather(free)))
+
+
 def from_rank0(obj: Any) -> Any:
     """Rank 0's ``obj`` on every rank (what rank 0 decided: e.g. the cases left to measure)."""
     box = [obj if dist.get_rank() == 0 else None]

@@ -125,6 +125,18 @@ def fixed_plan(config: dict[str, int], stack: str, world_size: int, per_rank_bat
     return CheckpointPlan(tuple(modes), peak)
 
 
+def plan_of_option(option: str | None, config: dict[str, int], stack: str, world_size: int, per_rank_batch: int,
+                   free_bytes: float | None = None, margin_bytes: float | None = None) -> CheckpointPlan:
+    """The plan a ``--checkpoint-plan`` option names: ``auto`` fills ``free_bytes`` (:func:`checkpoint_plan`),
+    ``selective`` / ``full`` put every block in that mode, None is the stack's own (:func:`stack_modes`)."""
+    if option == "auto":
+        if free_bytes is None:
+            raise ValueError("an automatic checkpoint plan needs the free memory (free_bytes)")
+        return checkpoint_plan(config, stack, world_size, per_rank_batch, free_bytes, margin_bytes)
+    modes = uniform_modes(option, config["num_layers"]) if option else stack_modes(config, stack)
+    return fixed_plan(config, stack, world_size, per_rank_batch, modes)
+
+
 def plan_for_card(card_gb: float, stack: str = "ours", margin_bytes: float | None = None) -> CheckpointPlan:
     """On paper: the plan of the official step (two ranks, one sequence each) on cards of ``card_gb`` GB, all of
     it free (80: H100, 141: H200, 180: B200)."""
