@@ -40,10 +40,12 @@ tests)
     ;;
 official)  # the 8B step under the official protocol with the checkpoint plan $PLAN (default auto: the planner's);
             # if a stack fails (out of memory), again with a margin of $RETRY_MARGIN GiB; then the full step split
+            # (FORCE=1: measure again a case this device has rows of)
     margin=${MARGIN:+--memory-margin-gib $MARGIN}
     capped 330 python3 -m cs336_systems.bench.leaderboard_2026 --checkpoint-plan "${PLAN:-auto}" $margin --timeout-s 320 \
+        ${FORCE:+--force} \
         || { margin="--memory-margin-gib ${RETRY_MARGIN:-16}"
-             capped 330 python3 -m cs336_systems.bench.leaderboard_2026 --checkpoint-plan "${PLAN:-auto}" $margin \
+             capped 330 python3 -m cs336_systems.bench.leaderboard_2026 --checkpoint-plan "${PLAN:-auto}" $margin ${FORCE:+--force} \
                  --timeout-s 320; }
     capped 230 python3 scripts/leaderboard_2026_profile.py --stacks ours torch --checkpoint-plan "${PLAN:-auto}" \
         $margin --timeout-s 220

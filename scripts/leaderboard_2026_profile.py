@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from cs336_basics.model import BasicsTransformerLM
 from cs336_systems.bench.common import distributed_launch as dl
-from cs336_systems.bench.common import result_store, step_split
+from cs336_systems.bench.common import memory, result_store, step_split
 from cs336_systems.bench.common.leaderboard_2026_check import batch_of_rank
 from cs336_systems.bench.common.leaderboard_2026_model import GB, MODEL, ROW_NAMES, plan_of_option
 from cs336_systems.bench.common.timeline import load_trace
@@ -41,17 +41,17 @@ PROBLEM = "leaderboard_2026_profile"
 TOOL = "scripts/leaderboard_2026_profile.py"
 
 
-def build_stack(stack: str, args, device: torch.device, world: int):
-    """``stack`` with its ``--override`` parts and its ``--checkpoint-plan`` (``auto`` measures every rank's free
-    memory, so every rank calls this), on a fresh model (seed 0); the overrides and the plan."""
+def build_stack(stack: str, args, device: torch.device, world: int, free_bytes: float | None):
+    """``stack`` with its ``--override`` parts and its ``--checkpoint-plan`` (``auto`` fills ``free_bytes``, the
+    ranks' least free memory before any stack was built), on a fresh model (seed 0); the overrides and the
+    plan."""
     overrides = [o.split(":", 1)[1] for o in args.override if o.startswith(stack + ":")]
     parts = SHARDED_STACKS[stack].with_overrides(overrides)
     plan = None
     if args.checkpoint_plan:
         config = {**MODEL, "num_layers": args.layers}
-        free = dl.least_free_bytes(device) if args.checkpoint_plan == "auto" else None
         margin = None if args.memory_margin_gib is None else args.memory_margin_gib * GiB
-        plan = plan_of_option(args.checkpoint_plan, config, stack, world, 1, free, margin)
+        plan = plan_of_option(args.checkpoint_plan, config, stack, world, 1, free_bytes, margin)
         parts = parts.with_block_checkpointing(plan.modes)
         if dist.get_rank() == 0:
             print(f"# {stack}: checkpoint plan: {plan.describe()}", flush=True)
@@ -86,6 +86,7 @@ def step_row(kernels: list[step_split.StepKernel], wall_ms: float, steps: int, t
         by_kernel[k.name[:90]] += (k.end - k.start) / 1e3 / steps
     return {"wall_ms": wall_ms, "split_ms": {k: round(v, 2) for k, v in per_step.items()},
             "communication_ms": split["communication_ms"] / steps, "idle_ms": split["idle_ms"] / steps,
+            "idle_gaps": step_split.idle_gaps(kernels, top),
             "gpu_ms": {k: round(v, 1) for k, v in by_name.most_common()},
             "top_kernels": {k: round(v, 1) for k, v in by_kernel.most_common(top)}}
 
@@ -93,19 +94,23 @@ def step_row(kernels: list[step_split.StepKernel], wall_ms: float, steps: int, t
 def rank(rank: int, world: int, args) -> None:
     device = torch.device("cuda", rank)
     config = {**MODEL, "num_layers": args.layers}
+    # Measured once: a stack's memory is not all returned to the device before the next is built.
+    free_bytes = dl.least_free_bytes(device) if args.checkpoint_plan == "auto" else None
     for stack in args.stacks:
-        step, overrides, plan = build_stack(stack, args, device, world)
+        step, overrides, plan = build_stack(stack, args, device, world, free_bytes)
         x, y = batch_of_rank(config, device, rank, world, world)
         for _ in range(args.warmup_steps):
             step(x, y)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(device)
+        before = memory.allocator_events(device)
         with tempfile.TemporaryDirectory() as folder:
             trace_path = os.path.join(folder, "trace.json") if rank == 0 else None
             wall_ms = profile_steps(step, x, y, args.steps, trace_path)
             if rank == 0:
                 measured = step_row(step_split.kernels_of_trace(load_trace(trace_path)), wall_ms, args.steps,
                                     args.top)
+                measured["allocator_events"] = memory.allocator_events_since(before, device)
                 case = {"stack": ROW_NAMES[stack], "parts": overrides, "layers": args.layers, "world_size": world,
                         "context_length": MODEL["context_length"], "batch_per_rank": 1,
                         "checkpoint_option": args.checkpoint_plan, "warmup_steps": args.warmup_steps,
@@ -118,7 +123,8 @@ def rank(rank: int, world: int, args) -> None:
                 store = result_store.ResultStore(PROBLEM, args.results_dir, quiet=True)
                 row = store.add(case, {**measured, "tool": TOOL})
                 print(json.dumps({k: row[k] for k in ("stack", "parts", "layers", "wall_ms", "split_ms",
-                                                      "communication_ms", "idle_ms")}), flush=True)
+                                                      "communication_ms", "idle_ms", "idle_gaps",
+                                                      "allocator_events", "peak_gb")}), flush=True)
         del step
         torch.cuda.empty_cache()
         dist.barrier()

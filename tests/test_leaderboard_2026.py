@@ -116,9 +116,12 @@ def test_memory_budget_by_block_modes():
                              for mode in ("full", "selective", "keep"))
     assert selective["saved_activations_gb"] == pytest.approx(2 * full["saved_activations_gb"])
     assert full["peak_gb"] < selective["peak_gb"] < keep["peak_gb"]
-    # keep: 9 d_model + 4 d_ff bf16 values a token per block
-    per_block = 2 * (9 * 4096 + 4 * 11_008) * step_model.MODEL["context_length"]
+    # keep: 8 d_model + 3 d_ff bf16 values a token per block in ours, one d_model-wide more in PyTorch's
+    per_block = 2 * (8 * 4096 + 3 * 11_008) * step_model.MODEL["context_length"]
     assert keep["saved_activations_gb"] == pytest.approx(layers * per_block / 1e9)
+    torch_keep = step_model.memory_budget(step_model.MODEL, "torch", 2, modes=("keep",) * layers)
+    assert torch_keep["saved_activations_gb"] - keep["saved_activations_gb"] == \
+        pytest.approx(layers * 2 * 4096 * step_model.MODEL["context_length"] / 1e9)
     with pytest.raises(ValueError, match="3 checkpoint modes for 34 blocks"):
         step_model.memory_budget(step_model.MODEL, "ours", 2, modes=("full",) * 3)
 

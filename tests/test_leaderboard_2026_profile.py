@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from cs336_systems.bench.common.step_split import (
-    SPLIT, StepKernel, exposed_us, kernels_of_trace, name_category, split_step,
+    SPLIT, StepKernel, exposed_us, idle_gaps, kernels_of_trace, name_category, split_step,
 )
 
 
@@ -77,6 +77,12 @@ def test_split_of_a_made_up_step():
     # Busy: [0, 7000) and [8000, 10500): 9.5 ms of the 11.
     assert split["idle_ms"] == pytest.approx(1.5)
     assert sum(ms.values()) + split["idle_ms"] == pytest.approx(11.0)
+    # The one gap between kernels: 7000..8000, after the all-gather, before the attention backward.
+    gaps = idle_gaps(kernels, top=3)
+    assert (gaps["span_ms"], gaps["gaps_ms"], gaps["gap_count"]) == pytest.approx((10.5, 1.0, 1))
+    assert gaps["largest"] == [{"ms": 1.0, "at_ms": 7.0, "after": "ncclDevKernel_AllGather",
+                                "before": "attn_bwd_kernel"}]
+    assert idle_gaps([]) == {"span_ms": 0.0, "gaps_ms": 0.0, "gap_count": 0, "largest": []}
 
 
 def _x(name, cat, ts, dur, tid=1, **args):

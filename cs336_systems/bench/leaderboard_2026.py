@@ -72,7 +72,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cs336_systems.bench.common import cli, result_store, timing
+from cs336_systems.bench.common import cli, memory, result_store, timing
 from cs336_systems.bench.common import distributed_launch as dl
 from cs336_systems.bench.common.leaderboard_2026_check import batch_of_rank, build, check_passes, run_check
 from cs336_systems.bench.common.leaderboard_2026_model import (
@@ -180,12 +180,14 @@ def _time_train_step(train_step: Callable[[], None], device: torch.device, args)
     first_step_s = time.perf_counter() - start
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+        before = memory.allocator_events(device)
         step_ms = timing.do_bench_on_ranks(train_step, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms, device=device)
         peak_gb = torch.cuda.max_memory_allocated(device) / GB
+        events = memory.allocator_events_since(before, device)
     else:
         step_ms = 1e3 * min(timing.time_calls(train_step, warmup=0, steps=2, device=device))
-        peak_gb = None
-    return dict(step_ms=step_ms, peak_gb=peak_gb, first_step_s=first_step_s)
+        peak_gb = events = None
+    return dict(step_ms=step_ms, peak_gb=peak_gb, first_step_s=first_step_s, allocator_events=events)
 
 
 def _stack_result(args, stack: str, config: dict[str, int], world_size: int, everyone: list[dict[str, Any]],
@@ -203,6 +205,8 @@ def _stack_result(args, stack: str, config: dict[str, int], world_size: int, eve
         "step_ms_per_rank": [r["step_ms"] for r in everyone],
         "peak_gb_per_rank": max(r["peak_gb"] for r in everyone) if on_gpu else None,
         "peak_gb_ranks": [r["peak_gb"] for r in everyone],
+        # during the timed steps, per rank: retries after freeing the cache (each synchronises the device) and more
+        "allocator_events_ranks": [r["allocator_events"] for r in everyone],
         "first_step_s": max(r["first_step_s"] for r in everyone),
         "cold_total_s": cold_total_s,
         "cold_caches": not args.warm,

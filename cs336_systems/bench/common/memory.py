@@ -33,6 +33,22 @@ CODE_ROOTS = ("cs336_basics", "cs336_systems")  # the model and this package: wh
 PACKAGE_ROOTS = (*CODE_ROOTS, "torch")
 NO_PYTHON_FRAME = "no Python frame (autograd's backward thread)"
 PREEXISTING = "allocated before the recording"
+# The caching allocator's counters of costly events (torch.cuda.memory_stats): a request it could serve only after
+# freeing its cache (which synchronises the device), device-wide synchronisations, and calls to the driver to map
+# or unmap memory.
+ALLOCATOR_EVENTS = ("num_alloc_retries", "num_sync_all_streams", "num_device_alloc", "num_device_free")
+
+
+def allocator_events(device: torch.device) -> dict[str, int]:
+    """The caching allocator's :data:`ALLOCATOR_EVENTS` counters on ``device`` so far."""
+    stats = torch.cuda.memory_stats(device)
+    return {name: int(stats.get(name, 0)) for name in ALLOCATOR_EVENTS}
+
+
+def allocator_events_since(before: dict[str, int], device: torch.device) -> dict[str, int]:
+    """How many of each :data:`ALLOCATOR_EVENTS` happened on ``device`` since ``before`` (:func:`allocator_events`)."""
+    now = allocator_events(device)
+    return {name: now[name] - before.get(name, 0) for name in ALLOCATOR_EVENTS}
 
 
 def record_snapshot(fn: Callable[[], Any], path: str | Path, device: torch.device, max_entries: int = MAX_ENTRIES) -> dict:

@@ -99,6 +99,28 @@ def split_step(kernels: list[StepKernel], wall_ms: float) -> dict[str, Any]:
             "idle_ms": max(0.0, wall_ms - busy), "wall_ms": wall_ms}
 
 
+def idle_gaps(kernels: list[StepKernel], top: int = 8) -> dict[str, Any]:
+    """Where the GPU ran no kernel between the step's first and last: ``span_ms`` (first start to last end),
+    ``gaps_ms`` and ``gap_count`` (the stretches no kernel on any stream covered), and the ``top`` largest, each
+    with its length, when it began (ms after the first kernel's start) and the kernels that ended before it and
+    started after it (names cut to 80 characters)."""
+    if not kernels:
+        return {"span_ms": 0.0, "gaps_ms": 0.0, "gap_count": 0, "largest": []}
+    ordered = sorted(kernels, key=lambda k: k.start)
+    first = ordered[0].start
+    gaps = []
+    busy_until, last = ordered[0].end, ordered[0]
+    for k in ordered[1:]:
+        if k.start > busy_until:
+            gaps.append({"ms": (k.start - busy_until) / 1e3, "at_ms": (busy_until - first) / 1e3,
+                         "after": last.name[:80], "before": k.name[:80]})
+        if k.end > busy_until:
+            busy_until, last = k.end, k
+    largest = sorted(gaps, key=lambda g: -g["ms"])[:top]
+    return {"span_ms": (busy_until - first) / 1e3, "gaps_ms": sum(g["ms"] for g in gaps), "gap_count": len(gaps),
+            "largest": [{**g, "ms": round(g["ms"], 3), "at_ms": round(g["at_ms"], 2)} for g in largest]}
+
+
 def _inside(intervals: list[tuple[float, float]], starts: list[float], t: float) -> bool:
     position = bisect.bisect_right(starts, t) - 1
     return position >= 0 and t <= intervals[position][1]
