@@ -40,15 +40,18 @@ tests)
     ;;
 official)  # the 8B step under the official protocol with the checkpoint plan $PLAN (default auto: the planner's);
             # if a stack fails (out of memory), again with a margin of $RETRY_MARGIN GiB; then the full step split
-            # (FORCE=1: measure again a case this device has rows of)
+            # (FORCE=1: measure again a case this device has rows of; SPLIT=0: no split)
     margin=${MARGIN:+--memory-margin-gib $MARGIN}
     capped 330 python3 -m cs336_systems.bench.leaderboard_2026 --checkpoint-plan "${PLAN:-auto}" $margin --timeout-s 320 \
         ${FORCE:+--force} \
         || { margin="--memory-margin-gib ${RETRY_MARGIN:-16}"
              capped 330 python3 -m cs336_systems.bench.leaderboard_2026 --checkpoint-plan "${PLAN:-auto}" $margin ${FORCE:+--force} \
                  --timeout-s 320; }
-    capped 230 python3 scripts/leaderboard_2026_profile.py --stacks ours torch --checkpoint-plan "${PLAN:-auto}" \
-        $margin --timeout-s 220
+    [[ ${SPLIT:-1} == 1 ]] && capped 230 python3 scripts/leaderboard_2026_profile.py --stacks ours torch \
+        --checkpoint-plan "${PLAN:-auto}" $margin --timeout-s 220
+    ;;
+check)  # leaderboard_2026 --check alone: both stacks' first steps against one process
+    capped 150 python3 -m cs336_systems.bench.leaderboard_2026 --check
     ;;
 split)  # one warm-up and one profiled step of each stack at 34 layers (plan $PLAN), rank 0's time by category
     capped 230 python3 scripts/leaderboard_2026_profile.py --stacks ours torch ${PLAN:+--checkpoint-plan $PLAN} \
@@ -117,7 +120,7 @@ fsdp_memory)  # ours and FSDP2 (xl, no checkpointing) with each AdamW, one step'
     done
     ;;
 *)
-    echo "unknown part ${part}: tests, official, split, allreduce, ddp, pairs, zero1, optimizers, fsdp_memory, nccl_tests, fsdp or ddp_trace" >&2
+    echo "unknown part ${part}: tests, official, check, split, allreduce, ddp, pairs, zero1, optimizers, fsdp_memory, nccl_tests, fsdp or ddp_trace" >&2
     exit 2
     ;;
 esac
