@@ -157,11 +157,17 @@ def config_of(r: dict[str, Any]) -> dict[str, int]:
     return {**MODEL, "num_layers": r["num_layers"], "context_length": r["context_length"]}
 
 
+def part_text(name: str, value: Any) -> str:
+    """A part's value as the stacks table shows it: a per-block list as the count of each mode."""
+    if isinstance(value, list):
+        return plans.modes_summary(tuple(value))
+    return LB_PART_NAMES.get((name, value), str(DASH if value is None else value))
+
+
 def _stacks_table(steps) -> dict[str, Any]:
     parts = {s: steps[s].get("parts") or {} for s in STACKS}
     names = list(dict.fromkeys([*parts["ours"], *parts["pytorch"]]))
-    body = [[name, *[LB_PART_NAMES.get((name, parts[s].get(name)), str(parts[s].get(name, DASH))) for s in STACKS]]
-            for name in names]
+    body = [[name, *[part_text(name, parts[s].get(name)) for s in STACKS]] for name in names]
     return table(["part", *STACKS], body, "The two stacks, part by part, as the rows record them (parts). Both "
                  "compute in bf16 from fp32 master weights, reduce gradients in fp32 and checkpoint every block.",
                  align=["left", "left", "left"], size=8)
