@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from cs336_systems.bench import rmsnorm as bench
 
@@ -119,3 +120,80 @@ def test_answers_help(capsys):
         bench.main(["--help"])
     assert exit_info.value.code == 0
     assert "GB/s" in capsys.readouterr().out
+
+
+def test_the_timer_option_parses_and_graph_cases_differ_from_do_bench_ones(tmp_path):
+    from cs336_systems.bench.common.result_store import ResultStore
+
+    grid = ["--rows", "8", "--cols", "16", "--dtypes", "bf16"]
+    assert bench.parser().parse_args(grid).timer == "do_bench"
+    assert bench.parser().parse_args([*grid, "--timer", "graph"]).timer == "graph"
+    with pytest.raises(SystemExit):
+        bench.parser().parse_args(["--timer", "events"])
+    plain = bench.kernel_cases(bench.parser().parse_args(grid))
+    graph = bench.kernel_cases(bench.parser().parse_args([*grid, "--timer", "graph"]))
+    assert all("timer" not in c for c in plain)  # do_bench cases are those of rows written before the option
+    assert all(c["timer"] == "graph" for c in graph) and [{**c, "timer": "graph"} for c in plain] == graph
+    store = ResultStore(bench.PROBLEM, tmp_path, quiet=True)
+    store.add(plain[0], {"gbps": 1.0})
+    assert bench.pending_in_run(store, graph) == graph  # a do_bench row does not stand for the graph case
+    store.add(graph[1], {"gbps": 1.0})
+    assert bench.pending_in_run(store, graph) == [graph[0], *graph[2:]]
+    assert bench.pending_in_run(store, plain) == plain[1:]
+
+
+def test_each_timer_reads_its_own_rows_and_copy():
+    graph = {"timer": "graph"}
+    rows = [kernel_row("20261126T1", "2026-11-26T10:00:00Z", "copy", 2000.0, 1.0),
+            kernel_row("20261126T1", "2026-11-26T10:00:00Z", "ours", 1000.0, 0.5),
+            kernel_row("20261126T1", "2026-11-26T10:00:00Z", "copy", 2800.0, 1.0, **graph),  # --run-id, --timer graph
+            kernel_row("20261126T1", "2026-11-26T10:00:00Z", "ours", 2100.0, 0.75, **graph),
+            kernel_row("20261127T1", "2026-11-27T10:00:00Z", "copy", 2900.0, 1.0, **graph),  # a newer graph run
+            {**kernel_row("20261127T1", "2026-11-27T10:00:00Z", "copy", 1900.0, 1.0, cols=1024, **graph),
+             "timed_with": "do_bench", "timer_note": "CUDA graph capture failed"}]
+    assert "timer" in rows[2]["config_keys"] and "timer" not in rows[0]["config_keys"]
+    assert bench.copy_reference(rows, "20261126T1") == {(4096, 768, "bf16"): 2000.0}
+    assert bench.copy_reference(rows, "20261126T1", "graph") == {(4096, 768, "bf16"): 2800.0}
+    assert bench.copy_reference(rows, "20261127T1", "graph") == {(4096, 768, "bf16"): 2900.0}  # not the fallback's
+    assert [r["gbps"] for r in bench.newest_kernel_run(rows)] == [2000.0, 1000.0]  # the writeup's reading
+    assert [r["gbps"] for r in bench.newest_kernel_run(rows, "graph")] == [2900.0, 1900.0]
+    assert bench.measured_by(rows[5]) == "do_bench" and bench.measured_by(rows[4]) == "graph"
+    assert bench.measured_by(rows[0]) == bench.case_timer(rows[0]) == "do_bench"
+
+
+def test_input_sets_of_a_case():
+    case = {"part": "kernel", "rows": 4096, "cols": 768, "dtype": "bf16", "provider": "ours", "pass": "fwd_bwd"}
+    assert bench.input_set_bytes(case) == 2 * 4096 * 768 * 2
+    assert bench.input_set_bytes({**case, "pass": "fwd", "dtype": "fp32"}) == 4096 * 768 * 4
+    small = {**case, "rows": 8, "cols": 16}
+    sets = bench.kernel_inputs(small, torch.device("cpu"), 3)
+    assert len(sets) == 3 and all(len(s) == 2 and s[0].requires_grad and s[0].shape == (8, 16) for s in sets)
+    assert not torch.equal(sets[0][0], sets[1][0])  # independent sets, not one tensor three times
+    copy = bench.kernel_inputs({**small, "provider": "copy", "pass": "copy"}, torch.device("cpu"), 2)
+    assert all(len(s) == 1 and not s[0].requires_grad for s in copy)
+
+
+def test_graph_timer_on_cpu_falls_back_to_do_bench_saying_why(tmp_path, capsys):
+    """Without a GPU no graph is captured: every graph case is timed the fallback's way, says so, and divides by a
+    copy timed the same way; a do_bench run of the same grid stays apart."""
+    argv = ["--results-dir", str(tmp_path), "--part", "kernel", "--cols", "48", "--rows", "64", "--dtypes", "fp32",
+            "--providers", "eager", "--passes", "fwd_bwd"]
+    bench.main(argv)
+    bench.main([*argv, "--timer", "graph"])
+    rows = [json.loads(line) for line in (tmp_path / "rmsnorm.jsonl").read_text().splitlines()]
+    plain, graph = rows[:2], rows[2:]
+    assert [(r["provider"], r.get("timer")) for r in rows] == [("copy", None), ("eager", None), ("copy", "graph"),
+                                                                ("eager", "graph")]
+    for r in graph:
+        assert "timer" in r["config_keys"] and r["timed_with"] == "do_bench" and "CUDA device" in r["timer_note"]
+        assert r["gbps"] > 0 and r["copy_share"] == pytest.approx(r["gbps"] / r["copy_gbps"])
+    assert graph[1]["copy_gbps"] != graph[0]["gbps"]  # the row's own copy, not the graph run's copy row
+    assert bench.newest_kernel_run(rows) == plain and bench.newest_kernel_run(rows, "graph") == graph
+    assert "timer graph" in capsys.readouterr().out
+
+
+def test_help_names_the_timer(capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--help"])
+    out = capsys.readouterr().out
+    assert "--timer {do_bench,graph}" in out and "timer: graph" in out

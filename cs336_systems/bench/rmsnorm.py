@@ -15,7 +15,13 @@ Two parts, measured in one run:
   (``nvidia-cutlass-dsl``), whose library wheel alone is about 88 MiB: it installs beside torch 2.11 where a
   package index is reachable, but does not fit the 64 MiB that can be carried to a GPU machine without network
   (``scripts/bench_wheels.sh``), where ``quack`` is then skipped.
-  Timed with ``triton.testing.do_bench`` (median, with the L2 cache flushed before every call).
+  Timed with ``triton.testing.do_bench`` (median, with the L2 cache flushed before every call), or, with
+  ``--timer graph``, from CUDA graph replays (``timing.graph_replay_ms``): R rounds over K independent input sets
+  (together twice the L2 cache, so no call finds its inputs there) captured in one graph, median replay time over
+  R·K. At small shapes (kernels of a few µs) do_bench's interval may hold the host's launch of each call (Python,
+  autograd) after the cache flush, not only the kernel; the graph has no host between calls. Graph rows carry
+  ``timer: graph`` in their case (rows of both timers may share a run; readers take one timer's rows), and a
+  case whose graph cannot be captured is timed with do_bench instead (``timed_with``, ``timer_note``).
   GB/s counts the bytes no implementation can avoid, ``e`` bytes an element of x, ``e_g`` of the gain:
   ``fwd`` reads x and g and writes y, ``2·M·N·e + N·e_g``; ``fwd_bwd`` adds reading x, dy and
   g and writing dx and dg, ``5·M·N·e + 3·N·e_g`` in all. Per-row statistics (4 bytes a row)
@@ -41,6 +47,7 @@ Examples::
     python -m cs336_systems.bench.rmsnorm --part kernel --dtypes bf16 --cols 1600 --rows 16384
     python -m cs336_systems.bench.rmsnorm --part kernel --dtypes fp32 --run-id 20261126T160000Z-a1b2c3
     python -m cs336_systems.bench.rmsnorm --part model --sizes xl
+    python -m cs336_systems.bench.rmsnorm --part kernel --timer graph --rows 4096 --dtypes bf16
 """
 
 from __future__ import annotations
@@ -63,6 +70,7 @@ ROWS = [4096, 16384, 32768, 65536]
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 PROVIDERS = ("ours", "eager", "compile", "liger", "quack")
 PASSES = ("fwd", "fwd_bwd")
+TIMERS = ("do_bench", "graph")
 MODEL_SIZES = ["small", "medium", "large", "xl", "2.7B"]
 NORMS = ("plain", "fused", "fused_autocast")
 EPS = 1e-5
@@ -76,6 +84,10 @@ def parser():
     p.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES))
     p.add_argument("--providers", nargs="+", choices=PROVIDERS, default=list(PROVIDERS))
     p.add_argument("--passes", nargs="+", choices=PASSES, default=list(PASSES))
+    p.add_argument("--timer", choices=TIMERS, default="do_bench",
+                   help="kernel part: do_bench (each call timed alone after an L2 flush) or graph (CUDA graph replays "
+                        "over rotating inputs: device time without the host's gaps between calls, which "
+                        "do_bench's interval may hold at small shapes); graph rows carry `timer: graph`")
     p.add_argument("--run-id", default=None,
                    help="kernel part: continue this run (its rows' `run`), measuring only the cases it lacks")
     p.add_argument("--sizes", nargs="+", choices=list(SIZES), default=None, help="model part (default: all five)")
@@ -173,23 +185,57 @@ def time_ms(fn: Callable[[], Any], device: torch.device) -> dict[str, float]:
     return {"ms": statistics.median(seconds) * 1e3}
 
 
+def gbps(moved: int, ms: float) -> float:
+    return moved / (ms * 1e-3) / 1e9
+
+
+def graph_time_ms(fn_of_input: Callable[[tuple], Any], inputs: list[tuple], device: torch.device) -> dict[str, Any]:
+    """``time_ms``'s keys from CUDA graph replays over the rotating ``inputs`` (``timing.graph_replay_ms``), with
+    the graph's calls per replay and input sets. Where the graph cannot be captured: ``do_bench`` on the first input
+    set, marked ``timed_with: do_bench`` with a ``timer_note`` saying why, and ``copy_gbps``, the copy of the same x
+    timed with ``do_bench`` too (the row's share must not divide by a copy another timer measured)."""
+    try:
+        stats = timing.graph_replay_ms(fn_of_input, inputs, device)
+    except timing.GraphCaptureError as error:
+        x = inputs[0][0].detach()
+        copy = time_ms(lambda: x.clone(), device)
+        return {**time_ms(lambda: fn_of_input(inputs[0]), device), "timed_with": "do_bench",
+                "timer_note": f"{error}: timed with do_bench, its copy_share against a copy timed with do_bench",
+                "copy_gbps": gbps(moved_bytes("copy", *x.shape, x.element_size(), 0), copy["ms"])}
+    return {"ms": stats["median_ms"], "ms_p20": stats["p20_ms"], "ms_p80": stats["p80_ms"],
+            "calls_per_replay": stats["calls_per_replay"], "input_sets": stats["input_sets"]}
+
+
+def case_timer(row: dict[str, Any]) -> str:
+    """The timer a case asked for (``timer``; cases without one: ``do_bench``, the default)."""
+    return row.get("timer", "do_bench")
+
+
+def measured_by(row: dict[str, Any]) -> str:
+    """The timer that measured a row: its case's, unless the row fell back to another (``timed_with``)."""
+    return row.get("timed_with") or case_timer(row)
+
+
 def kernel_cases(args) -> list[dict[str, Any]]:
     """Every (shape, dtype) of the grid: its copy first (the reference of the rows after it), then each provider
-    and pass."""
+    and pass. Cases of ``--timer graph`` carry ``timer: graph``; do_bench's carry no timer, as before the option."""
+    timer = {"timer": args.timer} if args.timer != "do_bench" else {}
     cases = []
     for dtype in args.dtypes:
         for rows in args.rows:
             for cols in args.cols:
-                shape = dict(part="kernel", rows=rows, cols=cols, dtype=dtype)
+                shape = dict(part="kernel", rows=rows, cols=cols, dtype=dtype, **timer)
                 cases.append({**shape, "provider": "copy", "pass": "copy"})
                 cases += [{**shape, "provider": p, "pass": pass_} for p in args.providers for pass_ in args.passes]
     return cases
 
 
-def copy_reference(rows: list[dict[str, Any]], run: str) -> dict[tuple[int, int, str], float]:
-    """The copy GB/s of each (M, N, dtype) measured in ``run`` (the last such row where there are several)."""
+def copy_reference(rows: list[dict[str, Any]], run: str, timer: str = "do_bench") -> dict[tuple[int, int, str], float]:
+    """The copy GB/s of each (M, N, dtype) measured in ``run`` by ``timer`` (the last such row where there are
+    several)."""
     return {(r["rows"], r["cols"], r["dtype"]): r["gbps"] for r in rows
-            if r.get("run") == run and r.get("part") == "kernel" and r.get("provider") == "copy" and r.get("gbps")}
+            if r.get("run") == run and r.get("part") == "kernel" and r.get("provider") == "copy" and r.get("gbps")
+            and case_timer(r) == measured_by(r) == timer}
 
 
 def with_copy_share(result: dict[str, Any], copy_gbps: float | None) -> dict[str, Any]:
@@ -198,11 +244,12 @@ def with_copy_share(result: dict[str, Any], copy_gbps: float | None) -> dict[str
     return {**result, "copy_gbps": copy_gbps, "copy_share": share}
 
 
-def newest_kernel_run(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The kernel-part rows of the newest run that records ``copy_share`` (rows of earlier versions of the tool
-    have none), in file order; empty if there is none. Runs are ordered by their first row's date, then by where
-    that row stands in ``rows`` (a file is appended to, so a later run starts further down)."""
-    kernel = [r for r in rows if r.get("part") == "kernel" and "copy_share" in r]
+def newest_kernel_run(rows: list[dict[str, Any]], timer: str = "do_bench") -> list[dict[str, Any]]:
+    """The kernel-part rows of ``timer``'s cases (``case_timer``) of the newest run that records ``copy_share``
+    (rows of earlier versions of the tool have none), in file order; empty if there is none. Runs are ordered by
+    their first such row's date, then by where that row stands in ``rows`` (a file is appended to, so a later run
+    starts further down). The rows of one timer are never read with another's."""
+    kernel = [r for r in rows if r.get("part") == "kernel" and "copy_share" in r and case_timer(r) == timer]
     started: dict[str, tuple[str, int]] = {}
     for index, r in enumerate(kernel):
         started.setdefault(r["run"], ((r.get("env") or {}).get("date", ""), index))
@@ -212,31 +259,59 @@ def newest_kernel_run(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for r in kernel if r["run"] == newest]
 
 
-def measure_kernel_case(case: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    """One (provider, pass, shape) case; the provider must be available here."""
-    dtype = DTYPES[case["dtype"]]
-    rows, cols = case["rows"], case["cols"]
-    x = torch.randn(rows, cols, device=device, dtype=dtype)
+def input_set_bytes(case: dict[str, Any]) -> int:
+    """Bytes of one input set of a case: x, and dy for the backward."""
+    tensors = 2 if case["pass"] == "fwd_bwd" else 1
+    return tensors * case["rows"] * case["cols"] * DTYPES[case["dtype"]].itemsize
+
+
+def kernel_inputs(case: dict[str, Any], device: torch.device, sets: int) -> list[tuple[torch.Tensor, ...]]:
+    """``sets`` independent input sets: ``(x,)``, or ``(x, dy)`` for the backward; x requires grad for a norm, whose
+    timed calls run in grad mode."""
+    shape, dtype = (case["rows"], case["cols"]), DTYPES[case["dtype"]]
+
+    def one() -> tuple[torch.Tensor, ...]:
+        x = torch.randn(shape, device=device, dtype=dtype, requires_grad=case["provider"] != "copy")
+        return (x, torch.randn_like(x)) if case["pass"] == "fwd_bwd" else (x,)
+
+    return [one() for _ in range(sets)]
+
+
+def kernel_operation(case: dict[str, Any], device: torch.device,
+                     x: torch.Tensor) -> tuple[Callable[[tuple], Any], int, float | None]:
+    """The timed operation of a case on one input set, the gain's bytes an element, and the largest difference of
+    the provider's output on ``x`` from eager's (None for the copy)."""
     if case["provider"] == "copy":
-        timing = time_ms(lambda: x.clone(), device)
-        gain_element_size = 0
-        error = None
-    else:
-        norm = make_norm(case["provider"], cols, dtype, device)
-        weight = next(norm.parameters())
-        x.requires_grad_()
-        dy = torch.randn_like(x)
-        # A sanity check against eager, in grad mode like the timed calls (one compiled graph, not two).
-        expected = RMSNorm(cols, eps=EPS, device=device, dtype=weight.dtype)
-        expected.load_state_dict({"weight": weight.detach()})
-        error = (norm(x).detach().float() - expected(x).detach().float()).abs().max().item()
-        if case["pass"] == "fwd":
-            timing = time_ms(lambda: norm(x), device)
-        else:
-            timing = time_ms(lambda: torch.autograd.grad(norm(x), (x, weight), dy), device)
-        gain_element_size = weight.element_size()
-    moved = moved_bytes(case["pass"], rows, cols, x.element_size(), gain_element_size)
-    return {**timing, "bytes": moved, "gbps": moved / (timing["ms"] * 1e-3) / 1e9, "max_abs_error_vs_eager": error}
+        return (lambda inputs: inputs[0].clone()), 0, None
+    norm = make_norm(case["provider"], case["cols"], x.dtype, device)
+    weight = next(norm.parameters())
+    # A sanity check against eager, in grad mode like the timed calls (one compiled graph, not two).
+    expected = RMSNorm(case["cols"], eps=EPS, device=device, dtype=weight.dtype)
+    expected.load_state_dict({"weight": weight.detach()})
+    error = (norm(x).detach().float() - expected(x).detach().float()).abs().max().item()
+
+    def forward(inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        return norm(inputs[0])
+
+    def forward_backward(inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        x, dy = inputs
+        return torch.autograd.grad(norm(x), (x, weight), dy)
+
+    return (forward if case["pass"] == "fwd" else forward_backward), weight.element_size(), error
+
+
+def measure_kernel_case(case: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """One (provider, pass, shape) case, timed by its case's timer; the provider must be available here. The graph
+    timer rotates over enough input sets to span twice the L2 cache (allocated here, freed on return)."""
+    graph = case_timer(case) == "graph"
+    sets = 1
+    if graph and device.type == "cuda":
+        sets = timing.rotation_count(input_set_bytes(case), timing.l2_cache_bytes(device))
+    inputs = kernel_inputs(case, device, sets)
+    fn, gain_element_size, error = kernel_operation(case, device, inputs[0][0])
+    result = graph_time_ms(fn, inputs, device) if graph else time_ms(lambda: fn(inputs[0]), device)
+    moved = moved_bytes(case["pass"], case["rows"], case["cols"], inputs[0][0].element_size(), gain_element_size)
+    return {**result, "bytes": moved, "gbps": gbps(moved, result["ms"]), "max_abs_error_vs_eager": error}
 
 
 def pending_in_run(store: result_store.ResultStore, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -254,30 +329,33 @@ def run_kernels(args, device: torch.device, store: result_store.ResultStore) -> 
         if why:
             print(f"# skipped here: {provider} ({why})", file=sys.stderr)
     cases = [c for c in pending_in_run(store, cases) if not reasons.get(c["provider"])]
-    print(f"# kernel part: run {store.run}, {len(cases)} cases to measure", file=sys.stderr)
-    copy_gbps = copy_reference(store.rows(), store.run)
+    print(f"# kernel part: run {store.run}, {len(cases)} cases to measure, timer {args.timer}", file=sys.stderr)
+    copy_gbps = copy_reference(store.rows(), store.run, args.timer)
     rows = []
     for case in cli.progress(cases, f"{PROBLEM} (kernel)"):
         shape = (case["rows"], case["cols"], case["dtype"])
         result = result_store.measure_or_oom(lambda: measure_kernel_case(case, device))
-        if case["provider"] == "copy" and result.get("gbps"):
+        if case["provider"] == "copy" and result.get("gbps") and measured_by({**case, **result}) == args.timer:
             copy_gbps[shape] = result["gbps"]
         if not result["oom"]:
-            result = with_copy_share(result, copy_gbps.get(shape))
+            # A row timed by the fallback carries its own copy, timed by the same fallback.
+            result = with_copy_share(result, result.get("copy_gbps") or copy_gbps.get(shape))
         rows.append(store.add(case, result))
         timing.free_memory()
     return rows
 
 
-def print_kernel_summary(store: result_store.ResultStore) -> None:
-    """GB/s of every provider per shape and its share of the copy bandwidth, from this run's rows."""
+def print_kernel_summary(store: result_store.ResultStore, timer: str) -> None:
+    """GB/s of every provider per shape and its share of the copy bandwidth, from this run's rows of ``timer``'s
+    cases."""
     import pandas as pd
 
-    measured = [r for r in store.rows() if r.get("run") == store.run and r.get("part") == "kernel" and r.get("gbps")]
+    measured = [r for r in store.rows() if r.get("run") == store.run and r.get("part") == "kernel" and r.get("gbps")
+                and case_timer(r) == timer]
     if not measured:
         return
     frame = pd.DataFrame(measured).drop_duplicates(["provider", "pass", "rows", "cols", "dtype"], keep="last")
-    print(f"Run {store.run}: GB/s (bytes an ideal implementation moves / median time), then the share of the copy "
+    print(f"Run {store.run}, timer {timer}: GB/s (bytes an ideal implementation moves / median time), then the share of the copy "
           "bandwidth of the same shape")
     for values in ("gbps", "copy_share"):
         table = frame.pivot_table(index=["dtype", "rows", "cols"], columns=["pass", "provider"], values=values)
@@ -362,7 +440,7 @@ def main(argv: list[str] | None = None) -> None:
     store = result_store.ResultStore(PROBLEM, args.results_dir, args.force)
     if args.part in ("kernel", "both"):
         run_kernels(args, device, store)
-        print_kernel_summary(store)
+        print_kernel_summary(store, args.timer)
     if args.part in ("model", "both"):
         print_model_summary(run_models(args, device, store))
 

@@ -1,12 +1,14 @@
 """Timing and memory measurement shared by the benchmarks: synchronisation, timed calls and their
-statistics, peak memory, and the device's measured matmul rate (the ceiling MFU is stated against)."""
+statistics, replays of a captured CUDA graph over rotating inputs, peak memory, and the device's measured matmul
+rate (the ceiling MFU is stated against)."""
 
 from __future__ import annotations
 
 import contextlib
+import math
 import statistics
 import timeit
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -160,3 +162,92 @@ def do_bench_on_ranks(fn, warmup_ms: float, rep_ms: float, device: torch.device)
     torch.cuda.synchronize(device)
     times = [s.elapsed_time(e) for s, e in zip(starts, ends)]
     return sum(times) / len(times)
+
+
+class GraphCaptureError(RuntimeError):
+    """An operation that cannot be timed from a CUDA graph: no CUDA device, or capture refused it (a host
+    synchronisation, an allocation or a stream that capture does not allow)."""
+
+
+def rotation_count(set_bytes: int, l2_bytes: int, factor: float = 2.0, fewest: int = 2, most: int = 64) -> int:
+    """How many independent input sets of ``set_bytes`` each a timed loop rotates through so that every call reads
+    memory that left the L2 cache since its last use: enough sets to span ``factor`` times the L2 (``l2_bytes``),
+    at least ``fewest`` and at most ``most``."""
+    return max(fewest, min(most, math.ceil(factor * l2_bytes / max(set_bytes, 1))))
+
+
+def rounds_for(call_ms: float, sets: int, target_ms: float = 2.0, most_calls: int = 2048) -> int:
+    """Rounds over ``sets`` input sets one captured graph holds so that a replay lasts about ``target_ms``, given
+    ``call_ms`` per call: at least one round, and at most ``most_calls`` calls (capture runs each on the host)."""
+    wanted = math.ceil(target_ms / max(call_ms * sets, 1e-6))
+    return max(1, min(wanted, most_calls // sets))
+
+
+def per_call_ms(replay_ms: list[float], calls: int) -> list[float]:
+    """Each replay's time divided over the ``calls`` calls it holds."""
+    return [ms / calls for ms in replay_ms]
+
+
+def l2_cache_bytes(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).L2_cache_size
+
+
+def _run_rounds(fn_of_input: Callable[[Any], Any], inputs: Sequence[Any], rounds: int) -> None:
+    for _ in range(rounds):
+        for one in inputs:
+            fn_of_input(one)  # the outputs are dropped at once: in capture their memory is reused by the next call
+
+
+def _captured(fn_of_input: Callable[[Any], Any], inputs: Sequence[Any], rounds: int,
+              stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph:
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph, stream=stream):
+            _run_rounds(fn_of_input, inputs, rounds)
+    except RuntimeError as error:
+        if isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower():
+            raise
+        raise GraphCaptureError(f"CUDA graph capture failed: {str(error).splitlines()[0][:300]}") from error
+    return graph
+
+
+def _replay_times_ms(graph: torch.cuda.CUDAGraph, replays: int) -> list[float]:
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
+    for start, end in zip(starts, ends):
+        start.record()
+        graph.replay()
+        end.record()
+    torch.cuda.synchronize()
+    return [start.elapsed_time(end) for start, end in zip(starts, ends)]
+
+
+def graph_replay_ms(fn_of_input: Callable[[Any], Any], inputs: Sequence[Any], device: torch.device,
+                    replays: int = 15, target_replay_ms: float = 2.0) -> dict[str, float]:
+    """Device time per call of ``fn_of_input(one input set)``, without the host's time between calls.
+
+    ``inputs``: K independent input sets (see :func:`rotation_count`), so that consecutive calls read memory not in
+    L2 without flushing it. The calls run eagerly first on a side stream (compilation, autotuning, the allocator's
+    warm-up), then R rounds over the K sets are captured in one CUDA graph (R from a one-round graph's replay time,
+    see :func:`rounds_for`), replayed twice untimed and ``replays`` times between CUDA events. Returns the
+    statistics of :func:`summarize_samples_ms` of replay time / (R·K), with ``calls_per_replay`` (R·K) and
+    ``input_sets`` (K). Raises :class:`GraphCaptureError` where capture fails or there is no CUDA device.
+    """
+    if device.type != "cuda":
+        raise GraphCaptureError("CUDA graphs need a CUDA device")
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        _run_rounds(fn_of_input, inputs, 2)
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = _captured(fn_of_input, inputs, 1, stream)
+    call_ms = statistics.median(_replay_times_ms(graph, 3)) / len(inputs)
+    rounds = rounds_for(call_ms, len(inputs), target_replay_ms)
+    if rounds > 1:
+        graph.reset()  # its memory pool goes before the larger graph is captured
+        graph = _captured(fn_of_input, inputs, rounds, stream)
+    _replay_times_ms(graph, 2)
+    calls = rounds * len(inputs)
+    times = per_call_ms(_replay_times_ms(graph, replays), calls)
+    graph.reset()
+    return {**summarize_samples_ms(times), "calls_per_replay": calls, "input_sets": len(inputs)}
