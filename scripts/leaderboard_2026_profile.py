@@ -10,8 +10,9 @@ The full step on 2 GPUs (one warm-up step and one profiled step per stack: about
 building the model and compiling):
 
     python scripts/leaderboard_2026_profile.py --stacks ours torch
-    python scripts/leaderboard_2026_profile.py --stacks ours torch --checkpoint-plan auto   # the planner's plan
-    python scripts/leaderboard_2026_profile.py --layers 4 --stacks ours --override ours:keep_attention=false
+    python scripts/leaderboard_2026_profile.py --stacks ours torch --checkpoint-plan stack  # each stack's own plan
+    python scripts/leaderboard_2026_profile.py --layers 4 --stacks ours --checkpoint-plan stack \
+        --override ours:keep_attention=false
     python scripts/leaderboard_2026_profile.py --world-size 1 --layers 4     # the one-GPU proxy
 """
 
@@ -48,7 +49,7 @@ def build_stack(stack: str, args, device: torch.device, world: int, free_bytes: 
     overrides = [o.split(":", 1)[1] for o in args.override if o.startswith(stack + ":")]
     parts = SHARDED_STACKS[stack].with_overrides(overrides)
     plan = None
-    if args.checkpoint_plan:
+    if args.checkpoint_plan != "stack":
         config = {**MODEL, "num_layers": args.layers}
         margin = None if args.memory_margin_gib is None else args.memory_margin_gib * GiB
         plan = plan_of_option(args.checkpoint_plan, config, stack, world, 1, free_bytes, margin)
@@ -113,7 +114,8 @@ def rank(rank: int, world: int, args) -> None:
                 measured["allocator_events"] = memory.allocator_events_since(before, device)
                 case = {"stack": ROW_NAMES[stack], "parts": overrides, "layers": args.layers, "world_size": world,
                         "context_length": MODEL["context_length"], "batch_per_rank": 1,
-                        "checkpoint_option": args.checkpoint_plan, "warmup_steps": args.warmup_steps,
+                        "checkpoint_option": None if args.checkpoint_plan == "stack" else args.checkpoint_plan,
+                        "warmup_steps": args.warmup_steps,
                         "profiled_steps": args.steps}
                 measured["peak_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
                 if plan is not None:
@@ -135,10 +137,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=MODEL["num_layers"], help="blocks (default 34: the full step)")
     p.add_argument("--stacks", nargs="+", default=["ours", "torch"], choices=list(SHARDED_STACKS))
     p.add_argument("--override", nargs="*", default=[], help="stack:part=value, e.g. ours:attention=sdpa")
-    p.add_argument("--checkpoint-plan", choices=("auto", "selective", "full"), default=None,
+    p.add_argument("--checkpoint-plan", choices=("auto", "selective", "full", "stack"), default="auto",
                    help="what each block's backward recomputes, as in cs336_systems.bench.leaderboard_2026: 'auto' "
-                        "plans from the ranks' free memory; 'selective' / 'full' in every block (default: each "
-                        "stack's own)")
+                        "(default) plans from the ranks' free memory; 'selective' / 'full' in every block; 'stack': "
+                        "each stack's own")
     p.add_argument("--memory-margin-gib", type=float, default=None,
                    help="memory left out of the auto plan's budget (default: the larger of 4 GiB and 5 %% of the "
                         "free memory)")

@@ -19,8 +19,8 @@ def test_help(capsys):
     out = capsys.readouterr().out
     assert exit_info.value.code == 0 and "--check" in out
     assert "--cold" not in out and "--warm" in out  # the help names only options that exist
-    assert "--checkpoint-plan {auto,selective,full}" in out
-    assert "(ours selective, pytorch full)" in " ".join(out.split())  # the default, until auto is measured
+    assert "--checkpoint-plan {auto,selective,full,stack}" in out
+    assert "'auto' (default)" in " ".join(out.split())
 
 
 def test_step_flops_of_the_official_step():
@@ -85,16 +85,17 @@ def test_compiled_blocks_under_our_fsdp_compile_once_on_gpu():
 
 
 def test_checkpoint_plan_option_chooses_each_stacks_modes():
-    """Default: each stack's checkpointing so far; ``selective``/``full``: the same in both stacks; ``auto``: the
-    planner on the ranks' free memory (one gloo rank: the host's), a row case of its own."""
+    """``stack``: each stack's checkpointing before the plans (rows without the key); ``selective``/``full``: the
+    same in both stacks; ``auto`` (the default): the planner on the ranks' free memory (one gloo rank: the
+    host's), a row case of its own."""
     from cs336_systems.parallel.distributed import one_rank_group
 
     config = dict(step_model.MODEL, num_layers=4)
-    default = leaderboard_2026.parser().parse_args([])
-    assert default.checkpoint_plan is None
-    assert "checkpoint_option" not in leaderboard_2026.case_of(default, "ours", config, 2)
+    assert leaderboard_2026.parser().parse_args([]).checkpoint_plan == "auto"
+    own = leaderboard_2026.parser().parse_args(["--checkpoint-plan", "stack"])
+    assert "checkpoint_option" not in leaderboard_2026.case_of(own, "ours", config, 2)
     for stack, mode in (("ours", "selective"), ("torch", "full")):
-        plan = leaderboard_2026.rank_plan(default, stack, config, 2, torch.device("cpu"))
+        plan = leaderboard_2026.rank_plan(own, stack, config, 2, torch.device("cpu"))
         assert plan.modes == (mode,) * 4 and plan.budget_bytes is None
         assert plan.peak_bytes == pytest.approx(step_model.memory_budget(config, stack, 2)["peak_gb"] * 1e9)
     full = leaderboard_2026.parser().parse_args(["--checkpoint-plan", "full"])

@@ -121,7 +121,7 @@ def test_the_profile_script_profiles_the_full_step_by_default():
     spec.loader.exec_module(script)
     args = script.parser().parse_args([])
     assert (args.layers, args.world_size, args.warmup_steps, args.steps) == (34, 2, 1, 1)
-    assert args.stacks == ["ours", "torch"] and args.checkpoint_plan is None
+    assert args.stacks == ["ours", "torch"] and args.checkpoint_plan == "auto"
     auto = script.parser().parse_args(["--checkpoint-plan", "auto", "--memory-margin-gib", "6"])
     assert (auto.checkpoint_plan, auto.memory_margin_gib) == ("auto", 6.0)
     with pytest.raises(SystemExit):

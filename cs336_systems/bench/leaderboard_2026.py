@@ -43,9 +43,11 @@ selective-checkpoint contexts): ``selective`` (every block keeps its attention o
 (every block recomputed whole), or ``auto``: each rank measures its free memory before building anything
 (``torch.cuda.mem_get_info``; on CPU ranks, the host's available memory), and the least of the ranks, less
 ``--memory-margin-gib`` (by default the larger of 4 GiB and 5 % of it), is the budget :mod:`cs336_systems.train.checkpoint_plan` fills from the memory model
-(every block selective where that fits, then blocks kept whole, from the last, while they fit). By default each
-stack checkpoints as it always has (ours selective, PyTorch's full). Every row records the plan
-(``checkpoint_plan``: its one-line description and predicted peak).
+(every block selective where that fits, then blocks kept whole, from the last, while they fit); ``auto`` is the
+default. ``stack`` gives each stack the checkpointing it ran before the plans existed (ours selective, PyTorch's
+full; rows without ``checkpoint_option``). Every row records the plan (``checkpoint_plan``: its one-line description
+and predicted peak) and, on a GPU, the caching allocator's retries and syncs during the timed steps
+(``allocator_events_ranks``: each retry frees the allocator's cache and synchronises the device).
 
 *The residual adds* (``--residual-norm``): ``fused`` runs our stack with each residual add inside the norm that
 reads its sum (the ``fused_residual_norm`` part; ``--check`` then checks that step), ``separate`` as it is by
@@ -85,7 +87,7 @@ from cs336_systems.train.step import RESIDUAL_NORMS
 PROBLEM = "leaderboard_2026"
 OFFICIAL = dict(rep_ms=30_000, warmup_ms=10_000)
 OFFICIAL_WORLD_SIZE = 2  # one sequence of the batch on each
-CHECKPOINT_PLANS = ("auto", "selective", "full")
+CHECKPOINT_PLANS = ("auto", "selective", "full", "stack")
 
 
 def parser():
@@ -102,12 +104,11 @@ def parser():
     p.add_argument("--per-rank-batch", type=int, default=1,
                    help="sequences per rank (official 1: batch 2 on two ranks); with --world-size 1, one rank's work")
     p.add_argument("--timeout-s", type=float, default=900.0, help="give up on a stack whose ranks hang this long")
-    p.add_argument("--checkpoint-plan", choices=CHECKPOINT_PLANS, default=None,
-                   help="what each block's backward recomputes, in both stacks: 'auto' plans from the free memory "
-                        "measured on the ranks (every block selective where that fits, then blocks kept whole, "
-                        "from the last, while they fit); "
-                        "'selective' / 'full' in every block. Default: each stack as it has been measured so far "
-                        "(ours selective, pytorch full), until 'auto' has been measured on GPUs")
+    p.add_argument("--checkpoint-plan", choices=CHECKPOINT_PLANS, default="auto",
+                   help="what each block's backward recomputes, in both stacks: 'auto' (default) plans from the free "
+                        "memory measured on the ranks (every block selective where that fits, then blocks kept "
+                        "whole, from the last, while they fit); 'selective' / 'full' in every block; 'stack': each "
+                        "stack's own (ours selective, pytorch full)")
     p.add_argument("--residual-norm", choices=RESIDUAL_NORMS, default=None,
                    help="our stack's residual adds fused into its RMSNorm or separate (default: separate, rows "
                         "without the key)")
@@ -168,7 +169,8 @@ def rank_plan(args, stack: str, config: dict[str, int], world_size: int, device:
     memory of every rank, so call it on all ranks before anything is built."""
     free = dl.least_free_bytes(device) if args.checkpoint_plan == "auto" else None
     margin = None if args.memory_margin_gib is None else args.memory_margin_gib * GiB
-    return plan_of_option(args.checkpoint_plan, config, stack, world_size, args.per_rank_batch, free, margin)
+    option = None if args.checkpoint_plan == "stack" else args.checkpoint_plan
+    return plan_of_option(option, config, stack, world_size, args.per_rank_batch, free, margin)
 
 
 def _time_train_step(train_step: Callable[[], None], device: torch.device, args) -> dict[str, float | None]:
@@ -244,8 +246,8 @@ def _write_row(args, stack: str, config: dict[str, int], world_size: int, result
 
 def case_of(args, stack: str, config: dict[str, int], world_size: int) -> dict[str, Any]:
     batch = args.per_rank_batch * world_size
-    # Rows measured before the option existed checkpoint as the default does: their case has no such key.
-    plan = {"checkpoint_option": args.checkpoint_plan} if args.checkpoint_plan else {}
+    # Rows measured before the option existed checkpoint as 'stack' does: their case has no such key.
+    plan = {"checkpoint_option": args.checkpoint_plan} if args.checkpoint_plan != "stack" else {}
     if args.residual_norm and SHARDED_STACKS[stack].rmsnorm == "fused":
         plan["residual_norm"] = args.residual_norm
     return dict(**plan, stack=ROW_NAMES[stack], num_layers=config["num_layers"],
