@@ -50,6 +50,12 @@ official)  # the 8B step under the official protocol with the checkpoint plan $P
     [[ ${SPLIT:-1} == 1 ]] && capped 230 python3 scripts/leaderboard_2026_profile.py --stacks ours torch \
         --checkpoint-plan "${PLAN:-auto}" $margin --timeout-s 220
     ;;
+gradient_memory)  # our full step profiled with its FSDP's gradient shards on the compute stream, then on the
+                  # reduction stream (two profiled steps each; rows record allocator retries and idle stretches)
+    capped 270 python3 scripts/leaderboard_2026_profile.py --stacks ours --steps 2 --timeout-s 260 \
+        --override ours:gradient_memory=compute_stream
+    capped 270 python3 scripts/leaderboard_2026_profile.py --stacks ours --steps 2 --timeout-s 260
+    ;;
 check)  # leaderboard_2026 --check alone: both stacks' first steps against one process
     capped 150 python3 -m cs336_systems.bench.leaderboard_2026 --check
     ;;
@@ -120,7 +126,7 @@ fsdp_memory)  # ours and FSDP2 (xl, no checkpointing) with each AdamW, one step'
     done
     ;;
 *)
-    echo "unknown part ${part}: tests, official, check, split, allreduce, ddp, pairs, zero1, optimizers, fsdp_memory, nccl_tests, fsdp or ddp_trace" >&2
+    echo "unknown part ${part}: tests, official, check, gradient_memory, split, allreduce, ddp, pairs, zero1, optimizers, fsdp_memory, nccl_tests, fsdp or ddp_trace" >&2
     exit 2
     ;;
 esac

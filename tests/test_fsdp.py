@@ -469,6 +469,31 @@ def check_lm_training(rank: int, world_size: int, device: torch.device) -> None:
         assert recorder.peak <= (4 if group == 2 else 3), (where, recorder.peak)
 
 
+def check_gradient_memory(rank: int, world_size: int, device: torch.device) -> None:
+    """Gradient shards allocated on the compute stream (on NCCL; gloo has one stream) train the 4-block LM like
+    one process; an unknown placement is refused."""
+    config = LMConfig("tiny", context_length=8, batch_size=2 * world_size)
+    where = f"LM, gradient_memory=compute_stream, rank {rank}/{world_size}"
+    torch.manual_seed(rank)
+    fsdp = FSDP(BasicsLM4(config, device), gradient_memory="compute_stream")
+    if dist.get_backend() == "nccl":
+        assert fsdp.transport.gradient_memory == "compute_stream", where
+
+    def reference():
+        torch.manual_seed(0)
+        return BasicsLM4(config, device)
+
+    training = Training(reference, lambda step: lm_batch(config, step, None, world_size, device), lm_loss, "adamw",
+                        WEIGHT_TOL["adamw"], steps=2)
+    train_and_compare(fsdp, training, where)
+    try:
+        FSDP(BasicsLM4(config, device), gradient_memory="host")
+    except ValueError as error:
+        assert "unknown gradient_memory 'host'" in str(error), where
+    else:
+        raise AssertionError(f"{where}: an unknown gradient_memory was accepted")
+
+
 def check_errors(rank: int, world_size: int, device: torch.device) -> None:
     model = build(SmallNet, rank, device)
     fsdp = adapters.get_fsdp(model)
@@ -544,6 +569,7 @@ CHECKS = {
     "mixed_precision": check_mixed_precision,
     "lm_prefetch_and_memory": check_lm_prefetch_and_memory,
     "lm_training": check_lm_training,
+    "gradient_memory": check_gradient_memory,
     "ddp_2026_names": check_ddp_2026_names,
     "accounting_check": check_accounting_check,
     "errors": check_errors,

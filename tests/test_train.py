@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from cs336_systems.bench.common.lm import LMConfig, build_model, random_batch
-from cs336_systems.train import STACKS, Parts, build_training_step
+from cs336_systems.train import SHARDED_STACKS, STACKS, Parts, build_training_step
 from cs336_systems.train.step import chunked_loss, plain_loss
 
 
@@ -31,6 +31,11 @@ def test_parts_are_checked():
     with pytest.raises(ValueError, match="unknown weights"):
         Parts(weights="fp8")
     assert STACKS["torch"].with_overrides(["cudagraphs=true"]).cudagraphs
+    with pytest.raises(ValueError, match="unknown gradient_memory"):
+        Parts(sharding="ours", gradient_memory="host")
+    with pytest.raises(ValueError, match="needs sharding='ours'"):
+        Parts(sharding="fsdp2", gradient_memory="compute_stream")
+    assert SHARDED_STACKS["ours"].with_overrides(["gradient_memory=compute_stream"]).gradient_memory == "compute_stream"
 
 
 def test_cudagraphs_needs_a_gpu():

@@ -48,6 +48,7 @@ from torch import Tensor, nn
 from cs336_basics.model import BasicsTransformerLM, Linear
 from cs336_basics.optimizer import AdamW
 from cs336_systems.attention import ATTENTION_NAMES, get_attention
+from cs336_systems.parallel.fsdp.transport import GRADIENT_MEMORY
 from cs336_systems.train.checkpoint_plan import check_modes
 from cs336_systems.train.residual_stream import (
     block_groups,
@@ -82,12 +83,14 @@ class Parts:
     weights: str = "fp32"
     block_checkpointing: tuple[str, ...] = ()
     fused_residual_norm: bool = False
+    gradient_memory: str = "reduce_stream"
 
     def __post_init__(self):
         for name, value, allowed in (("attention", self.attention, ATTENTION_NAMES),
                                      ("rmsnorm", self.rmsnorm, ("plain", "fused")), ("loss", self.loss, LOSSES),
                                      ("optimizer", self.optimizer, OPTIMIZERS), ("compile", self.compile, COMPILE_MODES),
-                                     ("sharding", self.sharding, SHARDINGS)):
+                                     ("sharding", self.sharding, SHARDINGS),
+                                     ("gradient_memory", self.gradient_memory, GRADIENT_MEMORY)):
             if value not in allowed:
                 raise ValueError(f"unknown {name} {value!r}; choose one of {', '.join(allowed)}")
         if self.checkpointing < 0:
@@ -106,6 +109,8 @@ class Parts:
                              "optimizer='fused' and sharding='none'")
         if self.cudagraphs and self.sharding != "none":
             raise ValueError("cudagraphs captures a one-GPU step: use it with sharding='none'")
+        if self.gradient_memory != "reduce_stream" and self.sharding != "ours":
+            raise ValueError("gradient_memory places our FSDP's gradient shards: it needs sharding='ours'")
         if self.fused_residual_norm and self.rmsnorm != "fused":
             raise ValueError("fused_residual_norm adds the residual inside our RMSNorm kernel: it needs rmsnorm='fused'")
 
@@ -309,14 +314,16 @@ class LanguageModelLoss(nn.Module):
         return self.head(hidden, self.model.lm_head, targets)
 
 
-def shard(net: LanguageModelLoss, sharding: str, compute_dtype: torch.dtype | None) -> nn.Module:
-    """``net`` sharded over the default process group: our FSDP by blocks, or FSDP2 per block and root (bf16
-    parameters in compute, fp32 gradient reductions, fp32 master weights)."""
+def shard(net: LanguageModelLoss, sharding: str, compute_dtype: torch.dtype | None,
+          gradient_memory: str = "reduce_stream") -> nn.Module:
+    """``net`` sharded over the default process group: our FSDP by blocks (its gradient shards in
+    ``gradient_memory``'s stream), or FSDP2 per block and root (bf16 parameters in compute, fp32 gradient
+    reductions, fp32 master weights)."""
     model = net.model
     if sharding == "ours":
         from cs336_systems.parallel.fsdp import FSDP, default_units
 
-        return FSDP(net, compute_dtype=compute_dtype, units=default_units(model))
+        return FSDP(net, compute_dtype=compute_dtype, units=default_units(model), gradient_memory=gradient_memory)
     if sharding == "fsdp2":
         return fully_shard_blocks(net, model.layers, compute_dtype)
     return net
@@ -374,7 +381,7 @@ class TrainingStep:
         if parts.compile == "blocks" and not sharded:
             head = torch.compile(head)  # the blocks are compiled modules (below); the loss head is one more graph
         net = LanguageModelLoss(model, head, parts.block_checkpointing, parts.fused_residual_norm)
-        self.net = shard(net, parts.sharding, autocast_dtype)
+        self.net = shard(net, parts.sharding, autocast_dtype, parts.gradient_memory)
         if parts.compile == "blocks":
             for block in model.layers:
                 compile_block(block, parts.sharding)

@@ -133,12 +133,25 @@ class _StreamReduction:
     output: Tensor  # (S,) fp32
 
 
-class CudaStreamTransport(_ProcessGroupTransport):
-    """GPU under NCCL: a gather stream and a reduction stream, each with its own communicator."""
+GRADIENT_MEMORY = ("reduce_stream", "compute_stream")
+"""Where :class:`CudaStreamTransport` allocates a reduction's output, the fp32 gradient shard the optimizer reads."""
 
-    def __init__(self, device: torch.device) -> None:
+
+class CudaStreamTransport(_ProcessGroupTransport):
+    """GPU under NCCL: a gather stream and a reduction stream, each with its own communicator.
+
+    ``gradient_memory``: where a reduction's output (which becomes the shard's ``.grad``) is allocated. The
+    caching allocator keeps freed memory for the stream that allocated it, and serves another stream from it only
+    after freeing its cache, which synchronises the device. ``reduce_stream``: on the reduction stream, so the
+    gradients' memory, freed after the optimizer step, stays reserved for the next backward's reductions;
+    ``compute_stream``: on the compute stream before the reduction starts (the compute stream waits for the
+    reduction before it reads or frees the output), so the next forward's activations can reuse it."""
+
+    def __init__(self, device: torch.device, gradient_memory: str = "reduce_stream") -> None:
         super().__init__()
-        self.device = device
+        if gradient_memory not in GRADIENT_MEMORY:
+            raise ValueError(f"unknown gradient_memory {gradient_memory!r}; choose one of {', '.join(GRADIENT_MEMORY)}")
+        self.device, self.gradient_memory = device, gradient_memory
         self.reduce_group = dist.new_group()
         self.gather_stream = torch.cuda.Stream(device)
         self.reduce_stream = torch.cuda.Stream(device)
@@ -160,9 +173,13 @@ class CudaStreamTransport(_ProcessGroupTransport):
         pass  # the buffer's block returns to the gather stream, which reuses it only after the gather
 
     def reduce(self, flat: Tensor, shard_numel: int, deliver: Deliver) -> _StreamReduction:
+        output = None
+        if self.gradient_memory == "compute_stream":
+            output = torch.empty(shard_numel, dtype=torch.float32, device=self.device)
         self.reduce_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.reduce_stream):
-            output = torch.empty(shard_numel, dtype=torch.float32, device=self.device)
+            if output is None:
+                output = torch.empty(shard_numel, dtype=torch.float32, device=self.device)
             reduce_scatter_mean(output, flat, group=self.reduce_group)
             deliver(output)  # stream-ordered after the reduction
             return _StreamReduction(self.reduce_stream.record_event(), flat, output)
@@ -209,8 +226,11 @@ class GlooTransport(_ProcessGroupTransport):
         reduction.deliver(reduction.output)
 
 
-def make_transport(device: torch.device) -> Transport:
-    """CUDA streams for a GPU under NCCL, asynchronous work objects otherwise."""
+def make_transport(device: torch.device, gradient_memory: str = "reduce_stream") -> Transport:
+    """CUDA streams for a GPU under NCCL (``gradient_memory``: see :class:`CudaStreamTransport`), asynchronous
+    work objects otherwise."""
+    if gradient_memory not in GRADIENT_MEMORY:
+        raise ValueError(f"unknown gradient_memory {gradient_memory!r}; choose one of {', '.join(GRADIENT_MEMORY)}")
     if device.type == "cuda" and dist.get_backend() == "nccl":
-        return CudaStreamTransport(device)
+        return CudaStreamTransport(device, gradient_memory)
     return GlooTransport()

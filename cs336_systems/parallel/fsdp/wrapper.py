@@ -122,7 +122,9 @@ class FSDP(nn.Module):
 
     ``units``: submodules (or tuples of submodules) that each form one unit; default :func:`default_units`.
     ``transport``: how collectives travel (default: chosen from the device and the default process group's backend;
-    the tests pass one that needs no process group).
+    the tests pass one that needs no process group). ``gradient_memory``: on a GPU under NCCL, which stream's
+    memory holds the reduced gradient shards (``reduce_stream`` or ``compute_stream``; see
+    :class:`~cs336_systems.parallel.fsdp.transport.CudaStreamTransport`).
 
     Limits: every rank must call the same units in the same order; one forward per backward; call
     :meth:`finish_gradient_synchronization` after every backward; move the module to its device before wrapping
@@ -135,7 +137,8 @@ class FSDP(nn.Module):
     """
 
     def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None,
-                 units: Sequence[UnitSpec] | None = None, *, transport: Transport | None = None):
+                 units: Sequence[UnitSpec] | None = None, *, transport: Transport | None = None,
+                 gradient_memory: str = "reduce_stream"):
         super().__init__()
         if transport is None:
             require_process_group("FSDP")
@@ -148,7 +151,7 @@ class FSDP(nn.Module):
         if any(p.device != self.device for p in params) or any(not p.is_floating_point() for p in params):
             raise ValueError("FSDP needs floating-point parameters, all on one device")
         self.module, self.compute_dtype, self.annotate = module, compute_dtype, False
-        self.transport = make_transport(self.device) if transport is None else transport
+        self.transport = make_transport(self.device, gradient_memory) if transport is None else transport
         self.world_size, self.rank = self.transport.world_size, self.transport.rank
         self.transport.broadcast_module(module)
 
