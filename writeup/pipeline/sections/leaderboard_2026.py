@@ -527,7 +527,8 @@ def leaderboard_2026(res, out: Output) -> dict[str, Any]:
         "p_ours_coll": num(gpu(p_ours, "collectives"), 1), "p_torch_coll": num(gpu(p_torch, "collectives"), 1),
     })
     today = [p for p in pairs if planned(p)]
-    earlier = [p for p in pairs if not planned(p)]
+    earlier = [p for p in pairs if not planned(p)] if today else []
+    n["planned"] = planned(steps)
     on_device = [p for p in today if p["ours"]["device"] == ours["device"]] if planned(steps) else [steps]
     n["pairs"] = device_numbers(on_device, steps)
     n["other_devices"] = other_devices_numbers(today, ours["device"])

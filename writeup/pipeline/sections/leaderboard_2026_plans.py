@@ -104,6 +104,11 @@ def plans_table(rows: list[dict[str, Any]]) -> dict[str, Any]:
                  align=["left", "left", "left", "left", "right", "right", "right", "right"], size=7)
 
 
+def stack_name(r: dict[str, Any]) -> str:
+    """``(ours)`` or ``(PyTorch's)``: whose row ``r`` is, after a number."""
+    return "(ours)" if r["stack"] == "ours" else "(PyTorch's)"
+
+
 def _pct_range(errors: list[float]) -> str:
     """``1.1 to 2.6 %`` (absolute values), or one value."""
     low, high = f"{100 * min(errors):.1f}", f"{100 * max(errors):.1f}"
@@ -130,9 +135,9 @@ def peak_claim_numbers(rows: list[dict[str, Any]]) -> dict[str, Any]:
         n.update({
             "earlier_rows": str(len(earlier)),
             "earlier_predicted": " and ".join(dict.fromkeys(num(p["predicted_gb"], 1) for _, p in earlier)),
-            "earlier_measured": " and ".join(num(p["measured_gb"], 1) for _, p in earlier),
+            "earlier_measured": " and ".join(f"{num(p['measured_gb'], 1)} {stack_name(r)}" for r, p in earlier),
             "earlier_over": _pct_range(over),
-            "earlier_today": " and ".join(num(p["model_gb"], 1) for _, p in earlier),
+            "earlier_today": " and ".join(f"{num(p['model_gb'], 1)} {stack_name(r)}" for r, p in earlier),
             "earlier_device": earlier[0][0]["device"],
             "earlier_time": str(min(r["env"]["date"] for r, _ in earlier))[:16].replace("T", " "),
             "earlier_plans": " and ".join(dict.fromkeys(modes_count(p["modes"]) for _, p in earlier)),
