@@ -21,6 +21,7 @@ from pipeline.sections.registry import Output, problem
 from pipeline.sections.train_step import PART_NAMES
 
 STACKS = ("ours", "pytorch")
+WHOSE = {"ours": "ours", "pytorch": "PyTorch's"}  # a stack's step, as the text names it
 
 # The parts the leaderboard stacks add to those of the single-GPU step (cs336_systems/train/step.py).
 LB_PART_NAMES = {
@@ -224,10 +225,13 @@ def alloc_retries(r: dict[str, Any]) -> int | None:
     return max(e["num_alloc_retries"] for e in events) if events else None
 
 
-def plan_margin(r: dict[str, Any]) -> str | None:
-    """The memory margin the plan left (``6.9`` GiB), as its description states it."""
-    found = re.search(r"margin of ([0-9.]+) GiB", (r.get("checkpoint_plan") or {}).get("describe", ""))
+def plan_margin(r: dict[str, Any], what: str = "margin of ([0-9.]+) GiB") -> str | None:
+    """The memory margin the plan left (``6.9`` GiB), or another number ``what`` finds in its description."""
+    found = re.search(what, (r.get("checkpoint_plan") or {}).get("describe", ""))
     return found.group(1) if found else None
+
+
+BUDGET_TEXT = "budget of ([0-9.]+) GB"  # the memory a plan was fitted to, in its description
 
 
 def pair_time(pair: dict[str, dict[str, Any]]) -> str:
@@ -244,6 +248,7 @@ def pair_numbers(pair: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "device": ours["device"], "time": pair_time(pair), "commit": str(ours["env"].get("commit")),
         "ours_plan": plans.modes_count(p["ours"]["modes"]), "torch_plan": plans.modes_count(p["pytorch"]["modes"]),
         "same_plan": same_plan(pair), "margin": plan_margin(ours),
+        "earlier_model": any(p[s]["earlier_model"] for s in STACKS),
         "ours_kept": p["ours"]["modes"].count("keep"), "torch_kept": p["pytorch"]["modes"].count("keep"),
         "ours_ms": num(ours["step_ms"], 1), "torch_ms": num(torch["step_ms"], 1),
         "ratio": times(ours["step_ms"] / torch["step_ms"], 3), "ratio_value": ours["step_ms"] / torch["step_ms"],
@@ -611,14 +616,17 @@ def _split_numbers(split: dict[str, dict[str, Any]], first: dict[str, Any], step
     gaps = (gap_row.get("idle_gaps") or {}).get("largest") or []
     retries = (gap_row.get("allocator_events") or {}).get("num_alloc_retries")
     matches = {s: plans.profile_modes(split[s]) == plans.row_modes(steps[s]) for s in STACKS if s in split}
+    budgets = {s: plan_margin(split[s], BUDGET_TEXT) for s in matches}
     return {"device": first["device"], "stack": first["stack"], "wall": num(first["wall_ms"], 0),
             "plan": plans.modes_count(plans.profile_modes(first)),
             "exposed": num(first["split_ms"]["exposed_communication"], 1),
             "communication": num(first["communication_ms"], 1), "idle": num(first.get("idle_ms"), 1),
             "recompute": num(first["split_ms"]["recompute"], 1),
             "all_match": all(matches.values()), "mismatched": _listing(
-                [f"{'PyTorch' if s == 'pytorch' else s}'s ran {plans.modes_count(plans.profile_modes(split[s]))}"
+                [f"{WHOSE[s]} ran {plans.modes_count(plans.profile_modes(split[s]))}"
                  for s, ok in matches.items() if not ok]) if not all(matches.values()) else "",
+            "budgets": _listing([f"{budgets[s]} GB for {WHOSE[s]}" for s in matches])
+            if None not in budgets.values() else "",
             "has_gaps": len(gaps) >= 2, "gap_1": num(gaps[0]["ms"], 1) if gaps else DASH,
             "gap_2": num(gaps[1]["ms"], 1) if len(gaps) >= 2 else DASH,
             "gaps_count": f"{(gap_row.get('idle_gaps') or {}).get('gap_count', 0):,}",

@@ -36,12 +36,13 @@ def row_modes(r: dict[str, Any]) -> tuple[str, ...]:
 
 
 def modes_summary(modes: tuple[str, ...]) -> str:
-    """``34 selective`` or ``13 selective (0–12), 21 keep (13–33)``: the count of each mode and, when they mix,
-    the blocks of each run."""
+    """``34 selective``, ``13 selective (0–12), 21 keep (13–33)`` or ``33 selective (0–32), 1 keep (33)``: the
+    count of each mode and, when they mix, the blocks of each run."""
     counts = {mode: modes.count(mode) for mode in CHECKPOINT_MODES if mode in modes}
     if len(counts) == 1:
         return f"{len(modes)} {modes[0]}"
-    return ", ".join(f"{modes.count(mode)} {mode} ({first}–{last})" for mode, first, last in mode_runs(modes))
+    return ", ".join(f"{modes.count(mode)} {mode} ({first}{'' if first == last else f'–{last}'})"
+                     for mode, first, last in mode_runs(modes))
 
 
 def modes_count(modes: tuple[str, ...]) -> str:
