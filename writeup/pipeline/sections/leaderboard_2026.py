@@ -254,6 +254,9 @@ def pair_numbers(pair: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "ratio": times(ours["step_ms"] / torch["step_ms"], 3), "ratio_value": ours["step_ms"] / torch["step_ms"],
         "ours_peak": num(p["ours"]["measured_gb"], 1), "torch_peak": num(p["pytorch"]["measured_gb"], 1),
         "ours_predicted": num(p["ours"]["predicted_gb"], 1), "torch_predicted": num(p["pytorch"]["predicted_gb"], 1),
+        "predicted_text": f"{num(p['ours']['predicted_gb'], 1)} GB for both"
+        if num(p["ours"]["predicted_gb"], 1) == num(p["pytorch"]["predicted_gb"], 1)
+        else f"{num(p['ours']['predicted_gb'], 1)} GB (ours) and {num(p['pytorch']['predicted_gb'], 1)} GB (PyTorch's)",
         "ours_retries": retries["ours"], "torch_retries": retries["pytorch"],
         "has_retries": None not in retries.values(),
         "ours_tflops": num(ours.get("matmul_tflops"), 0), "torch_tflops": num(torch.get("matmul_tflops"), 0),
