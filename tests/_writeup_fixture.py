@@ -679,6 +679,44 @@ def leaderboard_2026() -> list[dict]:
     return rows
 
 
+def leaderboard_2026_planned_pair(gpu: str, start: str, step_ms: dict[str, float], kept: dict[str, int],
+                                  peak: dict[str, float], retries: int | None = None,
+                                  predicted_gb: float | None = None) -> list[dict]:
+    """One invocation of the official step with --checkpoint-plan auto, as it writes its rows: PyTorch's first,
+    then ours (each in its own ranks: run ids one minute apart from ``start``, e.g. ``20261126T1713``); ``kept``:
+    each stack's blocks kept whole (the last ones), the rest selective; the predicted peak today's memory model's
+    for the plan, or ``predicted_gb`` (an earlier model's); ``retries``: the allocator's retries per rank during
+    timing (None: not recorded)."""
+    from cs336_systems.bench.common.leaderboard_2026_model import MODEL, STACK_OF_ROW, memory_budget, step_flops
+
+    rows = []
+    for minute, stack in enumerate(("pytorch", "ours")):
+        modes = ["selective"] * (34 - kept[stack]) + ["keep"] * kept[stack]
+        predicted = predicted_gb or memory_budget(MODEL, STACK_OF_ROW[stack], 2, 1, loss=LB_PARTS[stack]["loss"],
+                                                  modes=tuple(modes))["peak_gb"]
+        config = {"stack": stack, "num_layers": 34, "context_length": 32768, "batch_size": 2, "world_size": 2,
+                  "rep_ms": 30000, "warmup_ms": 10000, "official": True, "checkpoint_option": "auto"}
+        measured = {"step_ms": step_ms[stack], "step_ms_per_rank": [step_ms[stack]] * 2,
+                    "peak_gb_per_rank": peak[stack], "peak_gb_ranks": [peak[stack]] * 2, "first_step_s": 20.0,
+                    "cold_total_s": 100.0, "cold_caches": True, "mfu": 0.6, "flops": step_flops(MODEL, 2),
+                    "matmul_tflops": 700.0 + minute, "parts": {**LB_PARTS[stack], "compile": "blocks",
+                                                               "checkpointing": 0, "keep_attention": False,
+                                                               "block_checkpointing": modes},
+                    "checkpoint_plan": {"describe": f"34 blocks: {kept[stack]} keep, {34 - kept[stack]} selective; "
+                                                    f"predicted peak {predicted:.1f} GB fits a budget of 141.6 GB "
+                                                    "(free memory less a margin of 6.9 GiB)",
+                                        "predicted_peak_gb": predicted}}
+        if retries is not None:
+            events = {"num_alloc_retries": retries, "num_sync_all_streams": retries, "num_device_alloc": 100,
+                      "num_device_free": 10}
+            measured["allocator_events_ranks"] = [events, events]
+        r = row("leaderboard_2026", config, measured, gpus=2, gpu=gpu)
+        date = f"{start[:4]}-{start[4:6]}-{start[6:8]}T{start[9:11]}:{int(start[11:13]) + minute:02d}:00Z"
+        rows.append({**r, "run": f"{start[:11]}{int(start[11:13]) + minute:02d}00Z-{stack}",
+                     "env": {**r["env"], "date": date, "commit": "c0ffee0"}})
+    return rows
+
+
 def leaderboard_2026_profile() -> list[dict]:
     """What scripts/leaderboard_2026_profile.py prints: device, date and commit at the top level, no env."""
     base = {"problem": "leaderboard_2026_profile", "device": "2x NVIDIA H200", "date": "2026-11-23",

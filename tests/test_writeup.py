@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests._writeup_fixture import flash_probe, write_fixture
+from tests._writeup_fixture import flash_probe, leaderboard_2026_planned_pair, write_fixture
 from tests._writeup_fixture import leaderboard as fixture_leaderboard
 
 WRITEUP = Path(__file__).resolve().parents[1] / "writeup"
@@ -126,23 +126,25 @@ def test_builds_every_section_from_the_fixture(tmp_path, fixture_results):
     assert (lb["n"]["ratio"], lb["n"]["ours_s"]) == ("1.25×", "7.50") and not lb["n"]["ours_faster"]
     assert lb["n"]["pflop"] == "5.04"
     assert (lb["n"]["weights_pflop"], lb["n"]["attention_pflop"]) == ("2.95", "2.09")
-    assert [r[0] for r in lb["tables"]["main"]["rows"]] == ["ours", "pytorch"]
+    assert [r[:3] for r in lb["tables"]["main"]["rows"]] == [["2x NVIDIA H200", "2026-11-22 16:00 (headline)",
+                                                              "34 selective"]]
+    assert not lb["n"]["planned"] and not lb["n"]["has_earlier"]
     memory = {r[0]: r[1:] for r in lb["tables"]["memory"]["rows"]}
     assert memory["predicted peak"] == ["75.4", "97.7"] and memory["measured peak"] == ["81.0", "93.0"]
     assert memory["loss head (transient)"] == ["5.0", "39.8"] and lb["n"]["ours_error"] == "+5.6"
     assert lb["tables"]["profile"]["header"][0] == ["GPU ms", "ours", "pytorch", "ours with SDPA attention"]
     # Each official row's plan (none recorded: the stack's default from the parts), its predicted and measured peak.
     plans = {r[2]: r[3:] for r in lb["tables"]["plans"]["rows"]}
-    assert plans["ours"] == ["34 selective (stack default)", "75.4", "81.0", f"+{100 * (81.0 / 75.367 - 1):.1f} %"]
-    assert plans["pytorch"][0] == "34 full (stack default)" and plans["pytorch"][3].startswith("−")
+    assert plans["ours"] == ["34 selective (stack default)", "75.4", "–", "81.0", f"+{100 * (81.0 / 75.367 - 1):.1f} %"]
+    assert plans["pytorch"][0] == "34 full (stack default)" and plans["pytorch"][4].startswith("−")
     assert memory["checkpoint plan (blocks)"] == ["34 selective (stack default)", "34 full (stack default)"]
     assert (lb["n"]["claim"]["claim_rows"], lb["n"]["claim"]["claim_holds"]) == ("2", False)
-    # The full step's split, and the B200 on paper from its rates: 20 blocks kept, 14 selective at 180 GB (a margin
+    # The full step's split, and the B200 on paper from its rates: 25 blocks kept, 9 selective at 180 GB (a margin
     # of 5 % of the card).
     assert lb["n"]["has_split"] and lb["n"]["split"]["exposed"] == "50.0"
-    assert [r[0] for r in lb["tables"]["split"]["rows"]][-1] == "step (wall)"
+    assert [r[0] for r in lb["tables"]["split"]["rows"]][-2:] == ["step (wall)", "allocator retries in the step"]
     paper = lb["n"]["paper"]
-    assert (paper["profile_split"], paper["kept"], paper["selective"], paper["full"]) == (True, "20", "14", "0")
+    assert (paper["profile_split"], paper["kept"], paper["selective"], paper["full"]) == (True, "25", "9", "0")
     assert [r[0] for r in lb["tables"]["paper"]["rows"]][0].startswith("H200, 34 selective")
     assert (lb["n"]["p_bwd_ratio"], lb["n"]["sdpa_ratio"]) == (f"{360 / 190:.2f}×", f"{860 / 880:.2f}×")
     assert (lb["n"]["ours_bwd_kernel"], lb["n"]["cudnn_bwd_kernel"]) == ("355", "188")
@@ -431,39 +433,138 @@ def test_a_missing_results_file_fails_naming_it(tmp_path, fixture_results, capsy
     assert "missing" not in data["sections"]["benchmarking_script"]
 
 
-@pytest.mark.slow
-def test_newer_official_leaderboard_2026_rows_on_other_gpus_take_over(tmp_path):
-    """A newer official pair on 2 H100s (ours compiled, PyTorch's loss chunked) and its profile: the section shows
-    them, the H200 pair as the earlier rows, the memory budget of the rows' own loss parts, and only the profile
-    variants of the H100s (so no SDPA variant)."""
+H200, H100 = "NVIDIA H200", "NVIDIA H100 80GB HBM3"
+
+
+def planned_pairs() -> list[dict]:
+    """Three invocations with the planner on 2 H200s and one on 2 H100s, as the official rows of one day: the first
+    H200 pair ran one plan in both stacks (planned by an earlier model, whose prediction the rows record), the
+    later ones kept more blocks whole and met allocator retries; a PyTorch row whose ours never came in between."""
+    return [*leaderboard_2026_planned_pair(H200, "20261126T1713", {"pytorch": 5566.0, "ours": 4902.0},
+                                           {"pytorch": 13, "ours": 13}, {"pytorch": 129.5, "ours": 127.0},
+                                           predicted_gb=137.3),
+            *leaderboard_2026_planned_pair(H200, "20261126T1720", {"pytorch": 5437.0, "ours": 5116.0},
+                                           {"pytorch": 16, "ours": 17}, {"pytorch": 141.7, "ours": 143.1},
+                                           retries=24),
+            leaderboard_2026_planned_pair(H200, "20261126T1726", {"pytorch": 5000.0, "ours": 1.0},
+                                          {"pytorch": 16, "ours": 17}, {"pytorch": 141.7, "ours": 143.1})[0],
+            *leaderboard_2026_planned_pair(H100, "20261126T1735", {"pytorch": 5832.0, "ours": 5541.0},
+                                           {"pytorch": 1, "ours": 1}, {"pytorch": 81.0, "ours": 78.5}, retries=48)]
+
+
+def test_official_rows_pair_by_invocation_and_the_headline_is_the_h200_pair_of_one_plan(tmp_path):
+    from pipeline.sections.leaderboard_2026 import device_numbers, headline_pair, official_pairs, pair_numbers
+
     results = tmp_path / "results"
     write_fixture(results, tmp_path / "row-figures")
-    rows = [json.loads(line) for line in (results / "leaderboard_2026.jsonl").read_text().splitlines()]
-    official = [r for r in rows if r.get("official")]
-    gpu = "2x NVIDIA H100 80GB HBM3"
-    newer = []
-    for r, step_ms, loss in ((official[0], 5800.0, "fused"), (official[1], 6200.0, "chunked")):
-        parts = {**r["parts"], "compile": "blocks", "loss": loss}
-        env = {**r["env"], "device": gpu, "date": "2026-11-25T17:00:00Z", "commit": "fedcba9"}
-        newer.append({**r, "run": "20261125T170000Z-" + r["stack"], "step_ms": step_ms, "parts": parts,
-                      "device": gpu, "env": env})
     with (results / "leaderboard_2026.jsonl").open("a") as f:
-        f.writelines(json.dumps(r) + "\n" for r in newer)
-    profile = [json.loads(line) for line in (results / "leaderboard_2026_profile.jsonl").read_text().splitlines()]
-    stacks = [r for r in profile if r["device"] == "2x NVIDIA H200" and not r["parts"]]
+        f.writelines(json.dumps(r) + "\n" for r in planned_pairs())
+    pairs = official_pairs(Results(results))
+    # The fixture's pair from before the planner (ours first), then three: the lone PyTorch row is in none.
+    assert [(p["ours"]["device"], p["ours"]["run"][:13]) for p in pairs] == [
+        ("2x " + H200, "20261122T1600"), ("2x " + H200, "20261126T1714"), ("2x " + H200, "20261126T1721"),
+        ("2x " + H100, "20261126T1736")]
+    assert all(p["pytorch"]["run"] < p["ours"]["run"] for p in pairs[1:])
+    # The H200s (the largest peaks) lead though the H100 pair is newer; of theirs, the pair of one plan, though older.
+    assert headline_pair(pairs) is pairs[1]
+    assert headline_pair([pairs[0], *pairs[2:]]) is pairs[2]  # no pair of one plan: the newest
+    assert headline_pair([pairs[0], pairs[3]]) is pairs[3]
+    assert headline_pair(pairs[:1]) is pairs[0]  # before the planner: the pair there is
+    later = pair_numbers(pairs[2])
+    assert (later["ours_plan"], later["torch_plan"], later["same_plan"]) == (
+        "17 keep, 17 selective", "16 keep, 18 selective", False)
+    assert (later["ratio"], later["margin"], later["ours_retries"], later["torch_retries"]) == (
+        f"{5116 / 5437:.3f}×", "6.9", 24, 24)
+    assert pair_numbers(pairs[1])["ours_retries"] is None and pair_numbers(pairs[1])["ours_predicted"] == "137.3"
+    h200 = device_numbers(pairs[1:3], pairs[1])
+    assert (h200["ratio_low"], h200["ratio_high"], h200["headline_fastest"]) == (
+        f"{4902 / 5566:.3f}×", f"{5116 / 5437:.3f}×", True)
+    assert h200["others"] == f"{5116 / 5437:.3f}× (17:20: PyTorch's 16 blocks kept whole, ours 17)"
+    assert h200["others_keep_more"] and h200["others_all_retry"] and h200["others_retries"] == "24"
+    assert not h200["headline_retries_recorded"] and h200["tflops_list"] == "700, 701, 700 and 701"
+
+
+def split_row(stack: str, run: str, kept: int, wall_ms: float, **extra) -> dict:
+    """A full-step split of ``stack`` (34 layers, 2 H200s) under a plan of ``kept`` blocks kept whole."""
+    from tests._writeup_fixture import row
+
+    split = {"matmul": 2100.0, "attention_forward": 510.0, "attention_backward": 1580.0, "recompute": 420.0,
+             "elementwise": 190.0, "norms": 27.0, "loss": 8.0, "optimizer": 27.0, "exposed_communication": 22.0}
+    modes = ["selective"] * (34 - kept) + ["keep"] * kept
+    config = {"stack": stack, "parts": [], "layers": 34, "world_size": 2, "context_length": 32768,
+              "batch_per_rank": 1, "checkpoint_option": "auto", "warmup_steps": 1, "profiled_steps": 1}
+    measured = {"wall_ms": wall_ms, "split_ms": split, "communication_ms": 180.0, "idle_ms": 160.0,
+                "gpu_ms": {"matmul": 2520.0}, "top_kernels": {}, "peak_gb": 127.0,
+                "checkpoint_plan": {"describe": "...", "predicted_peak_gb": 137.3, "modes": modes}, **extra}
+    r = row("leaderboard_2026_profile", config, measured, gpus=2, gpu=H200)
+    return {**r, "run": run, "env": {**r["env"], "commit": "c0ffee0", "date": f"2026-11-26T{run[9:11]}:{run[11:13]}"}}
+
+
+@pytest.mark.slow
+def test_the_section_leads_with_the_h200_pair_and_labels_every_plan(tmp_path):
+    """The planned pairs over the fixture's rows from before the planner: the table shows every planned pair, the
+    text leads with the H200 pair of one plan and states the others; the split is ours under the headline's plan,
+    PyTorch's under another (its column says which), and the newer split that records idle stretches beside."""
+    results = tmp_path / "results"
+    write_fixture(results, tmp_path / "row-figures")
+    with (results / "leaderboard_2026.jsonl").open("a") as f:
+        f.writelines(json.dumps(r) + "\n" for r in planned_pairs())
+    gaps = {"span_ms": 5000.0, "gaps_ms": 240.0, "gap_count": 1800,
+            "largest": [{"ms": 111.5, "at_ms": 2009.0, "after": "copy", "before": "reduce_scatter"},
+                        {"ms": 90.2, "at_ms": 1179.0, "after": "gemm", "before": "swiglu"},
+                        {"ms": 17.9, "at_ms": 1354.0, "after": "fill", "before": "fill"}]}
+    splits = [split_row("ours", "20261126T171559Z-b27d33", 13, 5033.0),
+              split_row("pytorch", "20261126T171616Z-d2f7b1", 3, 5252.0),
+              split_row("ours", "20261126T172315Z-d0c89a", 17, 5103.0, idle_gaps=gaps, allocator_events={
+                  "num_alloc_retries": 2, "num_sync_all_streams": 2, "num_device_alloc": 115, "num_device_free": 25})]
     with (results / "leaderboard_2026_profile.jsonl").open("a") as f:
-        f.writelines(json.dumps({**r, "device": gpu, "date": "2026-11-25", "wall_ms": r["wall_ms"] - 200 * (
-            r["stack"] == "ours")}) + "\n" for r in stacks)
+        f.writelines(json.dumps(r) + "\n" for r in splits)
 
     assert run_build(tmp_path, results) == 0
     lb = json.loads((tmp_path / "build" / "generated" / "data.json").read_text())["sections"]["leaderboard_2026"]
-    n = lb["n"]
-    assert (n["device"], n["ratio"], n["ours_compiled"], n["torch_loss_chunked"]) == (gpu, "0.94×", True, True)
-    assert (n["has_earlier"], n["earlier_device"], n["earlier_ratio"]) == (True, "2x NVIDIA H200", "1.25×")
+    n, main = lb["n"], lb["tables"]["main"]["rows"]
+    assert (n["device"], n["ratio"], n["planned"], n["pairs"]["count_word"]) == ("2x " + H200, "0.88×", True, "Two")
+    assert n["pairs"]["headline"]["time"] == "2026-11-26 17:13" and n["pairs"]["headline"]["same_plan"]
+    assert [(r[0], r[1], r[2], r[3]) for r in main] == [
+        ("2x " + H200, "2026-11-26 17:13 (headline)", "13 keep, 21 selective", "13 keep, 21 selective"),
+        ("2x " + H200, "2026-11-26 17:20", "17 keep, 17 selective", "16 keep, 18 selective"),
+        ("2x " + H100, "2026-11-26 17:35", "1 keep, 33 selective", "1 keep, 33 selective")]
+    assert main[0][10] == "– / –" and main[1][10] == "24 / 24"
+    assert [(x["device"], x["ratio"]) for x in n["other_devices"]] == [("2x " + H100, f"{5541 / 5832:.3f}×")]
+    assert (n["has_earlier"], [r[5] for r in lb["tables"]["earlier"]["rows"]]) == (True, ["1.250×"])
+    stacks = {r[0]: r[1:] for r in lb["tables"]["stacks"]["rows"]}
+    assert stacks["block_checkpointing"] == ["21 selective (0–20), 13 keep (21–33)"] * 2
+    assert "keep_attention" not in stacks and "checkpointing" not in stacks
+    # The first pair's prediction came from an earlier model; today's predicts the later rows' peaks (the lone
+    # PyTorch row among them: every official row is in the plans table).
+    claim = n["claim"]
+    assert (claim["has_earlier_model"], claim["earlier_predicted"], claim["planned_rows"]) == (True, "137.3", "5")
+    assert claim["earlier_measured"] == "129.5 (PyTorch's) and 127.0 (ours)"
     memory = {r[0]: r[1:] for r in lb["tables"]["memory"]["rows"]}
-    assert memory["loss head (transient)"] == ["5.0", "5.0"]
-    assert lb["tables"]["profile"]["header"][0] == ["GPU ms", "ours", "pytorch"] and not n["has_sdpa"]
-    assert (n["p_ours_faster"], n["p_wall_lead"]) == (True, "80")  # 1,000 - 200 against 880 ms
+    assert memory["predicted when planned (earlier model)"] == ["137.3", "137.3"]
+    # The split: ours under the headline's plan, PyTorch's under its own, the newer one with its idle stretches.
+    assert lb["tables"]["split"]["header"][0] == [
+        "ms, rank 0", "ours: 13 keep, 21 selective (17:15)", "pytorch: 3 keep, 31 selective (17:16)",
+        "ours (another plan): 17 keep, 17 selective (17:23)"]
+    split = n["split"]
+    assert (split["plan"], split["all_match"], split["mismatched"]) == (
+        "13 keep, 21 selective", False, "PyTorch's ran 3 keep, 31 selective")
+    assert (split["gap_1"], split["gap_2"], split["retries"], split["gaps_match_retries"]) == ("111.5", "90.2", "2", True)
+    # The B200 on paper: the rates of ours under the headline's plan, against the headline's measured step.
+    paper = n["paper"]
+    assert (paper["measured_time"], paper["h200_plan"], paper["h200_measured"]) == (
+        "2026-11-26 17:14", "13 keep, 21 selective", "4,902")
+
+
+def test_the_section_builds_on_the_recorded_results(tmp_path):
+    """The rows in writeup/results: the section builds, leads with a pair of its largest card, and its table holds
+    that pair."""
+    section, out = SECTIONS["leaderboard_2026"], Output(tmp_path / "figures", tmp_path / "build")
+    lb = section(Results(WRITEUP / "results"), out)
+    n = lb["n"]
+    assert n["pairs"]["device"] == n["device"]
+    assert any(r[1].endswith("(headline)") and r[0] == n["device"] for r in lb["tables"]["main"]["rows"])
+    assert n["pairs"]["ratio_low"] <= n["pairs"]["headline"]["ratio"] <= n["pairs"]["ratio_high"]
 
 
 def test_full_step_rates_from_a_split_and_from_kernels_by_name():

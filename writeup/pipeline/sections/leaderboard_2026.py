@@ -5,6 +5,7 @@ the one-GPU proxy of one rank's work (rows with ``world_size: 1``) with its prof
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -20,6 +21,7 @@ from pipeline.sections.registry import Output, problem
 from pipeline.sections.train_step import PART_NAMES
 
 STACKS = ("ours", "pytorch")
+WHOSE = {"ours": "ours", "pytorch": "PyTorch's"}  # a stack's step, as the text names it
 
 # The parts the leaderboard stacks add to those of the single-GPU step (cs336_systems/train/step.py).
 LB_PART_NAMES = {
@@ -43,6 +45,11 @@ CATEGORIES = {
 OVERRIDE_NAMES = {"attention=sdpa": "SDPA attention", "compile=none": "uncompiled blocks",
                   "keep_attention=false": "whole blocks recomputed"}
 
+COUNT_WORDS = {1: "One", 2: "Two", 3: "Three", 4: "Four", 5: "Five", 6: "Six"}
+
+# An idle stretch of the GPU this long is no launch latency: the host waited on the device (a synchronisation).
+LONG_IDLE_MS = 50.0
+
 # The rows of the memory table: (key of memory_budget, label).
 BUDGET = [("params_gb", "fp32 master parameters (shard)"), ("optimizer_state_gb", "AdamW moments (fp32, shard)"),
           ("grads_gb", "fp32 gradients (shard)"), ("saved_activations_gb", "saved activations (all blocks)"),
@@ -50,19 +57,48 @@ BUDGET = [("params_gb", "fp32 master parameters (shard)"), ("optimizer_state_gb"
           ("loss_head_gb", "loss head (transient)")]
 
 
-def load_steps(res) -> dict[str, dict[str, Any]]:
-    """The newest official rows (``official``: the course's do_bench timing) of both stacks from one invocation
-    (same commit) in ``leaderboard_2026.jsonl``, by stack."""
-    latest = _newest_of_both_stacks(res, lambda r: r.get("official"))
-    if latest is None:
-        raise Missing("writeup/results/leaderboard_2026.jsonl", "no official row of each stack from one commit")
-    return latest
+def official_pairs(res) -> list[dict[str, dict[str, Any]]]:
+    """The official rows (``official``: the course's do_bench timing) of ``leaderboard_2026.jsonl`` as the pairs the
+    invocations wrote, oldest first: an invocation times both stacks one after the other (each in its own ranks,
+    hence its own run id), so a pair is two rows next to each other in run order, of one device and commit, one of
+    each stack (of the stacks as defined: residual adds separate from the norms)."""
+    rows = sorted((r for r in res.log_rows("leaderboard_2026", measured=lambda row: False)
+                   if r.get("official") and r.get("stack") in STACKS
+                   and r.get("residual_norm", "separate") == "separate"), key=lambda r: r["run"])
+    pairs, i = [], 0
+    while i + 1 < len(rows):
+        first, second = rows[i], rows[i + 1]
+        if (first["stack"] != second["stack"] and first["device"] == second["device"]
+                and first["env"].get("commit") == second["env"].get("commit")):
+            pairs.append({first["stack"]: first, second["stack"]: second})
+            i += 2
+        else:
+            i += 1
+    for pair in pairs:
+        res.used.extend(pair.values())
+    return pairs
 
 
-def load_earlier_official(res, steps: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]] | None:
-    """The newest official pair measured on another device than ``steps`` (the rows before them), or None."""
-    device = steps["ours"]["device"]
-    return _newest_of_both_stacks(res, lambda r: r.get("official") and r.get("device") != device)
+def planned(pair: dict[str, dict[str, Any]]) -> bool:
+    """Whether both rows ran a recorded ``--checkpoint-plan`` plan (rows before the planner ran the defaults)."""
+    return all(r.get("checkpoint_plan") for r in pair.values())
+
+
+def same_plan(pair: dict[str, dict[str, Any]]) -> bool:
+    return plans.row_modes(pair["ours"]) == plans.row_modes(pair["pytorch"])
+
+
+def headline_pair(pairs: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """The pair the section leads with: among the planned pairs (all pairs if none is), those of the device whose
+    rows reached the largest peak (the largest card lent, the nearest to the leaderboard's); of these the newest in
+    which both stacks ran the same plan, so that the ratio compares the stacks and not their plans; else the
+    newest."""
+    pool = [p for p in pairs if planned(p)] or pairs
+    if not pool:
+        raise Missing("writeup/results/leaderboard_2026.jsonl", "no official pair of both stacks from one invocation")
+    device = max(pool, key=lambda p: max(plans.row_plan(r)["measured_gb"] for r in p.values()))["ours"]["device"]
+    on_device = [p for p in pool if p["ours"]["device"] == device]
+    return ([p for p in on_device if same_plan(p)] or on_device)[-1]
 
 
 def load_later_trial(res, steps: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]] | None:
@@ -136,19 +172,25 @@ def load_official(res) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda r: r["run"])
 
 
-def load_paper_profile(res) -> tuple[dict[str, Any], dict[str, Any] | None] | None:
-    """The profiled step of our stack as defined on two H200s that the B200 on paper reads its rates from: the
-    newest full-step split if there is one, else the newest profile; with the official H200 row of ours from the
-    same commit (None if there is none). None without such a profile."""
+def load_paper_profile(res, headline_ours: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None] | None:
+    """The profiled step of our stack as defined on two H200s that the B200 on paper reads its rates from: a
+    full-step split before a profile without one, then one of the headline row's commit, then one under the
+    headline row's plan, then the newest; with the headline row of ours when it is an H200 row of the same commit
+    (else the newest official H200 row of ours of the profile's commit; None if there is none). None without such
+    a profile."""
     rows = [r for r in _with_env(res.log_rows("leaderboard_2026_profile", measured=lambda row: False))
             if r["stack"] == "ours" and not r.get("parts") and r.get("world_size", 2) == 2
             and "H200" in r["device"]]
     if not rows:
         return None
-    profile = max(rows, key=lambda r: ("split_ms" in r, r.get("run", ""), r.get("date", "")))
+    commit, modes = headline_ours["env"].get("commit"), plans.row_modes(headline_ours)
+    profile = max(rows, key=lambda r: ("split_ms" in r, r["env"].get("commit") == commit,
+                                       plans.profile_modes(r) == modes, r.get("run", ""), r.get("date", "")))
     commit = profile["env"].get("commit")
     measured = [r for r in load_official(res) if r["stack"] == "ours" and r["device"] == profile["device"]
                 and r["env"].get("commit") == commit]
+    if headline_ours in measured:
+        measured.append(headline_ours)
     res.used.append(profile)
     return profile, (measured[-1] if measured else None)
 
@@ -167,33 +209,147 @@ def part_text(name: str, value: Any) -> str:
 def _stacks_table(steps) -> dict[str, Any]:
     parts = {s: steps[s].get("parts") or {} for s in STACKS}
     names = list(dict.fromkeys([*parts["ours"], *parts["pytorch"]]))
+    if any(parts[s].get("block_checkpointing") for s in STACKS):  # the per-block plan replaces the uniform flags
+        names = [name for name in names if name not in ("checkpointing", "keep_attention")]
     body = [[name, *[part_text(name, parts[s].get(name)) for s in STACKS]] for name in names]
-    return table(["part", *STACKS], body, "The two stacks, part by part, as the rows record them (parts). Both "
-                 "compute in bf16 from fp32 master weights, reduce gradients in fp32 and checkpoint every block.",
+    return table(["part", *STACKS], body, "The two stacks of the headline pair, part by part, as the rows record "
+                 "them (parts). Both compute in bf16 from fp32 master weights, reduce gradients in fp32 and "
+                 "checkpoint each block as the run's plan says (block_checkpointing).",
                  align=["left", "left", "left"], size=8)
 
 
-def _main_table(steps) -> dict[str, Any]:
+def alloc_retries(r: dict[str, Any]) -> int | None:
+    """The caching allocator's retries during the timed steps, the most of any rank (None: not recorded). Each
+    retry frees the cached blocks and synchronises the device."""
+    events = r.get("allocator_events_ranks")
+    return max(e["num_alloc_retries"] for e in events) if events else None
+
+
+def plan_margin(r: dict[str, Any], what: str = "margin of ([0-9.]+) GiB") -> str | None:
+    """The memory margin the plan left (``6.9`` GiB), or another number ``what`` finds in its description."""
+    found = re.search(what, (r.get("checkpoint_plan") or {}).get("describe", ""))
+    return found.group(1) if found else None
+
+
+BUDGET_TEXT = "budget of ([0-9.]+) GB"  # the memory a plan was fitted to, in its description
+
+
+def pair_time(pair: dict[str, dict[str, Any]]) -> str:
+    """``2026-11-26 17:13``: when the pair's first run started (UTC)."""
+    return str(min(r["env"]["date"] for r in pair.values()))[:16].replace("T", " ")
+
+
+def pair_numbers(pair: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """One pair's numbers for the tables and the text."""
+    ours, torch = pair["ours"], pair["pytorch"]
+    p = {s: plans.row_plan(pair[s]) for s in STACKS}
+    retries = {s: alloc_retries(pair[s]) for s in STACKS}
+    return {
+        "device": ours["device"], "time": pair_time(pair), "commit": str(ours["env"].get("commit")),
+        "ours_plan": plans.modes_count(p["ours"]["modes"]), "torch_plan": plans.modes_count(p["pytorch"]["modes"]),
+        "same_plan": same_plan(pair), "margin": plan_margin(ours),
+        "earlier_model": any(p[s]["earlier_model"] for s in STACKS),
+        "ours_kept": p["ours"]["modes"].count("keep"), "torch_kept": p["pytorch"]["modes"].count("keep"),
+        "ours_ms": num(ours["step_ms"], 1), "torch_ms": num(torch["step_ms"], 1),
+        "ratio": times(ours["step_ms"] / torch["step_ms"], 3), "ratio_value": ours["step_ms"] / torch["step_ms"],
+        "ours_peak": num(p["ours"]["measured_gb"], 1), "torch_peak": num(p["pytorch"]["measured_gb"], 1),
+        "ours_predicted": num(p["ours"]["predicted_gb"], 1), "torch_predicted": num(p["pytorch"]["predicted_gb"], 1),
+        "predicted_text": f"{num(p['ours']['predicted_gb'], 1)} GB for both"
+        if num(p["ours"]["predicted_gb"], 1) == num(p["pytorch"]["predicted_gb"], 1)
+        else f"{num(p['ours']['predicted_gb'], 1)} GB (ours) and {num(p['pytorch']['predicted_gb'], 1)} GB (PyTorch's)",
+        "ours_retries": retries["ours"], "torch_retries": retries["pytorch"],
+        "has_retries": None not in retries.values(),
+        "ours_tflops": num(ours.get("matmul_tflops"), 0), "torch_tflops": num(torch.get("matmul_tflops"), 0),
+    }
+
+
+def _pairs_table(pairs: list[dict[str, dict[str, Any]]], headline) -> dict[str, Any]:
     body = []
-    for s in STACKS:
-        r = steps[s]
-        plan = plans.row_plan(r)
-        body.append([s, plans.modes_summary(plan["modes"]), num(r["step_ms"], 1), times(r["step_ms"] / steps["pytorch"]["step_ms"], 3),
-                     pct(r.get("mfu"), 1), num(r.get("matmul_tflops"), 0), num(plan["predicted_gb"], 1),
-                     num(plan["measured_gb"], 1), plans.signed_pct(plan["error"]), num(r.get("first_step_s"), 1),
-                     num(r.get("cold_total_s"), 1)])
-    header = ["stack", "blocks", "step (ms)", "÷ pytorch", "MFU", "matmul TFLOP/s", "predicted peak GB",
-              "peak GB per GPU", "error", "first step (s)", "cold run (s)"]
-    r = steps["ours"]
-    return table(header, body,
-                 f"The official step: {r['num_layers']} layers, context {r['context_length']:,}, batch "
-                 f"{r['batch_size']} on {r['world_size']} GPUs, timed with do_bench (rep {r['rep_ms']:,.0f} ms, "
-                 f"warm-up {r['warmup_ms']:,.0f} ms; its mean), each stack in its own freshly spawned ranks. MFU: "
-                 "the step's matmul FLOPs over the bf16 matmul rate measured in the same run (matmul TFLOP/s, per "
-                 "GPU). Blocks: the checkpoint plan, what each block's backward recomputes (the next tables; rows "
-                 "without a recorded plan ran their stack's default). Peak: the most memory allocated on a GPU, beside "
-                 "the peak memory_budget predicts for the row's plan (error: measured over predicted, less one). "
-                 "First step: its compilation included. Cold run: from launch to the last timed step, with empty Triton and Inductor caches.", size=8)
+    for pair in pairs:
+        x = pair_numbers(pair)
+        mark = " (headline)" if pair is headline else ""
+        body.append([x["device"], x["time"] + mark, x["ours_plan"], x["torch_plan"], x["margin"] or DASH,
+                     x["ours_ms"], x["torch_ms"], x["ratio"], f"{x['ours_peak']} ({x['ours_predicted']})",
+                     f"{x['torch_peak']} ({x['torch_predicted']})",
+                     f"{num(x['ours_retries'], 0)} / {num(x['torch_retries'], 0)}",
+                     f"{x['ours_tflops']} / {x['torch_tflops']}"])
+    r = headline["ours"]
+    return table(["GPUs", "pair (UTC)", "plan: ours", "plan: PyTorch", "margin GiB", "ours ms", "PyTorch ms",
+                  "÷ PyTorch", "ours peak GB (predicted)", "PyTorch peak GB (predicted)",
+                  "allocator retries ours / PyTorch", "matmul TFLOP/s ours / PyTorch"], body,
+                 f"The official step with --checkpoint-plan auto: {r['num_layers']} layers, context "
+                 f"{r['context_length']:,}, batch {r['batch_size']} on {r['world_size']} GPUs, timed with do_bench "
+                 f"(rep {r['rep_ms']:,.0f} ms, warm-up {r['warmup_ms']:,.0f} ms; its mean), each stack in its own "
+                 "freshly spawned ranks, both stacks in one invocation (a pair). Plan: the blocks by checkpoint "
+                 "mode (keep: nothing recomputed; selective: the attention output kept; full: the whole block "
+                 "recomputed); margin: the memory the planner left free. Peak: the most memory allocated on a GPU, "
+                 "beside the peak the plan was chosen by. Allocator retries: the caching allocator's during the "
+                 "timed steps, per rank (each frees its cached blocks and synchronises the device; a dash: not "
+                 "recorded). Matmul TFLOP/s: an 8192³ bf16 matmul measured right after each stack's timing, per "
+                 "GPU.", align=["left", "left", "left", "left", *["right"] * 8], size=7)
+
+
+def _earlier_table(pairs: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
+    body = []
+    for pair in pairs:
+        x = pair_numbers(pair)
+        body.append([x["device"], x["time"], x["commit"], x["ours_ms"], x["torch_ms"], x["ratio"],
+                     f"{x['ours_peak']} / {x['torch_peak']}", f"{x['ours_tflops']} / {x['torch_tflops']}"])
+    return table(["GPUs", "pair (UTC)", "commit", "ours ms", "PyTorch ms", "÷ PyTorch", "peak GB ours / PyTorch",
+                  "matmul TFLOP/s ours / PyTorch"], body,
+                 "The official pairs from before the planner, same protocol, each stack with its default "
+                 "checkpointing (ours every block selective, PyTorch's every block whole) and the parts of its "
+                 "commit.", align=["left", "left", "left", *["right"] * 5], size=8)
+
+
+def _listing(items: list[str]) -> str:
+    """``a``, ``a and b``, ``a, b and c``."""
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
+def _range(values: list[int]) -> str:
+    """``24`` or ``24 to 60``."""
+    return str(values[0]) if min(values) == max(values) else f"{min(values)} to {max(values)}"
+
+
+def device_numbers(pairs: list[dict[str, dict[str, Any]]], headline) -> dict[str, Any]:
+    """The planned pairs of the headline's device for the text: the headline, the others, the spread of the
+    ratios, what differs (plans, margins, allocator retries) and the drift of the matmul rate over the runs."""
+    xs = [pair_numbers(p) for p in pairs]
+    h = pair_numbers(headline)
+    others = [pair_numbers(p) for p in pairs if p is not headline]
+    ratios = [x["ratio_value"] for x in xs]
+
+    def other_text(x):
+        margin = f", a {x['margin']} GiB margin" if x["margin"] and x["margin"] != h["margin"] else ""
+        kept = (f"{x['ours_kept']} blocks kept whole in both" if x["same_plan"]
+                else f"PyTorch's {x['torch_kept']} blocks kept whole, ours {x['ours_kept']}")
+        return f"{x['ratio']} ({x['time'][11:]}: {kept}{margin})"
+
+    retries = [v for x in others for v in (x["ours_retries"], x["torch_retries"]) if v is not None]
+    tflops = [r["matmul_tflops"] for p in pairs for r in sorted(p.values(), key=lambda r: r["run"])
+              if r.get("matmul_tflops") is not None]
+    fewest_kept = min(min(x["ours_kept"], x["torch_kept"]) for x in others) if others else 0
+    return {
+        "device": h["device"], "count": str(len(xs)), "headline": h,
+        "count_word": COUNT_WORDS.get(len(xs), str(len(xs))),
+        "ratio_low": times(min(ratios), 3), "ratio_high": times(max(ratios), 3),
+        "headline_fastest": h["ratio_value"] == min(ratios), "has_others": bool(others),
+        "others": _listing([other_text(x) for x in others]) if others else "",
+        "others_keep_more": bool(others) and fewest_kept > max(h["ours_kept"], h["torch_kept"]),
+        "others_peaks": _listing([f"{x['torch_peak']} / {x['ours_peak']}" for x in others]) if others else "",
+        "others_retries": _range(retries) if retries else "",
+        "others_all_retry": bool(others) and all(x["has_retries"] and x["ours_retries"] and x["torch_retries"]
+                                                 for x in others),
+        "headline_retries_recorded": h["has_retries"],
+        "has_tflops": bool(tflops), "tflops_list": _listing([num(t, 0) for t in tflops]) if tflops else "",
+        "tflops_spread": pct((max(tflops) - min(tflops)) / max(tflops), 0) if tflops else DASH,
+    }
+
+
+def other_devices_numbers(pairs: list[dict[str, dict[str, Any]]], device: str) -> list[dict[str, Any]]:
+    """Each planned pair on another device than the headline's, for one sentence each."""
+    return [pair_numbers(p) for p in pairs if p["ours"]["device"] != device]
 
 
 def _memory_table(steps, budgets) -> dict[str, Any]:
@@ -202,13 +358,18 @@ def _memory_table(steps, budgets) -> dict[str, Any]:
     body = [["checkpoint plan (blocks)", *[row_plans[s]["label"] for s in STACKS]]]
     body += [[label.replace("all blocks", f"{layers} blocks"), *[num(budgets[s][key], 1) for s in STACKS]]
              for key, label in BUDGET]
-    body.append(["predicted peak", *[num(row_plans[s]["predicted_gb"], 1) for s in STACKS]])
+    body.append(["predicted peak", *[num(budgets[s]["peak_gb"], 1) for s in STACKS]])
+    if any(row_plans[s]["earlier_model"] for s in STACKS):
+        body.append(["predicted when planned (earlier model)",
+                     *[num(row_plans[s]["predicted_gb"], 1) for s in STACKS]])
     body.append(["measured peak", *[num(row_plans[s]["measured_gb"], 1) for s in STACKS]])
-    body.append(["error", *[plans.signed_pct(row_plans[s]["error"]) for s in STACKS]])
+    body.append(["error", *[plans.signed_pct(row_plans[s]["measured_gb"] / budgets[s]["peak_gb"] - 1)
+                            for s in STACKS]])
     return table(["GB per GPU", *STACKS], body,
                  "The memory budget of one GPU as cs336_systems.bench.common.leaderboard_2026_model.memory_budget predicts it "
-                 "for each row's checkpoint plan (rows without a recorded plan: the stack's default, read from their "
-                 "parts), and the peak measured. Masters and moments are always held; the saved activations from forward to "
+                 "today for the headline pair's checkpoint plans (beside the prediction the plans were chosen by, "
+                 "where an earlier model made it), and the peak measured (error: measured over today's prediction, "
+                 "less one). Masters and moments are always held; the saved activations from forward to "
                  "each block's backward; the gradients build up during backward as the activations drain. The "
                  "predicted peak is the larger of the start of backward (all saved activations and the larger "
                  "transient) and its end (all gradients and a block's recomputation), over masters and moments.",
@@ -287,7 +448,8 @@ def top_kernel(r: dict[str, Any], *keys: str) -> float | None:
 
 @problem("leaderboard_2026")
 def leaderboard_2026(res, out: Output) -> dict[str, Any]:
-    steps = load_steps(res)
+    pairs = official_pairs(res)
+    steps = headline_pair(pairs)
     profile = load_profile(res, world_size=2)
     ours, torch = steps["ours"], steps["pytorch"]
     config = config_of(ours)
@@ -361,6 +523,7 @@ def leaderboard_2026(res, out: Output) -> dict[str, Any]:
         "p_ours_ce": num(gpu(p_ours, "cross_entropy"), 1), "p_torch_ce": num(gpu(p_torch, "cross_entropy"), 1),
         "p_ours_other": num(gpu(p_ours, "other"), 1), "p_torch_other": num(gpu(p_torch, "other"), 1),
         "has_sdpa": sdpa is not None,
+        "p_default_plans": not any(r.get("checkpoint_option") for r in profile.values()),
     }
     ours_parts, torch_parts = ours.get("parts") or {}, torch.get("parts") or {}
     n.update({
@@ -371,19 +534,19 @@ def leaderboard_2026(res, out: Output) -> dict[str, Any]:
         "p_ours_mm": num(gpu(p_ours, "matmul"), 1), "p_torch_mm": num(gpu(p_torch, "matmul"), 1),
         "p_ours_coll": num(gpu(p_ours, "collectives"), 1), "p_torch_coll": num(gpu(p_torch, "collectives"), 1),
     })
-    earlier = load_earlier_official(res, steps)
-    n["has_earlier"] = earlier is not None
-    if earlier is not None:
-        e_ours, e_torch = earlier["ours"], earlier["pytorch"]
-        n.update({
-            "earlier_device": e_ours["device"], "earlier_date": str(e_ours["env"]["date"])[:10],
-            "earlier_ours": num(e_ours["step_ms"], 1), "earlier_torch": num(e_torch["step_ms"], 1),
-            "earlier_ratio": times(e_ours["step_ms"] / e_torch["step_ms"], 2),
-            "earlier_ours_peak": num(e_ours.get("peak_gb_per_rank"), 1),
-            "earlier_torch_peak": num(e_torch.get("peak_gb_per_rank"), 1),
-            "earlier_ours_compiled": (e_ours.get("parts") or {}).get("compile") == "blocks",
-            "earlier_torch_loss": (e_torch.get("parts") or {}).get("loss", "plain"),
-        })
+    today = [p for p in pairs if planned(p)]
+    earlier = [p for p in pairs if not planned(p)] if today else []
+    n["planned"] = planned(steps)
+    on_device = [p for p in today if p["ours"]["device"] == ours["device"]] if planned(steps) else [steps]
+    n["pairs"] = device_numbers(on_device, steps)
+    n["other_devices"] = other_devices_numbers(today, ours["device"])
+    n["has_earlier"] = bool(earlier)
+    if earlier:
+        last = pair_numbers(earlier[-1])
+        n["earlier"] = {"count": str(len(earlier)), "devices": _listing(list(dict.fromkeys(
+            p["ours"]["device"] for p in earlier))), "ratios": _listing([pair_numbers(p)["ratio"] for p in earlier]),
+            "last_device": last["device"], "last_ratio": last["ratio"],
+            "count_word": COUNT_WORDS.get(len(earlier), str(len(earlier))).lower()}
     trial = load_later_trial(res, steps)
     n["has_trial"] = trial is not None
     if trial is not None:
@@ -404,39 +567,76 @@ def leaderboard_2026(res, out: Output) -> dict[str, Any]:
         })
     proxy, proxy_profile = load_proxy(res), load_profile(res, world_size=1)
     n["proxy"] = _proxy_numbers(proxy, proxy_profile)
-    tables = {"stacks": _stacks_table(steps), "main": _main_table(steps), "memory": _memory_table(steps, budgets),
+    tables = {"stacks": _stacks_table(steps), "main": _pairs_table(today or [steps], steps),
+              "memory": _memory_table(steps, budgets),
               "profile": _profile_table(profile), "proxy": _proxy_table(proxy),
               "proxy_profile": _profile_table(proxy_profile)}
     found = {"profile": _profile_figure(out, profile),
              "proxy_profile": _profile_figure(out, proxy_profile, "leaderboard_2026_proxy_profile")}
-    _plans_and_paper(res, out, n, tables, found)
+    if earlier:
+        tables["earlier"] = _earlier_table(earlier)
+    _plans_and_paper(res, out, n, tables, found, steps)
     return {"tables": tables, "figures": found, "n": n}
 
 
-def _plans_and_paper(res, out: Output, n: dict[str, Any], tables: dict[str, Any], found: dict[str, Any]) -> None:
-    """Every official row's plan and peaks, the full step's split (when profiled) and the B200 on paper (when an
-    H200 profile exists), into ``n``, ``tables`` and ``found`` (the figures)."""
+def _plans_and_paper(res, out: Output, n: dict[str, Any], tables: dict[str, Any], found: dict[str, Any],
+                     steps: dict[str, dict[str, Any]]) -> None:
+    """Every official row's plan and peaks, the full step's split (when profiled; each stack's under the headline
+    pair's plan where there is one) and the B200 on paper (when an H200 profile exists), into ``n``, ``tables`` and
+    ``found`` (the figures)."""
     official = load_official(res)
     tables["plans"] = plans.plans_table(official)
     n["claim"] = plans.peak_claim_numbers(official)
-    split = plans.split_rows(_with_env(res.log_rows("leaderboard_2026_profile", measured=lambda row: False)))
+    profiles = _with_env(res.log_rows("leaderboard_2026_profile", measured=lambda row: False))
+    split = plans.split_rows(profiles, {s: plans.row_modes(steps[s]) for s in STACKS})
+    # The newest split that records the GPU's idle stretches, beside the others when it is not one of them.
+    gap_rows = [r for r in plans.split_rows([r for r in profiles if r.get("idle_gaps")], {}).values()
+                if r not in split.values()]
+    gap_row = max(gap_rows, key=lambda r: r["run"]) if gap_rows else None
+    if gap_row is not None:
+        split[f"{gap_row['stack']} (another plan)"] = gap_row
     n["has_split"] = bool(split)
     if split:
         res.used.extend(split.values())
         tables["split"] = plans.split_table(split)
         found["split"] = plans.split_figure(out, split.get("ours") or next(iter(split.values())))
         first = split.get("ours") or next(iter(split.values()))
-        n["split"] = {"device": first["device"], "wall": num(first["wall_ms"], 0),
-                      "exposed": num(first["split_ms"]["exposed_communication"], 1),
-                      "communication": num(first["communication_ms"], 1),
-                      "recompute": num(first["split_ms"]["recompute"], 1)}
-    paper = load_paper_profile(res)
+        n["split"] = _split_numbers(split, first, steps, gap_row or first)
+    paper = load_paper_profile(res, steps["ours"])
     n["has_paper"] = paper is not None
     if paper is not None:
         result = plans.paper_step(*paper)
         tables["paper"] = plans.paper_table(result)
         n["paper"] = {**plans.paper_numbers(result), "profile_layers": str(paper[0]["layers"]),
                       "profile_split": "split_ms" in paper[0], "profile_device": paper[0]["device"]}
+
+
+def _split_numbers(split: dict[str, dict[str, Any]], first: dict[str, Any], steps,
+                   gap_row: dict[str, Any]) -> dict[str, Any]:
+    """The split's numbers for the text: ``first`` (ours where profiled) with its plan, whether each stack's split
+    ran its headline row's plan, and ``gap_row``'s largest idle stretches with the allocator's retries when
+    recorded."""
+    gaps = (gap_row.get("idle_gaps") or {}).get("largest") or []
+    retries = (gap_row.get("allocator_events") or {}).get("num_alloc_retries")
+    matches = {s: plans.profile_modes(split[s]) == plans.row_modes(steps[s]) for s in STACKS if s in split}
+    budgets = {s: plan_margin(split[s], BUDGET_TEXT) for s in matches}
+    return {"device": first["device"], "stack": first["stack"], "wall": num(first["wall_ms"], 0),
+            "plan": plans.modes_count(plans.profile_modes(first)),
+            "exposed": num(first["split_ms"]["exposed_communication"], 1),
+            "communication": num(first["communication_ms"], 1), "idle": num(first.get("idle_ms"), 1),
+            "recompute": num(first["split_ms"]["recompute"], 1),
+            "all_match": all(matches.values()), "mismatched": _listing(
+                [f"{WHOSE[s]} ran {plans.modes_count(plans.profile_modes(split[s]))}"
+                 for s, ok in matches.items() if not ok]) if not all(matches.values()) else "",
+            "budgets": _listing([f"{budgets[s]} GB for {WHOSE[s]}" for s in matches])
+            if None not in budgets.values() else "",
+            "has_gaps": len(gaps) >= 2, "gap_1": num(gaps[0]["ms"], 1) if gaps else DASH,
+            "gap_2": num(gaps[1]["ms"], 1) if len(gaps) >= 2 else DASH,
+            "gaps_count": f"{(gap_row.get('idle_gaps') or {}).get('gap_count', 0):,}",
+            "gap_plan": plans.modes_count(plans.profile_modes(gap_row)), "gap_stack": gap_row["stack"],
+            "gap_idle": num(gap_row.get("idle_ms"), 1), "gap_wall": num(gap_row["wall_ms"], 0),
+            "gap_is_first": gap_row is first, "has_retries": retries is not None, "retries": str(retries),
+            "gaps_match_retries": retries is not None and retries == sum(g["ms"] > LONG_IDLE_MS for g in gaps)}
 
 
 def _proxy_numbers(proxy, profile) -> dict[str, Any]:
