@@ -1,5 +1,7 @@
 # Sourced by the device scripts: the repository root as working directory, $OUT, the import path (no install),
 # NVLink multicast off (shared hosts), and `capped` (which reads the caller's $deadline and $log).
+# The rows' commit: pass CS336_GIT_COMMIT=<hash> in the call (the copy on the device may carry another checkout's
+# .git, whose HEAD is not the commit that travelled); without it rows say +modified where the tree differs.
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=${OUT:-device-out}
 mkdir -p "$OUT"

@@ -294,3 +294,11 @@ def test_cpu_runs_stay_small_and_quiet(capsys):
     assert (args.seq_lens, args.dtypes, args.head_dims) == ([64], ["fp32"], [16])
     figures = next(a for a in flash_benchmarking.parser()._actions if "--figures-dir" in a.option_strings)
     assert str(result_store.SCRATCH_DIR / "figures") in figures.help
+
+
+def test_rows_name_the_commit_they_ran(monkeypatch):
+    """The checkout's commit, marked when tracked files differ from it; an explicit one wins (a copied tree)."""
+    monkeypatch.delenv("CS336_GIT_COMMIT", raising=False)
+    assert re.fullmatch(r"([0-9a-f]{12}(\+modified)?|unknown)", result_store.git_commit())
+    monkeypatch.setenv("CS336_GIT_COMMIT", "0123456789ab")
+    assert result_store.git_commit() == "0123456789ab"

@@ -40,14 +40,16 @@ otherwise (``--results-dir``, ``--figures-dir``): git-ignored, so only deliberat
 
 
 def git_commit() -> str:
-    """The checkout's commit (``CS336_GIT_COMMIT`` wins: a copied tree without ``.git`` knows no commit)."""
+    """The checkout's commit, with ``+modified`` when tracked files differ from it (``CS336_GIT_COMMIT`` wins: a
+    copied tree without its own ``.git``, or with another checkout's, knows no commit of its own)."""
     if os.environ.get("CS336_GIT_COMMIT"):
         return os.environ["CS336_GIT_COMMIT"]
     try:
         out = subprocess.run(
             ["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, check=True
         )
-        return out.stdout.strip()
+        changed = subprocess.run(["git", "diff", "--quiet", "HEAD", "--"], cwd=REPO_ROOT, capture_output=True)
+        return out.stdout.strip() + ("+modified" if changed.returncode == 1 else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
