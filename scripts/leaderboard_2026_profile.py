@@ -78,18 +78,22 @@ def profile_steps(step, x, y, steps: int, trace_path: str | None):
 
 def step_row(kernels: list[step_split.StepKernel], wall_ms: float, steps: int, top: int) -> dict:
     """The row's measurements from rank 0's kernels over ``steps`` steps: the split per step, the kernels by
-    name-only category and the ``top`` slowest kernels (ms per step)."""
+    name-only category, the ``top`` slowest kernels and the ``top`` slowest of those counted as recompute (ms per
+    step)."""
     split = step_split.split_step(kernels, wall_ms * steps)
     per_step = {k: v / steps for k, v in split["split_ms"].items()}
-    by_name, by_kernel = collections.Counter(), collections.Counter()
+    by_name, by_kernel, recomputed = collections.Counter(), collections.Counter(), collections.Counter()
     for k in kernels:
         by_name[step_split.name_category(k.name)] += (k.end - k.start) / 1e3 / steps
         by_kernel[k.name[:90]] += (k.end - k.start) / 1e3 / steps
+        if k.category == "recompute":
+            recomputed[k.name[:90]] += (k.end - k.start) / 1e3 / steps
     return {"wall_ms": wall_ms, "split_ms": {k: round(v, 2) for k, v in per_step.items()},
             "communication_ms": split["communication_ms"] / steps, "idle_ms": split["idle_ms"] / steps,
             "idle_gaps": step_split.idle_gaps(kernels, top),
             "gpu_ms": {k: round(v, 1) for k, v in by_name.most_common()},
-            "top_kernels": {k: round(v, 1) for k, v in by_kernel.most_common(top)}}
+            "top_kernels": {k: round(v, 1) for k, v in by_kernel.most_common(top)},
+            "top_recompute_kernels": {k: round(v, 1) for k, v in recomputed.most_common(top)}}
 
 
 def rank(rank: int, world: int, args) -> None:

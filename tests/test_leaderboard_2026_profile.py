@@ -126,3 +126,18 @@ def test_the_profile_script_profiles_the_full_step_by_default():
     assert (auto.checkpoint_plan, auto.memory_margin_gib) == ("auto", 6.0)
     with pytest.raises(SystemExit):
         script.parser().parse_args(["--checkpoint-plan", "keep"])
+
+
+def test_the_profile_row_names_the_recomputed_kernels():
+    path = Path(__file__).resolve().parents[1] / "scripts" / "leaderboard_2026_profile.py"
+    spec = importlib.util.spec_from_file_location("leaderboard_2026_profile", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    kernels = [StepKernel("nvjet_sm90_a", 0, 4000), StepKernel("attn_fwd_kernel", 4000, 5000),
+               StepKernel("attn_fwd_kernel", 5000, 5500, in_backward=True),
+               StepKernel("nvjet_sm90_fwd", 5500, 7500, in_backward=True, in_forward_range=True),
+               StepKernel("attn_bwd_kernel", 7500, 9000, in_backward=True)]
+    row = script.step_row(kernels, wall_ms=10.0, steps=1, top=5)
+    assert row["top_recompute_kernels"] == {"nvjet_sm90_fwd": 2.0, "attn_fwd_kernel": 0.5}
+    assert row["split_ms"]["recompute"] == pytest.approx(2.5) and row["idle_ms"] == pytest.approx(1.0)
+    assert row["idle_gaps"]["gap_count"] == 0
