@@ -168,11 +168,11 @@ def test_tf32x3_products_take_their_own_fixed_tiles(monkeypatch):
 
 @pytest.mark.compiled_kernels
 @pytest.mark.slow
-@pytest.mark.parametrize("head_dim, most_spilled", [(64, 0), (128, 24)])
+@pytest.mark.parametrize("head_dim, most_spilled", [(64, 0), (128, 24), (48, 8), (80, 152)])
 def test_tf32x3_kernels_run_their_products_on_the_tensor_cores_for_h100(monkeypatch, head_dim, most_spilled):
     """Float32 with tf32x3: the forward's and backward's products compile for sm_90 to TF32 tensor-core
     instructions (wgmma or mma.sync on .tf32 operands) at the fixed tiles, spilling at most what ptxas was seen to
-    spill there (none at head dim 64, 24 bytes at 128)."""
+    spill there (none at head dim 64, 24 bytes at 128; the backward of two column parts more)."""
     from tests._flash_aot import compile_for_gpu, nvidia_toolchain_available, resource_usage
 
     if not nvidia_toolchain_available():
@@ -247,7 +247,10 @@ def test_flash_config_is_explicit_and_checked():
 @pytest.mark.parametrize(
     "dtype, head_dim, is_causal",
     [pytest.param(torch.bfloat16, 64, True, marks=pytest.mark.slow),
-     pytest.param(torch.float16, 128, False, marks=pytest.mark.slow), (torch.float32, 32, True)],
+     pytest.param(torch.float16, 128, False, marks=pytest.mark.slow), (torch.float32, 32, True),
+     (torch.bfloat16, 80, True),  # two column parts, 64 + 16 (the 2.7B model's head dim)
+     pytest.param(torch.float16, 96, False, marks=pytest.mark.slow),
+     pytest.param(torch.float32, 48, True, marks=pytest.mark.slow)],
 )
 def test_fixed_configs_compile_for_h100_without_spills(monkeypatch, dtype, head_dim, is_causal):
     from tests._flash_aot import (

@@ -155,13 +155,15 @@ def fixed_config(kernel: str, dtype: torch.dtype, head_dim: int, precision: str 
     smallest tiles still spill 24 bytes (not yet timed against the IEEE tiles).
 
     Head dims held in two column parts take the tiles of the next power of two, whose accumulators are as wide or
-    wider: 80 and 96 those of 128 (the register pressure nearest theirs), 48 those of 64."""
+    wider: 80 and 96 those of 128 (the register pressure nearest theirs), 48 those of 64; except the tf32x3
+    backward at 48, which spills 224 bytes at 64's tiles and 8 at 128's, and takes those. At 80 and 96 the tf32x3
+    backward spills too (152 and 488 bytes, against 24 at 128: not timed against padding to 128)."""
     if interpreting():
         return INTERPRETER_CONFIGS[kernel]
     if dtype == torch.float32 and precision == "tf32x3":
-        if head_dim <= 64:
-            return _config(128, 32, 8, 2) if kernel == "fwd" else _bwd_config(32, 32, 4, 1)
-        return _config(32, 16, 8, 2) if kernel == "fwd" else _bwd_config(32, 16, 8, 1)
+        if kernel == "fwd":
+            return _config(128, 32, 8, 2) if head_dim <= 64 else _config(32, 16, 8, 2)
+        return _bwd_config(32, 32, 4, 1) if head_dim in (16, 32, 64) else _bwd_config(32, 16, 8, 1)
     if dtype == torch.float32:
         num_warps = 4 if head_dim <= 64 else 8
         return _config(32, 16, num_warps, 2) if kernel == "fwd" else _bwd_config(32, 16, num_warps, 1)
