@@ -7,6 +7,15 @@ Program ``(i, bh)`` handles tile ``i`` of the sequence it is parallel over, for 
 ``bh // n_heads`` and head ``bh % n_heads``. ``L`` (logsumexp) and ``Delta`` (``rowsum(O * dO)``)
 are float32 ``(batch * heads, n_queries)``, contiguous.
 
+Head dims. ``tl.arange`` and ``tl.dot`` take power-of-two widths, so a head dim ``HEAD_DIM`` that is not one is held
+as two column parts: the first ``HEAD_DIM_A = HEAD_DIM - HEAD_DIM_B`` columns (a power of two) and the last
+``HEAD_DIM_B`` (another, at least 16: 80 = 64 + 16), each read and written through its own block pointer. Products
+over d sum the parts' (``Q K^T = Q_A K_A^T + Q_B K_B^T``, two ``tl.dot`` into one score tile); products into d
+are made per part (``P V_A`` and ``P V_B``: each accumulator is two tiles). Tiles of the first part keep the plain
+names (``q``, ``acc``), those of the second end in ``_b``. ``HEAD_DIM_B = 0`` (a power of two) removes every
+second-part line at compile time (``if HEAD_DIM_B > 0`` on a constexpr); the ``_b`` arguments are then placeholders
+that are never read.
+
 Speed-ups, each visible in the code:
 
 * Scores live in the base-2 domain: ``qk_scale = log2(e) / sqrt(d)`` is folded into one multiply,
@@ -165,7 +174,6 @@ def attn_fwd_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    HEAD_DIM_A: tl.constexpr = HEAD_DIM - HEAD_DIM_B
     # Last query tile first: under a causal mask it sweeps the most keys, and the light tiles fill the tail.
     start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
     off_bh = tl.program_id(1)
@@ -190,7 +198,7 @@ def attn_fwd_kernel(
 
     row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_A], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM - HEAD_DIM_B], dtype=tl.float32)
     acc_b = _zeros_second_part(BLOCK_M, HEAD_DIM_B)
 
     full_tiles_end = n_keys // BLOCK_N * BLOCK_N  # keys in complete tiles
