@@ -138,8 +138,9 @@ def choose_backend(config: FlashConfig, device: torch.device, dtype: torch.dtype
 
 
 def _backend(part: str, Q: Tensor, K: Tensor) -> ModuleType:
-    """The backend for ``part`` of a call on these (checked) inputs, chosen as for their head dim padded to one of
-    :data:`SUPPORTED_HEAD_DIMS` (a backend that runs the unpadded one, see :func:`_kernel_head_dim`, also runs that)."""
+    """The backend for ``part`` of a call on these (checked) inputs: the one chosen for their head dim rounded up to
+    :data:`SUPPORTED_HEAD_DIMS` (which every backend runs), so that d = 80 goes where d = 128 goes;
+    :func:`_kernel_head_dim` then says whether, and to what, it pads."""
     config = FLASH_CONFIG.get()
     shape = Q.shape
     batch_heads = shape[0] * shape[1] if len(shape) == 4 else shape[0]
