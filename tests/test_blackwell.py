@@ -36,8 +36,9 @@ BLACKWELL = 100
 @pytest.mark.parametrize(
     "dtype, head_dim",
     [(torch.bfloat16, 64), pytest.param(torch.bfloat16, 128, marks=pytest.mark.slow),
-     pytest.param(torch.float16, 64, marks=pytest.mark.slow), pytest.param(torch.float16, 128, marks=pytest.mark.slow)],
-    ids=["bf16-d64", "bf16-d128", "fp16-d64", "fp16-d128"],
+     pytest.param(torch.float16, 64, marks=pytest.mark.slow), pytest.param(torch.float16, 128, marks=pytest.mark.slow),
+     pytest.param(torch.bfloat16, 80, marks=pytest.mark.slow)],
+    ids=["bf16-d64", "bf16-d128", "fp16-d64", "fp16-d128", "bf16-d80"],
 )
 def test_triton_kernels_compile_for_sm100(monkeypatch, dtype, head_dim):
     if not nvidia_toolchain_available():

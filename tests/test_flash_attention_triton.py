@@ -41,6 +41,7 @@ from tests._flash_checks import (
 )
 from tests._flash_error_grid import (
     CHECK_KEYS,
+    Case,
     ERROR_FLOOR,
     awkward_grid,
     failures,
@@ -168,11 +169,11 @@ def test_tf32x3_products_take_their_own_fixed_tiles(monkeypatch):
 
 @pytest.mark.compiled_kernels
 @pytest.mark.slow
-@pytest.mark.parametrize("head_dim, most_spilled", [(64, 0), (128, 24)])
+@pytest.mark.parametrize("head_dim, most_spilled", [(64, 0), (128, 24), (48, 8), (80, 152)])
 def test_tf32x3_kernels_run_their_products_on_the_tensor_cores_for_h100(monkeypatch, head_dim, most_spilled):
     """Float32 with tf32x3: the forward's and backward's products compile for sm_90 to TF32 tensor-core
     instructions (wgmma or mma.sync on .tf32 operands) at the fixed tiles, spilling at most what ptxas was seen to
-    spill there (none at head dim 64, 24 bytes at 128)."""
+    spill there (none at head dim 64, 24 bytes at 128; the backward of two column parts more)."""
     from tests._flash_aot import compile_for_gpu, nvidia_toolchain_available, resource_usage
 
     if not nvidia_toolchain_available():
@@ -221,8 +222,8 @@ def test_forward_launches_through_its_kernel_once_per_signature(monkeypatch):
     triton_backend.forward(*(x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v)), True, 0.125)
     (key, grid, options), (other_key, _, _) = launcher.compiled
     assert grid == (2, 6) and key != other_key and launcher.short == [(key, grid)] * 2
-    assert options == dict(HEAD_DIM=64, IS_CAUSAL=True, DOT_PRECISION="tf32", BLOCK_M=128, BLOCK_N=64, num_warps=8,
-                           num_stages=3)
+    assert options == dict(HEAD_DIM=64, HEAD_DIM_B=0, IS_CAUSAL=True, DOT_PRECISION="tf32", BLOCK_M=128, BLOCK_N=64,
+                           num_warps=8, num_stages=3)
     assert list(kernel.configs.values()) == 2 * [triton_backend.fixed_config("fwd", torch.bfloat16, 64)]
 
 
@@ -247,7 +248,10 @@ def test_flash_config_is_explicit_and_checked():
 @pytest.mark.parametrize(
     "dtype, head_dim, is_causal",
     [pytest.param(torch.bfloat16, 64, True, marks=pytest.mark.slow),
-     pytest.param(torch.float16, 128, False, marks=pytest.mark.slow), (torch.float32, 32, True)],
+     pytest.param(torch.float16, 128, False, marks=pytest.mark.slow), (torch.float32, 32, True),
+     (torch.bfloat16, 80, True),  # two column parts, 64 + 16 (the 2.7B model's head dim)
+     pytest.param(torch.float16, 96, False, marks=pytest.mark.slow),
+     pytest.param(torch.float32, 48, True, marks=pytest.mark.slow)],
 )
 def test_fixed_configs_compile_for_h100_without_spills(monkeypatch, dtype, head_dim, is_causal):
     from tests._flash_aot import (
@@ -340,6 +344,18 @@ def test_hopper_kernels_match_float64_reference_gpu(case):
 def test_triton_kernels_match_float64_reference_gpu(case):
     """Awkward cases with the portable Triton kernels forced (on a Hopper GPU "auto" runs the large 16-bit ones on
     the Gluon kernels)."""
+    assert not failures(measure(case, kernels="triton"))
+
+
+SPLIT_HEAD_DIM_CASES = [Case("bf16", 2, 4, 2048, 2048, 80, True), Case("fp16", 1, 3, 1000, 1000, 80, False),
+                        Case("fp32", 2, 3, 100, 129, 80, True), Case("tf32", 1, 2, 1000, 1000, 80, True),
+                        Case("bf16", 3, None, 129, 100, 96, True), Case("fp16", 2, 3, 17, 4096, 48, False)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", SPLIT_HEAD_DIM_CASES, ids=str)
+def test_split_head_dims_match_float64_reference_gpu(case):
+    """Head dims the portable kernels hold in two column parts (80 = 64 + 16), with those kernels forced."""
     assert not failures(measure(case, kernels="triton"))
 
 

@@ -138,7 +138,7 @@ def test_kernel_choice_follows_the_configuration():
         op.choose_backend(FlashConfig(kernels="hopper"), cpu, torch.bfloat16, 64, "backward", True)
     assert hopper.supports(cpu, torch.bfloat16, 64) == "tensors on cpu"
     assert triton_backend.supports(cpu, torch.float64, 64).startswith("unsupported dtype")
-    assert triton_backend.supports(cpu, torch.float32, 80) == "head dim 80 (needs one of (16, 32, 64, 128))"
+    assert triton_backend.supports(cpu, torch.float32, 72) == "head dim 72 (needs one of (16, 32, 48, 64, 80, 96, 128))"
 
 
 def test_backends_share_one_interface():

@@ -5,8 +5,9 @@ operators and the ``torch.autograd.Function``.
 
 Q is ``(batch, n_queries, d)`` and K, V are ``(batch, n_keys, d)``, or all four-dimensional
 ``(batch, heads, seq, d)``; any lengths (``n_queries != n_keys`` allowed, the causal rule being ``i >= j`` on
-absolute indices), ``d`` in 16, 32, 64, 128 (other multiples of 8 up to 128 zero-padded: zero features change no
-score or output), dtype float16, bfloat16 or float32. Inputs may be non-contiguous; a copy is made only when the
+absolute indices), ``d`` in 16, 32, 64, 128, and for the portable kernels also 48, 80, 96 (other multiples of 8 up to
+128 zero-padded to the next head dim the chosen kernels run: zero features change no score or output), dtype
+float16, bfloat16 or float32. Inputs may be non-contiguous; a copy is made only when the
 last dimension is strided.
 
 Backends. Each is a module of ``backends/`` with the same interface: ``supports(device, dtype, head_dim)`` (why it
@@ -41,7 +42,8 @@ from cs336_systems.attention.backends import triton as portable
 from cs336_systems.attention.config import FLASH_CONFIG, FlashConfig
 from cs336_systems.kernels.launch import FLOAT_DTYPES, define_operator, unit_last_stride
 
-SUPPORTED_HEAD_DIMS = portable.HEAD_DIMS
+SUPPORTED_HEAD_DIMS = tuple(d for d in portable.HEAD_DIMS if d in hopper.HEAD_DIMS)
+"""The head dims every backend runs without padding (the portable kernels run a few more: ``portable.HEAD_DIMS``)."""
 MAX_GRID_Y = 65535  # CUDA's limit on the second grid dimension, which runs over batch * heads
 
 
@@ -103,8 +105,9 @@ def check_inputs(Q: Tensor, K: Tensor, V: Tensor, is_causal: bool) -> None:
         raise TypeError(f"unsupported dtype {Q.dtype}: the kernels take float16, bfloat16 or float32")
     if Q.shape[-1] > max(SUPPORTED_HEAD_DIMS) or Q.shape[-1] % 8:
         raise ValueError(
-            f"unsupported head dimension d={Q.shape[-1]}: the kernels run d in {SUPPORTED_HEAD_DIMS}, and "
-            f"other multiples of 8 up to {max(SUPPORTED_HEAD_DIMS)} zero-padded to the next of those"
+            f"unsupported head dimension d={Q.shape[-1]}: the kernels run d in {SUPPORTED_HEAD_DIMS} (the portable "
+            f"ones also {tuple(d for d in portable.HEAD_DIMS if d not in SUPPORTED_HEAD_DIMS)}), and other multiples "
+            f"of 8 up to {max(SUPPORTED_HEAD_DIMS)} zero-padded to the next of those the chosen kernels run"
         )
     batch_heads = math.prod(Q.shape[:-2])
     if batch_heads > MAX_GRID_Y:
@@ -135,14 +138,16 @@ def choose_backend(config: FlashConfig, device: torch.device, dtype: torch.dtype
 
 
 def _backend(part: str, Q: Tensor, K: Tensor) -> ModuleType:
-    """The backend for ``part`` of a call on these (checked) inputs."""
+    """The backend for ``part`` of a call on these (checked) inputs: the one chosen for their head dim rounded up to
+    :data:`SUPPORTED_HEAD_DIMS` (which every backend runs), so that d = 80 goes where d = 128 goes;
+    :func:`_kernel_head_dim` then says whether, and to what, it pads."""
     config = FLASH_CONFIG.get()
     shape = Q.shape
     batch_heads = shape[0] * shape[1] if len(shape) == 4 else shape[0]
     # The Hopper kernels' programs: batch * heads times the tiles of their rows (queries forward, keys backward).
     rows = shape[-2] if part == "forward" else K.shape[-2]
     enough = batch_heads * -(-rows // hopper.ROWS_PER_PROGRAM) >= config.hopper_min_programs
-    return choose_backend(config, Q.device, Q.dtype, shape[-1], part, enough)
+    return choose_backend(config, Q.device, Q.dtype, _padded_head_dim(shape[-1]), part, enough)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -150,8 +155,16 @@ def _backend(part: str, Q: Tensor, K: Tensor) -> ModuleType:
 # ---------------------------------------------------------------------------------------------------
 
 
+@functools.cache
 def _padded_head_dim(head_dim: int) -> int:
     return min(d for d in SUPPORTED_HEAD_DIMS if d >= head_dim)
+
+
+@functools.cache
+def _kernel_head_dim(backend: ModuleType, head_dim: int) -> int:
+    """The head dim ``backend`` runs inputs of ``head_dim`` at: the least of its ``HEAD_DIMS`` from ``head_dim`` on
+    (``head_dim`` itself, or the width it is zero-padded to)."""
+    return min(d for d in backend.HEAD_DIMS if d >= head_dim)
 
 
 def _pad(x: Tensor, head_dim: int) -> Tensor:
@@ -166,12 +179,13 @@ def attention_forward(
     """``O`` (Q's shape and dtype, contiguous) and the natural-log logsumexp ``L`` (float32)."""
     head_dim = Q.shape[-1]
     sm_scale = 1.0 / math.sqrt(head_dim)
-    if head_dim in SUPPORTED_HEAD_DIMS:
+    backend = _backend("forward", Q, K)
+    padded = _kernel_head_dim(backend, head_dim)
+    if padded == head_dim:
         Q, K, V = unit_last_stride(Q), unit_last_stride(K), unit_last_stride(V)
-        return _backend("forward", Q, K).forward(Q, K, V, is_causal, sm_scale)
-    padded = _padded_head_dim(head_dim)
+        return backend.forward(Q, K, V, is_causal, sm_scale)
     Q, K, V = _pad(Q, padded), _pad(K, padded), _pad(V, padded)
-    O, L = _backend("forward", Q, K).forward(Q, K, V, is_causal, sm_scale)
+    O, L = backend.forward(Q, K, V, is_causal, sm_scale)
     return O[..., :head_dim].contiguous(), L
 
 
@@ -184,12 +198,13 @@ def attention_backward(
     dO = unit_last_stride(dO if dO.dtype == O.dtype else dO.to(O.dtype))  # o.sum().backward() sends stride 0
     head_dim = Q.shape[-1]
     sm_scale = 1.0 / math.sqrt(head_dim)
-    if head_dim in SUPPORTED_HEAD_DIMS:
+    backend = _backend("backward", Q, K)
+    padded = _kernel_head_dim(backend, head_dim)
+    if padded == head_dim:
         Q, K, V = unit_last_stride(Q), unit_last_stride(K), unit_last_stride(V)
-        return _backend("backward", Q, K).backward(Q, K, V, O, L, dO, is_causal, sm_scale)
-    padded = _padded_head_dim(head_dim)
+        return backend.backward(Q, K, V, O, L, dO, is_causal, sm_scale)
     Q, K, V, O, dO = (_pad(x, padded) for x in (Q, K, V, O, dO))
-    grads = _backend("backward", Q, K).backward(Q, K, V, O, L, dO, is_causal, sm_scale)
+    grads = backend.backward(Q, K, V, O, L, dO, is_causal, sm_scale)
     return tuple(g[..., :head_dim].contiguous() for g in grads)
 
 

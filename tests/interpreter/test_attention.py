@@ -166,7 +166,7 @@ def test_fullgraph_compiled_lm_with_our_attention_matches_naive(attention):
 
 @pytest.mark.parametrize("d, is_causal", [(24, True), (40, False)])
 def test_head_dims_between_the_kernels_runs_padded(d, is_causal):
-    """d = 24 and 40 run zero-padded to 32 and 64 with the scale of the true d (the 2.7B model has d = 80)."""
+    """d = 24 and 40 run zero-padded to 32 and 48 with the scale of the true d."""
     Q, K, V = make_qkv(2, 2, 33, 40, d, torch.float32, "cpu")
     dO = torch.randn(Q.shape)
     ref, ours = run_reference(Q, K, V, is_causal, dO), run_function(FlashAttention2Triton, Q, K, V, is_causal, dO)
@@ -185,7 +185,7 @@ def test_hopper_backward_helpers_zero_and_convert():
     DQ_acc = torch.full((batch * heads, n, d), float("nan"))
     grid = (3, batch * heads)
     kernels.attn_bwd_delta_kernel[grid](O, dO, Delta, *batch_head_strides(O), *batch_head_strides(dO), heads, n,
-                                        DQ_acc, HEAD_DIM=d, ZERO_DQ_ACC=True, BLOCK_M=32)
+                                        DQ_acc, HEAD_DIM=d, HEAD_DIM_B=0, ZERO_DQ_ACC=True, BLOCK_M=32)
     torch.testing.assert_close(Delta, (O * dO).sum(-1).reshape(batch * heads, n))
     assert torch.equal(DQ_acc, torch.zeros_like(DQ_acc))
     DQ_acc = torch.randn(batch * heads, n, d)

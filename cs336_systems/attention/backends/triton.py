@@ -1,5 +1,6 @@
 """The portable Triton backend: FlashAttention-2's launch code for the kernels of ``triton_kernels.py`` (any CUDA
-GPU; float16, bfloat16, float32; head dims 16, 32, 64, 128; the CPU under ``TRITON_INTERPRET=1``). Same interface
+GPU; float16, bfloat16, float32; head dims 16, 32, 64, 128, and 48, 80, 96 as two column parts (see
+:func:`head_dim_parts`); the CPU under ``TRITON_INTERPRET=1``). Same interface
 as every backend: :func:`supports`, :func:`forward`, :func:`backward`.
 
 The forward is one launch; the backward two: Delta = rowsum(O * dO), then one kernel whose program ``i`` computes
@@ -43,8 +44,19 @@ from cs336_systems.kernels.launch import (
     unsupported_device,
 )
 
-HEAD_DIMS = (16, 32, 64, 128)
+HEAD_DIMS = (16, 32, 48, 64, 80, 96, 128)
+"""Head dims the kernels run without padding: a power of two from 16, or (48, 80, 96) the sum of two unequal ones,
+each at least 16 (``tl.dot``'s narrowest inner dimension)."""
 _LOG2_E = math.log2(math.e)
+
+
+def head_dim_parts(head_dim: int) -> tuple[int, int]:
+    """The two column parts ``(HEAD_DIM_A, HEAD_DIM_B)`` the kernels hold a head dim of :data:`HEAD_DIMS` in:
+    ``(head_dim, 0)`` for a power of two, else the largest power of two below it and the rest (``80 = 64 + 16``).
+    ``tl.arange`` and ``tl.dot`` take power-of-two widths: each part is one, and QK^T is the sum of the parts'
+    products, so that d = 80 does 80 columns of work where padding to 128 did 128."""
+    first = 1 << (head_dim.bit_length() - 1)
+    return first, head_dim - first
 
 
 def supports(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
@@ -140,13 +152,18 @@ def fixed_config(kernel: str, dtype: torch.dtype, head_dim: int, precision: str 
     timings at 16384 tokens (bf16, causal) among those with no register spills at any head dim (checked with
     ptxas for sm_90). Float32 with ``precision`` "tf32x3" (three products on the tensor cores, each operand split in
     two) takes the largest tiles ptxas for sm_90 fits in the registers: none spill at head dim 64, and at 128 the
-    smallest tiles still spill 24 bytes (not yet timed against the IEEE tiles)."""
+    smallest tiles still spill 24 bytes (not yet timed against the IEEE tiles).
+
+    Head dims held in two column parts take the tiles of the next power of two, whose accumulators are as wide or
+    wider: 80 and 96 those of 128 (the register pressure nearest theirs), 48 those of 64; except the tf32x3
+    backward at 48, which spills 224 bytes at 64's tiles and 8 at 128's, and takes those. At 80 and 96 the tf32x3
+    backward spills too (152 and 488 bytes, against 24 at 128: not timed against padding to 128)."""
     if interpreting():
         return INTERPRETER_CONFIGS[kernel]
     if dtype == torch.float32 and precision == "tf32x3":
-        if head_dim <= 64:
-            return _config(128, 32, 8, 2) if kernel == "fwd" else _bwd_config(32, 32, 4, 1)
-        return _config(32, 16, 8, 2) if kernel == "fwd" else _bwd_config(32, 16, 8, 1)
+        if kernel == "fwd":
+            return _config(128, 32, 8, 2) if head_dim <= 64 else _config(32, 16, 8, 2)
+        return _bwd_config(32, 32, 4, 1) if head_dim in (16, 32, 64) else _bwd_config(32, 16, 8, 1)
     if dtype == torch.float32:
         num_warps = 4 if head_dim <= 64 else 8
         return _config(32, 16, num_warps, 2) if kernel == "fwd" else _bwd_config(32, 16, num_warps, 1)
@@ -339,7 +356,8 @@ def _forward_plan(Q: Tensor, K: Tensor, V: Tensor, O: Tensor, is_causal: bool, s
     n_heads, batch_heads, n_queries, n_keys, head_dim = _sizes(Q, K)
     tail = (*batch_head_strides(Q), *batch_head_strides(K), *batch_head_strides(V), *batch_head_strides(O),
             n_heads, n_queries, n_keys, _length_key(n_queries), _length_key(n_keys), sm_scale * _LOG2_E)
-    constexprs = dict(HEAD_DIM=head_dim, IS_CAUSAL=is_causal, DOT_PRECISION=_dot_precision(Q.dtype))
+    constexprs = dict(HEAD_DIM=head_dim, HEAD_DIM_B=head_dim_parts(head_dim)[1], IS_CAUSAL=is_causal,
+                      DOT_PRECISION=_dot_precision(Q.dtype))
     return LaunchPlan(tail, (batch_heads, n_queries), _tiled_grid(batch_heads, n_queries, "BLOCK_M"), constexprs,
                       functools.partial(fixed_config, "fwd", Q.dtype, head_dim, constexprs["DOT_PRECISION"]))
 
@@ -362,7 +380,8 @@ def _delta_plan(O: Tensor, dO: Tensor, zero_dq_acc: bool) -> LaunchPlan:
     n_heads, batch_heads, n_queries, _, head_dim = _sizes(O, O)
     tail = (*batch_head_strides(O), *batch_head_strides(dO), n_heads, n_queries)
     return LaunchPlan(tail, (batch_heads, n_queries), _tiled_grid(batch_heads, n_queries, "BLOCK_M"),
-                      dict(HEAD_DIM=head_dim, ZERO_DQ_ACC=zero_dq_acc), _delta_config)
+                      dict(HEAD_DIM=head_dim, HEAD_DIM_B=head_dim_parts(head_dim)[1], ZERO_DQ_ACC=zero_dq_acc),
+                      _delta_config)
 
 
 def backward(
@@ -395,6 +414,7 @@ def _backward_plan(Q: Tensor, K: Tensor, V: Tensor, dO: Tensor, dQ: Tensor, dK: 
     tail = (*(stride for x in (Q, K, V, dO, dQ, dK, dV) for stride in batch_head_strides(x)),
             n_heads, n_queries, n_keys, _length_key(n_queries), _length_key(n_keys), sm_scale, sm_scale * _LOG2_E)
     n_rows = max(n_queries, n_keys)  # program i: key tile i, then query tile i
-    constexprs = dict(HEAD_DIM=head_dim, IS_CAUSAL=is_causal, DOT_PRECISION=_dot_precision(Q.dtype))
+    constexprs = dict(HEAD_DIM=head_dim, HEAD_DIM_B=head_dim_parts(head_dim)[1], IS_CAUSAL=is_causal,
+                      DOT_PRECISION=_dot_precision(Q.dtype))
     return LaunchPlan(tail, (batch_heads, n_rows), _tiled_grid(batch_heads, n_rows, "TILE"), constexprs,
                       functools.partial(fixed_config, "bwd", Q.dtype, head_dim, constexprs["DOT_PRECISION"]))

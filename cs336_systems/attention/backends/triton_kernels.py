@@ -7,6 +7,15 @@ Program ``(i, bh)`` handles tile ``i`` of the sequence it is parallel over, for 
 ``bh // n_heads`` and head ``bh % n_heads``. ``L`` (logsumexp) and ``Delta`` (``rowsum(O * dO)``)
 are float32 ``(batch * heads, n_queries)``, contiguous.
 
+Head dims. ``tl.arange`` and ``tl.dot`` take power-of-two widths, so a head dim ``HEAD_DIM`` that is not one is held
+as two column parts: the first ``HEAD_DIM_A = HEAD_DIM - HEAD_DIM_B`` columns (a power of two) and the last
+``HEAD_DIM_B`` (another, at least 16: 80 = 64 + 16), each read and written through its own block pointer. Products
+over d sum the parts' (``Q K^T = Q_A K_A^T + Q_B K_B^T``, two ``tl.dot`` into one score tile); products into d
+are made per part (``P V_A`` and ``P V_B``: each accumulator is two tiles). Tiles of the first part keep the plain
+names (``q``, ``acc``), those of the second end in ``_b``. ``HEAD_DIM_B = 0`` (a power of two) removes every
+second-part line at compile time (``if HEAD_DIM_B > 0`` on a constexpr); the ``_b`` arguments are then placeholders
+that are never read.
+
 Speed-ups, each visible in the code:
 
 * Scores live in the base-2 domain: ``qk_scale = log2(e) / sqrt(d)`` is folded into one multiply,
@@ -49,15 +58,55 @@ _SIZE_ARGS = ["n_heads", "n_queries", "n_keys", "n_queries_key", "n_keys_key"]
 
 
 # ---------------------------------------------------------------------------------------------------
+# Tiles of a head dim held in one or two column parts
+# ---------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _column_block(base, n_rows, stride_row, row_start, BLOCK_ROWS: tl.constexpr, SECOND: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, HEAD_DIM_B: tl.constexpr):
+    """Block pointer to the ``BLOCK_ROWS`` rows from ``row_start`` of a (n_rows, HEAD_DIM) matrix with unit column
+    stride: their first ``HEAD_DIM - HEAD_DIM_B`` columns, or (``SECOND``) their last ``HEAD_DIM_B``. A second
+    part of a head dim held whole (``HEAD_DIM_B = 0``) is the first again: a placeholder, never read."""
+    block = tl.make_block_ptr(base, shape=(n_rows, HEAD_DIM), strides=(stride_row, 1), offsets=(row_start, 0),
+                              block_shape=(BLOCK_ROWS, HEAD_DIM - HEAD_DIM_B), order=(1, 0))
+    if SECOND:
+        if HEAD_DIM_B > 0:
+            block = tl.make_block_ptr(base, shape=(n_rows, HEAD_DIM), strides=(stride_row, 1),
+                                      offsets=(row_start, HEAD_DIM - HEAD_DIM_B), block_shape=(BLOCK_ROWS, HEAD_DIM_B),
+                                      order=(1, 0))
+    return block
+
+
+@triton.jit
+def _load_rows(block, CHECK_ROWS: tl.constexpr):
+    """The tile at ``block``; with ``CHECK_ROWS``, rows past the end read as zeros."""
+    if CHECK_ROWS:
+        tile = tl.load(block, boundary_check=(0,), padding_option="zero")
+    else:
+        tile = tl.load(block)
+    return tile
+
+
+@triton.jit
+def _zeros_second_part(BLOCK_ROWS: tl.constexpr, HEAD_DIM_B: tl.constexpr):
+    """A float32 accumulator of the second part, zero; 0.0 (a placeholder, never read) when there is none."""
+    zeros = 0.0
+    if HEAD_DIM_B > 0:
+        zeros = tl.zeros([BLOCK_ROWS, HEAD_DIM_B], dtype=tl.float32)
+    return zeros
+
+
+# ---------------------------------------------------------------------------------------------------
 # Forward: O = softmax(Q K^T / sqrt(d)) V and L = logsumexp, one query tile per program.
 # ---------------------------------------------------------------------------------------------------
 
 
 @triton.jit
 def _attn_fwd_sweep(
-    acc, row_sum, row_max,  # running state of the online softmax: (BLOCK_M, HEAD_DIM), (BLOCK_M,), (BLOCK_M,)
-    q,  # the query tile, (BLOCK_M, HEAD_DIM)
-    K_block, V_block,  # block pointers to key/value tiles, positioned at key 0
+    acc, acc_b, row_sum, row_max,  # running state of the online softmax: O's two parts, (BLOCK_M,), (BLOCK_M,)
+    q, q_b,  # the query tile's two parts
+    K_block, K_B_block, V_block, V_B_block,  # block pointers to key/value tiles' two parts, positioned at key 0
     key_start, key_stop,  # sweep key tiles starting at key_start (a multiple of BLOCK_N) up to key_stop
     offs_m,  # query indices of the tile's rows, (BLOCK_M,)
     n_keys,
@@ -66,19 +115,23 @@ def _attn_fwd_sweep(
     MASKED: tl.constexpr,  # apply the causal and the key-bounds mask (tiles crossing the diagonal or the end)
     DOT_PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    HEAD_DIM_B: tl.constexpr,
 ):
     K_block = tl.advance(K_block, (key_start, 0))
     V_block = tl.advance(V_block, (key_start, 0))
+    if HEAD_DIM_B > 0:
+        K_B_block = tl.advance(K_B_block, (key_start, 0))
+        V_B_block = tl.advance(V_B_block, (key_start, 0))
     for start_n in range(key_start, key_stop, BLOCK_N):
-        if MASKED:
-            k = tl.load(K_block, boundary_check=(0,), padding_option="zero")
-            v = tl.load(V_block, boundary_check=(0,), padding_option="zero")
-        else:
-            k = tl.load(K_block)
-            v = tl.load(V_block)
+        k = _load_rows(K_block, MASKED)
+        v = _load_rows(V_block, MASKED)
         # Unscaled scores: the row maximum is taken before scaling (qk_scale > 0), so the scale costs one
         # multiply per row, and joins the subtraction below in one fused multiply-add per score.
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
+        if HEAD_DIM_B > 0:
+            k_b = _load_rows(K_B_block, MASKED)
+            v_b = _load_rows(V_B_block, MASKED)
+            qk = tl.dot(q_b, tl.trans(k_b), qk, input_precision=DOT_PRECISION)
         if MASKED:
             offs_n = start_n + tl.arange(0, BLOCK_N)
             visible = offs_n[None, :] < n_keys
@@ -91,10 +144,15 @@ def _attn_fwd_sweep(
         row_sum = row_sum * rescale + tl.sum(p, 1)
         acc = acc * rescale[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        if HEAD_DIM_B > 0:
+            acc_b = acc_b * rescale[:, None]
+            acc_b = tl.dot(p.to(v_b.dtype), v_b, acc_b, input_precision=DOT_PRECISION)
+            K_B_block = tl.advance(K_B_block, (BLOCK_N, 0))
+            V_B_block = tl.advance(V_B_block, (BLOCK_N, 0))
         row_max = new_row_max
         K_block = tl.advance(K_block, (BLOCK_N, 0))
         V_block = tl.advance(V_block, (BLOCK_N, 0))
-    return acc, row_sum, row_max
+    return acc, acc_b, row_sum, row_max
 
 
 @triton.jit(do_not_specialize=_SIZE_ARGS)
@@ -110,6 +168,7 @@ def attn_fwd_kernel(
     n_queries_key, n_keys_key,  # coarsened lengths, read only by the autotuner
     qk_scale,  # log2(e) / sqrt(HEAD_DIM)
     HEAD_DIM: tl.constexpr,
+    HEAD_DIM_B: tl.constexpr,  # columns of the second part, 0 for none (see the module's docstring)
     IS_CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -120,22 +179,27 @@ def attn_fwd_kernel(
     off_bh = tl.program_id(1)
     off_b = (off_bh // n_heads).to(tl.int64)  # int64: batch offsets can exceed 2^31 elements
     off_h = (off_bh % n_heads).to(tl.int64)
-
-    Q_block = tl.make_block_ptr(Q + off_b * stride_qb + off_h * stride_qh, shape=(n_queries, HEAD_DIM),
-                                strides=(stride_qm, 1), offsets=(start_m, 0), block_shape=(BLOCK_M, HEAD_DIM),
-                                order=(1, 0))
-    K_block = tl.make_block_ptr(K + off_b * stride_kb + off_h * stride_kh, shape=(n_keys, HEAD_DIM),
-                                strides=(stride_kn, 1), offsets=(0, 0), block_shape=(BLOCK_N, HEAD_DIM),
-                                order=(1, 0))
-    V_block = tl.make_block_ptr(V + off_b * stride_vb + off_h * stride_vh, shape=(n_keys, HEAD_DIM),
-                                strides=(stride_vn, 1), offsets=(0, 0), block_shape=(BLOCK_N, HEAD_DIM),
-                                order=(1, 0))
-    q = tl.load(Q_block, boundary_check=(0,), padding_option="zero")
+    Q_block = _column_block(Q + off_b * stride_qb + off_h * stride_qh, n_queries, stride_qm, start_m, BLOCK_M,
+                            False, HEAD_DIM, HEAD_DIM_B)
+    K_block = _column_block(K + off_b * stride_kb + off_h * stride_kh, n_keys, stride_kn, 0, BLOCK_N,
+                            False, HEAD_DIM, HEAD_DIM_B)
+    V_block = _column_block(V + off_b * stride_vb + off_h * stride_vh, n_keys, stride_vn, 0, BLOCK_N,
+                            False, HEAD_DIM, HEAD_DIM_B)
+    q = _load_rows(Q_block, True)
+    K_B_block = _column_block(K + off_b * stride_kb + off_h * stride_kh, n_keys, stride_kn, 0, BLOCK_N,
+                              True, HEAD_DIM, HEAD_DIM_B)
+    V_B_block = _column_block(V + off_b * stride_vb + off_h * stride_vh, n_keys, stride_vn, 0, BLOCK_N,
+                              True, HEAD_DIM, HEAD_DIM_B)
+    q_b = q  # stands for the absent second part (never read)
+    if HEAD_DIM_B > 0:
+        q_b = _load_rows(_column_block(Q + off_b * stride_qb + off_h * stride_qh, n_queries, stride_qm, start_m,
+                                       BLOCK_M, True, HEAD_DIM, HEAD_DIM_B), True)
     offs_m = start_m + tl.arange(0, BLOCK_M)
 
     row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM - HEAD_DIM_B], dtype=tl.float32)
+    acc_b = _zeros_second_part(BLOCK_M, HEAD_DIM_B)
 
     full_tiles_end = n_keys // BLOCK_N * BLOCK_N  # keys in complete tiles
     if IS_CAUSAL:
@@ -147,16 +211,20 @@ def attn_fwd_kernel(
         key_stop = n_keys
         unmasked_end = full_tiles_end
     # Key 0 is in the first tile swept and visible to every query, so row_max is finite after it.
-    acc, row_sum, row_max = _attn_fwd_sweep(acc, row_sum, row_max, q, K_block, V_block, 0, unmasked_end, offs_m,
-                                            n_keys, qk_scale, IS_CAUSAL, False, DOT_PRECISION, BLOCK_N)
-    acc, row_sum, row_max = _attn_fwd_sweep(acc, row_sum, row_max, q, K_block, V_block, unmasked_end, key_stop,
-                                            offs_m, n_keys, qk_scale, IS_CAUSAL, True, DOT_PRECISION, BLOCK_N)
+    acc, acc_b, row_sum, row_max = _attn_fwd_sweep(
+        acc, acc_b, row_sum, row_max, q, q_b, K_block, K_B_block, V_block, V_B_block, 0, unmasked_end, offs_m,
+        n_keys, qk_scale, IS_CAUSAL, False, DOT_PRECISION, BLOCK_N, HEAD_DIM_B)
+    acc, acc_b, row_sum, row_max = _attn_fwd_sweep(
+        acc, acc_b, row_sum, row_max, q, q_b, K_block, K_B_block, V_block, V_B_block, unmasked_end, key_stop,
+        offs_m, n_keys, qk_scale, IS_CAUSAL, True, DOT_PRECISION, BLOCK_N, HEAD_DIM_B)
 
     acc = acc / row_sum[:, None]
-    O_block = tl.make_block_ptr(O + off_b * stride_ob + off_h * stride_oh, shape=(n_queries, HEAD_DIM),
-                                strides=(stride_om, 1), offsets=(start_m, 0), block_shape=(BLOCK_M, HEAD_DIM),
-                                order=(1, 0))
+    O_ptr = O + off_b * stride_ob + off_h * stride_oh
+    O_block = _column_block(O_ptr, n_queries, stride_om, start_m, BLOCK_M, False, HEAD_DIM, HEAD_DIM_B)
     tl.store(O_block, acc.to(O.dtype.element_ty), boundary_check=(0,))
+    if HEAD_DIM_B > 0:
+        O_B_block = _column_block(O_ptr, n_queries, stride_om, start_m, BLOCK_M, True, HEAD_DIM, HEAD_DIM_B)
+        tl.store(O_B_block, (acc_b / row_sum[:, None]).to(O.dtype.element_ty), boundary_check=(0,))
     logsumexp = (row_max + tl.math.log2(row_sum)) * LN_2  # back to natural log
     tl.store(L + off_bh.to(tl.int64) * n_queries + offs_m, logsumexp, mask=offs_m < n_queries)
 
@@ -177,6 +245,7 @@ def attn_bwd_delta_kernel(
     n_heads, n_queries,
     DQ_acc,  # float32 (batch * heads, n_queries, HEAD_DIM) to zero when ZERO_DQ_ACC (for the Hopper backward)
     HEAD_DIM: tl.constexpr,
+    HEAD_DIM_B: tl.constexpr,  # columns of the second part, 0 for none (ZERO_DQ_ACC needs none)
     ZERO_DQ_ACC: tl.constexpr,
     BLOCK_M: tl.constexpr,
 ):
@@ -184,16 +253,23 @@ def attn_bwd_delta_kernel(
     off_bh = tl.program_id(1)
     off_b = (off_bh // n_heads).to(tl.int64)
     off_h = (off_bh % n_heads).to(tl.int64)
-    O_block = tl.make_block_ptr(O + off_b * stride_ob + off_h * stride_oh, shape=(n_queries, HEAD_DIM),
-                                strides=(stride_om, 1), offsets=(start_m, 0), block_shape=(BLOCK_M, HEAD_DIM),
-                                order=(1, 0))
-    dO_block = tl.make_block_ptr(dO + off_b * stride_dob + off_h * stride_doh, shape=(n_queries, HEAD_DIM),
-                                 strides=(stride_dom, 1), offsets=(start_m, 0), block_shape=(BLOCK_M, HEAD_DIM),
-                                 order=(1, 0))
-    o = tl.load(O_block, boundary_check=(0,), padding_option="zero").to(tl.float32)
-    do = tl.load(dO_block, boundary_check=(0,), padding_option="zero").to(tl.float32)
+    O_ptr = O + off_b * stride_ob + off_h * stride_oh
+    O_block = _column_block(O_ptr, n_queries, stride_om, start_m, BLOCK_M, False, HEAD_DIM, HEAD_DIM_B)
+    dO_ptr = dO + off_b * stride_dob + off_h * stride_doh
+    dO_block = _column_block(dO_ptr, n_queries, stride_dom, start_m, BLOCK_M, False, HEAD_DIM, HEAD_DIM_B)
+    o = _load_rows(O_block, True).to(tl.float32)
+    do = _load_rows(dO_block, True).to(tl.float32)
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    tl.store(Delta + off_bh.to(tl.int64) * n_queries + offs_m, tl.sum(o * do, 1), mask=offs_m < n_queries)
+    in_bounds = offs_m < n_queries
+    Delta_rows = Delta + off_bh.to(tl.int64) * n_queries + offs_m
+    delta = tl.sum(o * do, 1)
+    if HEAD_DIM_B > 0:
+        o_b = _load_rows(_column_block(O_ptr, n_queries, stride_om, start_m, BLOCK_M, True, HEAD_DIM, HEAD_DIM_B),
+                         True).to(tl.float32)
+        do_b = _load_rows(_column_block(dO_ptr, n_queries, stride_dom, start_m, BLOCK_M, True, HEAD_DIM, HEAD_DIM_B),
+                          True).to(tl.float32)
+        delta += tl.sum(o_b * do_b, 1)
+    tl.store(Delta_rows, delta, mask=in_bounds)
     if ZERO_DQ_ACC:
         rows = DQ_acc + (off_bh.to(tl.int64) * n_queries + offs_m[:, None]) * HEAD_DIM
         tl.store(rows + tl.arange(0, HEAD_DIM)[None, :], tl.zeros([BLOCK_M, HEAD_DIM], tl.float32),
@@ -226,8 +302,8 @@ def attn_bwd_dq_convert_kernel(
 
 @triton.jit
 def _attn_bwd_dkdv_sweep(
-    dk, dv,  # accumulators, float32 (BLOCK_N, HEAD_DIM)
-    k, v,  # this program's key/value tile, (BLOCK_N, HEAD_DIM)
+    dk, dk_b, dv, dv_b,  # accumulators' two parts, float32 (BLOCK_N, HEAD_DIM_A | HEAD_DIM_B)
+    k, k_b, v, v_b,  # this program's key/value tile's two parts
     offs_n,  # key indices of the tile's rows, (BLOCK_N,)
     Q_ptr, dO_ptr, L_ptr, Delta_ptr,  # bases for this (batch, head)
     stride_qm, stride_dom,
@@ -238,28 +314,31 @@ def _attn_bwd_dkdv_sweep(
     MASK_ROWS: tl.constexpr,  # tiles that may extend past n_queries
     DOT_PRECISION: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    HEAD_DIM_B: tl.constexpr,
     BLOCK_M: tl.constexpr,
 ):
-    Q_block = tl.make_block_ptr(Q_ptr, shape=(n_queries, HEAD_DIM), strides=(stride_qm, 1),
-                                offsets=(query_start, 0), block_shape=(BLOCK_M, HEAD_DIM), order=(1, 0))
-    dO_block = tl.make_block_ptr(dO_ptr, shape=(n_queries, HEAD_DIM), strides=(stride_dom, 1),
-                                 offsets=(query_start, 0), block_shape=(BLOCK_M, HEAD_DIM), order=(1, 0))
+    Q_block = _column_block(Q_ptr, n_queries, stride_qm, query_start, BLOCK_M, False, HEAD_DIM, HEAD_DIM_B)
+    dO_block = _column_block(dO_ptr, n_queries, stride_dom, query_start, BLOCK_M, False, HEAD_DIM, HEAD_DIM_B)
+    Q_B_block = _column_block(Q_ptr, n_queries, stride_qm, query_start, BLOCK_M, True, HEAD_DIM, HEAD_DIM_B)
+    dO_B_block = _column_block(dO_ptr, n_queries, stride_dom, query_start, BLOCK_M, True, HEAD_DIM, HEAD_DIM_B)
     for start_m in range(query_start, query_stop, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
+        q = _load_rows(Q_block, MASK_ROWS)
+        do = _load_rows(dO_block, MASK_ROWS)
         if MASK_ROWS:
-            q = tl.load(Q_block, boundary_check=(0,), padding_option="zero")
-            do = tl.load(dO_block, boundary_check=(0,), padding_option="zero")
             in_bounds = offs_m < n_queries
             logsumexp = tl.load(L_ptr + offs_m, mask=in_bounds, other=0.0) * LOG2_E
             delta = tl.load(Delta_ptr + offs_m, mask=in_bounds, other=0.0)
         else:
-            q = tl.load(Q_block)
-            do = tl.load(dO_block)
             logsumexp = tl.load(L_ptr + offs_m) * LOG2_E
             delta = tl.load(Delta_ptr + offs_m)
         # Transposed tile (keys x queries), so that dK and dV accumulate without transposing them.
-        scores_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_N, BLOCK_M)
-        p_t = tl.math.exp2(scores_t - logsumexp[None, :])
+        scores_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M)
+        if HEAD_DIM_B > 0:
+            q_b = _load_rows(Q_B_block, MASK_ROWS)
+            do_b = _load_rows(dO_B_block, MASK_ROWS)
+            scores_t = tl.dot(k_b, tl.trans(q_b), scores_t, input_precision=DOT_PRECISION)
+        p_t = tl.math.exp2(scores_t * qk_scale - logsumexp[None, :])
         if MASK_CAUSAL:
             visible = offs_m[None, :] >= offs_n[:, None]
             if MASK_ROWS:
@@ -269,20 +348,27 @@ def _attn_bwd_dkdv_sweep(
             p_t = tl.where(offs_m[None, :] < n_queries, p_t, 0.0)
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M)
+        if HEAD_DIM_B > 0:
+            dv_b = tl.dot(p_t.to(do_b.dtype), do_b, dv_b, input_precision=DOT_PRECISION)
+            dp_t = tl.dot(v_b, tl.trans(do_b), dp_t, input_precision=DOT_PRECISION)
         ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
         dk = tl.dot(ds_t, q, dk, input_precision=DOT_PRECISION)
         Q_block = tl.advance(Q_block, (BLOCK_M, 0))
         dO_block = tl.advance(dO_block, (BLOCK_M, 0))
-    return dk, dv
+        if HEAD_DIM_B > 0:
+            dk_b = tl.dot(ds_t, q_b, dk_b, input_precision=DOT_PRECISION)
+            Q_B_block = tl.advance(Q_B_block, (BLOCK_M, 0))
+            dO_B_block = tl.advance(dO_B_block, (BLOCK_M, 0))
+    return dk, dk_b, dv, dv_b
 
 
 @triton.jit
 def _attn_bwd_dq_sweep(
-    dq,  # accumulator, float32 (BLOCK_M, HEAD_DIM)
-    q, do,  # this program's query and output-gradient tiles, (BLOCK_M, HEAD_DIM)
+    dq, dq_b,  # accumulator's two parts, float32 (BLOCK_M, HEAD_DIM_A | HEAD_DIM_B)
+    q, q_b, do, do_b,  # this program's query and output-gradient tiles' two parts
     logsumexp, delta,  # base-2 logsumexp and rowsum(O * dO) of the tile's rows, (BLOCK_M,)
     offs_m,  # query indices of the tile's rows, (BLOCK_M,)
-    K_block, V_block,  # block pointers to key/value tiles, positioned at key 0
+    K_block, K_B_block, V_block, V_B_block,  # block pointers to key/value tiles' two parts, positioned at key 0
     key_start, key_stop,  # sweep key tiles from key_start (a multiple of BLOCK_N) up to key_stop
     n_keys,
     qk_scale,
@@ -290,18 +376,22 @@ def _attn_bwd_dq_sweep(
     MASKED: tl.constexpr,  # apply the causal and the key-bounds mask
     DOT_PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    HEAD_DIM_B: tl.constexpr,
 ):
     K_block = tl.advance(K_block, (key_start, 0))
     V_block = tl.advance(V_block, (key_start, 0))
+    if HEAD_DIM_B > 0:
+        K_B_block = tl.advance(K_B_block, (key_start, 0))
+        V_B_block = tl.advance(V_B_block, (key_start, 0))
     for start_n in range(key_start, key_stop, BLOCK_N):
-        if MASKED:
-            k = tl.load(K_block, boundary_check=(0,), padding_option="zero")
-            v = tl.load(V_block, boundary_check=(0,), padding_option="zero")
-        else:
-            k = tl.load(K_block)
-            v = tl.load(V_block)
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), base 2
-        p = tl.math.exp2(scores - logsumexp[:, None])
+        k = _load_rows(K_block, MASKED)
+        v = _load_rows(V_block, MASKED)
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N), unscaled
+        if HEAD_DIM_B > 0:
+            k_b = _load_rows(K_B_block, MASKED)
+            v_b = _load_rows(V_B_block, MASKED)
+            scores = tl.dot(q_b, tl.trans(k_b), scores, input_precision=DOT_PRECISION)
+        p = tl.math.exp2(scores * qk_scale - logsumexp[:, None])
         if MASKED:
             # Zero the padded keys too: exp2(0 - L) may overflow, and inf * 0 would reach valid rows of dQ.
             offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -310,11 +400,17 @@ def _attn_bwd_dq_sweep(
                 visible = visible & (offs_m[:, None] >= offs_n[None, :])
             p = tl.where(visible, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
+        if HEAD_DIM_B > 0:
+            dp = tl.dot(do_b, tl.trans(v_b), dp, input_precision=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
         K_block = tl.advance(K_block, (BLOCK_N, 0))
         V_block = tl.advance(V_block, (BLOCK_N, 0))
-    return dq
+        if HEAD_DIM_B > 0:
+            dq_b = tl.dot(ds.to(k_b.dtype), k_b, dq_b, input_precision=DOT_PRECISION)
+            K_B_block = tl.advance(K_B_block, (BLOCK_N, 0))
+            V_B_block = tl.advance(V_B_block, (BLOCK_N, 0))
+    return dq, dq_b
 
 
 @triton.jit
@@ -325,48 +421,59 @@ def _attn_bwd_dkdv_tile(
     n_queries, n_keys,
     sm_scale, qk_scale,
     HEAD_DIM: tl.constexpr,
+    HEAD_DIM_B: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,  # query slice swept
     BLOCK_N: tl.constexpr,  # key tile held
 ):
     """dK and dV of the keys ``start_n .. start_n + BLOCK_N``, sweeping every query that sees them."""
-    K_block = tl.make_block_ptr(K_ptr, shape=(n_keys, HEAD_DIM), strides=(stride_kn, 1), offsets=(start_n, 0),
-                                block_shape=(BLOCK_N, HEAD_DIM), order=(1, 0))
-    V_block = tl.make_block_ptr(V_ptr, shape=(n_keys, HEAD_DIM), strides=(stride_vn, 1), offsets=(start_n, 0),
-                                block_shape=(BLOCK_N, HEAD_DIM), order=(1, 0))
+    K_block = _column_block(K_ptr, n_keys, stride_kn, start_n, BLOCK_N, False, HEAD_DIM, HEAD_DIM_B)
+    V_block = _column_block(V_ptr, n_keys, stride_vn, start_n, BLOCK_N, False, HEAD_DIM, HEAD_DIM_B)
     # Rows past n_keys load as zeros; what they accumulate stays in rows that are never stored.
-    k = tl.load(K_block, boundary_check=(0,), padding_option="zero")
-    v = tl.load(V_block, boundary_check=(0,), padding_option="zero")
+    k = _load_rows(K_block, True)
+    v = _load_rows(V_block, True)
+    k_b, v_b = k, v  # stand for the absent second parts (never read)
+    if HEAD_DIM_B > 0:
+        k_b = _load_rows(_column_block(K_ptr, n_keys, stride_kn, start_n, BLOCK_N, True, HEAD_DIM, HEAD_DIM_B), True)
+        v_b = _load_rows(_column_block(V_ptr, n_keys, stride_vn, start_n, BLOCK_N, True, HEAD_DIM, HEAD_DIM_B), True)
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM - HEAD_DIM_B], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM - HEAD_DIM_B], dtype=tl.float32)
+    dk_b = _zeros_second_part(BLOCK_N, HEAD_DIM_B)
+    dv_b = _zeros_second_part(BLOCK_N, HEAD_DIM_B)
 
     if IS_CAUSAL:
         # Queries before start_n see none of these keys (early exit). A query slice sees every key
         # here iff its first query >= the tile's last key, start_n + BLOCK_N - 1.
         diagonal_start = start_n // BLOCK_M * BLOCK_M
         diagonal_stop = tl.minimum(tl.cdiv(start_n + BLOCK_N - 1, BLOCK_M) * BLOCK_M, n_queries)
-        dk, dv = _attn_bwd_dkdv_sweep(dk, dv, k, v, offs_n, Q_ptr, dO_ptr, L_ptr, Delta_ptr, stride_qm, stride_dom,
-                                      diagonal_start, diagonal_stop, n_queries, qk_scale,
-                                      True, True, DOT_PRECISION, HEAD_DIM, BLOCK_M)
+        dk, dk_b, dv, dv_b = _attn_bwd_dkdv_sweep(
+            dk, dk_b, dv, dv_b, k, k_b, v, v_b, offs_n, Q_ptr, dO_ptr, L_ptr, Delta_ptr, stride_qm, stride_dom,
+            diagonal_start, diagonal_stop, n_queries, qk_scale, True, True, DOT_PRECISION, HEAD_DIM, HEAD_DIM_B,
+            BLOCK_M)
     else:
         diagonal_stop = 0
     # diagonal_stop is a multiple of BLOCK_M unless it was clipped to n_queries, which ends the sweep.
     full_slices_end = tl.maximum(n_queries // BLOCK_M * BLOCK_M, diagonal_stop)
-    dk, dv = _attn_bwd_dkdv_sweep(dk, dv, k, v, offs_n, Q_ptr, dO_ptr, L_ptr, Delta_ptr, stride_qm, stride_dom,
-                                  diagonal_stop, full_slices_end, n_queries, qk_scale,
-                                  False, False, DOT_PRECISION, HEAD_DIM, BLOCK_M)
-    dk, dv = _attn_bwd_dkdv_sweep(dk, dv, k, v, offs_n, Q_ptr, dO_ptr, L_ptr, Delta_ptr, stride_qm, stride_dom,
-                                  full_slices_end, n_queries, n_queries, qk_scale,
-                                  False, True, DOT_PRECISION, HEAD_DIM, BLOCK_M)
+    dk, dk_b, dv, dv_b = _attn_bwd_dkdv_sweep(
+        dk, dk_b, dv, dv_b, k, k_b, v, v_b, offs_n, Q_ptr, dO_ptr, L_ptr, Delta_ptr, stride_qm, stride_dom,
+        diagonal_stop, full_slices_end, n_queries, qk_scale, False, False, DOT_PRECISION, HEAD_DIM, HEAD_DIM_B,
+        BLOCK_M)
+    dk, dk_b, dv, dv_b = _attn_bwd_dkdv_sweep(
+        dk, dk_b, dv, dv_b, k, k_b, v, v_b, offs_n, Q_ptr, dO_ptr, L_ptr, Delta_ptr, stride_qm, stride_dom,
+        full_slices_end, n_queries, n_queries, qk_scale, False, True, DOT_PRECISION, HEAD_DIM, HEAD_DIM_B,
+        BLOCK_M)
 
-    dK_block = tl.make_block_ptr(dK_ptr, shape=(n_keys, HEAD_DIM), strides=(stride_dkn, 1), offsets=(start_n, 0),
-                                 block_shape=(BLOCK_N, HEAD_DIM), order=(1, 0))
-    dV_block = tl.make_block_ptr(dV_ptr, shape=(n_keys, HEAD_DIM), strides=(stride_dvn, 1), offsets=(start_n, 0),
-                                 block_shape=(BLOCK_N, HEAD_DIM), order=(1, 0))
+    dK_block = _column_block(dK_ptr, n_keys, stride_dkn, start_n, BLOCK_N, False, HEAD_DIM, HEAD_DIM_B)
+    dV_block = _column_block(dV_ptr, n_keys, stride_dvn, start_n, BLOCK_N, False, HEAD_DIM, HEAD_DIM_B)
     tl.store(dK_block, (dk * sm_scale).to(dK_ptr.dtype.element_ty), boundary_check=(0,))
     tl.store(dV_block, dv.to(dV_ptr.dtype.element_ty), boundary_check=(0,))
+    if HEAD_DIM_B > 0:
+        dK_B_block = _column_block(dK_ptr, n_keys, stride_dkn, start_n, BLOCK_N, True, HEAD_DIM, HEAD_DIM_B)
+        dV_B_block = _column_block(dV_ptr, n_keys, stride_dvn, start_n, BLOCK_N, True, HEAD_DIM, HEAD_DIM_B)
+        tl.store(dK_B_block, (dk_b * sm_scale).to(dK_ptr.dtype.element_ty), boundary_check=(0,))
+        tl.store(dV_B_block, dv_b.to(dV_ptr.dtype.element_ty), boundary_check=(0,))
 
 
 @triton.jit
@@ -377,28 +484,34 @@ def _attn_bwd_dq_tile(
     n_queries, n_keys,
     sm_scale, qk_scale,
     HEAD_DIM: tl.constexpr,
+    HEAD_DIM_B: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,  # query tile held
     BLOCK_N: tl.constexpr,  # key slice swept
 ):
     """dQ of the queries ``start_m .. start_m + BLOCK_M``, sweeping every key they see."""
-    Q_block = tl.make_block_ptr(Q_ptr, shape=(n_queries, HEAD_DIM), strides=(stride_qm, 1), offsets=(start_m, 0),
-                                block_shape=(BLOCK_M, HEAD_DIM), order=(1, 0))
-    dO_block = tl.make_block_ptr(dO_ptr, shape=(n_queries, HEAD_DIM), strides=(stride_dom, 1), offsets=(start_m, 0),
-                                 block_shape=(BLOCK_M, HEAD_DIM), order=(1, 0))
-    K_block = tl.make_block_ptr(K_ptr, shape=(n_keys, HEAD_DIM), strides=(stride_kn, 1), offsets=(0, 0),
-                                block_shape=(BLOCK_N, HEAD_DIM), order=(1, 0))
-    V_block = tl.make_block_ptr(V_ptr, shape=(n_keys, HEAD_DIM), strides=(stride_vn, 1), offsets=(0, 0),
-                                block_shape=(BLOCK_N, HEAD_DIM), order=(1, 0))
+    Q_block = _column_block(Q_ptr, n_queries, stride_qm, start_m, BLOCK_M, False, HEAD_DIM, HEAD_DIM_B)
+    dO_block = _column_block(dO_ptr, n_queries, stride_dom, start_m, BLOCK_M, False, HEAD_DIM, HEAD_DIM_B)
+    K_block = _column_block(K_ptr, n_keys, stride_kn, 0, BLOCK_N, False, HEAD_DIM, HEAD_DIM_B)
+    V_block = _column_block(V_ptr, n_keys, stride_vn, 0, BLOCK_N, False, HEAD_DIM, HEAD_DIM_B)
+    K_B_block = _column_block(K_ptr, n_keys, stride_kn, 0, BLOCK_N, True, HEAD_DIM, HEAD_DIM_B)
+    V_B_block = _column_block(V_ptr, n_keys, stride_vn, 0, BLOCK_N, True, HEAD_DIM, HEAD_DIM_B)
     # Rows past n_queries load as zeros (and logsumexp 0), so they stay finite; they are never stored.
-    q = tl.load(Q_block, boundary_check=(0,), padding_option="zero")
-    do = tl.load(dO_block, boundary_check=(0,), padding_option="zero")
+    q = _load_rows(Q_block, True)
+    do = _load_rows(dO_block, True)
+    q_b, do_b = q, do  # stand for the absent second parts (never read)
+    if HEAD_DIM_B > 0:
+        q_b = _load_rows(_column_block(Q_ptr, n_queries, stride_qm, start_m, BLOCK_M, True, HEAD_DIM, HEAD_DIM_B),
+                         True)
+        do_b = _load_rows(_column_block(dO_ptr, n_queries, stride_dom, start_m, BLOCK_M, True, HEAD_DIM, HEAD_DIM_B),
+                          True)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     in_bounds = offs_m < n_queries
     logsumexp = tl.load(L_ptr + offs_m, mask=in_bounds, other=0.0) * LOG2_E
     delta = tl.load(Delta_ptr + offs_m, mask=in_bounds, other=0.0)
-    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    dq = tl.zeros([BLOCK_M, HEAD_DIM - HEAD_DIM_B], dtype=tl.float32)
+    dq_b = _zeros_second_part(BLOCK_M, HEAD_DIM_B)
 
     full_slices_end = n_keys // BLOCK_N * BLOCK_N
     if IS_CAUSAL:  # the same key ranges as the forward
@@ -407,14 +520,18 @@ def _attn_bwd_dq_tile(
     else:
         key_stop = n_keys
         unmasked_end = full_slices_end
-    dq = _attn_bwd_dq_sweep(dq, q, do, logsumexp, delta, offs_m, K_block, V_block, 0, unmasked_end, n_keys,
-                            qk_scale, IS_CAUSAL, False, DOT_PRECISION, BLOCK_N)
-    dq = _attn_bwd_dq_sweep(dq, q, do, logsumexp, delta, offs_m, K_block, V_block, unmasked_end, key_stop, n_keys,
-                            qk_scale, IS_CAUSAL, True, DOT_PRECISION, BLOCK_N)
+    dq, dq_b = _attn_bwd_dq_sweep(dq, dq_b, q, q_b, do, do_b, logsumexp, delta, offs_m, K_block, K_B_block, V_block,
+                                  V_B_block, 0, unmasked_end, n_keys, qk_scale, IS_CAUSAL, False, DOT_PRECISION,
+                                  BLOCK_N, HEAD_DIM_B)
+    dq, dq_b = _attn_bwd_dq_sweep(dq, dq_b, q, q_b, do, do_b, logsumexp, delta, offs_m, K_block, K_B_block, V_block,
+                                  V_B_block, unmasked_end, key_stop, n_keys, qk_scale, IS_CAUSAL, True, DOT_PRECISION,
+                                  BLOCK_N, HEAD_DIM_B)
 
-    dQ_block = tl.make_block_ptr(dQ_ptr, shape=(n_queries, HEAD_DIM), strides=(stride_dqm, 1), offsets=(start_m, 0),
-                                 block_shape=(BLOCK_M, HEAD_DIM), order=(1, 0))
+    dQ_block = _column_block(dQ_ptr, n_queries, stride_dqm, start_m, BLOCK_M, False, HEAD_DIM, HEAD_DIM_B)
     tl.store(dQ_block, (dq * sm_scale).to(dQ_ptr.dtype.element_ty), boundary_check=(0,))
+    if HEAD_DIM_B > 0:
+        dQ_B_block = _column_block(dQ_ptr, n_queries, stride_dqm, start_m, BLOCK_M, True, HEAD_DIM, HEAD_DIM_B)
+        tl.store(dQ_B_block, (dq_b * sm_scale).to(dQ_ptr.dtype.element_ty), boundary_check=(0,))
 
 
 @triton.jit(do_not_specialize=_SIZE_ARGS)
@@ -434,6 +551,7 @@ def attn_bwd_kernel(
     sm_scale,  # 1 / sqrt(HEAD_DIM)
     qk_scale,  # log2(e) / sqrt(HEAD_DIM)
     HEAD_DIM: tl.constexpr,
+    HEAD_DIM_B: tl.constexpr,  # columns of the second part, 0 for none (see the module's docstring)
     IS_CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     TILE: tl.constexpr,  # keys (dK/dV part) and queries (dQ part) held by the program
@@ -462,9 +580,9 @@ def attn_bwd_kernel(
                             dK + off_b * stride_dkb + off_h * stride_dkh, dV + off_b * stride_dvb + off_h * stride_dvh,
                             stride_qm, stride_kn, stride_vn, stride_dom, stride_dkn, stride_dvn,
                             tile_start, n_queries, n_keys, sm_scale, qk_scale,
-                            HEAD_DIM, IS_CAUSAL, DOT_PRECISION, SLICE, TILE)
+                            HEAD_DIM, HEAD_DIM_B, IS_CAUSAL, DOT_PRECISION, SLICE, TILE)
     if tile_start < n_queries:
         _attn_bwd_dq_tile(Q_ptr, K_ptr, V_ptr, dO_ptr, L_ptr, Delta_ptr, dQ + off_b * stride_dqb + off_h * stride_dqh,
                           stride_qm, stride_kn, stride_vn, stride_dom, stride_dqm,
                           tile_start, n_queries, n_keys, sm_scale, qk_scale,
-                          HEAD_DIM, IS_CAUSAL, DOT_PRECISION, TILE, SLICE)
+                          HEAD_DIM, HEAD_DIM_B, IS_CAUSAL, DOT_PRECISION, TILE, SLICE)
