@@ -10,6 +10,7 @@ Run each provider in its own process (our kernels' configuration comes from ``CS
     python scripts/flash_shapes_bench.py fa2                              # SDPA's FlashAttention-2 backend
     python scripts/flash_shapes_bench.py ours                             # the Hopper kernels on an H100/H200
     CS336_FLASH_KERNELS=triton python scripts/flash_shapes_bench.py ours  # the portable Triton kernels
+    python scripts/flash_shapes_bench.py sdpa --shapes models --head-dim 80  # the 2.7B model's attention
 
 Prints one JSON line per shape: provider, kernels, shape, fwd_ms, bwd_ms (fwd+bwd minus fwd), fwd_bwd_ms.
 """
@@ -24,19 +25,26 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 SHAPES = [(1, 32, 32768, 128), (1, 1, 65536, 128), (1, 16, 16384, 128), (1, 1, 65536, 64), (16, 1, 16384, 64),
           (1, 1, 16384, 128), (1, 1, 16384, 64)]
+# The model sizes' own attention (batch, heads, context, d): small and xl at 512, xl at 2048 and 8192, 2.7B (d = 80,
+# which our Hopper kernels pad to 128 and the portable ones run as 64 + 16 columns) at 2048 and 8192.
+MODEL_SHAPES = [(4, 12, 512, 64), (4, 25, 512, 64), (4, 25, 2048, 64), (1, 25, 8192, 64), (4, 32, 2048, 80),
+                (1, 32, 8192, 80)]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("provider", choices=["ours", "sdpa", "fa2"])
-    parser.add_argument("--head-dim", type=int, choices=[64, 128], help="only the shapes of this head dim")
+    parser.add_argument("--shapes", choices=["sweep", "models"], default="sweep",
+                        help="the long-context shapes above (default) or the model sizes' own shapes")
+    parser.add_argument("--head-dim", type=int, choices=[64, 80, 128], help="only the shapes of this head dim")
     args = parser.parse_args()
     from cs336_systems.attention.config import FLASH_CONFIG, FlashConfig
     from cs336_systems.attention.op import flash_attention
 
     FLASH_CONFIG.set(FlashConfig.from_environment())
 
-    for shape in [s for s in SHAPES if args.head_dim in (None, s[-1])]:
+    shapes = SHAPES if args.shapes == "sweep" else MODEL_SHAPES
+    for shape in [s for s in shapes if args.head_dim in (None, s[-1])]:
         q, k, v = (torch.randn(*shape, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
         grad = torch.randn_like(q)
         if args.provider in ("sdpa", "fa2"):
