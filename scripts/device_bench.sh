@@ -11,6 +11,10 @@
 # isolated launches, alternating, $RESIDUAL_ROUNDS (2) of each, at each context:batch of $RESIDUAL_SHAPES (512:4),
 # in the variants $RESIDUAL_VARIANTS (default: eager launches). PART=residual_step runs only the training steps:
 #   PART=residual_step RESIDUAL_SHAPES=2048:4 bash scripts/device_bench.sh
+#   PART=checks bash scripts/device_bench.sh
+# The GPU tests of the graph timer, the two-part head dims and the tf32x3 products; the 2.7B model's attention
+# (head dim 80) in cuDNN, our Hopper kernels (padded to 128) and our portable kernels (two column parts); then the
+# RMSNorm bench's small shapes under both timers (rows in $OUT/rmsnorm_timers: a smoke run, not the writeup's).
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 deadline=$(( $(date +%s) + ${DEADLINE_S:-540} ))
@@ -44,8 +48,22 @@ residual)
 residual_step)
     residual_steps
     ;;
+checks)
+    capped 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_graph_timer.py \
+        tests/test_flash_attention_triton.py -k "graph or split_head_dims or tf32x3"
+    for provider in sdpa ours; do
+        capped 60 python3 scripts/flash_shapes_bench.py "$provider" --shapes models --head-dim 80
+    done
+    CS336_FLASH_KERNELS=triton capped 90 python3 scripts/flash_shapes_bench.py ours --shapes models --head-dim 80
+    small="--part kernel --rows 4096 16384 --cols 768 1024 1280 1600 2560 --dtypes bf16 --passes fwd fwd_bwd"
+    for timer in do_bench graph; do
+        # shellcheck disable=SC2086
+        capped 150 python3 -m cs336_systems.bench.rmsnorm $small --providers ours eager compile liger --timer "$timer" \
+            --results-dir "$OUT/rmsnorm_timers"
+    done
+    ;;
 *)
-    echo "unknown part ${PART}: residual or residual_step (or none: the arguments are bench commands)" >&2
+    echo "unknown part ${PART}: residual, residual_step or checks (or none: the arguments are bench commands)" >&2
     exit 2
     ;;
 esac
