@@ -127,6 +127,9 @@ def test_ddp_benchmarking_quick_on_gloo_with_a_trace(tmp_path):
     assert rows["bucketed_1mb"]["n_buckets"] >= 2  # the tiny model's 2.6 MB of float32 gradients
     traced = rows["bucketed_1mb"]
     assert traced["trace_comm_busy_ms"] > 0 and 0 <= traced["trace_overlap_share"] <= 1
+    assert len(traced["trace_ranks"]) == 2  # each rank's phases: one rank waiting for the other shows there
+    for rank in traced["trace_ranks"]:
+        assert rank["forward_ms"] > 0 and rank["backward_ms"] > 0 and rank["span_ms"] >= rank["forward_ms"]
     assert (tmp_path / "ddp_overlap_bucketed_1mb_fp32.png").stat().st_size > 10_000
     assert sorted(p.name for p in (tmp_path / "traces").iterdir()) == [
         "ddp_bucketed_1mb_fp32_rank0.json.gz", "ddp_bucketed_1mb_fp32_rank1.json.gz"]
@@ -214,6 +217,11 @@ def test_timeline_from_a_synthetic_gpu_trace(tmp_path):
     assert summary["comm_exposed_ms"] == pytest.approx(10.0)
     assert summary["overlap_share"] == pytest.approx(0.5)
     assert summary["span_ms"] == pytest.approx(50.0)
+    forward, backward = result.phases
+    assert timeline.phase_lengths(result) == pytest.approx({"forward": forward.end_ms - forward.start_ms,
+                                                            "backward": backward.end_ms - backward.start_ms})
+    repeated = Timeline(phases=[Span(5, 7, "backward"), Span(0, 3, "forward"), Span(8, 9, "backward")])
+    assert list(timeline.phase_lengths(repeated).items()) == [("forward", 3), ("backward", 3)]
     no_overlap = Timeline(compute=[Span(0, 10)], communication=[Span(10, 12)])
     assert timeline.overlap_summary(no_overlap)["overlap_share"] == 0.0
     assert timeline.overlap_summary(Timeline(compute=[Span(0, 1)]))["overlap_share"] is None

@@ -135,7 +135,8 @@ def measure(variant: str, wrapped: nn.Module, optimizer, batch, dtype: str, devi
 
 
 def trace_and_draw(step, variant: str, dtype: str, device: torch.device, args, step_ms: float) -> dict[str, Any]:
-    """Profile one step on every rank, draw all ranks' timelines (rank 0) and summarise the overlap."""
+    """Profile one step on every rank, draw all ranks' timelines (rank 0) and summarise the overlap (mean over the
+    ranks) and each rank's phases (``trace_ranks``)."""
     rank = dist.get_rank()
     path = args.trace_dir / f"ddp_{variant}_{dtype}_rank{rank}.json.gz"  # gzipped by the profiler: 10x smaller
     timelines = dl.gather(trace_step(step, device, path))  # gathered, not re-read: ranks may be on other hosts
@@ -154,8 +155,13 @@ def trace_and_draw(step, variant: str, dtype: str, device: torch.device, args, s
 
     shown = figure.resolve()
     shown = shown.relative_to(result_store.REPO_ROOT) if shown.is_relative_to(result_store.REPO_ROOT) else shown
+    # Per rank: a rank whose phases run longer (host-bound launches, say) keeps the other's collectives waiting.
+    ranks = [{"span_ms": round(s["span_ms"], 2), "compute_busy_ms": round(s["compute_busy_ms"], 2),
+              "comm_busy_ms": round(s["comm_busy_ms"], 2),
+              **{f"{name}_ms": round(ms, 2) for name, ms in timeline.phase_lengths(t).items()}}
+             for s, t in zip(summaries, timelines, strict=True)]
     return {"trace_comm_busy_ms": mean("comm_busy_ms"), "trace_comm_exposed_ms": mean("comm_exposed_ms"),
-            "trace_overlap_share": mean("overlap_share"), "trace_figure": str(shown)}
+            "trace_overlap_share": mean("overlap_share"), "trace_ranks": ranks, "trace_figure": str(shown)}
 
 
 # ---------------------------------------------------------------------------------------------

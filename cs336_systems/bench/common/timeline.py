@@ -204,6 +204,14 @@ def overlap_summary(timeline: Timeline) -> dict[str, float | None]:
     }
 
 
+def phase_lengths(timeline: Timeline) -> dict[str, float]:
+    """The ms each named phase of ``timeline`` lasted (its spans of that name summed), in the order they began."""
+    lengths: dict[str, float] = {}
+    for span in sorted(timeline.phases, key=lambda s: s.start_ms):
+        lengths[span.name] = lengths.get(span.name, 0.0) + span.end_ms - span.start_ms
+    return lengths
+
+
 PHASE_COLORS = {"forward": "#9ecae1", "backward": "#fdae6b", "finish_gradient_synchronization": "#fc9272",
                 "optimizer": "#a1d99b"}
 
