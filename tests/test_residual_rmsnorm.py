@@ -9,7 +9,14 @@ import torch
 from torch import Tensor
 
 from tests._flash_checks import relative_error
-from tests.test_rmsnorm import ERROR_FACTOR, ERROR_FLOOR, assert_candidates_compile_without_spills, plain_rms_norm
+from tests.test_rmsnorm import (  # noqa: F401  (fixed_launch: the same fixture)
+    ERROR_FACTOR,
+    ERROR_FLOOR,
+    GPU_SHAPES,
+    assert_candidates_compile_without_spills,
+    fixed_launch,
+    plain_rms_norm,
+)
 
 QUANTITIES = ("s", "y", "dx", "dresidual", "dw")
 
@@ -132,20 +139,9 @@ def test_residual_variants_compile_for_h100_without_spills(n_cols):
 # ---------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def fixed_launch():
-    """One launch configuration per shape instead of autotuning, and outputs poisoned."""
-    from cs336_systems.kernels.launch import poisoned_outputs
-    from cs336_systems.kernels.rmsnorm import RMSNORM_CONFIG
-
-    with RMSNORM_CONFIG.use(autotune=False), poisoned_outputs():
-        yield
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("shape", [(3, 5, 1), (4, 77, 17), (300, 1000), (2, 129, 4099), (4, 512, 1600), (4096, 2560),
-                                   (64, 12000)])
+@pytest.mark.parametrize("shape", GPU_SHAPES)
 def test_matches_float64_on_gpu(shape, dtype, fixed_launch):
     check_against_float64(*make_inputs(shape, dtype, "cuda"))
 

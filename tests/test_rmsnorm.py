@@ -202,10 +202,13 @@ def fixed_launch():
         yield
 
 
+# Inputs of the GPU checks: one column, odd widths, the models' widths, rows past the single-sweep limit.
+GPU_SHAPES = [(3, 5, 1), (4, 77, 17), (300, 1000), (2, 129, 4099), (4, 512, 1600), (4096, 2560), (64, 12000)]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("shape", [(3, 5, 1), (4, 77, 17), (300, 1000), (2, 129, 4099), (4, 512, 1600), (4096, 2560),
-                                   (64, 12000)])
+@pytest.mark.parametrize("shape", GPU_SHAPES)
 def test_matches_float64_on_gpu(shape, dtype, fixed_launch):
     check_against_float64(*make_inputs(shape, dtype, "cuda"))
 

@@ -13,18 +13,10 @@ import torch
 from cs336_systems.attention import op
 from cs336_systems.attention.backends import hopper
 from cs336_systems.attention.backends import triton as portable
-from cs336_systems.kernels.launch import poisoned_outputs
 from tests._flash_checks import QUANTITIES, make_qkv, relative_error, run_function, run_reference
+from tests.interpreter.test_attention import TOLERANCE, _poison_outputs, check_matches_float64_reference  # noqa: F401
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the interpreter warns by the hundred
-
-TOLERANCE = {torch.float32: 1e-5, torch.float16: 5e-3}  # as for the power-of-two head dims
-
-
-@pytest.fixture(autouse=True)
-def _poison_outputs():
-    with poisoned_outputs():
-        yield
 
 
 def test_split_head_dims_are_two_powers_of_two_of_at_least_16():
@@ -51,15 +43,7 @@ CASES = [
 
 @pytest.mark.parametrize("batch, heads, n_queries, n_keys, d, is_causal, dtype", CASES)
 def test_split_head_dims_match_float64_reference(batch, heads, n_queries, n_keys, d, is_causal, dtype):
-    Q, K, V = make_qkv(batch, heads, n_queries, n_keys, d, dtype, "cpu")
-    dO = torch.randn(Q.shape).to(dtype)
-    result = run_function(op.FlashAttention2Triton, Q, K, V, is_causal, dO)
-    reference = run_reference(Q, K, V, is_causal, dO)
-    for name in QUANTITIES:
-        assert result[name].dtype == (torch.float32 if name == "L" else dtype)
-        assert torch.isfinite(result[name]).all(), f"{name} has elements that were never written"
-        error = relative_error(result[name], reference[name])
-        assert error <= TOLERANCE[dtype], f"{name}: relative error {error:.2e}"
+    check_matches_float64_reference(batch, heads, n_queries, n_keys, d, is_causal, dtype)
 
 
 def test_split_head_dim_of_non_contiguous_inputs():
