@@ -137,6 +137,11 @@ GRADIENT_MEMORY = ("reduce_stream", "compute_stream")
 """Where :class:`CudaStreamTransport` allocates a reduction's output, the fp32 gradient shard the optimizer reads."""
 
 
+def check_gradient_memory(gradient_memory: str) -> None:
+    if gradient_memory not in GRADIENT_MEMORY:
+        raise ValueError(f"unknown gradient_memory {gradient_memory!r}; choose one of {', '.join(GRADIENT_MEMORY)}")
+
+
 class CudaStreamTransport(_ProcessGroupTransport):
     """GPU under NCCL: a gather stream and a reduction stream, each with its own communicator.
 
@@ -149,8 +154,7 @@ class CudaStreamTransport(_ProcessGroupTransport):
 
     def __init__(self, device: torch.device, gradient_memory: str = "reduce_stream") -> None:
         super().__init__()
-        if gradient_memory not in GRADIENT_MEMORY:
-            raise ValueError(f"unknown gradient_memory {gradient_memory!r}; choose one of {', '.join(GRADIENT_MEMORY)}")
+        check_gradient_memory(gradient_memory)
         self.device, self.gradient_memory = device, gradient_memory
         self.reduce_group = dist.new_group()
         self.gather_stream = torch.cuda.Stream(device)
@@ -229,8 +233,7 @@ class GlooTransport(_ProcessGroupTransport):
 def make_transport(device: torch.device, gradient_memory: str = "reduce_stream") -> Transport:
     """CUDA streams for a GPU under NCCL (``gradient_memory``: see :class:`CudaStreamTransport`), asynchronous
     work objects otherwise."""
-    if gradient_memory not in GRADIENT_MEMORY:
-        raise ValueError(f"unknown gradient_memory {gradient_memory!r}; choose one of {', '.join(GRADIENT_MEMORY)}")
+    check_gradient_memory(gradient_memory)
     if device.type == "cuda" and dist.get_backend() == "nccl":
         return CudaStreamTransport(device, gradient_memory)
     return GlooTransport()
