@@ -152,7 +152,7 @@ class CudaStreamTransport(_ProcessGroupTransport):
     ``compute_stream``: on the compute stream before the reduction starts (the compute stream waits for the
     reduction before it reads or frees the output), so the next forward's activations can reuse it."""
 
-    def __init__(self, device: torch.device, gradient_memory: str = "reduce_stream") -> None:
+    def __init__(self, device: torch.device, gradient_memory: str = "compute_stream") -> None:
         super().__init__()
         check_gradient_memory(gradient_memory)
         self.device, self.gradient_memory = device, gradient_memory
@@ -230,7 +230,7 @@ class GlooTransport(_ProcessGroupTransport):
         reduction.deliver(reduction.output)
 
 
-def make_transport(device: torch.device, gradient_memory: str = "reduce_stream") -> Transport:
+def make_transport(device: torch.device, gradient_memory: str = "compute_stream") -> Transport:
     """CUDA streams for a GPU under NCCL (``gradient_memory``: see :class:`CudaStreamTransport`), asynchronous
     work objects otherwise."""
     check_gradient_memory(gradient_memory)

@@ -138,7 +138,7 @@ class FSDP(nn.Module):
 
     def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None,
                  units: Sequence[UnitSpec] | None = None, *, transport: Transport | None = None,
-                 gradient_memory: str = "reduce_stream"):
+                 gradient_memory: str = "compute_stream"):
         super().__init__()
         if transport is None:
             require_process_group("FSDP")
