@@ -1,13 +1,13 @@
-"""Our RMSNorm forward at several persistent-grid sizes beside Liger's and the copy, on CUDA-graph replays.
+"""Our RMSNorm forward beside Liger's and the copy at the large shapes, on CUDA-graph replays.
 
-The forward runs ``FWD_PROGRAMS_PER_SM`` programs per SM, each walking its row tiles with the next tile's loads in
-flight; Liger launches one program per row and lets the hardware keep as many resident as fit. This measures which
-gets closer to the copy bandwidth, at the large shapes where the forward trails: per shape, ours at each grid size
-(``0`` = one program per tile, no persistent loop), Liger, and the copy both as ``x.clone()`` and as a copy into a
-preallocated output. One JSON line per measurement, to stdout and to ``--output``.
+Our forward's grid is tuned with its tiles: a few programs per SM each walking its row tiles with the next tile's
+loads in flight, or one program per tile as Liger launches (one per row), letting the hardware keep as many
+resident as fit. Per shape: ours at each grid size of ``FWD_GRIDS`` (the autotuner's candidates restricted to it),
+ours autotuned over all of them, Liger, and the copy both as ``x.clone()`` and as a copy into a preallocated
+output. One JSON line per measurement, to stdout and to ``--output``.
 
     python scripts/rmsnorm_forward_grid.py --output /tmp/forward_grid.jsonl
-    python scripts/rmsnorm_forward_grid.py --programs-per-sm 4 8 0 --dtypes bf16 --shapes 32768x4096
+    python scripts/rmsnorm_forward_grid.py --dtypes bf16 --shapes 32768x4096
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from cs336_systems.bench.rmsnorm import DTYPES, gbps, make_norm, moved_bytes
 from cs336_systems.kernels import rmsnorm
 
 SHAPES = ["16384x4096", "32768x4096", "16384x8192", "32768x8192", "65536x2560", "65536x4096", "65536x1600"]
-ONE_PROGRAM_PER_TILE = 1 << 20  # programs per SM large enough that the grid is one program per tile
 
 
 def measure(fn, inputs, device: torch.device) -> float:
@@ -33,13 +32,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=SHAPES, help="M x N shapes")
     parser.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"], choices=sorted(DTYPES))
-    parser.add_argument("--programs-per-sm", nargs="+", type=int, default=[4, 8, 16, 0],
-                        help="forward programs per SM to try (0: one program per tile)")
     parser.add_argument("--output", help="also append the lines to this file")
     args = parser.parse_args()
     device = torch.device("cuda")
     l2 = timing.l2_cache_bytes(device)
-    default_programs = rmsnorm.FWD_PROGRAMS_PER_SM
+    tuner = rmsnorm._FORWARD.autotuner
+    all_configs = list(tuner.configs)
     for dtype_name in args.dtypes:
         dtype = DTYPES[dtype_name]
         for shape in args.shapes:
@@ -57,12 +55,17 @@ def main() -> None:
             for name, (fn, nbytes) in cases.items():
                 emit(args, dtype_name, rows, cols, name, None, gbps(nbytes, measure(fn, inputs, device)))
             ours = make_norm("ours", cols, dtype, device)
-            for per_sm in args.programs_per_sm:
-                rmsnorm.FWD_PROGRAMS_PER_SM = per_sm or ONE_PROGRAM_PER_TILE
+            for per_sm in [*rmsnorm.FWD_GRIDS, None]:  # None: every grid size, as the operator runs
+                tuner.configs = [c for c in all_configs if per_sm is None or c.kwargs["PROGRAMS_PER_SM"] == per_sm]
+                # Forget the previous pick everywhere it is kept: Triton's autotuner, our configuration cache
+                # and our launcher's compiled kernel for the key.
+                tuner.cache.clear()
+                rmsnorm._FORWARD.configs.clear()
+                rmsnorm._FORWARD._launcher._compiled.clear()
                 try:
                     ms = measure(lambda one: ours(one[0]), inputs, device)
                 finally:
-                    rmsnorm.FWD_PROGRAMS_PER_SM = default_programs
+                    tuner.configs = all_configs
                 emit(args, dtype_name, rows, cols, "ours", per_sm, gbps(moved, ms))
             del inputs, outputs, by_input
             torch.cuda.empty_cache()

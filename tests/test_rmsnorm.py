@@ -192,6 +192,16 @@ def test_every_autotune_candidate_compiles_for_h100_without_spills(n_cols):
 # ---------------------------------------------------------------------------------------------------
 
 
+def test_forward_grid_is_one_program_per_tile_up_to_its_limit():
+    from cs336_systems.kernels.rmsnorm import forward_programs
+
+    assert forward_programs(1000, {"BLOCK_M": 4, "PROGRAMS_PER_SM": 0}, 132) == 250
+    assert forward_programs(1001, {"BLOCK_M": 4, "PROGRAMS_PER_SM": 0}, 132) == 251
+    assert forward_programs(65536, {"BLOCK_M": 2, "PROGRAMS_PER_SM": 4}, 132) == 528
+    assert forward_programs(65536, {"BLOCK_M": 2, "PROGRAMS_PER_SM": 16}, 132) == 2112
+    assert forward_programs(3, {"BLOCK_M": 1, "PROGRAMS_PER_SM": 16}, 132) == 3
+
+
 @pytest.fixture
 def fixed_launch():
     """One launch configuration per shape instead of autotuning (the grid compiles far less), and outputs poisoned."""

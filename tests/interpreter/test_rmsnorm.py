@@ -52,6 +52,22 @@ def test_weight_gradient_over_many_rows(dtype):
     check_against_float64(*make_inputs((400, 33), dtype, "cpu"))
 
 
+@pytest.mark.parametrize("programs_per_sm", rmsnorm.FWD_GRIDS)
+@pytest.mark.parametrize("shape", [(1, 768), (37, 80), (45, 1600)])
+def test_forward_at_each_grid_size(shape, programs_per_sm, monkeypatch):
+    """The forward's grid sizes the autotuner chooses from: a persistent loop over several tiles, and one program
+    per tile (here 8 or 32 programs of 4-row tiles, or as many programs as tiles)."""
+    fixed = rmsnorm.fixed_config
+    monkeypatch.setattr(rmsnorm, "fixed_config", lambda kernel, *args: rmsnorm._fwd_config(
+        rmsnorm.INTERPRETER_BLOCK_M, 4, programs_per_sm) if kernel == "fwd" else fixed(kernel, *args))
+    x, weight, _ = make_inputs(shape, torch.float32, "cpu")
+    y, rstd = rmsnorm.rmsnorm_forward(x, weight, 1e-5)
+    x64 = x.double()
+    rstd64 = torch.rsqrt(x64.pow(2).mean(-1) + 1e-5)
+    torch.testing.assert_close(rstd.double(), rstd64, rtol=1e-5, atol=0)
+    torch.testing.assert_close(y.double(), x64 * rstd64[:, None] * weight.double(), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("prefetch", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("shape", [(1, 768), (6, 768), (67, 768), (37, 80), (1, 1600), (45, 1600)])
