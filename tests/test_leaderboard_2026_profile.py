@@ -114,6 +114,28 @@ def test_kernels_of_a_made_up_trace_know_where_they_were_launched():
     assert split_step(list(kernels.values()), 1.0)["split_ms"]["exposed_communication"] == pytest.approx(0.13)
 
 
+def test_a_second_steps_forward_is_not_recompute():
+    """Two steps, each marked: the second step's forward lies between the two backwards, and stays forward."""
+    def one_step(at, correlation):
+        return [
+            _x("training_step", "user_annotation", at, 400),
+            _x("cudaLaunchKernel", "cuda_runtime", at + 10, 1, correlation=correlation),
+            _x("nvjet_sm90_fwd_mm", "kernel", at + 20, 40, tid=7, correlation=correlation),
+            _x("autograd::engine::evaluate_function: MmBackward0", "cpu_op", at + 100, 100),
+            _x("cudaLaunchKernel", "cuda_runtime", at + 150, 1, correlation=correlation + 1),
+            _x("nvjet_sm90_bwd_mm", "kernel", at + 160, 40, tid=7, correlation=correlation + 1),
+        ]
+
+    trace = {"traceEvents": one_step(0, 1) + one_step(1000, 3)}
+    kernels = kernels_of_trace(trace)
+    assert [(k.name, k.in_backward) for k in sorted(kernels, key=lambda k: k.start)] == [
+        ("nvjet_sm90_fwd_mm", False), ("nvjet_sm90_bwd_mm", True),
+        ("nvjet_sm90_fwd_mm", False), ("nvjet_sm90_bwd_mm", True)]
+    # Without the step marks the two backwards make one stretch, which takes in the second forward.
+    unmarked = kernels_of_trace({"traceEvents": [e for e in trace["traceEvents"] if e["name"] != "training_step"]})
+    assert [k.in_backward for k in sorted(unmarked, key=lambda k: k.start)] == [False, True, True, True]
+
+
 def test_the_profile_script_profiles_the_full_step_by_default():
     path = Path(__file__).resolve().parents[1] / "scripts" / "leaderboard_2026_profile.py"
     spec = importlib.util.spec_from_file_location("leaderboard_2026_profile", path)

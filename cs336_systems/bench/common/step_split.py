@@ -5,7 +5,9 @@ A kernel's category comes from its name (:data:`KERNEL_CATEGORIES`, the first pa
 and where the CPU launched it (the trace links each kernel to its launching call by a ``correlation`` id):
 
 * the *backward* is the stretch of CPU time from the first to the last of the autograd engine's
-  ``autograd::engine::evaluate_function: ...`` ranges (or a ``record_function`` range named ``step.backward``);
+  ``autograd::engine::evaluate_function: ...`` ranges (or a ``record_function`` range named ``step.backward``),
+  one stretch per step where the trace marks its steps (:data:`STEP_RANGE`: ``prof.step()`` or a
+  ``record_function`` range named ``training_step``), so that a later step's forward is not taken for backward;
 * a *forward* kernel is one whose name says so (an attention forward, ``fwd`` / ``fprop`` / ``forward``) or one
   launched inside a forward range on its thread (:data:`FORWARD_RANGE`: a compiled graph's forward, a linear
   layer); PyTorch does not annotate checkpointing, but ``torch.utils.checkpoint`` recomputes a block inside the
@@ -44,6 +46,7 @@ SPLIT = ("matmul", "attention_forward", "attention_backward", "recompute", "elem
 FORWARD_NAME = re.compile(r"fwd|fprop|forward")
 FORWARD_RANGE = re.compile(r"^(CompiledFunction|Torch-Compiled Region.*|aten::(linear|einsum|matmul|embedding))$")
 BACKWARD_RANGE = re.compile(r"^(autograd::engine::evaluate_function: .*|step\.backward)$")
+STEP_RANGE = re.compile(r"^(ProfilerStep#\d+|training_step)$")
 _PATTERNS = tuple((category, re.compile(pattern)) for category, pattern in KERNEL_CATEGORIES)
 
 
@@ -121,6 +124,20 @@ def idle_gaps(kernels: list[StepKernel], top: int = 8) -> dict[str, Any]:
             "largest": [{**g, "ms": round(g["ms"], 3), "at_ms": round(g["at_ms"], 2)} for g in largest]}
 
 
+def backward_windows(backward: list[tuple[float, float]],
+                     steps: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The backward's stretches of CPU time: from the first to the last of the ``backward`` ranges within each of
+    the ``steps`` ranges, or, where the trace marks no steps, over all of them."""
+    if not steps:
+        return [(min(s for s, _ in backward), max(e for _, e in backward))] if backward else []
+    windows = []
+    for first, last in steps:
+        inside = [(s, e) for s, e in backward if first <= s and e <= last]
+        if inside:
+            windows.append((min(s for s, _ in inside), max(e for _, e in inside)))
+    return windows
+
+
 def _inside(intervals: list[tuple[float, float]], starts: list[float], t: float) -> bool:
     position = bisect.bisect_right(starts, t) - 1
     return position >= 0 and t <= intervals[position][1]
@@ -135,7 +152,8 @@ def kernels_of_trace(trace: dict[str, Any]) -> list[StepKernel]:
     ranges = [e for e in events if e.get("cat") in ("cpu_op", "user_annotation")]
     backward = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))) for e in ranges
                 if BACKWARD_RANGE.match(e["name"])]
-    window = (min(s for s, _ in backward), max(e for _, e in backward)) if backward else None
+    steps = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))) for e in ranges if STEP_RANGE.match(e["name"])]
+    windows = backward_windows(backward, steps)
     forward: dict[Any, list[tuple[float, float]]] = {}
     for e in ranges:
         if FORWARD_RANGE.match(e["name"]):
@@ -150,6 +168,6 @@ def kernels_of_trace(trace: dict[str, Any]) -> list[StepKernel]:
         start = float(e["ts"])
         kernels.append(StepKernel(
             e["name"], start, start + float(e.get("dur", 0)),
-            in_backward=at is not None and window is not None and window[0] <= at <= window[1],
+            in_backward=at is not None and any(first <= at <= last for first, last in windows),
             in_forward_range=at is not None and tid in forward and _inside(forward[tid], starts[tid], at)))
     return kernels
