@@ -11,24 +11,35 @@ from cs336_systems.bench import flash_log
 from cs336_systems.bench import rmsnorm as rmsnorm_bench
 from pipeline import figures
 from pipeline.markup import DASH, num, pct, span, spread, table, times
-from pipeline.results import Missing, display_path, main_device
+from pipeline.results import Missing, display_path, main_device, read_jsonl
 from pipeline.sections.registry import Output, problem
 
 PROVIDER_ORDER = ("ours", "eager", "compile", "liger", "quack")
 PASS_NAMES = {"fwd": "forward", "fwd_bwd": "forward + backward"}
 
 
+FORWARD_GRID_FILE = "h100-rmsnorm-forward-grid/tuned_grid_1ee9e87.jsonl"  # scripts/rmsnorm_forward_grid.py
+
+
+def newest_graph_runs(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The kernel rows timed on CUDA-graph replays: per dtype, its newest run (``rmsnorm_bench.newest_kernel_run``);
+    without any, the newest ``do_bench`` run."""
+    kernel = [r for dtype in rmsnorm_bench.DTYPES for r in rmsnorm_bench.newest_kernel_run(
+        [r for r in rows if r.get("dtype") == dtype], timer="graph")]
+    return kernel or rmsnorm_bench.newest_kernel_run(rows)
+
+
 def load_rmsnorm(res) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """The kernel rows of the newest kernel-part run (``rmsnorm_bench.newest_kernel_run``: rows that record
-    ``copy_share``; earlier runs are left out) and the model rows (``part == "model"``: a train step of one model
-    size with ``norm`` plain or fused), the latest per configuration on their main device."""
+    """The kernel rows of :func:`newest_graph_runs` (rows that record ``copy_share``; earlier runs are left out) and
+    the model rows (``part == "model"``: a train step of one model size with ``norm`` plain or fused), the latest
+    per configuration on their main device."""
 
     def keep(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         model = [r for r in rows if r.get("part") == "model"]
         if model:
             device = main_device(model)
             model = [r for r in model if r.get("device") == device]
-        return rmsnorm_bench.newest_kernel_run(rows) + model
+        return newest_graph_runs(rows) + model
 
     rows = res.rows("rmsnorm", one_device=False, keep=keep)
     return [r for r in rows if r.get("part") == "kernel"], [r for r in rows if r.get("part") == "model"]
@@ -63,7 +74,8 @@ def _grid_table(at: dict[tuple, dict[str, Any]], providers: list[str], cols: lis
     return table(["pass", "N", "copy", *providers], body,
                  f"RMSNorm kernels at M = {m:,} rows of N, {dtype}: effective bandwidth in GB/s (bytes an ideal "
                  "implementation reads and writes over the median time) and, in brackets, its share of the copy "
-                 "bandwidth of the same shape measured in the same run (copy: x.clone()).",
+                 "bandwidth of the same shape measured in the same run (copy: x.clone(); where a kernel moved "
+                 "more bytes a second than the copy, the share is of that kernel's bandwidth).",
                  align=["left", "right", "right", *["right"] * len(providers)], size=7)
 
 
@@ -194,6 +206,55 @@ def _rival_share(grid: dict[tuple, dict[str, Any]], pass_: str) -> dict[str, str
     return {"range": spread(min(shares), max(shares), pct), "median": pct(statistics.median(shares))}
 
 
+def with_copy_reference(grid: dict[tuple, dict[str, Any]]) -> tuple[dict[tuple, dict[str, Any]], list[str]]:
+    """``grid`` (keyed (provider, pass, M, N, dtype)) with every ``copy_share`` against the larger of the copy's
+    bandwidth and the fastest kernel's at the same shape, and the shapes where a kernel outran the copy by more
+    than ``CLOSE``, each with both bandwidths."""
+    best: dict[tuple, float] = {}
+    for (_, _, m, n_cols, dtype), row in grid.items():
+        best[(m, n_cols, dtype)] = max(best.get((m, n_cols, dtype), 0.0), row["gbps"])
+    low, result = [], {}
+    for key, row in grid.items():
+        shape = key[2:]
+        copy = grid.get(("copy", "copy", *shape), {}).get("gbps")
+        reference = max(copy or 0.0, best[shape]) if copy else None
+        result[key] = {**row, "copy_share": row["gbps"] / reference if reference else None}
+        if key[0] == "copy" and copy and best[shape] > (1 + CLOSE) * copy:
+            low.append(f"{shape[0]:,} × {shape[1]:,} {shape[2]} ({num(copy, 0)} against {num(best[shape], 0)} GB/s)")
+    return result, low
+
+
+def forward_grid(res) -> dict[str, Any]:
+    """Our forward at each grid size of ``FWD_GRIDS`` and autotuned over them, beside Liger, at the large shapes
+    (``scripts/rmsnorm_forward_grid.py``'s lines in ``FORWARD_GRID_FILE``): a table and the tuned-over-Liger
+    range per dtype."""
+    try:
+        lines = read_jsonl(res.path(FORWARD_GRID_FILE))
+    except Missing:
+        return {"table": None, "n": {"has_grid": False}}
+    by_shape: dict[tuple, dict[str, float]] = {}
+    for r in lines:
+        name = r["provider"] if r["provider"] != "ours" else f"ours {r['programs_per_sm']}"
+        by_shape.setdefault((r["dtype"], r["rows"], r["cols"]), {})[name] = r["gbps"]
+    grids = {"ours 4": "4 per SM", "ours 16": "16 per SM", "ours 0": "one per tile", "ours None": "tuned"}
+    body, ratios = [], {}
+    for (dtype, m, n_cols), got in sorted(by_shape.items()):
+        ratio = got["ours None"] / got["liger"]
+        ratios.setdefault(dtype, []).append(ratio)
+        body.append([dtype, f"{m:,} × {n_cols:,}", *[num(got.get(g), 0) for g in grids], num(got["liger"], 0),
+                     num(ratio, 3)])
+    header = ["dtype", "M × N", *[f"ours, {g}" for g in grids.values()], "Liger", "tuned / Liger"]
+    caption = (f"Our RMSNorm forward by grid size (programs per SM; tuned: the autotuner's pick among them) and "
+               f"Liger's, GB/s on CUDA-graph replays, one call on {lines[0]['device']} "
+               f"(scripts/rmsnorm_forward_grid.py).")
+    return {"table": table(header, body, caption, align=["left", "right", *["right"] * 6], size=7),
+            "n": {"has_grid": True, "ratios": "; ".join(f"{d}: {spread(min(v), max(v))}" for d, v in ratios.items()),
+                  "wins": sum(r >= 1 for v in ratios.values() for r in v),
+                  "shapes": sum(len(v) for v in ratios.values()),
+                  "before": spread(min(by["ours 4"] / by["liger"] for by in by_shape.values()),
+                                   max(by["ours 4"] / by["liger"] for by in by_shape.values()))}}
+
+
 def _time_span(row: dict[str, Any]) -> float:
     """The 20th to 80th percentile of a kernel's time over its median (0 where the row has no percentiles)."""
     return (row["ms_p80"] - row["ms_p20"]) / row["ms"] if "ms_p20" in row and "ms_p80" in row else 0.0
@@ -214,13 +275,17 @@ def rmsnorm(res, out: Output) -> dict[str, Any]:
                          "grid": (f"M in {{{', '.join(f'{m:,}' for m in rmsnorm_bench.ROWS)}}} rows × N in "
                                   f"{{{', '.join(f'{c:,}' for c in rmsnorm_bench.COLS)}}}"),
                          "all_providers": ", ".join(rmsnorm_bench.PROVIDERS)}
-    residual = residual_norm(res)
-    n["residual"] = residual["n"]
+    residual, forward = residual_norm(res), forward_grid(res)
+    n["residual"], n["forward"] = residual["n"], forward["n"]
     tables = {"residual": residual["table"]} if residual["table"] else {}
+    if forward["table"]:
+        tables["forward"] = forward["table"]
     if not kernel:
         return {"tables": tables, "figures": {}, "n": n}
     measured = [r for r in kernel if not r.get("oom") and r.get("gbps")]
-    grid = {(r["provider"], r["pass"], r["rows"], r["cols"], r["dtype"]): r for r in measured}
+    grid, copy_low = with_copy_reference(
+        {(r["provider"], r["pass"], r["rows"], r["cols"], r["dtype"]): r for r in measured})
+    measured = list(grid.values())
     m = max(r["rows"] for r in measured)
     at = {(p, q, c, d): r for (p, q, rows, c, d), r in grid.items() if rows == m}
     present = {r["provider"] for r in measured} - {"copy"}
@@ -231,7 +296,9 @@ def rmsnorm(res, out: Output) -> dict[str, Any]:
     cases = _against_rivals(grid)
     rivals = " and ".join(p for p in RIVALS if p in present)
     n.update({"m": f"{m:,}", "dtype": dtype, "dtypes": ", ".join(dtypes), "providers": ", ".join(providers),
-              "run": kernel[0]["run"], "has_ours": "ours" in present, "has_rivals": bool(cases), "rivals": rivals,
+              "run": ", ".join(sorted({r["run"] for r in kernel})), "graph": all(
+                  rmsnorm_bench.case_timer(r) == "graph" for r in kernel), "copy_low": "; ".join(copy_low),
+              "has_ours": "ours" in present, "has_rivals": bool(cases), "rivals": rivals,
               "large": f"{LARGE_SHAPE / 2**20:g}M", "largest": f"{LARGEST_SHAPES / 2**20:g}M",
               "close": pct(CLOSE), "steady": pct(STEADY),
               "at_least": sum(c["ratio"] >= 1 for c in cases), "cases": len(cases),
