@@ -45,7 +45,7 @@ TOOL = "scripts/leaderboard_2026_profile.py"
 def build_stack(stack: str, args, device: torch.device, world: int, free_bytes: float | None):
     """``stack`` with its ``--override`` parts and its ``--checkpoint-plan`` (``auto`` fills ``free_bytes``, the
     ranks' least free memory before any stack was built), on a fresh model (seed 0); the overrides and the
-    plan."""
+    plan, and the parts built."""
     overrides = [o.split(":", 1)[1] for o in args.override if o.startswith(stack + ":")]
     parts = SHARDED_STACKS[stack].with_overrides(overrides)
     plan = None
@@ -58,7 +58,7 @@ def build_stack(stack: str, args, device: torch.device, world: int, free_bytes: 
             print(f"# {stack}: checkpoint plan: {plan.describe()}", flush=True)
     torch.manual_seed(0)
     model = BasicsTransformerLM(**{**MODEL, "num_layers": args.layers}, device=device)
-    return build_training_step(model, parts, autocast_dtype=torch.bfloat16), overrides, plan
+    return build_training_step(model, parts, autocast_dtype=torch.bfloat16), overrides, plan, parts
 
 
 def profile_steps(step, x, y, steps: int, trace_path: str | None):
@@ -103,7 +103,7 @@ def rank(rank: int, world: int, args) -> None:
     # Measured once: a stack's memory is not all returned to the device before the next is built.
     free_bytes = dl.least_free_bytes(device) if args.checkpoint_plan == "auto" else None
     for stack in args.stacks:
-        step, overrides, plan = build_stack(stack, args, device, world, free_bytes)
+        step, overrides, plan, parts = build_stack(stack, args, device, world, free_bytes)
         x, y = batch_of_rank(config, device, rank, world, world)
         for _ in range(args.warmup_steps):
             step(x, y)
@@ -123,6 +123,8 @@ def rank(rank: int, world: int, args) -> None:
                         "warmup_steps": args.warmup_steps,
                         "profiled_steps": args.steps}
                 measured["peak_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
+                if parts.sharding == "ours":
+                    measured["gradient_memory"] = parts.gradient_memory
                 if plan is not None:
                     measured["checkpoint_plan"] = {"describe": plan.describe(),
                                                    "predicted_peak_gb": plan.peak_bytes / GB,

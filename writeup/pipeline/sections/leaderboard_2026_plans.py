@@ -164,7 +164,7 @@ def full_step_rates(profile: dict[str, Any], modes: tuple[str, ...]) -> dict[str
     layers, full = profile["layers"], MODEL["num_layers"]
     config = {**MODEL, "num_layers": layers, "context_length": profile.get("context_length", MODEL["context_length"])}
     flop = plan_flop_parts(config, 1, modes)
-    if "split_ms" in profile:
+    if has_split(profile):
         ms = profile["split_ms"]
         matmul_ms = ms["matmul"] + ms["recompute"]
         per_block, loss, optimizer, comm = (ms["elementwise"] + ms["norms"], ms["loss"], ms["optimizer"],
@@ -287,12 +287,17 @@ def split_figure(out, profile: dict[str, Any]) -> dict[str, str]:
                     f"{profile['device']}), its time by category (ms; the wall time {profile['wall_ms']:,.0f} ms).")
 
 
+def has_split(r: dict[str, Any]) -> bool:
+    """Whether a profile row's split can be shown (rows with a ``split_note`` say their split is wrong)."""
+    return "split_ms" in r and "split_note" not in r
+
+
 def split_rows(rows: list[dict[str, Any]], plans: dict[str, tuple[str, ...]]) -> dict[str, dict[str, Any]]:
     """A profile row with a split (``split_ms``) of each stack at the full depth, by stack: the newest whose plan is
     ``plans[stack]`` (the plan of the official row it stands beside) where there is one, else the newest."""
     latest: dict[str, dict[str, Any]] = {}
     for r in sorted(rows, key=lambda r: r.get("run", "")):
-        if "split_ms" in r and r.get("layers") == MODEL["num_layers"] and not r.get("parts"):
+        if has_split(r) and r.get("layers") == MODEL["num_layers"] and not r.get("parts"):
             held = latest.get(r["stack"])
             if held is None or profile_modes(r) == plans.get(r["stack"]) or profile_modes(held) != plans.get(r["stack"]):
                 latest[r["stack"]] = r
