@@ -452,7 +452,7 @@ def planned_pairs() -> list[dict]:
                                            {"pytorch": 1, "ours": 1}, {"pytorch": 81.0, "ours": 78.5}, retries=48)]
 
 
-def test_official_rows_pair_by_invocation_and_the_headline_is_the_h200_pair_of_one_plan(tmp_path):
+def test_official_rows_pair_by_invocation_and_the_headline_is_the_newest_planned_h200_pair(tmp_path):
     from pipeline.sections.leaderboard_2026 import device_numbers, headline_pair, official_pairs, pair_numbers
 
     results = tmp_path / "results"
@@ -465,9 +465,10 @@ def test_official_rows_pair_by_invocation_and_the_headline_is_the_h200_pair_of_o
         ("2x " + H200, "20261122T1600"), ("2x " + H200, "20261126T1714"), ("2x " + H200, "20261126T1721"),
         ("2x " + H100, "20261126T1736")]
     assert all(p["pytorch"]["run"] < p["ours"]["run"] for p in pairs[1:])
-    # The H200s (the largest peaks) lead though the H100 pair is newer; of theirs, the pair of one plan, though older.
-    assert headline_pair(pairs) is pairs[1]
-    assert headline_pair([pairs[0], *pairs[2:]]) is pairs[2]  # no pair of one plan: the newest
+    # The H200s (the largest peaks) lead though the H100 pair is newer; of theirs the newest planned pair, whether
+    # or not both stacks' planners chose the same plan.
+    assert headline_pair(pairs) is pairs[2]
+    assert headline_pair(pairs[:2]) is pairs[1]
     assert headline_pair([pairs[0], pairs[3]]) is pairs[3]
     assert headline_pair(pairs[:1]) is pairs[0]  # before the planner: the pair there is
     later = pair_numbers(pairs[2])
@@ -501,10 +502,10 @@ def split_row(stack: str, run: str, kept: int, wall_ms: float, **extra) -> dict:
 
 
 @pytest.mark.slow
-def test_the_section_leads_with_the_h200_pair_and_labels_every_plan(tmp_path):
+def test_the_section_leads_with_the_newest_h200_pair_and_labels_every_plan(tmp_path):
     """The planned pairs over the fixture's rows from before the planner: the table shows every planned pair, the
-    text leads with the H200 pair of one plan and states the others; the split is ours under the headline's plan,
-    PyTorch's under another (its column says which), and the newer split that records idle stretches beside."""
+    text leads with the newest planned H200 pair (each stack its own plan) and states the others; the split is ours
+    under the headline's plan, with its idle stretches, and PyTorch's under another (its column says which)."""
     results = tmp_path / "results"
     write_fixture(results, tmp_path / "row-figures")
     with (results / "leaderboard_2026.jsonl").open("a") as f:
@@ -523,17 +524,18 @@ def test_the_section_leads_with_the_h200_pair_and_labels_every_plan(tmp_path):
     assert run_build(tmp_path, results) == 0
     lb = json.loads((tmp_path / "build" / "generated" / "data.json").read_text())["sections"]["leaderboard_2026"]
     n, main = lb["n"], lb["tables"]["main"]["rows"]
-    assert (n["device"], n["ratio"], n["planned"], n["pairs"]["count_word"]) == ("2x " + H200, "0.88×", True, "Two")
-    assert n["pairs"]["headline"]["time"] == "2026-11-26 17:13" and n["pairs"]["headline"]["same_plan"]
+    assert (n["device"], n["ratio"], n["planned"], n["pairs"]["count_word"]) == ("2x " + H200, "0.94×", True, "Two")
+    assert n["pairs"]["headline"]["time"] == "2026-11-26 17:20" and not n["pairs"]["headline"]["same_plan"]
     assert [(r[0], r[1], r[2], r[3]) for r in main] == [
-        ("2x " + H200, "2026-11-26 17:13 (headline)", "13 keep, 21 selective", "13 keep, 21 selective"),
-        ("2x " + H200, "2026-11-26 17:20", "17 keep, 17 selective", "16 keep, 18 selective"),
+        ("2x " + H200, "2026-11-26 17:13", "13 keep, 21 selective", "13 keep, 21 selective"),
+        ("2x " + H200, "2026-11-26 17:20 (headline)", "17 keep, 17 selective", "16 keep, 18 selective"),
         ("2x " + H100, "2026-11-26 17:35", "1 keep, 33 selective", "1 keep, 33 selective")]
     assert main[0][10] == "– / –" and main[1][10] == "24 / 24"
     assert [(x["device"], x["ratio"]) for x in n["other_devices"]] == [("2x " + H100, f"{5541 / 5832:.3f}×")]
     assert (n["has_earlier"], [r[5] for r in lb["tables"]["earlier"]["rows"]]) == (True, ["1.250×"])
     stacks = {r[0]: r[1:] for r in lb["tables"]["stacks"]["rows"]}
-    assert stacks["block_checkpointing"] == ["21 selective (0–20), 13 keep (21–33)"] * 2
+    assert stacks["block_checkpointing"] == ["17 selective (0–16), 17 keep (17–33)",
+                                            "18 selective (0–17), 16 keep (18–33)"]
     assert "keep_attention" not in stacks and "checkpointing" not in stacks
     # The first pair's prediction came from an earlier model; today's predicts the later rows' peaks (the lone
     # PyTorch row among them: every official row is in the plans table).
@@ -541,19 +543,18 @@ def test_the_section_leads_with_the_h200_pair_and_labels_every_plan(tmp_path):
     assert (claim["has_earlier_model"], claim["earlier_predicted"], claim["planned_rows"]) == (True, "137.3", "5")
     assert claim["earlier_measured"] == "129.5 (PyTorch's) and 127.0 (ours)"
     memory = {r[0]: r[1:] for r in lb["tables"]["memory"]["rows"]}
-    assert memory["predicted when planned (earlier model)"] == ["137.3", "137.3"]
-    # The split: ours under the headline's plan, PyTorch's under its own, the newer one with its idle stretches.
+    assert "predicted when planned (earlier model)" not in memory  # the headline's plans are today's model's
+    # The split: ours under the headline's plan (the split that records idle stretches), PyTorch's under another.
     assert lb["tables"]["split"]["header"][0] == [
-        "ms, rank 0", "ours: 13 keep, 21 selective (17:15)", "pytorch: 3 keep, 31 selective (17:16)",
-        "ours (another plan): 17 keep, 17 selective (17:23)"]
+        "ms, rank 0", "ours: 17 keep, 17 selective (17:23)", "pytorch: 3 keep, 31 selective (17:16)"]
     split = n["split"]
     assert (split["plan"], split["all_match"], split["mismatched"]) == (
-        "13 keep, 21 selective", False, "PyTorch's ran 3 keep, 31 selective")
+        "17 keep, 17 selective", False, "PyTorch's ran 3 keep, 31 selective")
     assert (split["gap_1"], split["gap_2"], split["retries"], split["gaps_match_retries"]) == ("111.5", "90.2", "2", True)
     # The B200 on paper: the rates of ours under the headline's plan, against the headline's measured step.
     paper = n["paper"]
     assert (paper["measured_time"], paper["h200_plan"], paper["h200_measured"]) == (
-        "2026-11-26 17:14", "13 keep, 21 selective", "4,902")
+        "2026-11-26 17:21", "17 keep, 17 selective", "5,116")
 
 
 def test_the_section_builds_on_the_recorded_results(tmp_path):
@@ -565,6 +566,10 @@ def test_the_section_builds_on_the_recorded_results(tmp_path):
     assert n["pairs"]["device"] == n["device"]
     assert any(r[1].endswith("(headline)") and r[0] == n["device"] for r in lb["tables"]["main"]["rows"])
     assert n["pairs"]["ratio_low"] <= n["pairs"]["headline"]["ratio"] <= n["pairs"]["ratio_high"]
+    # Our step profiled with the gradient shards on each stream: the reduction stream's row first.
+    rows = lb["tables"]["gradient_memory"]["rows"]
+    assert [r[0] for r in rows] == ["reduction stream", "compute stream"]
+    assert n["gradient_memory"]["has_gradient_memory"] and float(n["gradient_memory"]["gm_saved"]) > 0
 
 
 def test_full_step_rates_from_a_split_and_from_kernels_by_name():
