@@ -141,6 +141,25 @@ def test_kernel_choice_follows_the_configuration():
     assert triton_backend.supports(cpu, torch.float32, 72) == "head dim 72 (needs one of (16, 32, 48, 64, 80, 96, 128))"
 
 
+def test_two_part_head_dims_stay_portable_where_that_is_faster(monkeypatch):
+    """At 48, 80 and 96 the portable kernels run the head dim in two parts where the Hopper ones pad it to 128: the
+    forward stays portable, and the backward up to ``SPLIT_BACKWARD_MAX_KEYS`` keys; other head dims are left to
+    the programs rule."""
+    keys = op.SPLIT_BACKWARD_MAX_KEYS
+    for d in (48, 80, 96):
+        assert op.portable_runs_faster(d, "forward", 8 * keys)
+        assert op.portable_runs_faster(d, "backward", keys) and not op.portable_runs_faster(d, "backward", keys + 1)
+    for d in (16, 32, 64, 128, 72, 112):  # every backend's head dims, and padded ones the portable kernels pad too
+        assert not any(op.portable_runs_faster(d, part, 512) for part in ("forward", "backward"))
+    # _backend passes the shape class on: many programs, but a two-part head dim.
+    seen = []
+    monkeypatch.setattr(op, "choose_backend", lambda *args: seen.append(args[-1]))
+    for d, n in [(80, 2048), (80, 8192), (64, 2048)]:
+        Q = torch.empty(4, 32, n, d)
+        op._backend("forward", Q, Q), op._backend("backward", Q, Q)
+    assert seen == [False, False, False, True, True, True]
+
+
 def test_backends_share_one_interface():
     for backend in (hopper, triton_backend):
         for name in ("supports", "forward", "backward"):

@@ -17,7 +17,8 @@ cannot run such inputs, or None), ``forward(Q, K, V, is_causal, sm_scale) -> (O,
 * ``backends/triton.py``: the portable Triton kernels (any CUDA GPU, every dtype, the CPU interpreter);
 * ``backends/hopper.py``: the Gluon kernels for Hopper GPUs (float16/bfloat16), run when
   :data:`cs336_systems.attention.config.FLASH_CONFIG` says so (by default, where they can run, for calls of at
-  least ``hopper_min_programs`` programs).
+  least ``hopper_min_programs`` programs, except where the portable kernels run a head dim the Hopper ones pad:
+  see :func:`portable_runs_faster`).
 
 The choice is resolved once per (configuration, device, dtype, head dim, part, shape class) and cached.
 
@@ -45,6 +46,10 @@ from cs336_systems.kernels.launch import FLOAT_DTYPES, define_operator, unit_las
 SUPPORTED_HEAD_DIMS = tuple(d for d in portable.HEAD_DIMS if d in hopper.HEAD_DIMS)
 """The head dims every backend runs without padding (the portable kernels run a few more: ``portable.HEAD_DIMS``)."""
 MAX_GRID_Y = 65535  # CUDA's limit on the second grid dimension, which runs over batch * heads
+SPLIT_BACKWARD_MAX_KEYS = 2048
+"""Up to this many keys the portable backward at a head dim it holds in two parts (48, 80, 96) runs faster than the
+Hopper backward padded to 128 (one H100, d = 80: 1.19 against 1.44 ms at (4, 32, 2048, 80); at (1, 32, 8192, 80)
+3.89 against 3.22 ms)."""
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -121,20 +126,31 @@ def check_inputs(Q: Tensor, K: Tensor, V: Tensor, is_causal: bool) -> None:
 
 @functools.cache
 def choose_backend(config: FlashConfig, device: torch.device, dtype: torch.dtype, head_dim: int, part: str,
-                   enough_programs: bool) -> ModuleType:
-    """The backend that runs ``part`` ("forward" or "backward") under ``config``; ``enough_programs`` (the shape
-    class): the Hopper kernels would launch at least ``config.hopper_min_programs`` programs. Raises where
+                   hopper_by_default: bool) -> ModuleType:
+    """The backend that runs ``part`` ("forward" or "backward") under ``config``; ``hopper_by_default`` (the shape
+    class): the Hopper kernels would launch at least ``config.hopper_min_programs`` programs and the portable ones
+    do not run the call faster (:func:`portable_runs_faster`). Raises where
     ``config`` asks for the Hopper kernels and they cannot run, and where no backend can."""
     if config.kernels != "triton":
         reason = hopper.supports(device, dtype, head_dim)
         if reason is not None and config.kernels == "hopper":
             raise ValueError(f"FlashConfig(kernels='hopper'), but the Hopper {part} cannot run: {reason}")
-        if reason is None and (config.kernels == "hopper" or enough_programs):
+        if reason is None and (config.kernels == "hopper" or hopper_by_default):
             return hopper
     reason = portable.supports(device, dtype, head_dim)
     if reason is not None:
         raise ValueError(reason)
     return portable
+
+
+def portable_runs_faster(head_dim: int, part: str, n_keys: int) -> bool:
+    """Whether, by default, the portable kernels run ``part`` where the Hopper ones could: at the head dims the
+    portable kernels hold in two column parts and the Hopper ones pad to 128, the forward always (one H100,
+    d = 80: 0.35 against 0.59 ms at (4, 32, 2048, 80), 1.14 against 1.14 ms at (1, 32, 8192, 80)) and the backward
+    up to :data:`SPLIT_BACKWARD_MAX_KEYS` keys."""
+    if head_dim in SUPPORTED_HEAD_DIMS or head_dim not in portable.HEAD_DIMS:
+        return False
+    return part == "forward" or n_keys <= SPLIT_BACKWARD_MAX_KEYS
 
 
 def _backend(part: str, Q: Tensor, K: Tensor) -> ModuleType:
@@ -147,7 +163,8 @@ def _backend(part: str, Q: Tensor, K: Tensor) -> ModuleType:
     # The Hopper kernels' programs: batch * heads times the tiles of their rows (queries forward, keys backward).
     rows = shape[-2] if part == "forward" else K.shape[-2]
     enough = batch_heads * -(-rows // hopper.ROWS_PER_PROGRAM) >= config.hopper_min_programs
-    return choose_backend(config, Q.device, Q.dtype, _padded_head_dim(shape[-1]), part, enough)
+    hopper_by_default = enough and not portable_runs_faster(shape[-1], part, K.shape[-2])
+    return choose_backend(config, Q.device, Q.dtype, _padded_head_dim(shape[-1]), part, hopper_by_default)
 
 
 # ---------------------------------------------------------------------------------------------------
