@@ -11,6 +11,10 @@
 # isolated launches, alternating, $RESIDUAL_ROUNDS (2) of each, at each context:batch of $RESIDUAL_SHAPES (512:4),
 # in the variants $RESIDUAL_VARIANTS (default: eager launches). PART=residual_step runs only the training steps:
 #   PART=residual_step RESIDUAL_SHAPES=2048:4 bash scripts/device_bench.sh
+#   PART=rmsnorm_grid bash scripts/device_bench.sh
+# The RMSNorm kernel grid on CUDA-graph replays (the writeup's), bf16 then fp32 in one run (one --run-id; a cut-off
+# call resumes it with RUN=<that id>), every provider installed (carry wheels/ for Liger), then our forward's grid
+# sizes beside Liger (scripts/rmsnorm_forward_grid.py, into $OUT/forward_grid.jsonl).
 #   PART=checks bash scripts/device_bench.sh
 # The GPU tests of the graph timer, the two-part head dims and the tf32x3 products; the 2.7B model's attention
 # (head dim 80) in cuDNN, our Hopper kernels (padded to 128) and our portable kernels (two column parts); then the
@@ -48,6 +52,14 @@ residual)
 residual_step)
     residual_steps
     ;;
+rmsnorm_grid)
+    python3 -m pip install --no-deps --no-index wheels/*.whl -q 2>/dev/null || echo "# no wheels: Liger not installed"
+    run=${RUN:-$(date -u +%Y%m%dT%H%M%SZ)-grid}
+    for dtype in bf16 fp32; do
+        capped 280 python3 -m cs336_systems.bench.rmsnorm --part kernel --timer graph --dtypes "$dtype" --run-id "$run"
+    done
+    capped 120 python3 scripts/rmsnorm_forward_grid.py --output "$OUT/forward_grid.jsonl"
+    ;;
 checks)
     capped 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_graph_timer.py \
         tests/test_flash_attention_triton.py -k "graph or split_head_dims or tf32x3"
@@ -63,7 +75,7 @@ checks)
     done
     ;;
 *)
-    echo "unknown part ${PART}: residual, residual_step or checks (or none: the arguments are bench commands)" >&2
+    echo "unknown part ${PART}: residual, residual_step, rmsnorm_grid or checks (or none: the arguments are bench commands)" >&2
     exit 2
     ;;
 esac
