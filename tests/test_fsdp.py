@@ -470,14 +470,14 @@ def check_lm_training(rank: int, world_size: int, device: torch.device) -> None:
 
 
 def check_gradient_memory(rank: int, world_size: int, device: torch.device) -> None:
-    """Gradient shards allocated on the compute stream (on NCCL; gloo has one stream) train the 4-block LM like
-    one process; an unknown placement is refused."""
+    """Gradient shards allocated on the reduction stream (on NCCL; gloo has one stream; the compute stream is the
+    default, which every other test runs) train the 4-block LM like one process; an unknown placement is refused."""
     config = LMConfig("tiny", context_length=8, batch_size=2 * world_size)
-    where = f"LM, gradient_memory=compute_stream, rank {rank}/{world_size}"
+    where = f"LM, gradient_memory=reduce_stream, rank {rank}/{world_size}"
     torch.manual_seed(rank)
-    fsdp = FSDP(BasicsLM4(config, device), gradient_memory="compute_stream")
+    fsdp = FSDP(BasicsLM4(config, device), gradient_memory="reduce_stream")
     if dist.get_backend() == "nccl":
-        assert fsdp.transport.gradient_memory == "compute_stream", where
+        assert fsdp.transport.gradient_memory == "reduce_stream", where
 
     def reference():
         torch.manual_seed(0)

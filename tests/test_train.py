@@ -34,8 +34,9 @@ def test_parts_are_checked():
     with pytest.raises(ValueError, match="unknown gradient_memory"):
         Parts(sharding="ours", gradient_memory="host")
     with pytest.raises(ValueError, match="needs sharding='ours'"):
-        Parts(sharding="fsdp2", gradient_memory="compute_stream")
-    assert SHARDED_STACKS["ours"].with_overrides(["gradient_memory=compute_stream"]).gradient_memory == "compute_stream"
+        Parts(sharding="fsdp2", gradient_memory="reduce_stream")
+    assert SHARDED_STACKS["ours"].gradient_memory == "compute_stream"  # the default
+    assert SHARDED_STACKS["ours"].with_overrides(["gradient_memory=reduce_stream"]).gradient_memory == "reduce_stream"
 
 
 def test_cudagraphs_needs_a_gpu():
