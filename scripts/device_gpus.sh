@@ -50,11 +50,12 @@ official)  # the 8B step under the official protocol with the checkpoint plan $P
     [[ ${SPLIT:-1} == 1 ]] && capped 230 python3 scripts/leaderboard_2026_profile.py --stacks ours torch \
         --checkpoint-plan "${PLAN:-auto}" $margin --timeout-s 220
     ;;
-gradient_memory)  # our full step profiled with its FSDP's gradient shards on the compute stream, then on the
-                  # reduction stream (two profiled steps each; rows record allocator retries and idle stretches)
-    capped 270 python3 scripts/leaderboard_2026_profile.py --stacks ours --steps 2 --timeout-s 260 \
-        --override ours:gradient_memory=compute_stream
+gradient_memory)  # our full step profiled with its FSDP's gradient shards on the compute stream (the default),
+                  # then on the reduction stream (two profiled steps each; rows record the placement, allocator
+                  # retries and idle stretches)
     capped 270 python3 scripts/leaderboard_2026_profile.py --stacks ours --steps 2 --timeout-s 260
+    capped 270 python3 scripts/leaderboard_2026_profile.py --stacks ours --steps 2 --timeout-s 260 \
+        --override ours:gradient_memory=reduce_stream
     ;;
 check)  # leaderboard_2026 --check alone: both stacks' first steps against one process
     capped 150 python3 -m cs336_systems.bench.leaderboard_2026 --check
