@@ -152,7 +152,10 @@ def assert_candidates_compile_without_spills(n_cols: int, residual: bool) -> Non
             for c in candidates:
                 if c.num_warps not in heaviest or c.kwargs["BLOCK_M"] > heaviest[c.num_warps].kwargs["BLOCK_M"]:
                     heaviest[c.num_warps] = c
-            for config in [*heaviest.values(), rmsnorm.fixed_config(kernel, n_cols, x.element_size())]:
+            configs = [*heaviest.values(), rmsnorm.fixed_config(kernel, n_cols, x.element_size())]
+            if kernel == "fwd":  # one program per tile compiles another body (no prefetch)
+                configs += [rmsnorm._fwd_config(c.kwargs["BLOCK_M"], c.num_warps, 0) for c in heaviest.values()]
+            for config in configs:
                 meta = dict(BLOCK_N=block_n, SINGLE_TILE=single_tile, **config.kwargs, num_warps=config.num_warps,
                             num_stages=config.num_stages)
                 if kernel == "fwd":

@@ -18,9 +18,10 @@ exist or the last dimension is strided). Every statistic and accumulation is flo
 Both kernels run a grid of ``P`` programs; program ``p`` takes the ``BLOCK_M``-row tiles ``p, p + P, p + 2P,
 ...``, so that the programs in flight read neighbouring rows. The backward's grid is persistent (a few programs
 per SM); the forward's is tuned with its tiles: a few programs per SM, or one program per tile, which lets the
-hardware keep as many programs resident as fit (the faster one depends on the shape, by up to 10 %). For a row that fits in
-one tile (``next_power_of_2(N) <= MAX_BLOCK_N``) a program loads its next tile into registers before it works
-on the current one, so that loads are always in flight (Triton pipelines only loads that feed ``tl.dot``).
+hardware keep as many programs resident as fit (which is faster depends on the shape, by up to 10 %). For a row
+that fits in one tile (``next_power_of_2(N) <= MAX_BLOCK_N``) a program that loops over tiles loads its next tile
+into registers before it works on the current one, so that loads are always in flight (Triton pipelines only
+loads that feed ``tl.dot``).
 
 * Forward: a row is loaded once (a longer row is walked twice in tiles of ``MAX_BLOCK_N`` columns: sum of
   squares, then normalise and store).
@@ -101,7 +102,8 @@ FWD_PROGRAMS_PER_SM = 4
 are fewer tiles); the autotuner also tries the grid sizes ``FWD_GRIDS``."""
 
 FWD_GRIDS = (4, 16, 0)
-"""Forward grid sizes the autotuner tries, in programs per SM; 0: one program per tile."""
+"""Forward grid sizes the autotuner tries, in programs per SM; 0: one program per tile, which loads its tile and
+prefetches nothing (half the registers of a looping program, so more programs fit on an SM)."""
 
 BWD_PROGRAMS_PER_SM = 4
 """Backward programs per streaming multiprocessor. Registers decide how many an SM runs at once: two of the
@@ -148,6 +150,20 @@ def _store_tile(Ptr, value, rows, n_rows, stride_row, cols, col_mask):
 
 # Row counts vary from call to call: don't compile a variant per value (Triton otherwise specialises integers on
 # divisibility by 16 and on equality to 1). Column counts and strides keep it: it proves rows aligned.
+@triton.jit
+def _normalise_tile(x, w, rows, n_rows, n_cols, cols, col_mask, eps, Y, Rstd, stride_y_row, R, S, stride_r_row,
+                    stride_s_row, ADD_RESIDUAL: tl.constexpr):
+    """Normalise the loaded tile ``x`` (BLOCK_M, BLOCK_N) of whole rows ``rows`` (after adding the residual, and
+    writing the sum to ``S``, when ``ADD_RESIDUAL``): store ``y`` and ``1 / rms``."""
+    if ADD_RESIDUAL:
+        x = _add_residual(x, R, S, rows, n_rows, stride_r_row, cols, col_mask)
+        _store_tile(S, x, rows, n_rows, stride_s_row, cols, col_mask)
+    x = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)  # (BLOCK_M,)
+    _store_tile(Y, x * rstd[:, None] * w[None, :], rows, n_rows, stride_y_row, cols, col_mask)
+    tl.store(Rstd + rows, rstd, mask=rows < n_rows)
+
+
 @triton.jit(do_not_specialize=["n_rows", "rows_key"])
 def rmsnorm_fwd_kernel(
     X,  # input (n_rows, n_cols), unit column stride
@@ -172,23 +188,20 @@ def rmsnorm_fwd_kernel(
     cols = tl.arange(0, BLOCK_N)
     if SINGLE_TILE:
         col_mask = cols < n_cols
-        mask_n = col_mask[None, :]
         w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)  # (BLOCK_N,)
-        x_next = _load_tile(X, pid * BLOCK_M + offs_m, n_rows, stride_x_row, cols, col_mask)
-        for tile in range(pid, n_tiles, n_programs):
-            rows = tile * BLOCK_M + offs_m  # (BLOCK_M,)
-            x = x_next
-            x_next = _load_tile(X, rows + n_programs * BLOCK_M, n_rows, stride_x_row, cols, col_mask)
-            if ADD_RESIDUAL:
-                x = _add_residual(x, R, S, rows, n_rows, stride_r_row, cols, col_mask)
-                _store_tile(S, x, rows, n_rows, stride_s_row, cols, col_mask)
-            x = x.to(tl.float32)  # (BLOCK_M, BLOCK_N)
-            rstd = tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)  # (BLOCK_M,)
-            y = x * rstd[:, None] * w[None, :]
-            row_mask = rows < n_rows
-            Y_rows = Y + rows.to(tl.int64)[:, None] * stride_y_row
-            tl.store(Y_rows + cols[None, :], y.to(Y.dtype.element_ty), mask=row_mask[:, None] & mask_n)
-            tl.store(Rstd + rows, rstd, mask=row_mask)
+        if PROGRAMS_PER_SM == 0:  # one program per tile: nothing to prefetch, and half the registers
+            rows = pid * BLOCK_M + offs_m
+            x = _load_tile(X, rows, n_rows, stride_x_row, cols, col_mask)
+            _normalise_tile(x, w, rows, n_rows, n_cols, cols, col_mask, eps, Y, Rstd, stride_y_row, R, S,
+                            stride_r_row, stride_s_row, ADD_RESIDUAL)
+        else:
+            x_next = _load_tile(X, pid * BLOCK_M + offs_m, n_rows, stride_x_row, cols, col_mask)
+            for tile in range(pid, n_tiles, n_programs):
+                rows = tile * BLOCK_M + offs_m  # (BLOCK_M,)
+                x = x_next
+                x_next = _load_tile(X, rows + n_programs * BLOCK_M, n_rows, stride_x_row, cols, col_mask)
+                _normalise_tile(x, w, rows, n_rows, n_cols, cols, col_mask, eps, Y, Rstd, stride_y_row, R, S,
+                                stride_r_row, stride_s_row, ADD_RESIDUAL)
     else:
         for tile in range(pid, n_tiles, n_programs):
             rows = tile * BLOCK_M + offs_m

@@ -60,12 +60,18 @@ def test_forward_at_each_grid_size(shape, programs_per_sm, monkeypatch):
     fixed = rmsnorm.fixed_config
     monkeypatch.setattr(rmsnorm, "fixed_config", lambda kernel, *args: rmsnorm._fwd_config(
         rmsnorm.INTERPRETER_BLOCK_M, 4, programs_per_sm) if kernel == "fwd" else fixed(kernel, *args))
-    x, weight, _ = make_inputs(shape, torch.float32, "cpu")
-    y, rstd = rmsnorm.rmsnorm_forward(x, weight, 1e-5)
-    x64 = x.double()
-    rstd64 = torch.rsqrt(x64.pow(2).mean(-1) + 1e-5)
-    torch.testing.assert_close(rstd.double(), rstd64, rtol=1e-5, atol=0)
-    torch.testing.assert_close(y.double(), x64 * rstd64[:, None] * weight.double(), rtol=1e-5, atol=1e-5)
+    x, weight, residual = make_inputs(shape, torch.float32, "cpu")
+    for add in (False, True):  # the plain norm, and the residual added in
+        y, total, rstd = torch.full_like(x, float("nan")), torch.full_like(x, float("nan")), torch.full(shape[:1], 0.0)
+        rstd.fill_(float("nan"))
+        rmsnorm.launch_rmsnorm_forward(x, weight, y, rstd, 1e-5, residual=residual if add else None,
+                                       s=total if add else None)
+        x64 = x.double() + residual.double() if add else x.double()
+        rstd64 = torch.rsqrt(x64.pow(2).mean(-1) + 1e-5)
+        torch.testing.assert_close(rstd.double(), rstd64, rtol=1e-5, atol=0)
+        torch.testing.assert_close(y.double(), x64 * rstd64[:, None] * weight.double(), rtol=1e-5, atol=1e-5)
+        if add:
+            torch.testing.assert_close(total.double(), x64, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("prefetch", [True, False])
