@@ -259,6 +259,8 @@ def pair_numbers(pair: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "ours_retries": retries["ours"], "torch_retries": retries["pytorch"],
         "has_retries": None not in retries.values(),
         "ours_tflops": num(ours.get("matmul_tflops"), 0), "torch_tflops": num(torch.get("matmul_tflops"), 0),
+        # Rows before the parts recorded it ran the gradient shards on the reduction stream.
+        "gradient_memory": (ours.get("parts") or {}).get("gradient_memory", "reduce_stream"),
     }
 
 
@@ -336,6 +338,8 @@ def device_numbers(pairs: list[dict[str, dict[str, Any]]], headline) -> dict[str
         "headline_fastest": h["ratio_value"] == min(ratios), "has_others": bool(others),
         "others": _listing([other_text(x) for x in others]) if others else "",
         "others_keep_more": bool(others) and fewest_kept > max(h["ours_kept"], h["torch_kept"]),
+        "headline_gradient_change": h["gradient_memory"] == "compute_stream" and bool(others)
+        and all(x["gradient_memory"] == "reduce_stream" for x in others),
         "others_peaks": _listing([f"{x['torch_peak']} / {x['ours_peak']}" for x in others]) if others else "",
         "others_retries": _range(retries) if retries else "",
         "others_all_retry": bool(others) and all(x["has_retries"] and x["ours_retries"] and x["torch_retries"]
