@@ -148,8 +148,6 @@ def _store_tile(Ptr, value, rows, n_rows, stride_row, cols, col_mask):
     tl.store(Ptr + rows.to(tl.int64)[:, None] * stride_row + cols[None, :], value.to(Ptr.dtype.element_ty), mask=mask)
 
 
-# Row counts vary from call to call: don't compile a variant per value (Triton otherwise specialises integers on
-# divisibility by 16 and on equality to 1). Column counts and strides keep it: it proves rows aligned.
 @triton.jit
 def _normalise_tile(x, w, rows, n_rows, n_cols, cols, col_mask, eps, Y, Rstd, stride_y_row, R, S, stride_r_row,
                     stride_s_row, ADD_RESIDUAL: tl.constexpr):
@@ -164,6 +162,8 @@ def _normalise_tile(x, w, rows, n_rows, n_cols, cols, col_mask, eps, Y, Rstd, st
     tl.store(Rstd + rows, rstd, mask=rows < n_rows)
 
 
+# Row counts vary from call to call: don't compile a variant per value (Triton otherwise specialises integers on
+# divisibility by 16 and on equality to 1). Column counts and strides keep it: it proves rows aligned.
 @triton.jit(do_not_specialize=["n_rows", "rows_key"])
 def rmsnorm_fwd_kernel(
     X,  # input (n_rows, n_cols), unit column stride
