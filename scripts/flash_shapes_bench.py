@@ -12,7 +12,8 @@ Run each provider in its own process (our kernels' configuration comes from ``CS
     CS336_FLASH_KERNELS=triton python scripts/flash_shapes_bench.py ours  # the portable Triton kernels
     python scripts/flash_shapes_bench.py sdpa --shapes models --head-dim 80  # the 2.7B model's attention
 
-Prints one JSON line per shape: provider, kernels, shape, fwd_ms, bwd_ms (fwd+bwd minus fwd), fwd_bwd_ms.
+Prints one JSON line per shape: provider, kernels, backends (ours: the backend of each part and the head dim its
+kernels run), shape, fwd_ms, bwd_ms (fwd+bwd minus fwd), fwd_bwd_ms.
 """
 
 import argparse
@@ -39,7 +40,7 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, choices=[64, 80, 128], help="only the shapes of this head dim")
     args = parser.parse_args()
     from cs336_systems.attention.config import FLASH_CONFIG, FlashConfig
-    from cs336_systems.attention.op import flash_attention
+    from cs336_systems.attention.op import chosen_backends, flash_attention
 
     FLASH_CONFIG.set(FlashConfig.from_environment())
 
@@ -64,7 +65,8 @@ def main() -> None:
         torch.cuda.synchronize()
         fwd = triton.testing.do_bench(forward, warmup=100, rep=300)
         both = triton.testing.do_bench(forward_backward, warmup=100, rep=600, grad_to_none=[q, k, v])
-        print(json.dumps({"provider": args.provider, "kernels": FLASH_CONFIG.get().kernels,
+        backends = chosen_backends(q, k) if args.provider == "ours" else None
+        print(json.dumps({"provider": args.provider, "kernels": FLASH_CONFIG.get().kernels, "backends": backends,
                           "shape": shape, "fwd_ms": round(fwd, 4), "bwd_ms": round(both - fwd, 4),
                           "fwd_bwd_ms": round(both, 4), "device": torch.cuda.get_device_name()}), flush=True)
 

@@ -160,6 +160,15 @@ def test_two_part_head_dims_stay_portable_where_that_is_faster(monkeypatch):
     assert seen == [False, False, False, True, True, True]
 
 
+def test_chosen_backends_name_each_part_and_its_head_dim():
+    if not interpreting():
+        pytest.skip("CPU tensors run the portable kernels only under the interpreter")
+    Q = torch.empty(1, 2, 16, 80)
+    assert op.chosen_backends(Q, Q) == {"forward": "triton, d 80", "backward": "triton, d 80"}
+    Q = torch.empty(1, 2, 16, 72)  # a head dim the portable kernels pad
+    assert op.chosen_backends(Q, Q)["forward"] == "triton, d 80"
+
+
 def test_backends_share_one_interface():
     for backend in (hopper, triton_backend):
         for name in ("supports", "forward", "backward"):

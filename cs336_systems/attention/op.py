@@ -167,6 +167,17 @@ def _backend(part: str, Q: Tensor, K: Tensor) -> ModuleType:
     return choose_backend(config, Q.device, Q.dtype, _padded_head_dim(shape[-1]), part, hopper_by_default)
 
 
+def chosen_backends(Q: Tensor, K: Tensor) -> dict[str, str]:
+    """The backends the operator runs for these inputs under the current configuration, by part, with the head dim
+    their kernels run it at: e.g. ``{"forward": "triton, d 80", "backward": "hopper, d 128"}`` (benchmarks record
+    it beside their times)."""
+    chosen = {}
+    for part in ("forward", "backward"):
+        backend = _backend(part, Q, K)
+        chosen[part] = f"{backend.__name__.rsplit('.', 1)[-1]}, d {_kernel_head_dim(backend, Q.shape[-1])}"
+    return chosen
+
+
 # ---------------------------------------------------------------------------------------------------
 # Forward and backward on checked inputs of any strides and any supported d
 # ---------------------------------------------------------------------------------------------------

@@ -200,7 +200,58 @@ def flash_benchmarking(res, out: Output) -> dict[str, Any]:
          "gluon_length": f"{GLUON_MIN_LENGTH:,}", "max_d": str(max(heads)) if heads else DASH}
     n["hopper"] = _hopper_sweep(res) or {}
     n["has_hopper"] = bool(n["hopper"])
+    head_dim_80 = _head_dim_80(res)
+    n["has_d80"] = head_dim_80 is not None
+    if head_dim_80 is not None:
+        tables["d80"], n["d80"] = head_dim_80
     return {"tables": tables, "figures": figs, "n": n}
+
+
+BACKEND_NAMES = {"hopper": "Hopper kernels", "triton": "portable kernels"}
+
+
+def backends_label(r: dict[str, Any]) -> str:
+    """Who ran a flash_shapes_bench row: SDPA's cuDNN backend, or our backends per part (``backends``)."""
+    if r["provider"] != "ours":
+        return {"sdpa": "SDPA (cuDNN)", "fa2": "SDPA (FlashAttention-2)"}.get(r["provider"], r["provider"])
+
+    def name(text):
+        backend, d = text.split(", ")
+        return f"{BACKEND_NAMES.get(backend, backend)} at {d}"
+
+    b = r.get("backends") or {}
+    if not b:
+        return f"ours ({r['kernels']})"
+    if b["forward"] == b["backward"]:
+        return f"ours, {name(b['forward'])}"
+    return f"ours, forward {name(b['forward'])}, backward {name(b['backward'])}"
+
+
+def _head_dim_80(res) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """The 2.7B model's attention (head dim 80) in ``flash_shapes_bench.jsonl``: the newest row of each provider,
+    kernel family and shape of the newest date, as a table (ms, and ours over cuDNN) and its numbers; None without
+    such rows."""
+    try:
+        rows = [r for r in res.log_rows("flash_shapes_bench") if r["shape"][-1] == 80]
+    except Missing:
+        return None
+    if not rows:
+        return None
+    date = max(r.get("date", "") for r in rows)
+    latest = {(backends_label(r), tuple(r["shape"])): r for r in rows if r.get("date", "") == date}
+    body = []
+    for (label, shape), r in sorted(latest.items(), key=lambda item: (item[1]["provider"] == "ours", item[0][0],
+                                                                      item[0][1][2])):
+        cudnn = latest.get(("SDPA (cuDNN)", shape))
+        ratio = times(r["fwd_bwd_ms"] / cudnn["fwd_bwd_ms"], 2) if cudnn and r["provider"] == "ours" else DASH
+        body.append([label, " × ".join(str(x) for x in shape), num(r["fwd_ms"], 3), num(r["bwd_ms"], 3),
+                     num(r["fwd_bwd_ms"], 3), ratio])
+    first = next(iter(latest.values()))
+    found = table(["kernels", "shape (B, H, T, d)", "fwd ms", "bwd ms", "both ms", "both ÷ cuDNN"], body,
+                  f"The 2.7B model's attention (d = 80), bf16, causal, scripts/flash_shapes_bench.py on "
+                  f"{first['device']} ({date}, commit {first.get('commit', '?')}), each kernel family in its own "
+                  "process: do_bench per call.", align=["left", "left", "right", "right", "right", "right"], size=8)
+    return found, {"device": first["device"], "date": date}
 
 
 HOPPER_FROM_LENGTH = 16384
