@@ -908,3 +908,16 @@ def test_sharding_rows_keep_their_optimizer_kind():
 
     names = ["adamw", "sharded", "zero_redundancy", "zero1_flat"]
     assert [optimizer_kind(name) for name in names] == names  # zero1_flat is not ZeroRedundancyOptimizer
+
+
+def test_flash_shapes_rows_are_labelled_by_the_backends_that_ran():
+    from pipeline.sections.flash import backends_label
+
+    assert backends_label({"provider": "sdpa", "kernels": "auto"}) == "SDPA (cuDNN)"
+    same = {"forward": "triton, d 80", "backward": "triton, d 80"}
+    assert backends_label({"provider": "ours", "kernels": "auto", "backends": same}) == \
+        "ours, portable kernels at d 80"
+    mixed = {"forward": "triton, d 80", "backward": "hopper, d 128"}
+    assert backends_label({"provider": "ours", "kernels": "auto", "backends": mixed}) == \
+        "ours, forward portable kernels at d 80, backward Hopper kernels at d 128"
+    assert backends_label({"provider": "ours", "kernels": "triton"}) == "ours (triton)"  # rows that do not say
