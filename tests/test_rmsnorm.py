@@ -153,8 +153,9 @@ def assert_candidates_compile_without_spills(n_cols: int, residual: bool) -> Non
                 if c.num_warps not in heaviest or c.kwargs["BLOCK_M"] > heaviest[c.num_warps].kwargs["BLOCK_M"]:
                     heaviest[c.num_warps] = c
             configs = [*heaviest.values(), rmsnorm.fixed_config(kernel, n_cols, x.element_size())]
-            if kernel == "fwd":  # one program per tile compiles another body (no prefetch)
-                configs += [rmsnorm._fwd_config(c.kwargs["BLOCK_M"], c.num_warps, 0) for c in heaviest.values()]
+            if kernel == "fwd":  # one program per tile compiles another body (no prefetch): its most registers
+                most = max(heaviest.values(), key=lambda c: rmsnorm._elements_per_thread(c, block_n))
+                configs.append(rmsnorm._fwd_config(most.kwargs["BLOCK_M"], most.num_warps, 0))
             for config in configs:
                 meta = dict(BLOCK_N=block_n, SINGLE_TILE=single_tile, **config.kwargs, num_warps=config.num_warps,
                             num_stages=config.num_stages)
