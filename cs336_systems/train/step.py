@@ -48,7 +48,7 @@ from torch import Tensor, nn
 from cs336_basics.model import BasicsTransformerLM, Linear
 from cs336_basics.optimizer import AdamW
 from cs336_systems.attention import ATTENTION_NAMES, get_attention
-from cs336_systems.parallel.fsdp.transport import GRADIENT_MEMORY
+from cs336_systems.parallel.fsdp.transport import DEFAULT_GRADIENT_MEMORY, GRADIENT_MEMORY
 from cs336_systems.train.checkpoint_plan import check_modes
 from cs336_systems.train.residual_stream import (
     block_groups,
@@ -83,7 +83,7 @@ class Parts:
     weights: str = "fp32"
     block_checkpointing: tuple[str, ...] = ()
     fused_residual_norm: bool = False
-    gradient_memory: str = "compute_stream"
+    gradient_memory: str = DEFAULT_GRADIENT_MEMORY
 
     def __post_init__(self):
         for name, value, allowed in (("attention", self.attention, ATTENTION_NAMES),
@@ -109,7 +109,7 @@ class Parts:
                              "optimizer='fused' and sharding='none'")
         if self.cudagraphs and self.sharding != "none":
             raise ValueError("cudagraphs captures a one-GPU step: use it with sharding='none'")
-        if self.gradient_memory != "compute_stream" and self.sharding != "ours":
+        if self.gradient_memory != DEFAULT_GRADIENT_MEMORY and self.sharding != "ours":
             raise ValueError("gradient_memory places our FSDP's gradient shards: it needs sharding='ours'")
         if self.fused_residual_norm and self.rmsnorm != "fused":
             raise ValueError("fused_residual_norm adds the residual inside our RMSNorm kernel: it needs rmsnorm='fused'")
@@ -315,7 +315,7 @@ class LanguageModelLoss(nn.Module):
 
 
 def shard(net: LanguageModelLoss, sharding: str, compute_dtype: torch.dtype | None,
-          gradient_memory: str = "compute_stream") -> nn.Module:
+          gradient_memory: str = DEFAULT_GRADIENT_MEMORY) -> nn.Module:
     """``net`` sharded over the default process group: our FSDP by blocks (its gradient shards in
     ``gradient_memory``'s stream), or FSDP2 per block and root (bf16 parameters in compute, fp32 gradient
     reductions, fp32 master weights)."""

@@ -135,6 +135,8 @@ class _StreamReduction:
 
 GRADIENT_MEMORY = ("reduce_stream", "compute_stream")
 """Where :class:`CudaStreamTransport` allocates a reduction's output, the fp32 gradient shard the optimizer reads."""
+DEFAULT_GRADIENT_MEMORY = "compute_stream"
+"""The default of every ``gradient_memory`` argument (see :class:`CudaStreamTransport`)."""
 
 
 def check_gradient_memory(gradient_memory: str) -> None:
@@ -152,7 +154,7 @@ class CudaStreamTransport(_ProcessGroupTransport):
     ``compute_stream``: on the compute stream before the reduction starts (the compute stream waits for the
     reduction before it reads or frees the output), so the next forward's activations can reuse it."""
 
-    def __init__(self, device: torch.device, gradient_memory: str = "compute_stream") -> None:
+    def __init__(self, device: torch.device, gradient_memory: str = DEFAULT_GRADIENT_MEMORY) -> None:
         super().__init__()
         check_gradient_memory(gradient_memory)
         self.device, self.gradient_memory = device, gradient_memory
@@ -230,7 +232,7 @@ class GlooTransport(_ProcessGroupTransport):
         reduction.deliver(reduction.output)
 
 
-def make_transport(device: torch.device, gradient_memory: str = "compute_stream") -> Transport:
+def make_transport(device: torch.device, gradient_memory: str = DEFAULT_GRADIENT_MEMORY) -> Transport:
     """CUDA streams for a GPU under NCCL (``gradient_memory``: see :class:`CudaStreamTransport`), asynchronous
     work objects otherwise."""
     check_gradient_memory(gradient_memory)

@@ -49,7 +49,7 @@ from torch.autograd.profiler import record_function
 
 from cs336_systems.parallel.distributed import require_process_group
 from cs336_systems.parallel.fsdp.state import Call, Grads, Phase, Step, Weights
-from cs336_systems.parallel.fsdp.transport import Transport, make_transport
+from cs336_systems.parallel.fsdp.transport import DEFAULT_GRADIENT_MEMORY, Transport, make_transport
 from cs336_systems.parallel.fsdp.units import (
     ShardLayout,
     Unit,
@@ -138,7 +138,7 @@ class FSDP(nn.Module):
 
     def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None,
                  units: Sequence[UnitSpec] | None = None, *, transport: Transport | None = None,
-                 gradient_memory: str = "compute_stream"):
+                 gradient_memory: str = DEFAULT_GRADIENT_MEMORY):
         super().__init__()
         if transport is None:
             require_process_group("FSDP")
