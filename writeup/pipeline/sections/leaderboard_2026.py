@@ -605,7 +605,7 @@ def _plans_and_paper(res, out: Output, n: dict[str, Any], tables: dict[str, Any]
         found["split"] = plans.split_figure(out, split.get("ours") or next(iter(split.values())))
         first = split.get("ours") or next(iter(split.values()))
         n["split"] = _split_numbers(split, first, steps, gap_row or first)
-    found_gm, gm = gradient_memory(res)
+    found_gm, gm = gradient_memory(res, profiles)
     n["gradient_memory"] = gm
     if found_gm is not None:
         tables["gradient_memory"] = found_gm
@@ -621,13 +621,13 @@ def _plans_and_paper(res, out: Output, n: dict[str, Any], tables: dict[str, Any]
 GRADIENT_MEMORY_NAMES = {"reduce_stream": "reduction stream", "compute_stream": "compute stream"}
 
 
-def gradient_memory(res) -> tuple[dict[str, Any] | None, dict[str, Any]]:
-    """Our step profiled with its FSDP's gradient shards allocated on each stream (profile rows that record
+def gradient_memory(res, profiles: list[dict[str, Any]]) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """Our step profiled with its FSDP's gradient shards allocated on each stream (the ``profiles`` rows that record
     ``gradient_memory``): the newest on the reduction stream and the newest on the compute stream before it on the
     same device, plan and number of profiled steps (the device part profiles both in one call); a table and its
     numbers, or None."""
-    rows = sorted((r for r in _with_env(res.log_rows("leaderboard_2026_profile", measured=lambda row: False))
-                   if r["stack"] == "ours" and r.get("gradient_memory")), key=lambda r: r.get("run", ""))
+    rows = sorted((r for r in profiles if r["stack"] == "ours" and r.get("gradient_memory")),
+                  key=lambda r: r.get("run", ""))
 
     def setting(r):
         return r["device"], plans.profile_modes(r), r.get("profiled_steps", 1)
