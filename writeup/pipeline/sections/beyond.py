@@ -3,6 +3,7 @@ FlashAttention optimisation log."""
 
 from __future__ import annotations
 
+import json
 import re
 import statistics
 from typing import Any
@@ -52,10 +53,10 @@ def _model_text(model: list[dict[str, Any]]) -> str:
         return "; ".join(f"{r.get('norm')}: {num(r.get('mean_ms'), 1)} ms" for r in measured)
     if measured:
         r = measured[0]
-        return (f"only the {r.get('norm', 'plain')} RMSNorm was measured in a model "
+        return (f"the benchmark's model part has a row of the {r.get('norm', 'plain')} RMSNorm only "
                 f"({r.get('size')} model, {r.get('dtype')}, context {r.get('context_length')}, "
-                f"{r.get('mode', 'train step').replace('_', ' ')}: {num(r.get('mean_ms'), 1)} ms), so the "
-                "model-level comparison with the fused kernel was not measured")
+                f"{r.get('mode', 'train step').replace('_', ' ')}: {num(r.get('mean_ms'), 1)} ms); the fused "
+                "residual add is compared in the training step below")
     return "the model-level comparison was not measured"
 
 
@@ -374,37 +375,49 @@ def _residual_kernel_numbers(kernel: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _residual_step_numbers(res) -> dict[str, Any]:
-    """Each launch of the training step with ``residual_norm`` separate and fused, of the configuration measured
-    last: its median step per launch, the median over launches and the spread (largest over smallest launch)."""
+    """The training step with ``residual_norm`` separate and fused, per configuration measured (launches
+    alternating): each choice's median step per launch and its step-to-step standard deviation, and a verdict. A
+    difference of the medians is a measured one only beyond the noise: the spread of one choice's launches (largest
+    over smallest), or, with one launch a choice, the step-to-step standard deviation over the median."""
     try:
         rows = [r for r in res.log_rows("train_step", measured=lambda row: False)
                 if "residual_norm" in r and not r.get("oom")]
     except Missing:
         rows = []
-    if not rows:
-        return {"has_step": False}
-    config = {k: rows[-1].get(k) for k in rows[-1]["config_keys"] if k != "residual_norm"}
-    rows = [r for r in rows if r["device"] == rows[-1]["device"] and all(r.get(k) == v for k, v in config.items())]
-    res.used.extend(rows)
-    graphs = "with" if rows[-1].get("parts", {}).get("cudagraphs") else "without"
-    n: dict[str, Any] = {"has_step": True, "step_setup": (
-        f"{config.get('size')} model, context {config.get('context_length')}, batch {config.get('batch_size')}, "
-        f"{config.get('dtype')}, {'our' if config.get('stack') == 'ours' else 'the ' + str(config.get('stack'))} "
-        f"stack {graphs} CUDA graphs")}
-    steps = {choice: [r["median_ms"] for r in rows if r["residual_norm"] == choice] for choice in ("separate", "fused")}
-    if not all(steps.values()):
-        return {"has_step": False}
-    for choice, launches in steps.items():
-        stds = [r["std_ms"] for r in rows if r["residual_norm"] == choice]
-        n[choice] = {"launches": ", ".join(num(t, 1) for t in launches), "median": num(statistics.median(launches), 1),
-                     "spread": pct(max(launches) / min(launches) - 1),
-                     "std": spread(min(stds), max(stds), lambda x: num(x, 1))}
-    # A difference of the medians within the spread of either choice's launches is not a measured one.
-    change = statistics.median(steps["fused"]) / statistics.median(steps["separate"]) - 1
-    noise = max(max(t) / min(t) - 1 for t in steps.values())
-    n["change"], n["direction"] = pct(abs(change)), "above" if change > 0 else "below"
-    n["verdict"] = "none" if abs(change) <= noise else ("saving" if change < 0 else "slower")
-    return n
+    configs: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        config = json.dumps({k: r.get(k) for k in r["config_keys"] if k != "residual_norm"}, sort_keys=True)
+        configs.setdefault((r["device"], config), []).append(r)
+    steps = []
+    for (_, config), config_rows in configs.items():
+        by_choice = {c: [r for r in config_rows if r["residual_norm"] == c] for c in ("separate", "fused")}
+        if not all(by_choice.values()):
+            continue
+        res.used.extend(config_rows)
+        c = json.loads(config)
+        graphs = "with" if config_rows[-1].get("parts", {}).get("cudagraphs") else "without"
+        item: dict[str, Any] = {"setup": (
+            f"{c.get('size')} model, context {c.get('context_length')}, batch {c.get('batch_size')}, {c.get('dtype')}, "
+            f"{'our' if c.get('stack') == 'ours' else 'the ' + str(c.get('stack'))} stack {graphs} CUDA graphs")}
+        noise = 0.0
+        for choice, launches in by_choice.items():
+            medians = [r["median_ms"] for r in launches]
+            if len(medians) > 1:
+                noise = max(noise, max(medians) / min(medians) - 1)
+            else:
+                noise = max(noise, launches[0]["std_ms"] / launches[0]["median_ms"])
+            item[choice] = ", ".join(num(t, 1) for t in medians)
+            item[f"{choice}_std"] = ", ".join(num(r["std_ms"], 1) for r in launches)
+        single = min(len(v) for v in by_choice.values()) == 1
+        change = (statistics.median(r["median_ms"] for r in by_choice["fused"])
+                  / statistics.median(r["median_ms"] for r in by_choice["separate"]) - 1)
+        item["change"] = f"{pct(abs(change), 1)} {'slower' if change > 0 else 'faster'}"
+        item["noise"] = (f"{pct(noise, 1)}, " + ("the step-to-step standard deviation over the median (one launch "
+                                                  "of a choice)" if single else "the spread of one choice's launches"))
+        item["verdict"] = ("within the noise: no measurable difference" if abs(change) <= noise
+                           else ("a saving" if change < 0 else "a loss"))
+        steps.append(item)
+    return {"has_step": bool(steps), "steps": steps}
 
 
 def load_optimisation_log(res) -> tuple[list[dict[str, Any]], list[tuple[str, str]], list[dict[str, Any]]]:
