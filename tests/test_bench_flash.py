@@ -229,13 +229,17 @@ def test_sweep_grid_defaults_and_length_caps():
     assert max(c["seq_len"] for c in flash_benchmarking.make_cases(capped)) == 4096
 
 
-def test_tf32x3_sweep_cases_of_ours_in_float32_carry_the_products():
+def test_sweep_cases_of_ours_in_float32_carry_the_products():
     args = flash_benchmarking.parser().parse_args(["--fp32-products", "tf32x3", "--providers", "ours", "naive",
                                                    "--seq-lens", "128", "--head-dims", "64"])
     flash_benchmarking.resolve_defaults(args, torch.device("cuda"))
     keyed = {(c["provider"], c["dtype"]): c.get("fp32_products") for c in flash_benchmarking.make_cases(args)}
     assert keyed == {("ours", "bf16"): None, ("naive", "bf16"): None, ("ours", "fp32"): "tf32x3",
                      ("naive", "fp32"): None}
+    ieee = flash_benchmarking.parser().parse_args(["--fp32-products", "ieee", "--providers", "ours",
+                                                   "--seq-lens", "128", "--head-dims", "64", "--dtypes", "fp32"])
+    flash_benchmarking.resolve_defaults(ieee, torch.device("cuda"))
+    assert [c.get("fp32_products") for c in flash_benchmarking.make_cases(ieee)] == ["ieee"]
 
 
 def test_sweep_table_shows_out_of_memory_and_refusals():

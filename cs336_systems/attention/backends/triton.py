@@ -151,19 +151,22 @@ def fixed_config(kernel: str, dtype: torch.dtype, head_dim: int, precision: str 
     """The configuration of ``kernel`` ("fwd" or "bwd") when not autotuning: the fastest in the autotuner's H100
     timings at 16384 tokens (bf16, causal) among those with no register spills at any head dim (checked with
     ptxas for sm_90). Float32 with ``precision`` "tf32x3" (three products on the tensor cores, each operand split in
-    two) takes the largest tiles ptxas for sm_90 fits in the registers: none spill at head dim 64, and at 128 the
-    smallest tiles still spill 24 bytes (not yet timed against the IEEE tiles).
+    two) takes, up to head dim 64, the largest tiles ptxas for sm_90 fits in the registers (none spill); at 128 the
+    fastest of a sweep on one H100 (1 x 16384 x 128, causal: forward 64 x 32 tiles 2.73 ms against 5.60 at
+    32 x 16, which spill least; backward 32 x 32 keys x queries at 4 warps 7.71 ms against 18.35 at 32 x 16), though
+    they spill 256 and 472 bytes.
 
     Head dims held in two column parts take the tiles of the next power of two, whose accumulators are as wide or
-    wider: 80 and 96 those of 128 (the register pressure nearest theirs), 48 those of 64; except the tf32x3
-    backward at 48, which spills 224 bytes at 64's tiles and 8 at 128's, and takes those. At 80 and 96 the tf32x3
-    backward spills too (152 and 488 bytes, against 24 at 128: not timed against padding to 128)."""
+    wider: 80 and 96 those of 128 (the register pressure nearest theirs), 48 those of 64; except with tf32x3, where
+    48, 80 and 96 keep the 32 x 16 tiles that spill least (the backward at 48 spills 224 bytes at 64's tiles and 8
+    at these; at 80 and 96 152 and 488 bytes; not timed against padding to 128)."""
     if interpreting():
         return INTERPRETER_CONFIGS[kernel]
     if dtype == torch.float32 and precision == "tf32x3":
         if kernel == "fwd":
-            return _config(128, 32, 8, 2) if head_dim <= 64 else _config(32, 16, 8, 2)
-        return _bwd_config(32, 32, 4, 1) if head_dim in (16, 32, 64) else _bwd_config(32, 16, 8, 1)
+            return _config(128, 32, 8, 2) if head_dim <= 64 else _config(64, 32, 4, 2) if head_dim == 128 \
+                else _config(32, 16, 8, 2)
+        return _bwd_config(32, 32, 4, 1) if head_dim in (16, 32, 64, 128) else _bwd_config(32, 16, 8, 1)
     if dtype == torch.float32:
         num_warps = 4 if head_dim <= 64 else 8
         return _config(32, 16, num_warps, 2) if kernel == "fwd" else _bwd_config(32, 16, num_warps, 1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from cs336_systems.attention.config import FlashConfig
 from pipeline import figures
 from pipeline.markup import DASH, num, sci, span, spread, table, times
 from pipeline.results import Missing
@@ -68,8 +69,12 @@ def provider_role(name: str) -> str:
 
 
 def load_flash_benchmarking(res) -> list[dict[str, Any]]:
-    """The sweep's rows of our default kernels (rows with ``fp32_products`` ran a float32 variant of ours)."""
-    return res.rows("flash_benchmarking", keep=lambda rows: [r for r in rows if "fp32_products" not in r])
+    """The sweep's rows of our default kernels: our float32 rows of the default ``fp32_products`` (rows without the
+    key ran "ieee")."""
+    default = FlashConfig().fp32_products
+    return res.rows("flash_benchmarking",
+                    keep=lambda rows: [r for r in rows if r.get("fp32_products", "ieee") == default
+                                       or not (r.get("dtype") == "fp32" and r.get("provider") == "ours")])
 
 
 def cell(row: dict[str, Any] | None, key: str) -> str:
@@ -109,20 +114,23 @@ def fwd_bwd(index: dict, key: tuple) -> float | None:
 
 
 def where_ours_loses(index: dict, ours: str, other: str, lengths: list[int], heads: list[int], dtype: str) -> str:
-    """Per head dimension, the shortest length from which ours is slower than ``other`` at every longer length
-    where both ran (forward + backward)."""
+    """Per head dimension, the lengths where ours is slower than ``other`` (forward + backward, where both ran):
+    "d = 128 (lengths 4,096 and 8,192)", or "d = 64 (from 8,192 on)" when ours is slower at every longer length."""
     words = []
     for d in heads:
         both = [(n, fwd_bwd(index, (ours, n, d, dtype)), fwd_bwd(index, (other, n, d, dtype))) for n in lengths]
         both = [(n, a, b) for n, a, b in both if a and b]
-        start = None
-        for n, a, b in reversed(both):
-            if a <= b:
-                break
-            start = n
-        if start is not None:
-            words.append(f"d = {d} from {start:,}")
-    return ", ".join(words)
+        slower = [n for n, a, b in both if a > b]
+        if not slower:
+            continue
+        tail = [n for n, _, _ in both if n >= slower[0]]
+        if tail == slower and len(slower) > 1:
+            words.append(f"d = {d} (from {slower[0]:,} on)")
+        else:
+            listed = [f"{n:,}" for n in slower]
+            lengths_ = listed[0] if len(listed) == 1 else ", ".join(listed[:-1]) + " and " + listed[-1]
+            words.append(f"d = {d} (length{'s' if len(listed) > 1 else ''} {lengths_})")
+    return "; ".join(words)
 
 
 @problem("flash_benchmarking")
