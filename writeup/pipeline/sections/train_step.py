@@ -46,6 +46,7 @@ PART_NAMES = {
     ("compile", "model"): "the whole forward and loss",
     ("compile", "none"): "none",
     ("checkpointing", 0): "none",
+    ("gradient_memory", "compute_stream"): "compute stream (FSDP's gradient shards; one GPU: unused)",
     ("keep_attention", False): "no",
     ("sharding", "none"): "none (one GPU)",
     ("cudagraphs", False): "no",
@@ -56,7 +57,8 @@ PART_NAMES = {
     ("fused_residual_norm", True): "each inside the RMSNorm kernel that reads the sum",
 }
 # A row's ``parts`` may leave out a part at its default (cs336_systems/train/step.py StepParts).
-PART_DEFAULTS = {"weights": "fp32", "cudagraphs": False}
+PART_DEFAULTS = {"weights": "fp32", "cudagraphs": False, "block_checkpointing": [], "fused_residual_norm": False,
+                 "gradient_memory": "compute_stream"}
 
 
 def size_order(size: str) -> int:
@@ -145,6 +147,13 @@ def _part(row: dict[str, Any], name: str) -> Any:
     return row.get("parts", {}).get(name, PART_DEFAULTS.get(name))
 
 
+def _part_word(name: str, value: Any) -> str:
+    """How the stacks table shows a part's value (lists, e.g. the blocks checkpointed, as their items)."""
+    if isinstance(value, list):
+        return ", ".join(str(v) for v in value) or "none"
+    return PART_NAMES.get((name, value), str(value))
+
+
 def _stacks_table(cases: dict[Any, Case]) -> dict[str, Any]:
     """Each part of the two stacks, as the rows record it (``parts``); a part that differs between the variants
     (``cudagraphs``) is shown per variant."""
@@ -155,7 +164,7 @@ def _stacks_table(cases: dict[Any, Case]) -> dict[str, Any]:
         values = {v: _part(rows[(stack, v)], name) for v in VARIANTS if (stack, v) in rows}
         if not values:
             return DASH
-        words = {v: PART_NAMES.get((name, value), str(value)) for v, value in values.items()}
+        words = {v: _part_word(name, value) for v, value in values.items()}
         if len(set(words.values())) == 1:
             return next(iter(words.values()))
         return "; ".join(f"{VARIANT_NAMES[v]}: {w}" for v, w in words.items())
