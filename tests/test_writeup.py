@@ -798,6 +798,22 @@ def test_residual_step_with_one_launch_a_choice_judges_by_the_step_noise(tmp_pat
     assert step["verdict"] == "a loss"
 
 
+def test_residual_step_with_one_choice_launched_once_takes_the_larger_noise(tmp_path):
+    """Separate launched twice (112, 110 ms: 1.8 % apart), fused once (118 ms, deviation 2 % of the median): the
+    noise is the larger, 2.0 %, and the 6.3 % difference a loss."""
+    results = tmp_path / "results"
+    write_fixture(results, tmp_path / "row-figures")
+    path = results / "train_step.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows if r.get("median_ms") != 109.0
+                            or "residual_norm" not in r))
+    section = SECTIONS["rmsnorm"](Results(results), Output(tmp_path / "figures", tmp_path / "build"))
+    (step,) = section["n"]["residual"]["steps"]
+    assert (step["separate"], step["fused"]) == ("112.0, 110.0", "118.0")
+    assert step["change"] == "6.3 % slower" and step["noise"].startswith("2.0 %, the larger of")
+    assert step["verdict"] == "a loss"
+
+
 def test_rmsnorm_grid_is_pending_without_a_run_of_the_current_tool(tmp_path):
     """Rows of earlier versions of the tool only (no copy_share): the section builds, says pending, draws nothing
     (the residual add fused in, from rows of its own, still has its table)."""

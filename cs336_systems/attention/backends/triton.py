@@ -163,10 +163,11 @@ def fixed_config(kernel: str, dtype: torch.dtype, head_dim: int, precision: str 
     if interpreting():
         return INTERPRETER_CONFIGS[kernel]
     if dtype == torch.float32 and precision == "tf32x3":
-        if kernel == "fwd":
-            return _config(128, 32, 8, 2) if head_dim <= 64 else _config(64, 32, 4, 2) if head_dim == 128 \
-                else _config(32, 16, 8, 2)
-        return _bwd_config(32, 32, 4, 1) if head_dim in (16, 32, 64, 128) else _bwd_config(32, 16, 8, 1)
+        if kernel == "fwd" and head_dim <= 64:
+            return _config(128, 32, 8, 2)
+        if head_dim_parts(head_dim)[1]:  # 80 and 96 (and 48's backward): the tiles that spill least
+            return _config(32, 16, 8, 2) if kernel == "fwd" else _bwd_config(32, 16, 8, 1)
+        return _config(64, 32, 4, 2) if kernel == "fwd" else _bwd_config(32, 32, 4, 1)
     if dtype == torch.float32:
         num_warps = 4 if head_dim <= 64 else 8
         return _config(32, 16, num_warps, 2) if kernel == "fwd" else _bwd_config(32, 16, num_warps, 1)

@@ -399,21 +399,21 @@ def _residual_step_numbers(res) -> dict[str, Any]:
         item: dict[str, Any] = {"setup": (
             f"{c.get('size')} model, context {c.get('context_length')}, batch {c.get('batch_size')}, {c.get('dtype')}, "
             f"{'our' if c.get('stack') == 'ours' else 'the ' + str(c.get('stack'))} stack {graphs} CUDA graphs")}
-        noise = 0.0
+        medians = {choice: [r["median_ms"] for r in launches] for choice, launches in by_choice.items()}
         for choice, launches in by_choice.items():
-            medians = [r["median_ms"] for r in launches]
-            if len(medians) > 1:
-                noise = max(noise, max(medians) / min(medians) - 1)
-            else:
-                noise = max(noise, launches[0]["std_ms"] / launches[0]["median_ms"])
-            item[choice] = ", ".join(num(t, 1) for t in medians)
+            item[choice] = ", ".join(num(t, 1) for t in medians[choice])
             item[f"{choice}_std"] = ", ".join(num(r["std_ms"], 1) for r in launches)
-        single = min(len(v) for v in by_choice.values()) == 1
-        change = (statistics.median(r["median_ms"] for r in by_choice["fused"])
-                  / statistics.median(r["median_ms"] for r in by_choice["separate"]) - 1)
+        # A choice's noise: its launches' spread, or with one launch its step-to-step deviation over the median.
+        noise = max(max(m) / min(m) - 1 if len(m) > 1 else by_choice[choice][0]["std_ms"] / m[0]
+                    for choice, m in medians.items())
+        several_launches = {len(m) > 1 for m in medians.values()}
+        how = ("the spread of one choice's launches" if several_launches == {True} else
+               "the step-to-step standard deviation over the median (one launch of a choice)"
+               if several_launches == {False}
+               else "the larger of one choice's launch spread and the other's step-to-step deviation over the median")
+        change = statistics.median(medians["fused"]) / statistics.median(medians["separate"]) - 1
         item["change"] = f"{pct(abs(change), 1)} {'slower' if change > 0 else 'faster'}"
-        item["noise"] = (f"{pct(noise, 1)}, " + ("the step-to-step standard deviation over the median (one launch "
-                                                  "of a choice)" if single else "the spread of one choice's launches"))
+        item["noise"] = f"{pct(noise, 1)}, {how}"
         item["verdict"] = ("within the noise: no measurable difference" if abs(change) <= noise
                            else ("a saving" if change < 0 else "a loss"))
         steps.append(item)
