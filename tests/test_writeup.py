@@ -954,3 +954,34 @@ def test_flash_shapes_rows_are_labelled_by_the_backends_that_ran():
     assert backends_label({"provider": "ours", "kernels": "auto", "backends": mixed}) == \
         "ours, forward portable kernels at d 80, backward Hopper kernels at d 128"
     assert backends_label({"provider": "ours", "kernels": "triton"}) == "ours (triton)"  # rows that do not say
+
+
+def test_fsdp_settings_list_every_launch_of_a_repeated_setting():
+    from pipeline.sections.sharding import fsdp_settings
+
+    def step(impl, ms, steps=20, date="2026-11-26T22:00"):
+        return {"measure": "step", "impl": impl, "world_size": 4, "device": "4x GPU", "checkpointing": 1,
+                "step_ms": ms, "peak_gb": 9.0, "steps": steps, "env": {"date": date}}
+
+    history = [step("fsdp2", 800.0), step("ours", 560.0), step("ours", 600.0, steps=10),  # another protocol
+               step("ours", 540.0), step("fsdp2", 600.0)]
+    newest = [history[3], history[4]]
+    (setting,) = fsdp_settings(newest, history)
+    assert setting["step_ratio"] == pytest.approx(0.9)
+    assert setting["launch_ratios"] == pytest.approx([0.7, 0.9])  # paired in file order, the 10-step row left out
+    assert fsdp_settings(newest)[0]["launch_ratios"] == []  # no history: only the newest launch is known
+
+
+def test_bucketed_trace_reads_each_ranks_phases():
+    from pipeline.sections.ddp import rank_phases
+
+    ranks = [{"span_ms": 503.0, "forward_ms": 131.9, "backward_ms": 286.9, "compute_busy_ms": 263.0,
+              "comm_busy_ms": 315.6},
+             {"span_ms": 520.9, "forward_ms": 175.6, "backward_ms": 276.5, "compute_busy_ms": 234.8,
+              "comm_busy_ms": 31.6}]
+    row = {"trace_ranks": ranks, "bucket_mb": 100.0, "step_ms": 324.4, "exposed_ms": 15.2, "exposed_share": 0.047,
+           "device": "4x NVIDIA H200"}
+    phases = rank_phases(row)
+    assert phases["forward"] == ["131.9", "175.6"] and phases["comm"] == ["315.6", "31.6"]
+    assert (phases["bucket_mb"], phases["device"], phases["share"]) == ("100", "H200 host of 4", "5 %")
+    assert rank_phases(dict(row, trace_ranks=ranks[:1])) == {"has": False} and rank_phases(None) == {"has": False}

@@ -343,11 +343,11 @@ def minimal_ddp_flat_benchmarking(res, out: Output) -> dict[str, Any]:
 TRACED = ("naive", "overlapped")  # part (b): the naive DDP against the per-parameter overlapped one
 
 
-def traced_rows(res) -> dict[tuple[str, str], dict[str, Any]]:
-    """The newest row with a profiler-trace figure of each (variant, dtype) of :data:`TRACED`, on 2 GPUs of any
+def traced_rows(res, variants: tuple[str, ...] = TRACED) -> dict[tuple[str, str], dict[str, Any]]:
+    """The newest row with a profiler-trace figure of each (variant, dtype) of ``variants``, on 2 GPUs of any
     device (a trace may be recorded on another host than the timing sweep; its figure names its device)."""
     rows = res.rows("ddp_benchmarking", one_device=False, world_size=2, keep=lambda rows: [
-        r for r in rows if r.get("trace_figure") and variant_of(r["variant"]) in TRACED])
+        r for r in rows if r.get("trace_figure") and variant_of(r["variant"]) in variants])
     newest: dict[tuple[str, str], dict[str, Any]] = {}
     for row in sorted(rows, key=lambda r: (r.get("env", {}).get("date", ""), r.get("run", ""))):
         newest[(variant_of(row["variant"]), row.get("dtype"))] = dict(row, variant=variant_of(row["variant"]))
@@ -364,6 +364,20 @@ def trace_figure(out: Output, row: dict[str, Any] | None) -> dict[str, str] | No
                "they overlap computation).")
     # A path on the GPU machine: Output.existing falls back to the same name in the figures directory.
     return out.existing(row["trace_figure"], caption)
+
+
+def rank_phases(row: dict[str, Any] | None) -> dict[str, Any]:
+    """Per traced rank: the traced step's span, its forward and backward, its compute and NCCL kernels' busy time
+    (ms); the untraced step and its exposed communication."""
+    ranks = (row or {}).get("trace_ranks") or []
+    if len(ranks) < 2:
+        return {"has": False}
+    forwards = [r["forward_ms"] for r in ranks]
+    return {"has": True, "forward": [num(f) for f in forwards], "backward": [num(r["backward_ms"]) for r in ranks],
+            "comm": [num(r["comm_busy_ms"]) for r in ranks], "compute": [num(r["compute_busy_ms"]) for r in ranks],
+            "span": [num(r["span_ms"]) for r in ranks], "bucket_mb": f"{row.get('bucket_mb') or 0:g}",
+            "step": num(row.get("step_ms")), "exposed": num(row.get("exposed_ms")),
+            "share": pct(row.get("exposed_share")), "device": short_device(str(row.get("device", "")))}
 
 
 def trace_numbers(row: dict[str, Any] | None) -> dict[str, Any]:
@@ -529,8 +543,10 @@ def ddp_bucketed_benchmarking(res, out: Output) -> dict[str, Any]:
     four = load_ddp(res, world_size=4)
     four_table = ddp_table(four, CAPTION.format(setup=ddp_setup(four)) + f" {short_device(four[0]['device'])}.")
     n["four"] = {d: {"best": best_bucketed(four, d), "torch": ddp_numbers(four, "torch_ddp", d)} for d in DTYPE_ORDER}
+    traced = traced_rows(res, ("bucketed",)).get(("bucketed", "bf16"))
+    n["trace"] = rank_phases(traced)
     return {"tables": {"main": tab, "model": model_table, "pairs": pairs["table"], "four": four_table},
-            "figures": {"main": figure}, "n": n}
+            "figures": {"main": figure, "trace": trace_figure(out, traced) if n["trace"]["has"] else None}, "n": n}
 
 
 def best_bucketed(rows: list[dict[str, Any]], dtype: str) -> dict[str, Any]:

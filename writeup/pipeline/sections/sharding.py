@@ -222,15 +222,20 @@ def gpus_label(row: dict[str, Any]) -> str:
     return f"{row.get('world_size', DASH)} × {model.group(1) if model else row.get('device', DASH)}"
 
 
-def fsdp_settings(steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def fsdp_settings(steps: list[dict[str, Any]], history: list[dict[str, Any]] = ()) -> list[dict[str, Any]]:
     """One setting per (ranks, device, AdamW, checkpointing), its rows by implementation, with the ratios of ours
-    to FSDP2 run alike; ordered by ranks, device, AdamW, checkpointing."""
+    to FSDP2 run alike; ordered by ranks, device, AdamW, checkpointing. ``history``: every step row in file order,
+    earlier launches included; a setting measured again with as many timed steps lists each launch's ratio
+    (``launch_ratios``, oldest first)."""
+    key = lambda r: (r.get("world_size", 2), r.get("device", ""), r.get("optimizer", "basics"), r["checkpointing"])
     grouped: dict[tuple, dict[str, dict[str, Any]]] = {}
     for r in steps:
-        key = (r.get("world_size", 2), r.get("device", ""), r.get("optimizer", "basics"), r["checkpointing"])
-        grouped.setdefault(key, {})[r["impl"]] = r
+        grouped.setdefault(key(r), {})[r["impl"]] = r
     settings = []
     for (world, device, optimizer, group), rows in sorted(grouped.items()):
+        launches = {impl: [h for h in history if key(h) == (world, device, optimizer, group) and h["impl"] == impl
+                           and h.get("steps") == row.get("steps") and not h.get("oom")]
+                    for impl, row in rows.items()}
         ours, fsdp2 = (rows.get(i) if rows.get(i) and not rows[i].get("oom") else None for i in ("ours", "fsdp2"))
         both = ours is not None and fsdp2 is not None
         ratio = lambda key: ours[key] / fsdp2[key] if both and ours.get(key) and fsdp2.get(key) else None
@@ -240,6 +245,8 @@ def fsdp_settings(steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
                          "steps": first.get("steps"), "warmup": first.get("warmup"),
                          "step_ratio": ratio("step_ms"), "mean_ratio": ratio("mean_ms"),
                          "peak_ratio": ratio("peak_gb"),
+                         "launch_ratios": [o["step_ms"] / f["step_ms"] for o, f in
+                                           zip(launches.get("ours", []), launches.get("fsdp2", []))],
                          "reserved_gap": ours["reserved_gb"] - fsdp2["reserved_gb"]
                          if both and ours.get("reserved_gb") and fsdp2.get("reserved_gb") else None})
     return settings
@@ -290,7 +297,9 @@ def fsdp_reference(settings: list[dict[str, Any]], world: int) -> dict[str, Any]
     def case(s: dict[str, Any] | None) -> dict[str, Any]:
         if s is None:
             return {"has": False}
+        repeats = s["launch_ratios"] if len(s["launch_ratios"]) > 1 else []
         return {"has": True, "ratio": times(s["step_ratio"]), "mean_ratio": times(s["mean_ratio"]),
+                "launches": ", ".join(times(r) for r in repeats),
                 "ours_ms": num(s["ours"]["step_ms"]), "fsdp2_ms": num(s["fsdp2"]["step_ms"]),
                 "ours_peak": num(s["ours"]["peak_gb"], 1), "fsdp2_peak": num(s["fsdp2"]["peak_gb"], 1)}
 
@@ -384,7 +393,9 @@ def fsdp_accounting(res, out: Output) -> dict[str, Any]:
     steps, checks, timelines = load_fsdp_accounting(res)
     if not steps:
         raise Missing(FSDP_FILE, "no rows with measure 'step' and a 'checkpointing' key")
-    settings = fsdp_settings(steps)
+    history = [r for r in res.log_rows("fsdp_accounting", measured=lambda row: False)
+               if r.get("measure") == "step" and "checkpointing" in r]
+    settings = fsdp_settings(steps, history)
     compared = [s for s in settings if s["step_ratio"] is not None]
     with_ddp = next((s for s in settings if s["ours"] and s["rows"].get("ddp") and not s["checkpointing"]), None)
     size = steps[0].get("size", "xl")
