@@ -48,6 +48,29 @@ def test_cudagraphs_needs_a_gpu():
 
 
 
+@pytest.mark.parametrize("recompute", [False, True])
+def test_recompute_materialized_is_what_the_partitioner_sees_during_the_forward(recompute):
+    """Compiled graphs are split into forward and backward at their first call, inside the step's forward: the part
+    sets the partitioner's option there, and only there."""
+    import torch._functorch.config as partitioner
+
+    config = LMConfig("tiny", 16, 2)
+    parts = STACKS["torch"].with_overrides([f"recompute_materialized={recompute}"])
+    step = build_training_step(build_model(config, torch.device("cpu")), parts, autocast_dtype=None)
+    seen = []
+
+    class Spy(torch.nn.Module):
+        def forward(self, token_ids, targets):
+            seen.append(partitioner.ban_recompute_materialized_backward)
+            return token_ids.float().sum()
+
+    step.net = Spy()  # before any call: the compiled blocks never compile
+    step.forward_loss(*random_batch(config, torch.device("cpu")))
+    assert seen == [not recompute] and partitioner.ban_recompute_materialized_backward
+    with pytest.raises(ValueError, match="recompute_materialized .* needs compile"):
+        Parts(compile="none", recompute_materialized=True)
+
+
 def test_parts_errors_name_the_part_and_the_choices():
     with pytest.raises(ValueError, match="unknown attention 'nope'; choose one of naive, "):
         Parts().with_(attention="nope")

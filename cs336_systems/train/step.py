@@ -16,6 +16,7 @@ chosen by name in :class:`Parts`, so that the two stacks the benchmarks race dif
 | ``sharding`` | ``none`` (one process, or any data-parallel wrapper around the step), ``ours`` (our FSDP by blocks) or ``fsdp2`` (``fully_shard`` per block and root); sharded stacks hold fp32 master weights and compute in the step's bf16 dtype (no autocast), gradients reduced in fp32 |
 | ``cudagraphs`` | capture the forward, loss and backward in one CUDA graph on the first call (after two warm-up passes on a side stream, which do not train) and replay it with the batch copied into static inputs: a step then costs the host one replay and the optimizer's launches (the optimizer runs outside the graph: the update's bias corrections are host scalars). One GPU, unsharded |
 | ``fused_residual_norm`` | each residual add runs inside the norm that reads its sum (``ln2``, the next block's ``ln1``, ``ln_final``): one Triton kernel writes the sum and its norm, one computes both gradients (:mod:`cs336_systems.train.residual_stream`); needs ``rmsnorm='fused'``. Off: the add and the norm are separate operations (fused with each other only as far as ``torch.compile`` does) |
+| ``recompute_materialized`` | the compiled blocks' partitioner may recompute, in backward, values that a backward operator reads whole (by default Inductor saves those): our fused RMSNorm's input, the float32 residual sum after attention, is then recomputed from the block's input and the bf16 attention output (as Inductor does for its own RMSNorm) instead of saved. Off: Inductor's default |
 | ``weights`` | ``fp32`` (every parameter float32, cast by autocast at each use) or ``bf16``: the linear layers' weights held in bf16, trained through float32 master weights that our fused AdamW keeps and rounds back after each update (the matmuls then read them with no cast, in forward and backward, and their gradients are bf16); needs the fused optimizer, bf16 autocast and one GPU |
 
 :data:`STACKS` names the two compared stacks: ``ours`` (our attention operator, fused RMSNorm, fused
@@ -41,6 +42,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 import torch.nn.functional as F
+import torch._functorch.config
 import torch.utils.checkpoint
 from jaxtyping import Float, Int
 from torch import Tensor, nn
@@ -84,6 +86,7 @@ class Parts:
     block_checkpointing: tuple[str, ...] = ()
     fused_residual_norm: bool = False
     gradient_memory: str = DEFAULT_GRADIENT_MEMORY
+    recompute_materialized: bool = False
 
     def __post_init__(self):
         for name, value, allowed in (("attention", self.attention, ATTENTION_NAMES),
@@ -113,6 +116,9 @@ class Parts:
             raise ValueError("gradient_memory places our FSDP's gradient shards: it needs sharding='ours'")
         if self.fused_residual_norm and self.rmsnorm != "fused":
             raise ValueError("fused_residual_norm adds the residual inside our RMSNorm kernel: it needs rmsnorm='fused'")
+        if self.recompute_materialized and self.compile == "none":
+            raise ValueError("recompute_materialized tells torch.compile's partitioner what to save: it needs compile "
+                             "'blocks' or 'model'")
 
     def with_(self, **changes) -> Parts:
         unknown = sorted(set(changes) - {f.name for f in fields(self)})
@@ -141,7 +147,7 @@ class Parts:
                 if not value.isdigit():
                     raise ValueError(f"checkpointing is a group size (0, 1, 2, ...), not {value!r}")
                 changes[name] = int(value)
-            elif name in ("keep_attention", "cudagraphs", "fused_residual_norm"):
+            elif name in ("keep_attention", "cudagraphs", "fused_residual_norm", "recompute_materialized"):
                 if value.lower() not in ("1", "true", "yes", "0", "false", "no"):
                     raise ValueError(f"{name} is true or false, not {value!r}")
                 changes[name] = value.lower() in ("1", "true", "yes")
@@ -388,7 +394,7 @@ class TrainingStep:
         self.optimizer = make_optimizer(self.net.parameters(), parts.optimizer, master_weights=parts.weights == "bf16")
 
         def forward_loss(token_ids: Tensor, targets: Tensor) -> Tensor:
-            with self._autocast(token_ids.device):
+            with self._autocast(token_ids.device), self._partitioning():
                 return self.net(token_ids, targets)
 
         self.forward_loss = torch.compile(forward_loss) if parts.compile == "model" else forward_loss
@@ -400,6 +406,15 @@ class TrainingStep:
             return contextlib.nullcontext()
         # A captured graph replays the casts: autocast's cache of cast weights would outlive the capture.
         return torch.autocast(device_type=device.type, dtype=self.autocast_dtype, cache_enabled=not self.parts.cudagraphs)
+
+    def _partitioning(self) -> contextlib.AbstractContextManager:
+        """The partitioner's options while the forward runs, which is when a compiled graph's first call splits it
+        into forward and backward (``recompute_materialized``: values a backward operator reads whole may be
+        recomputed; Inductor bans that by default, taking the recomputation for a cost where, for our opaque RMSNorm
+        backward, saving the float32 sum costs more memory than recomputing it from bf16 and the block's input)."""
+        if not self.parts.recompute_materialized:
+            return contextlib.nullcontext()
+        return torch._functorch.config.patch(ban_recompute_materialized_backward=False)
 
     def __call__(self, token_ids: Tensor, targets: Tensor, phase_seconds: dict[str, float] | None = None) -> Tensor:
         """One step; with ``phase_seconds`` the device is synchronised after each phase and its seconds added
