@@ -985,3 +985,24 @@ def test_bucketed_trace_reads_each_ranks_phases():
     assert phases["forward"] == ["131.9", "175.6"] and phases["comm"] == ["315.6", "31.6"]
     assert (phases["bucket_mb"], phases["device"], phases["share"]) == ("100", "H200 host of 4", "5 %")
     assert rank_phases(dict(row, trace_ranks=ranks[:1])) == {"has": False} and rank_phases(None) == {"has": False}
+
+
+def test_train_step_cases_take_the_newest_row_whether_or_not_it_names_the_residual_norm(tmp_path):
+    """A row that says residual_norm='separate' and a newer one from before that key existed describe the same
+    stack: the case takes the newer one."""
+    from pipeline.sections.train_step import load_train_step
+    from tests._writeup_fixture import row
+
+    def step_row(ms: float, date: str, **extra) -> dict:
+        config = {"size": "xl", "context_length": 2048, "batch_size": 4, "stack": "ours", "variant": "cudagraphs",
+                  "overrides": [], **extra}
+        r = row("train_step", config, {"step_ms": ms, "oom": False})
+        r["env"]["date"], r["run"] = date, f"{date}-run"
+        return r
+
+    # File order as it happened: an older row without the key first, so the newest one takes its place in the list
+    rows = [step_row(247.3, "2026-11-25T13:41:10Z"), step_row(244.2, "2026-11-26T15:58:12Z", residual_norm="separate"),
+            step_row(247.2, "2026-11-26T21:05:38Z")]
+    (tmp_path / "train_step.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (case,) = load_train_step(Results(tmp_path)).values()
+    assert case[("ours", "cudagraphs")]["step_ms"] == 247.2
