@@ -1006,3 +1006,20 @@ def test_train_step_cases_take_the_newest_row_whether_or_not_it_names_the_residu
     (tmp_path / "train_step.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (case,) = load_train_step(Results(tmp_path)).values()
     assert case[("ours", "cudagraphs")]["step_ms"] == 247.2
+
+
+def test_fsdp_check_text_groups_ranks_and_judges_old_rows_by_the_present_bound():
+    from pipeline.sections.sharding import fsdp_check_and_timeline
+
+    def check(world, dtype, diff, grad, exact, passed, tolerance):
+        return {"measure": "check", "world_size": world, "dtype": dtype, "device": "4x NVIDIA H200", "backend": "nccl",
+                "size": "tiny", "context_length": 64, "steps": 3, "max_abs_diff": diff, "grad_max_abs_diff": grad,
+                "bit_exact": exact, "passed": passed, "tolerance": tolerance}
+
+    checks = [check(4, "fp32", 1.58e-6, 9.3e-10, False, False, 1e-6), check(2, "fp32", 0.0, 0.0, True, True, 1e-6),
+              check(4, "bf16", 3e-3, 1e-5, False, False, 1e-4)]
+    n = fsdp_check_and_timeline(checks, [])
+    assert n["check"].startswith("on 2 × H200 (nccl), fp32 bit-exact; on 4 × H200 (nccl), fp32 weights within 1.6e-06")
+    assert "within the check's present one for AdamW's weights, 2 % of one step (2e-05)" in n["check"]
+    assert n["check"].endswith("bf16 weights within 3.0e-03 after 3 AdamW steps, first-step gradients within 1.0e-05: FAILED")
+    assert n["check_rounding"]

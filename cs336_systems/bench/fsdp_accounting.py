@@ -360,8 +360,8 @@ def check_against_one_process(rank: int, world_size: int, device: torch.device, 
     reference = build_model(config, device)
     if dtype is not None:
         read_weights_in(reference, dtype)  # FSDP casts every parameter, norm gains too
-    optimizer = AdamW(fsdp.parameters(), lr=1e-3, weight_decay=0.01)
-    reference_optimizer = AdamW(reference.parameters(), lr=1e-3, weight_decay=0.01)
+    optimizer = AdamW(fsdp.parameters(), lr=CHECK_LR, weight_decay=0.01)
+    reference_optimizer = AdamW(reference.parameters(), lr=CHECK_LR, weight_decay=0.01)
     expected_params = {master_name(name): p
                        for name, p in reference.named_parameters()}
     generator = torch.Generator().manual_seed(1)
@@ -392,7 +392,14 @@ def check_against_one_process(rank: int, world_size: int, device: torch.device, 
     return {"max_abs_diff": difference, "grad_max_abs_diff": grad_difference, "bit_exact": exact, "steps": steps}
 
 
-CHECK_TOLERANCE = {"fp32": 1e-6, "bf16": 1e-4}  # on weights after the steps, and on the first step's gradients
+CHECK_LR = 1e-3
+CHECK_TOLERANCE = {"fp32": 1e-6, "bf16": 1e-4}
+"""On the first step's gradients, and on the weights after the AdamW steps in bf16. On ranks that sum their
+gradients in the collective's order (more than two: each of the W - 1 additions may round differently) AdamW divides
+every coordinate by its running RMS, so a last-bit difference in a near-zero gradient moves its update by a fraction
+of the learning rate: fp32 weights are held to :data:`ADAMW_WEIGHT_TOLERANCE` instead."""
+ADAMW_WEIGHT_TOLERANCE = 0.02 * CHECK_LR
+"""fp32 weights after the AdamW steps: 2 % of one step's size (the NCCL tests' bound, there at their own lr)."""
 
 
 def run_check(rank: int, world_size: int, device: torch.device, args) -> None:
@@ -406,12 +413,14 @@ def run_check(rank: int, world_size: int, device: torch.device, args) -> None:
             continue
         worst = max(r["max_abs_diff"] for r in everyone)
         worst_grad = max(r["grad_max_abs_diff"] for r in everyone)
-        passed = worst <= CHECK_TOLERANCE[name] and worst_grad <= CHECK_TOLERANCE[name]
+        weight_tolerance = ADAMW_WEIGHT_TOLERANCE if name == "fp32" else CHECK_TOLERANCE[name]
+        passed = worst <= weight_tolerance and worst_grad <= CHECK_TOLERANCE[name]
         store.add(dict(measure="check", impl="ours", size="tiny", context_length=64, world_size=world_size,
                        dtype=name, backend=dist.get_backend()),
                   {"max_abs_diff": worst, "grad_max_abs_diff": worst_grad,
-                   "bit_exact": all(r["bit_exact"] for r in everyone),
-                   "tolerance": CHECK_TOLERANCE[name], "passed": passed, "steps": result["steps"]})
+                   "bit_exact": all(r["bit_exact"] for r in everyone), "tolerance": weight_tolerance,
+                   "grad_tolerance": CHECK_TOLERANCE[name], "lr": CHECK_LR, "passed": passed,
+                   "steps": result["steps"]})
         print(f"{name}: FSDP vs one process after {result['steps']} AdamW steps on {world_size} ranks "
               f"({dist.get_backend()}): max |weight diff| {worst:.3e}, first step max |grad diff| "
               f"{worst_grad:.3e}, bit-exact: "
