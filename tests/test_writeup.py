@@ -1023,3 +1023,16 @@ def test_fsdp_check_text_groups_ranks_and_judges_old_rows_by_the_present_bound()
     assert "within the check's present one for AdamW's weights, 2 % of one step (2e-05)" in n["check"]
     assert n["check"].endswith("bf16 weights within 3.0e-03 after 3 AdamW steps, first-step gradients within 1.0e-05: FAILED")
     assert n["check_rounding"]
+
+
+def test_fsdp_settings_keep_the_longest_launch_over_a_later_shorter_one():
+    from pipeline.sections.sharding import fsdp_settings
+
+    def step(impl, ms, steps, date):
+        return {"measure": "step", "impl": impl, "world_size": 4, "device": "4x GPU", "checkpointing": 0,
+                "step_ms": ms, "peak_gb": 25.0, "steps": steps, "env": {"date": date}}
+
+    history = [step("fsdp2", 510.0, 20, "22:03"), step("ours", 378.0, 20, "22:04"),
+               step("fsdp2", 555.0, 5, "22:39"), step("ours", 331.0, 5, "22:40")]  # a memory snapshot's run
+    (setting,) = fsdp_settings(history[2:], history)  # the newest row of each configuration, as the file gives
+    assert (setting["steps"], setting["step_ratio"]) == (20, pytest.approx(378.0 / 510.0))

@@ -226,12 +226,20 @@ def gpus_label(row: dict[str, Any]) -> str:
 def fsdp_settings(steps: list[dict[str, Any]], history: list[dict[str, Any]] = ()) -> list[dict[str, Any]]:
     """One setting per (ranks, device, AdamW, checkpointing), its rows by implementation, with the ratios of ours
     to FSDP2 run alike; ordered by ranks, device, AdamW, checkpointing. ``history``: every step row in file order,
-    earlier launches included; a setting measured again with as many timed steps lists each launch's ratio
-    (``launch_ratios``, oldest first)."""
+    earlier launches included: each implementation's row is its launch with the most timed steps (ties: the newest),
+    and a setting measured again with as many timed steps lists each launch's ratio (``launch_ratios``, oldest
+    first)."""
     key = lambda r: (r.get("world_size", 2), r.get("device", ""), r.get("optimizer", "basics"), r["checkpointing"])
     grouped: dict[tuple, dict[str, dict[str, Any]]] = {}
     for r in steps:
         grouped.setdefault(key(r), {})[r["impl"]] = r
+    # A later run with fewer timed steps (a memory snapshot's, say) does not replace a longer one of the setting.
+    longest = lambda r: (r.get("steps") or 0, r.get("env", {}).get("date", ""))
+    for r in history:
+        if key(r) in grouped and not r.get("oom"):
+            current = grouped[key(r)].get(r["impl"])
+            if current is None or longest(r) > longest(current):
+                grouped[key(r)][r["impl"]] = r
     settings = []
     for (world, device, optimizer, group), rows in sorted(grouped.items()):
         launches = {impl: [h for h in history if key(h) == (world, device, optimizer, group) and h["impl"] == impl
@@ -397,6 +405,7 @@ def fsdp_accounting(res, out: Output) -> dict[str, Any]:
     history = [r for r in res.log_rows("fsdp_accounting", measured=lambda row: False)
                if r.get("measure") == "step" and "checkpointing" in r]
     settings = fsdp_settings(steps, history)
+    res.used.extend(r for s in settings for r in s["rows"].values())
     compared = [s for s in settings if s["step_ratio"] is not None]
     with_ddp = next((s for s in settings if s["ours"] and s["rows"].get("ddp") and not s["checkpointing"]), None)
     size = steps[0].get("size", "xl")
