@@ -92,14 +92,14 @@ def captured_attention_launches(monkeypatch, dtype: torch.dtype, head_dim: int, 
     return launches
 
 
-def fixed_launch_config(name: str, dtype: torch.dtype, head_dim: int, precision: str = "ieee"):
-    """The configuration the portable backend launches kernel ``name`` ("fwd", "delta", "bwd") at, not autotuning
-    (``precision``: its float32 products)."""
+def fixed_launch_config(name: str, dtype: torch.dtype, head_dim: int, precision: str = "ieee", capability: int = 90):
+    """The configuration the portable backend launches kernel ``name`` ("fwd", "delta", "bwd") at on a GPU of
+    ``capability``, not autotuning (``precision``: its float32 products)."""
     from cs336_systems.attention.backends import triton as triton_backend
 
     if name == "delta":
         return triton_backend.DELTA_CONFIG
-    return triton_backend.fixed_config(name, dtype, head_dim, precision)
+    return triton_backend.fixed_config(name, dtype, head_dim, precision, capability)
 
 
 def cuobjdump(compiled, flag: str) -> str:

@@ -44,7 +44,7 @@ def test_triton_kernels_compile_for_sm100(monkeypatch, dtype, head_dim):
     if not nvidia_toolchain_available():
         pytest.skip("this Triton has no NVIDIA backend or ptxas")
     for kernel, args, meta, name in captured_attention_launches(monkeypatch, dtype, head_dim, is_causal=True):
-        config = fixed_launch_config(name, dtype, head_dim)
+        config = fixed_launch_config(name, dtype, head_dim, capability=BLACKWELL)
         compiled = compile_for_gpu(kernel, args, {**meta, **config.all_kwargs()}, capability=BLACKWELL)
         usage = resource_usage(compiled)
         where = f"{name} {config}: {usage}"

@@ -65,7 +65,7 @@ def test_recompute_materialized_is_what_the_partitioner_sees_during_the_forward(
             return token_ids.float().sum()
 
     step.net = Spy()  # before any call: the compiled blocks never compile
-    step.forward_loss(*random_batch(config, torch.device("cpu")))
+    step._forward(*random_batch(config, torch.device("cpu")))
     assert seen == [not recompute] and partitioner.ban_recompute_materialized_backward
     with pytest.raises(ValueError, match="recompute_materialized .* needs compile"):
         Parts(compile="none", recompute_materialized=True)

@@ -16,7 +16,7 @@ chosen by name in :class:`Parts`, so that the two stacks the benchmarks race dif
 | ``sharding`` | ``none`` (one process, or any data-parallel wrapper around the step), ``ours`` (our FSDP by blocks) or ``fsdp2`` (``fully_shard`` per block and root); sharded stacks hold fp32 master weights and compute in the step's bf16 dtype (no autocast), gradients reduced in fp32 |
 | ``cudagraphs`` | capture the forward, loss and backward in one CUDA graph on the first call (after two warm-up passes on a side stream, which do not train) and replay it with the batch copied into static inputs: a step then costs the host one replay and the optimizer's launches (the optimizer runs outside the graph: the update's bias corrections are host scalars). One GPU, unsharded |
 | ``fused_residual_norm`` | each residual add runs inside the norm that reads its sum (``ln2``, the next block's ``ln1``, ``ln_final``): one Triton kernel writes the sum and its norm, one computes both gradients (:mod:`cs336_systems.train.residual_stream`); needs ``rmsnorm='fused'``. Off: the add and the norm are separate operations (fused with each other only as far as ``torch.compile`` does) |
-| ``recompute_materialized`` | the compiled blocks' partitioner may recompute, in backward, values that a backward operator reads whole (by default Inductor saves those): our fused RMSNorm's input, the float32 residual sum after attention, is then recomputed from the block's input and the bf16 attention output (as Inductor does for its own RMSNorm) instead of saved. Off: Inductor's default |
+| ``recompute_materialized`` | torch.compile's partitioner may recompute, in backward, values that a backward operator reads whole (by default Inductor saves those): our fused RMSNorm's input, the float32 residual sum after attention, is then recomputed from the block's input and the bf16 attention output (as Inductor does for its own RMSNorm) instead of saved. Off: Inductor's default. Compiled code is reused across the steps of one process, whatever their parts: build steps that differ here in fresh processes, or after ``torch._dynamo.reset()`` |
 | ``weights`` | ``fp32`` (every parameter float32, cast by autocast at each use) or ``bf16``: the linear layers' weights held in bf16, trained through float32 master weights that our fused AdamW keeps and rounds back after each update (the matmuls then read them with no cast, in forward and backward, and their gradients are bf16); needs the fused optimizer, bf16 autocast and one GPU |
 
 :data:`STACKS` names the two compared stacks: ``ours`` (our attention operator, fused RMSNorm, fused
@@ -394,7 +394,7 @@ class TrainingStep:
         self.optimizer = make_optimizer(self.net.parameters(), parts.optimizer, master_weights=parts.weights == "bf16")
 
         def forward_loss(token_ids: Tensor, targets: Tensor) -> Tensor:
-            with self._autocast(token_ids.device), self._partitioning():
+            with self._autocast(token_ids.device):
                 return self.net(token_ids, targets)
 
         self.forward_loss = torch.compile(forward_loss) if parts.compile == "model" else forward_loss
@@ -407,14 +407,16 @@ class TrainingStep:
         # A captured graph replays the casts: autocast's cache of cast weights would outlive the capture.
         return torch.autocast(device_type=device.type, dtype=self.autocast_dtype, cache_enabled=not self.parts.cudagraphs)
 
-    def _partitioning(self) -> contextlib.AbstractContextManager:
-        """The partitioner's options while the forward runs, which is when a compiled graph's first call splits it
-        into forward and backward (``recompute_materialized``: values a backward operator reads whole may be
-        recomputed; Inductor bans that by default, taking the recomputation for a cost where, for our opaque RMSNorm
-        backward, saving the float32 sum costs more memory than recomputing it from bf16 and the block's input)."""
+    def _forward(self, token_ids: Tensor, targets: Tensor) -> Tensor:
+        """The forward and loss, under the partitioner's options: a compiled graph is split into forward and backward
+        at its first call, which happens here (``recompute_materialized``: values a backward operator reads whole may
+        be recomputed; Inductor bans that by default, taking the recomputation for a cost, where for our opaque
+        RMSNorm backward saving the float32 sum costs more memory than recomputing it from bf16 and the block's
+        input). Outside the compiled function, so that the option never breaks its graph."""
         if not self.parts.recompute_materialized:
-            return contextlib.nullcontext()
-        return torch._functorch.config.patch(ban_recompute_materialized_backward=False)
+            return self.forward_loss(token_ids, targets)
+        with torch._functorch.config.patch(ban_recompute_materialized_backward=False):
+            return self.forward_loss(token_ids, targets)
 
     def __call__(self, token_ids: Tensor, targets: Tensor, phase_seconds: dict[str, float] | None = None) -> Tensor:
         """One step; with ``phase_seconds`` the device is synchronised after each phase and its seconds added
@@ -423,7 +425,7 @@ class TrainingStep:
         timed = phase_timer(token_ids.device, phase_seconds)
         if self.parts.cudagraphs:
             return self._replay(token_ids, targets, timed)
-        loss = timed("forward", lambda: self.forward_loss(token_ids, targets))
+        loss = timed("forward", lambda: self._forward(token_ids, targets))
         timed("backward", self._backward(loss))
         timed("optimizer", self._update)
         return loss.detach()
@@ -448,12 +450,12 @@ class TrainingStep:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
-                self.forward_loss(self._static_ids, self._static_targets).backward()
+                self._forward(self._static_ids, self._static_targets).backward()
                 self.optimizer.zero_grad(set_to_none=True)
         torch.cuda.current_stream().wait_stream(side)
         self._graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self._graph):
-            self._static_loss = self.forward_loss(self._static_ids, self._static_targets)
+            self._static_loss = self._forward(self._static_ids, self._static_targets)
             self._static_loss.backward()
 
     def _backward(self, loss: Tensor) -> Callable[[], None]:

@@ -1,6 +1,7 @@
 """The training-step stacks under the Triton CPU interpreter (see ``conftest.py``): our stack (Triton attention,
 fused RMSNorm, fused cross-entropy, fused AdamW) trains a tiny model exactly as PyTorch's stack does (eager; compiled
-blocks are checked on the GPU)."""
+blocks against PyTorch's stack are checked on the GPU), and with compiled blocks the ``recompute_materialized`` part
+saves less and trains alike."""
 
 from __future__ import annotations
 
@@ -34,9 +35,9 @@ def test_our_stack_trains_like_pytorchs_eager():
 
 @pytest.mark.slow
 def test_recomputing_materialized_values_saves_memory_and_trains_alike():
-    """Our stack with compiled blocks (Inductor on the CPU): with ``recompute_materialized`` the blocks save fewer
-    bytes for backward (the fused RMSNorm's float32 input is recomputed, not kept) and the step's loss and
-    parameters are the same."""
+    """Our stack with compiled blocks (Inductor on the CPU, float32): with ``recompute_materialized`` the blocks save
+    fewer bytes for backward (values that backward operators read whole may be recomputed instead of kept) and the
+    step's loss and parameters are the same."""
     def run(recompute: bool) -> tuple[int, float, list[torch.Tensor]]:
         torch.manual_seed(0)
         torch._dynamo.reset()

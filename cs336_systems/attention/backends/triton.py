@@ -100,6 +100,8 @@ AUTOTUNE_CONFIGS = {
         "32-bit": [_bwd_config(32, 16, 4, 1), _bwd_config(32, 16, 8, 1), _bwd_config(32, 32, 8, 1)],
     },
 }
+HOPPER = 90
+"""The compute capability the fixed tiles were timed on (H100)."""
 INTERPRETER_CONFIGS = {"fwd": _config(32, 16, 4, 1), "bwd": _bwd_config(32, 16, 4, 1)}
 DELTA_CONFIG = triton.Config({"BLOCK_M": 64}, num_warps=4, num_stages=1)  # also the dQ conversion's
 
@@ -147,7 +149,8 @@ DELTA_KERNEL = Kernel(triton_kernels.attn_bwd_delta_kernel)
 """Delta = rowsum(O * dO) (and the Hopper backward's float32 dQ accumulator zeroed), at :data:`DELTA_CONFIG`."""
 
 
-def fixed_config(kernel: str, dtype: torch.dtype, head_dim: int, precision: str = "ieee") -> triton.Config:
+def fixed_config(kernel: str, dtype: torch.dtype, head_dim: int, precision: str = "ieee",
+                 capability: int = HOPPER) -> triton.Config:
     """The configuration of ``kernel`` ("fwd" or "bwd") when not autotuning: the fastest in the autotuner's H100
     timings at 16384 tokens (bf16, causal) among those with no register spills at any head dim (checked with
     ptxas for sm_90). Float32 with ``precision`` "tf32x3" (three products on the tensor cores, each operand split in
@@ -156,11 +159,12 @@ def fixed_config(kernel: str, dtype: torch.dtype, head_dim: int, precision: str 
     32 x 16, which spill least; backward 32 x 32 keys x queries at 4 warps 7.71 ms against 18.35 at 32 x 16), though
     they spill 256 and 472 bytes.
 
-    Head dims held in two column parts whose second part is 16 columns (48, 80) take in 16 bits the tiles the
-    autotuner picked on an H100 at 4 x 32 heads x 2048 x 80 and 1 x 32 x 8192 x 80 (causal): forward 128 x 64 at 4
-    warps (0.280 ms against 0.346 at 128's tiles), backward 64 x 64 at 4 warps (1.009 against 1.179 ms); at 96 that
-    forward spills (48 bytes), and 96 keeps 128's tiles. In IEEE float32 these head dims take the tiles of the next
-    power of two, whose accumulators are as wide or wider; with tf32x3 they keep the 32 x 16 tiles that spill least (the
+    Head dim 80 (64 + 16 columns) takes in 16 bits the tiles the autotuner picked on an H100 (``capability`` 90) at
+    4 x 32 heads x 2048 x 80 and 1 x 32 x 8192 x 80 (causal): forward 128 x 64 at 4 warps (0.280 ms against 0.346 at
+    128's tiles, which run 8 warps), backward 64 x 64 at 4 warps (1.009 against 1.179 ms); for other GPUs the forward
+    keeps 8 warps (at 4 it spills 8 bytes for sm_100). 48 and 96 keep the tiles of 64 and 128 (at 96 that forward
+    would spill 48 bytes). In IEEE float32 the split head dims take the tiles of the next power of two, whose
+    accumulators are as wide or wider; with tf32x3 they keep the 32 x 16 tiles that spill least (the
     backward at 48 spills 224 bytes at 64's tiles and 8 at these; at 80 and 96 152 and 488 bytes; not timed against
     padding to 128)."""
     if interpreting():
@@ -174,11 +178,20 @@ def fixed_config(kernel: str, dtype: torch.dtype, head_dim: int, precision: str 
     if dtype == torch.float32:
         num_warps = 4 if head_dim <= 64 else 8
         return _config(32, 16, num_warps, 2) if kernel == "fwd" else _bwd_config(32, 16, num_warps, 1)
-    if head_dim_parts(head_dim)[1] == 16:  # 48 and 80: the autotuner's pick at d = 80 on an H100
-        return _config(128, 64, 4, 3) if kernel == "fwd" else _bwd_config(64, 64, 4, 3)
+    if head_dim_parts(head_dim) == (64, 16):  # 80: the autotuner's pick on an H100
+        forward_warps = 4 if capability == HOPPER else 8  # 4 warps spill 8 bytes for sm_100
+        return _config(128, 64, forward_warps, 3) if kernel == "fwd" else _bwd_config(64, 64, 4, 3)
     if kernel == "fwd":
         return _config(128, 64, 8, 3)
     return _bwd_config(128, 64, 8, 3) if head_dim <= 64 else _bwd_config(128, 32, 8, 3)
+
+
+def _capability(device: torch.device) -> int:
+    """The GPU's compute capability as one number (90 for 9.0); :data:`HOPPER` elsewhere (the interpreter's CPU)."""
+    if device.type != "cuda":
+        return HOPPER
+    major, minor = torch.cuda.get_device_capability(device)
+    return 10 * major + minor
 
 
 def _delta_config() -> triton.Config:
@@ -368,7 +381,8 @@ def _forward_plan(Q: Tensor, K: Tensor, V: Tensor, O: Tensor, is_causal: bool, s
     constexprs = dict(HEAD_DIM=head_dim, HEAD_DIM_B=head_dim_parts(head_dim)[1], IS_CAUSAL=is_causal,
                       DOT_PRECISION=_dot_precision(Q.dtype))
     return LaunchPlan(tail, (batch_heads, n_queries), _tiled_grid(batch_heads, n_queries, "BLOCK_M"), constexprs,
-                      functools.partial(fixed_config, "fwd", Q.dtype, head_dim, constexprs["DOT_PRECISION"]))
+                      functools.partial(fixed_config, "fwd", Q.dtype, head_dim, constexprs["DOT_PRECISION"],
+                                        _capability(Q.device)))
 
 
 def launch_delta(O: Float[Tensor, "batch *heads q d"], dO: Float[Tensor, "batch *heads q d"],
@@ -426,4 +440,5 @@ def _backward_plan(Q: Tensor, K: Tensor, V: Tensor, dO: Tensor, dQ: Tensor, dK: 
     constexprs = dict(HEAD_DIM=head_dim, HEAD_DIM_B=head_dim_parts(head_dim)[1], IS_CAUSAL=is_causal,
                       DOT_PRECISION=_dot_precision(Q.dtype))
     return LaunchPlan(tail, (batch_heads, n_rows), _tiled_grid(batch_heads, n_rows, "TILE"), constexprs,
-                      functools.partial(fixed_config, "bwd", Q.dtype, head_dim, constexprs["DOT_PRECISION"]))
+                      functools.partial(fixed_config, "bwd", Q.dtype, head_dim, constexprs["DOT_PRECISION"],
+                                        _capability(Q.device)))

@@ -248,7 +248,7 @@ def _head_dim_80(res) -> tuple[dict[str, Any], dict[str, Any]] | None:
         return None
     date = max(r.get("date", "") for r in rows)
     latest = {(backends_label(r), tuple(r["shape"])): r for r in rows if r.get("date", "") == date}
-    # cuDNN of the same call (commit) where it ran there, so that a ratio never crosses calls
+    # cuDNN of the same commit where it ran there, so that a ratio compares rows of one code
     cudnn_of = {(r.get("commit"), tuple(r["shape"])): r for r in rows
                 if r.get("date", "") == date and r["provider"] == "sdpa"}
     body = []
@@ -262,8 +262,8 @@ def _head_dim_80(res) -> tuple[dict[str, Any], dict[str, Any]] | None:
     found = table(["kernels", "shape (B, H, T, d)", "fwd ms", "bwd ms", "both ms", "both ÷ cuDNN", "commit"], body,
                   f"The 2.7B model's attention (d = 80), bf16, causal, scripts/flash_shapes_bench.py on "
                   f"{first['device']} ({date}), each kernel family in its own process: do_bench per call; each kernel "
-                  "family's newest row, at the commit it ran (the portable kernels' 16-bit tiles at d = 80 changed "
-                  "at 89178f7), over cuDNN timed in the same call.",
+                  "family's newest row, at the commit it ran (rows of different commits ran different code), over "
+                  "cuDNN timed at the same commit.",
                   align=["left", "left", "right", "right", "right", "right", "left"], size=8)
     return found, {"device": first["device"], "date": date}
 

@@ -110,8 +110,8 @@ def new_protocol(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def load_train_step(res) -> dict[tuple[str, int, int], Case]:
     """The current protocol's rows by (size, context length, batch size) and (stack, variant), in size order."""
     cases: dict[tuple[str, int, int], Case] = {}
-    # Rows that say residual_norm="separate" and rows from before that key are the same configuration to
-    # latest_per_config's eyes only when they agree on the key: take the newest of them here.
+    # A row that says residual_norm="separate" and one from before that key existed describe the same stack, but
+    # latest_per_config keeps both (their keys differ): the newest of them wins here.
     when = lambda r: (r.get("env", {}).get("date", ""), r.get("run", ""))
     for r in sorted(res.rows("train_step", one_device=False, keep=new_protocol), key=when):
         cases.setdefault((r["size"], r["context_length"], r["batch_size"]), {})[(r["stack"], r["variant"])] = r
@@ -312,7 +312,8 @@ def _recompute_rows(res, device: str, cases: dict[tuple[str, int, int], Case]) -
     rows = res.rows("train_step", one_device=False,
                     keep=lambda rows: [r for r in rows if r.get("overrides") == RECOMPUTE_OVERRIDE
                                        and r.get("device") == device and r.get("stack") == "ours"
-                                       and r.get("variant") == "default" and measured(r)])
+                                       and r.get("variant") == "default" and measured(r)
+                                       and r.get("residual_norm", "separate") == "separate"])
     phrases = []
     for r in rows:
         key = (r["size"], r["context_length"], r["batch_size"])
