@@ -5,9 +5,12 @@ of our attention operator."""
 from __future__ import annotations
 
 import json
+from dataclasses import fields
 from typing import Any
 
 from cs336_basics.model import MODEL_SIZES
+from cs336_systems.parallel.fsdp.transport import DEFAULT_GRADIENT_MEMORY
+from cs336_systems.train.step import Parts
 from pipeline import accounting, figures
 from pipeline.markup import DASH, num, pct, sig, span, spread, table, times
 from pipeline.results import Missing, main_device, read_jsonl
@@ -46,7 +49,8 @@ PART_NAMES = {
     ("compile", "model"): "the whole forward and loss",
     ("compile", "none"): "none",
     ("checkpointing", 0): "none",
-    ("gradient_memory", "compute_stream"): "compute stream (FSDP's gradient shards; one GPU: unused)",
+    ("gradient_memory", DEFAULT_GRADIENT_MEMORY): "compute stream (FSDP's gradient shards; one GPU: unused)",
+    ("recompute_materialized", False): "no (Inductor's default partition)",
     ("keep_attention", False): "no",
     ("sharding", "none"): "none (one GPU)",
     ("cudagraphs", False): "no",
@@ -56,9 +60,9 @@ PART_NAMES = {
     ("fused_residual_norm", False): "separate from the norms",
     ("fused_residual_norm", True): "each inside the RMSNorm kernel that reads the sum",
 }
-# A row's ``parts`` may leave out a part at its default (cs336_systems/train/step.py StepParts).
-PART_DEFAULTS = {"weights": "fp32", "cudagraphs": False, "block_checkpointing": [], "fused_residual_norm": False,
-                 "gradient_memory": "compute_stream"}
+# A row's ``parts`` may leave out a part that did not exist when it ran: it ran at the part's default, as recorded
+# (a tuple becomes a list in JSON).
+PART_DEFAULTS = {f.name: list(f.default) if isinstance(f.default, tuple) else f.default for f in fields(Parts)}
 
 
 def size_order(size: str) -> int:
