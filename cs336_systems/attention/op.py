@@ -48,8 +48,8 @@ SUPPORTED_HEAD_DIMS = tuple(d for d in portable.HEAD_DIMS if d in hopper.HEAD_DI
 MAX_GRID_Y = 65535  # CUDA's limit on the second grid dimension, which runs over batch * heads
 SPLIT_BACKWARD_MAX_KEYS = 2048
 """Up to this many keys the portable backward at a head dim it holds in two parts (48, 80, 96) runs faster than the
-Hopper backward padded to 128 (one H100, d = 80: 1.19 against 1.44 ms at (4, 32, 2048, 80); at (1, 32, 8192, 80)
-3.89 against 3.22 ms)."""
+Hopper backward padded to 128 (one H100, d = 80, the portable kernels at their present tiles: 1.02 against 1.44 ms
+at (4, 32, 2048, 80); at (1, 32, 8192, 80) 3.43 against 3.22 ms)."""
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -146,7 +146,7 @@ def choose_backend(config: FlashConfig, device: torch.device, dtype: torch.dtype
 def portable_runs_faster(head_dim: int, part: str, n_keys: int) -> bool:
     """Whether, by default, the portable kernels run ``part`` where the Hopper ones could: at the head dims the
     portable kernels hold in two column parts and the Hopper ones pad to 128, the forward always (one H100,
-    d = 80: 0.35 against 0.59 ms at (4, 32, 2048, 80), 1.14 against 1.14 ms at (1, 32, 8192, 80)) and the backward
+    d = 80: 0.28 against 0.59 ms at (4, 32, 2048, 80), 0.93 against 1.14 ms at (1, 32, 8192, 80)) and the backward
     up to :data:`SPLIT_BACKWARD_MAX_KEYS` keys."""
     if head_dim in SUPPORTED_HEAD_DIMS or head_dim not in portable.HEAD_DIMS:
         return False
