@@ -24,6 +24,7 @@ import torch
 
 from cs336_systems.attention import get_attention
 from cs336_systems.attention.backends import triton as triton_backend
+from cs336_systems.attention.backends import triton_kernels
 from cs336_systems.attention.config import FLASH_CONFIG, FlashConfig
 from cs336_systems.attention.op import FlashAttention2Triton, flash_attention
 from cs336_systems.kernels import launch
@@ -367,6 +368,20 @@ def test_split_head_dims_match_float64_reference_gpu(case):
     assert not failures(measure(case, kernels="triton"))
 
 
+SPLIT_KEY_CASES = [Case("fp32", 1, None, 4096, 4096, 128, True), Case("fp32", 1, 2, 2048, 2048, 64, False),
+                   Case("fp32", 1, 1, 1031, 1031, 32, True)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", SPLIT_KEY_CASES, ids=str)
+def test_forward_split_over_keys_matches_float64_reference_gpu(case):
+    """Float32 calls of one or two heads, which the forward splits over keys on a GPU (checked), through the
+    operator, gradients included (the backward reads the combined logsumexp)."""
+    Q = torch.empty(case.batch, *([case.heads] if case.heads else []), case.n_queries, case.d, device="cuda")
+    assert triton_backend.forward_key_splits(Q, Q, case.is_causal) > 1
+    assert not failures(measure(case, kernels="triton"))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_tf32x3_products_keep_float32_accuracy_gpu(fixed_tiles_poisoned_outputs, head_dim):
@@ -583,3 +598,31 @@ def test_error_grid_cases_are_those_of_the_committed_errors_file():
         "autotuned", "autotuned", "leaderboard shape (16, 16384, 64), causal, vs fp32 SDPA"]
     assert {key for record in records if "note" not in record for key in record} == {
         *fields, "errors", "torch_errors", "max_abs_errors"}
+
+
+@pytest.mark.compiled_kernels
+@pytest.mark.parametrize("capability", [90, 100])
+def test_split_forward_kernels_compile_at_the_forwards_tiles(capability):
+    """The forward split over keys and its combination, float32 at head dim 128 with tf32x3 products and the fixed
+    forward tiles: they compile for an H100 and a B200, the split kernel spilling no more than the plain forward at
+    those tiles (256 bytes for sm_90; 1136 for sm_100, where these float32 tiles were never tuned), the combination
+    not at all."""
+    from tests._flash_aot import compile_for_gpu, nvidia_toolchain_available, resource_usage
+
+    if not nvidia_toolchain_available():
+        pytest.skip("this Triton has no NVIDIA backend or ptxas")
+    d, n = 128, 4096
+    q = torch.empty(1, 1, n, d)
+    parts = torch.empty(2, 1, n, d)
+    lse = torch.empty(2, 1, n)
+    config = triton_backend.fixed_config("fwd", torch.float32, d, "tf32x3", capability)
+    strides = (n * d, n * d, d)
+    split = compile_for_gpu(
+        triton_kernels.attn_fwd_split_kernel,
+        (q, q, q, parts, lse, *strides, *strides, *strides, 1, n, n, 2, 0.1),
+        dict(HEAD_DIM=d, IS_CAUSAL=True, DOT_PRECISION="tf32x3", **config.all_kwargs()), capability=capability)
+    combine = compile_for_gpu(
+        triton_kernels.attn_fwd_combine_kernel, (parts, lse, q, lse, *strides, 1, n, 2),
+        dict(HEAD_DIM=d, BLOCK_M=triton_backend.COMBINE_BLOCK_M, num_warps=4), capability=capability)
+    assert resource_usage(split).spill_bytes <= {90: 256, 100: 1136}[capability], resource_usage(split)
+    assert resource_usage(combine).spill_bytes == 0, resource_usage(combine)

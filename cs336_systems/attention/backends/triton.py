@@ -3,7 +3,9 @@ GPU; float16, bfloat16, float32; head dims 16, 32, 64, 128, and 48, 80, 96 as tw
 :func:`head_dim_parts`); the CPU under ``TRITON_INTERPRET=1``). Same interface
 as every backend: :func:`supports`, :func:`forward`, :func:`backward`.
 
-The forward is one launch; the backward two: Delta = rowsum(O * dO), then one kernel whose program ``i`` computes
+The forward is one launch, or two for float32 calls of few query tiles on a GPU (:func:`split_forward`: each
+tile's keys split over programs, the parts combined by their logsumexp; :func:`key_splits` says when); the backward
+two: Delta = rowsum(O * dO), then one kernel whose program ``i`` computes
 dK and dV of key tile ``i`` and dQ of query tile ``i``, recomputing P for each (no atomics, deterministic).
 
 Launch parameters: on a GPU, fixed tiles per dtype and head dim (:func:`fixed_config`, from autotuner timings),
@@ -360,6 +362,9 @@ def forward(
     if interpreting() and Q.dtype == torch.bfloat16:
         O, L = forward(Q.float(), K.float(), V.float(), is_causal, sm_scale)
         return O.to(torch.bfloat16), L
+    n_splits = forward_key_splits(Q, K, is_causal)
+    if n_splits > 1:
+        return split_forward(Q, K, V, is_causal, sm_scale, n_splits)
     O = new_output(Q.shape, Q.dtype, Q.device)
     L = new_output(Q.shape[:-1], torch.float32, Q.device)
     # What the compilation depends on: Triton specialises the strides and the pointers' alignment; O's strides
@@ -371,6 +376,74 @@ def forward(
         plan = _plans[("fwd", signature, sm_scale)] = _forward_plan(Q, K, V, O, is_causal, sm_scale)
     KERNELS["fwd"](signature, plan.grid, ForwardArgs(Q, K, V, O, L, *plan.tail), plan.constexprs, plan.fixed,
                    autotune=FLASH_CONFIG.get().autotune)
+    return O, L
+
+
+MIN_KEYS_PER_SPLIT = 512
+"""The forward split over keys gives each part at least this many keys (fewer keys per part: the combination's
+extra pass costs more than the shorter sweep saves)."""
+
+
+def key_splits(n_queries: int, n_keys: int, batch_heads: int, block_m: int, is_causal: bool,
+               multiprocessors: int) -> int:
+    """Into how many parts the forward splits each query tile's keys (1: no split). A call takes at least as long
+    as its heaviest tile's sweep (all ``n_keys`` keys, causal or not); when that is at least twice the keys each
+    multiprocessor would sweep with the work spread evenly (few tiles, or causal tiles of unequal work), each tile's
+    keys are cut into about that ratio of parts, each of at least :data:`MIN_KEYS_PER_SPLIT` keys."""
+    tiles = -(-n_queries // block_m)
+    if is_causal:  # tile i sweeps the keys up to its last query
+        swept = sum(min(n_keys, (i + 1) * block_m) for i in range(tiles))
+    else:
+        swept = tiles * n_keys
+    even_share = batch_heads * swept / multiprocessors
+    parts = int(n_keys // max(even_share, 1))
+    if parts < 2:
+        return 1
+    return max(1, min(parts, n_keys // MIN_KEYS_PER_SPLIT))
+
+
+def forward_key_splits(Q: Tensor, K: Tensor, is_causal: bool) -> int:
+    """The parts :func:`forward` splits this call's keys into: float32 on a GPU at a power-of-two head dim only (the
+    single-head sweeps of ``flash_benchmarking``, where a one-head call gives a few dozen programs); else 1."""
+    head_dim = Q.shape[-1]
+    if Q.dtype != torch.float32 or Q.device.type != "cuda" or head_dim_parts(head_dim)[1]:
+        return 1
+    _, batch_heads, n_queries, n_keys, _ = _sizes(Q, K)
+    block_m = fixed_config("fwd", Q.dtype, head_dim, _dot_precision(Q.dtype), _capability(Q.device)).kwargs["BLOCK_M"]
+    multiprocessors = torch.cuda.get_device_properties(Q.device).multi_processor_count
+    return key_splits(n_queries, n_keys, batch_heads, block_m, is_causal, multiprocessors)
+
+
+COMBINE_BLOCK_M = 32
+
+
+def split_forward(
+    Q: Float[Tensor, "batch *heads q d"], K: Float[Tensor, "batch *heads k d"], V: Float[Tensor, "batch *heads k d"],
+    is_causal: bool, sm_scale: float, n_splits: int,
+) -> tuple[Float[Tensor, "batch *heads q d"], Float[Tensor, "batch *heads q"]]:
+    """:func:`forward`'s ``O`` and ``L`` with each query tile's keys split into ``n_splits`` parts, each part swept
+    by a program of its own (``attn_fwd_split_kernel``), then combined by their logsumexp
+    (``attn_fwd_combine_kernel``); at the fixed tiles, power-of-two head dims only."""
+    n_heads, batch_heads, n_queries, n_keys, head_dim = _sizes(Q, K)
+    if head_dim_parts(head_dim)[1]:
+        raise ValueError(f"the forward split over keys takes power-of-two head dims, not {head_dim}")
+    if n_splits < 1:
+        raise ValueError(f"n_splits must be at least 1, got {n_splits}")
+    precision = _dot_precision(Q.dtype)
+    config = fixed_config("fwd", Q.dtype, head_dim, precision, _capability(Q.device))
+    block_m = config.kwargs["BLOCK_M"]
+    O_part = new_output((n_splits, batch_heads, n_queries, head_dim), torch.float32, Q.device)
+    LSE_part = new_output((n_splits, batch_heads, n_queries), torch.float32, Q.device)
+    triton_kernels.attn_fwd_split_kernel[(-(-n_queries // block_m), batch_heads, n_splits)](
+        Q, K, V, O_part, LSE_part, *batch_head_strides(Q), *batch_head_strides(K), *batch_head_strides(V),
+        n_heads, n_queries, n_keys, n_splits, sm_scale * _LOG2_E,
+        HEAD_DIM=head_dim, IS_CAUSAL=is_causal, DOT_PRECISION=precision, **config.all_kwargs())
+    O = new_output(Q.shape, Q.dtype, Q.device)
+    L = new_output(Q.shape[:-1], torch.float32, Q.device)
+    block = COMBINE_BLOCK_M if not interpreting() else INTERPRETER_CONFIGS["fwd"].kwargs["BLOCK_M"]
+    triton_kernels.attn_fwd_combine_kernel[(-(-n_queries // block), batch_heads)](
+        O_part, LSE_part, O, L, *batch_head_strides(O), n_heads, n_queries, n_splits,
+        HEAD_DIM=head_dim, BLOCK_M=block, num_warps=4)
     return O, L
 
 

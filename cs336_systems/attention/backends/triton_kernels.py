@@ -230,6 +230,115 @@ def attn_fwd_kernel(
 
 
 # ---------------------------------------------------------------------------------------------------
+# Forward split over keys: for calls of few query tiles (one head of a few thousand tokens), each tile's keys are
+# cut into ``n_splits`` parts swept by programs of their own, which store their normalised partial output and
+# logsumexp; a second kernel weighs the parts by their logsumexp. The critical path is then a part's sweep, not the
+# heaviest tile's whole sweep.
+# ---------------------------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["n_heads", "n_queries", "n_keys", "n_splits"])
+def attn_fwd_split_kernel(
+    Q, K, V,  # inputs: (batch, heads, n_queries | n_keys, HEAD_DIM) through the strides below
+    O_part,  # float32 (n_splits, batch * heads, n_queries, HEAD_DIM), contiguous: each part's normalised output
+    LSE_part,  # float32 (n_splits, batch * heads, n_queries): each part's base-2 logsumexp (-inf: no keys)
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    n_heads, n_queries, n_keys, n_splits,
+    qk_scale,  # log2(e) / sqrt(HEAD_DIM)
+    HEAD_DIM: tl.constexpr,  # a power of two
+    IS_CAUSAL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
+    off_bh = tl.program_id(1)
+    split = tl.program_id(2)
+    off_b = (off_bh // n_heads).to(tl.int64)
+    off_h = (off_bh % n_heads).to(tl.int64)
+    Q_block = _column_block(Q + off_b * stride_qb + off_h * stride_qh, n_queries, stride_qm, start_m, BLOCK_M,
+                            False, HEAD_DIM, 0)
+    K_block = _column_block(K + off_b * stride_kb + off_h * stride_kh, n_keys, stride_kn, 0, BLOCK_N,
+                            False, HEAD_DIM, 0)
+    V_block = _column_block(V + off_b * stride_vb + off_h * stride_vh, n_keys, stride_vn, 0, BLOCK_N,
+                            False, HEAD_DIM, 0)
+    q = _load_rows(Q_block, True)
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+
+    full_tiles_end = n_keys // BLOCK_N * BLOCK_N
+    if IS_CAUSAL:
+        key_stop = tl.minimum(n_keys, start_m + BLOCK_M)
+        unmasked_end = tl.minimum((start_m + 1) // BLOCK_N * BLOCK_N, full_tiles_end)
+    else:
+        key_stop = n_keys
+        unmasked_end = full_tiles_end
+    # This program's part of the tile's keys: whole key tiles, the last part ending at key_stop.
+    tiles_per_split = tl.cdiv(tl.cdiv(key_stop, BLOCK_N), n_splits)
+    split_start = split * tiles_per_split * BLOCK_N
+    split_stop = tl.minimum(split_start + tiles_per_split * BLOCK_N, key_stop)
+
+    row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    # A row that sees none of the part's keys sums masked scores: its logsumexp is about MASKED_SCORE * qk_scale,
+    # so the combination gives it weight 0 beside the part that holds key 0, which every row sees.
+    acc, _, row_sum, row_max = _attn_fwd_sweep(
+        acc, 0.0, row_sum, row_max, q, q, K_block, K_block, V_block, V_block, split_start,
+        tl.minimum(split_stop, unmasked_end), offs_m, n_keys, qk_scale, IS_CAUSAL, False, DOT_PRECISION, BLOCK_N, 0)
+    acc, _, row_sum, row_max = _attn_fwd_sweep(
+        acc, 0.0, row_sum, row_max, q, q, K_block, K_block, V_block, V_block, tl.maximum(split_start, unmasked_end),
+        split_stop, offs_m, n_keys, qk_scale, IS_CAUSAL, True, DOT_PRECISION, BLOCK_N, 0)
+
+    swept = row_sum > 0  # false only in a part with no keys at all (past the tile's last visible key)
+    part = (split * tl.num_programs(1) + off_bh).to(tl.int64) * n_queries
+    rows = offs_m < n_queries
+    offs_d = tl.arange(0, HEAD_DIM)
+    tl.store(O_part + (part + offs_m[:, None]) * HEAD_DIM + offs_d[None, :],
+             acc / tl.where(swept, row_sum, 1.0)[:, None], mask=rows[:, None])
+    lse = row_max + tl.math.log2(tl.where(swept, row_sum, 1.0))
+    tl.store(LSE_part + part + offs_m, tl.where(swept, lse, float("-inf")), mask=rows)
+
+
+@triton.jit(do_not_specialize=["n_heads", "n_queries", "n_splits"])
+def attn_fwd_combine_kernel(
+    O_part, LSE_part,  # as attn_fwd_split_kernel wrote them
+    O,  # output, (batch, heads, n_queries, HEAD_DIM) through the strides below
+    L,  # output logsumexp (natural log), float32 (batch * heads, n_queries)
+    stride_ob, stride_oh, stride_om,
+    n_heads, n_queries, n_splits,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    start_m = tl.program_id(0) * BLOCK_M
+    off_bh = tl.program_id(1)
+    batch_heads = tl.num_programs(1)
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    rows = offs_m < n_queries
+    lse_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    for split in range(0, n_splits):
+        part = (split * batch_heads + off_bh).to(tl.int64) * n_queries
+        lse_max = tl.maximum(lse_max, tl.load(LSE_part + part + offs_m, mask=rows, other=float("-inf")))
+    lse_max = tl.where(rows, lse_max, 0.0)  # finite on every stored row: the part holding key 0 swept it
+    total = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    for split in range(0, n_splits):
+        part = (split * batch_heads + off_bh).to(tl.int64) * n_queries
+        weight = tl.math.exp2(tl.load(LSE_part + part + offs_m, mask=rows, other=float("-inf")) - lse_max)
+        o = tl.load(O_part + (part + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], mask=rows[:, None], other=0.0)
+        acc += weight[:, None] * o
+        total += weight
+    total = tl.where(rows, total, 1.0)
+    off_b = (off_bh // n_heads).to(tl.int64)
+    off_h = (off_bh % n_heads).to(tl.int64)
+    O_ptr = O + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :]
+    tl.store(O_ptr, (acc / total[:, None]).to(O.dtype.element_ty), mask=rows[:, None])
+    tl.store(L + off_bh.to(tl.int64) * n_queries + offs_m, (lse_max + tl.math.log2(total)) * LN_2, mask=rows)
+
+
+# ---------------------------------------------------------------------------------------------------
 # Backward (Algorithm 2), with P = exp(S - L) recomputed tile by tile:
 #   Delta = rowsum(O * dO);  dV = P^T dO;  dP = dO V^T;  dS = P * (dP - Delta)
 #   dQ = dS K / sqrt(d);  dK = dS^T Q / sqrt(d)

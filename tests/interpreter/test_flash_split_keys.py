@@ -1,0 +1,64 @@
+"""The portable forward with each query tile's keys split over programs (``split_forward``), under the Triton CPU
+interpreter: against a float64 reference, for every number of parts (including parts that get no keys), causal or
+not, ragged lengths, 3-D and 4-D inputs; and the rule that chooses the number of parts."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from cs336_systems.attention.backends import triton as portable
+from cs336_systems.attention.reference import reference_attention
+from cs336_systems.kernels.launch import poisoned_outputs
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the interpreter warns by the hundred
+
+
+@pytest.mark.parametrize("n_splits", [1, 2, 3, 7])
+@pytest.mark.parametrize("shape, n_keys, is_causal", [
+    ((1, 2, 53, 32), 53, True),
+    ((2, 45, 16), 70, False),  # 3-D, more keys than queries
+    ((1, 1, 70, 16), 70, True),
+    ((1, 2, 1, 32), 37, False),  # one query row
+])
+def test_split_forward_matches_float64_reference(shape, n_keys, is_causal, n_splits):
+    generator = torch.Generator().manual_seed(n_splits * 100 + shape[-2])
+    Q = torch.randn(shape, generator=generator)
+    K = torch.randn(*shape[:-2], n_keys, shape[-1], generator=generator)
+    V = torch.randn(*shape[:-2], n_keys, shape[-1], generator=generator)
+    if is_causal and n_keys != shape[-2]:
+        pytest.skip("causal attention here has as many keys as queries")
+    with poisoned_outputs():  # unwritten elements would be NaN
+        O, L = portable.split_forward(Q, K, V, is_causal, 1 / math.sqrt(shape[-1]), n_splits)
+    O_ref, L_ref = reference_attention(Q.double(), K.double(), V.double(), is_causal)
+    torch.testing.assert_close(O.double(), O_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(L.double(), L_ref, rtol=1e-5, atol=1e-5)
+    assert O.dtype == Q.dtype and L.dtype == torch.float32 and O.shape == Q.shape and L.shape == Q.shape[:-1]
+
+
+def test_split_forward_refuses_split_head_dims_and_no_parts():
+    Q = torch.randn(1, 8, 80)
+    with pytest.raises(ValueError, match="power-of-two head dims, not 80"):
+        portable.split_forward(Q, Q, Q, True, 0.1, 2)
+    Q = torch.randn(1, 8, 16)
+    with pytest.raises(ValueError, match="n_splits must be at least 1"):
+        portable.split_forward(Q, Q, Q, True, 0.1, 0)
+
+
+def test_key_splits_follow_the_heaviest_tile_against_an_even_share():
+    # one causal head on 132 SMs in 64-query tiles (float32, d = 128): the last tile sweeps all keys
+    assert portable.key_splits(2048, 2048, 1, 64, True, 132) == 4  # 8 by the ratio, parts of 512 keys at least
+    assert portable.key_splits(4096, 4096, 1, 64, True, 132) == 4
+    assert portable.key_splits(8192, 8192, 1, 64, True, 132) == 2
+    assert portable.key_splits(16384, 16384, 1, 64, True, 132) == 1  # the heaviest tile is under twice a share
+    assert portable.key_splits(2048, 2048, 1, 128, False, 132) == 4  # 16 equal tiles: 132 / 16 = 8, 512-key parts
+    assert portable.key_splits(2048, 2048, 32, 64, True, 132) == 1  # many heads fill the GPU
+    assert portable.key_splits(256, 256, 1, 64, True, 132) == 1  # too few keys to split
+
+
+def test_the_forward_splits_only_float32_on_a_gpu_at_power_of_two_head_dims():
+    Q = torch.randn(1, 64, 16)
+    assert portable.forward_key_splits(Q, Q, True) == 1  # on the CPU (the interpreter): the plain forward
+    assert portable.forward_key_splits(Q.half(), Q.half(), True) == 1
