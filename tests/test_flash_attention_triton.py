@@ -375,10 +375,10 @@ SPLIT_KEY_CASES = [Case("fp32", 1, None, 4096, 4096, 128, True), Case("fp32", 1,
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", SPLIT_KEY_CASES, ids=str)
 def test_forward_split_over_keys_matches_float64_reference_gpu(case):
-    """Float32 calls of one or two heads, which the forward splits over keys on a GPU (checked), through the
-    operator, gradients included (the backward reads the combined logsumexp)."""
+    """Float32 calls of one or two heads, whose forward and backward split their sweeps on a GPU (checked), through
+    the operator, gradients included (the backward reads the combined logsumexp)."""
     Q = torch.empty(case.batch, *([case.heads] if case.heads else []), case.n_queries, case.d, device="cuda")
-    assert triton_backend.forward_key_splits(Q, Q, case.is_causal) > 1
+    assert triton_backend.forward_key_splits(Q, Q, case.is_causal) > 1 and triton_backend.backward_splits(Q, Q) > 1
     assert not failures(measure(case, kernels="triton"))
 
 
@@ -602,11 +602,11 @@ def test_error_grid_cases_are_those_of_the_committed_errors_file():
 
 @pytest.mark.compiled_kernels
 @pytest.mark.parametrize("capability", [90, 100])
-def test_split_forward_kernels_compile_at_the_forwards_tiles(capability):
-    """The forward split over keys and its combination, float32 at head dim 128 with tf32x3 products and the fixed
-    forward tiles: they compile for an H100 and a B200, the split kernel spilling no more than the plain forward at
-    those tiles (256 bytes for sm_90; 1136 for sm_100, where these float32 tiles were never tuned), the combination
-    not at all."""
+def test_split_kernels_compile_at_the_plain_kernels_tiles(capability):
+    """The forward split over keys and its combination, the backward split and its sums, float32 at head dim 128
+    with tf32x3 products and the fixed tiles: they compile for an H100 and a B200, each split kernel spilling no more
+    than the plain kernel at those tiles (forward 256 bytes for sm_90, 1136 for sm_100, where these float32 tiles
+    were never tuned), the combination and the sums not at all."""
     from tests._flash_aot import compile_for_gpu, nvidia_toolchain_available, resource_usage
 
     if not nvidia_toolchain_available():
@@ -626,3 +626,13 @@ def test_split_forward_kernels_compile_at_the_forwards_tiles(capability):
         dict(HEAD_DIM=d, BLOCK_M=triton_backend.COMBINE_BLOCK_M, num_warps=4), capability=capability)
     assert resource_usage(split).spill_bytes <= {90: 256, 100: 1136}[capability], resource_usage(split)
     assert resource_usage(combine).spill_bytes == 0, resource_usage(combine)
+    bwd = triton_backend.fixed_config("bwd", torch.float32, d, "tf32x3", capability)
+    split_bwd = compile_for_gpu(
+        triton_kernels.attn_bwd_split_kernel,
+        (q, q, q, q, lse, lse, parts, parts, parts, *strides, *strides, *strides, *strides, 1, n, n, 2, 0.1, 0.1),
+        dict(HEAD_DIM=d, IS_CAUSAL=True, DOT_PRECISION="tf32x3", **bwd.all_kwargs()), capability=capability)
+    sums = compile_for_gpu(triton_kernels.attn_bwd_sum_parts_kernel, (parts, q, *strides, 1, n, 2),
+                           dict(HEAD_DIM=d, BLOCK_M=triton_backend.SUM_BLOCK_M, num_warps=4), capability=capability)
+    # the plain backward at these tiles spills 472 bytes for sm_90 and 416 for sm_100
+    assert resource_usage(split_bwd).spill_bytes <= {90: 472, 100: 416}[capability], resource_usage(split_bwd)
+    assert resource_usage(sums).spill_bytes == 0, resource_usage(sums)

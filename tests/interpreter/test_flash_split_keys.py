@@ -62,3 +62,33 @@ def test_the_forward_splits_only_float32_on_a_gpu_at_power_of_two_head_dims():
     Q = torch.randn(1, 64, 16)
     assert portable.forward_key_splits(Q, Q, True) == 1  # on the CPU (the interpreter): the plain forward
     assert portable.forward_key_splits(Q.half(), Q.half(), True) == 1
+
+
+@pytest.mark.parametrize("n_parts", [1, 2, 3, 7])
+@pytest.mark.parametrize("shape, n_keys, is_causal", [
+    ((1, 2, 53, 32), 53, True),
+    ((2, 45, 16), 70, False),
+    ((1, 1, 70, 16), 70, True),
+    ((1, 2, 37, 32), 21, False),  # fewer keys than queries
+])
+def test_split_backward_matches_float64_reference(shape, n_keys, is_causal, n_parts):
+    generator = torch.Generator().manual_seed(n_parts * 100 + shape[-2])
+    Q, dO = (torch.randn(shape, generator=generator) for _ in range(2))
+    K, V = (torch.randn(*shape[:-2], n_keys, shape[-1], generator=generator) for _ in range(2))
+    scale = 1 / math.sqrt(shape[-1])
+    O, L = portable.forward(Q, K, V, is_causal, scale)
+    with poisoned_outputs():
+        grads = portable.split_backward(Q, K, V, O, L, dO, is_causal, scale, n_parts)
+    inputs = [x.double().requires_grad_() for x in (Q, K, V)]
+    reference_attention(*inputs, is_causal)[0].backward(dO.double())
+    for grad, x, name in zip(grads, inputs, ("dQ", "dK", "dV")):
+        torch.testing.assert_close(grad.double(), x.grad, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+        assert grad.dtype == torch.float32 and grad.shape == x.shape
+
+
+def test_sweep_splits_fill_the_programs_the_gpu_holds():
+    assert portable.sweep_splits(128, 4096, 264) == 2  # one head of 4096 in 32-row tiles: 128 programs, 2 parts
+    assert portable.sweep_splits(64, 2048, 264) == 4
+    assert portable.sweep_splits(256, 8192, 264) == 1
+    assert portable.sweep_splits(8, 600, 264) == 1  # too few rows to split
+    assert portable.backward_splits(torch.randn(1, 64, 16), torch.randn(1, 64, 16)) == 1  # not on a GPU

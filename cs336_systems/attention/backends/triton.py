@@ -5,7 +5,7 @@ as every backend: :func:`supports`, :func:`forward`, :func:`backward`.
 
 The forward is one launch, or two for float32 calls of few query tiles on a GPU (:func:`split_forward`: each
 tile's keys split over programs, the parts combined by their logsumexp; :func:`key_splits` says when); the backward
-two: Delta = rowsum(O * dO), then one kernel whose program ``i`` computes
+two (five for such calls, :func:`split_backward`: each program's sweeps split into partial sums, added in order): Delta = rowsum(O * dO), then one kernel whose program ``i`` computes
 dK and dV of key tile ``i`` and dQ of query tile ``i``, recomputing P for each (no atomics, deterministic).
 
 Launch parameters: on a GPU, fixed tiles per dtype and head dim (:func:`fixed_config`, from autotuner timings),
@@ -490,6 +490,9 @@ def backward(
     if interpreting() and Q.dtype == torch.bfloat16:
         grads = backward(*(x.float() for x in (Q, K, V, O)), L, dO.float(), is_causal, sm_scale)
         return tuple(g.to(torch.bfloat16) for g in grads)
+    n_parts = backward_splits(Q, K)
+    if n_parts > 1:
+        return split_backward(Q, K, V, O, L, dO, is_causal, sm_scale, n_parts)
     Delta = launch_delta(O, dO)
     dQ = new_output(Q.shape, Q.dtype, Q.device)
     dK = new_output(K.shape, K.dtype, K.device)
@@ -502,6 +505,73 @@ def backward(
     KERNELS["bwd"](signature, plan.grid, BackwardArgs(Q, K, V, dO, L, Delta, dQ, dK, dV, *plan.tail),
                    plan.constexprs, plan.fixed, autotune=FLASH_CONFIG.get().autotune)
     return dQ, dK, dV
+
+
+RESIDENT_PROGRAMS_PER_SM = 2
+"""Backward programs of the float32 tiles one multiprocessor holds at once (255 registers a thread, 4 warps: 32K of
+its 64K registers each)."""
+
+
+def backward_splits(Q: Tensor, K: Tensor) -> int:
+    """Into how many parts :func:`backward` splits each program's sweeps: float32 on a GPU at a power-of-two head
+    dim, when its programs (one per tile of the longer sequence, per batch and head; each does the same work under a
+    causal mask) fill less than half of what the multiprocessors hold at once; parts of at least
+    :data:`MIN_KEYS_PER_SPLIT` rows. Else 1."""
+    head_dim = Q.shape[-1]
+    if Q.dtype != torch.float32 or Q.device.type != "cuda" or head_dim_parts(head_dim)[1]:
+        return 1
+    _, batch_heads, n_queries, n_keys, _ = _sizes(Q, K)
+    tile = fixed_config("bwd", Q.dtype, head_dim, _dot_precision(Q.dtype), _capability(Q.device)).kwargs["TILE"]
+    multiprocessors = torch.cuda.get_device_properties(Q.device).multi_processor_count
+    return sweep_splits(batch_heads * -(-max(n_queries, n_keys) // tile), min(n_queries, n_keys),
+                        RESIDENT_PROGRAMS_PER_SM * multiprocessors)
+
+
+def sweep_splits(programs: int, swept: int, slots: int) -> int:
+    """Parts that bring ``programs`` up to the ``slots`` the GPU runs at once, each sweeping at least
+    :data:`MIN_KEYS_PER_SPLIT` of the ``swept`` rows; 1 when the programs fill half the slots already."""
+    if 2 * programs > slots:
+        return 1
+    return max(1, min(slots // programs, swept // MIN_KEYS_PER_SPLIT))
+
+
+SUM_BLOCK_M = 32
+
+
+def split_backward(
+    Q: Float[Tensor, "batch *heads q d"], K: Float[Tensor, "batch *heads k d"], V: Float[Tensor, "batch *heads k d"],
+    O: Float[Tensor, "batch *heads q d"], L: Float[Tensor, "batch *heads q"], dO: Float[Tensor, "batch *heads q d"],
+    is_causal: bool, sm_scale: float, n_parts: int,
+) -> tuple[Float[Tensor, "batch *heads q d"], Float[Tensor, "batch *heads k d"], Float[Tensor, "batch *heads k d"]]:
+    """:func:`backward`'s ``dQ, dK, dV`` with each program's sweeps split into ``n_parts`` pieces, each swept by a
+    program of its own into float32 partial sums (``attn_bwd_split_kernel``), then added in order
+    (``attn_bwd_sum_parts_kernel``); at the fixed tiles, power-of-two head dims only."""
+    n_heads, batch_heads, n_queries, n_keys, head_dim = _sizes(Q, K)
+    if head_dim_parts(head_dim)[1]:
+        raise ValueError(f"the backward split takes power-of-two head dims, not {head_dim}")
+    if n_parts < 1:
+        raise ValueError(f"n_parts must be at least 1, got {n_parts}")
+    precision = _dot_precision(Q.dtype)
+    config = fixed_config("bwd", Q.dtype, head_dim, precision, _capability(Q.device))
+    Delta = launch_delta(O, dO)
+    parts = {name: new_output((n_parts, batch_heads, n, head_dim), torch.float32, Q.device)
+             for name, n in (("dQ", n_queries), ("dK", n_keys), ("dV", n_keys))}
+    grid = (-(-max(n_queries, n_keys) // config.kwargs["TILE"]), batch_heads, n_parts)
+    triton_kernels.attn_bwd_split_kernel[grid](
+        Q, K, V, dO, L, Delta, parts["dQ"], parts["dK"], parts["dV"],
+        *(stride for x in (Q, K, V, dO) for stride in batch_head_strides(x)),
+        n_heads, n_queries, n_keys, n_parts, sm_scale, sm_scale * _LOG2_E,
+        HEAD_DIM=head_dim, IS_CAUSAL=is_causal, DOT_PRECISION=precision, **config.all_kwargs())
+    block = SUM_BLOCK_M if not interpreting() else INTERPRETER_CONFIGS["fwd"].kwargs["BLOCK_M"]
+    grads = []
+    for name, like in (("dQ", Q), ("dK", K), ("dV", V)):
+        grad = new_output(like.shape, like.dtype, like.device)
+        n_rows = like.shape[-2]
+        triton_kernels.attn_bwd_sum_parts_kernel[(-(-n_rows // block), batch_heads)](
+            parts[name], grad, *batch_head_strides(grad), n_heads, n_rows, n_parts,
+            HEAD_DIM=head_dim, BLOCK_M=block, num_warps=4)
+        grads.append(grad)
+    return tuple(grads)
 
 
 def _backward_plan(Q: Tensor, K: Tensor, V: Tensor, dO: Tensor, dQ: Tensor, dK: Tensor, dV: Tensor, is_causal: bool,

@@ -523,20 +523,66 @@ def _attn_bwd_dq_sweep(
 
 
 @triton.jit
+def _part_of(start, stop, ALIGN: tl.constexpr, part, n_parts):
+    """The ``part``-th of ``n_parts`` consecutive pieces of ``start .. stop``, cut at multiples of ``ALIGN`` from
+    ``start`` (a multiple of it); the last ends at ``stop``, and pieces past it are empty."""
+    piece = tl.cdiv(tl.cdiv(stop - start, ALIGN), n_parts) * ALIGN
+    part_start = start + part * piece
+    return part_start, tl.minimum(part_start + piece, stop)
+
+
+@triton.jit
+def _attn_bwd_dkdv_part(
+    dk, dk_b, dv, dv_b, k, k_b, v, v_b, offs_n, Q_ptr, dO_ptr, L_ptr, Delta_ptr, stride_qm, stride_dom,
+    start_n, n_queries, qk_scale, part, n_parts,
+    IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_B: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """:func:`_attn_bwd_dkdv_tile`'s three sweeps (slices crossing the diagonal, full slices, the ragged last one),
+    each clipped to the ``part``-th of ``n_parts`` pieces of the queries that see the key tile (the bounds stay
+    multiples of BLOCK_M but for n_queries)."""
+    if IS_CAUSAL:
+        diagonal_start = start_n // BLOCK_M * BLOCK_M
+        diagonal_stop = tl.minimum(tl.cdiv(start_n + BLOCK_N - 1, BLOCK_M) * BLOCK_M, n_queries)
+    else:
+        diagonal_start = 0
+        diagonal_stop = 0
+    full_slices_end = tl.maximum(n_queries // BLOCK_M * BLOCK_M, diagonal_stop)
+    part_start, part_stop = _part_of(diagonal_start, n_queries, BLOCK_M, part, n_parts)
+    if IS_CAUSAL:
+        dk, dk_b, dv, dv_b = _attn_bwd_dkdv_sweep(
+            dk, dk_b, dv, dv_b, k, k_b, v, v_b, offs_n, Q_ptr, dO_ptr, L_ptr, Delta_ptr, stride_qm, stride_dom,
+            part_start, tl.minimum(diagonal_stop, part_stop), n_queries, qk_scale, True, True, DOT_PRECISION,
+            HEAD_DIM, HEAD_DIM_B, BLOCK_M)
+    dk, dk_b, dv, dv_b = _attn_bwd_dkdv_sweep(
+        dk, dk_b, dv, dv_b, k, k_b, v, v_b, offs_n, Q_ptr, dO_ptr, L_ptr, Delta_ptr, stride_qm, stride_dom,
+        tl.maximum(diagonal_stop, part_start), tl.minimum(full_slices_end, part_stop), n_queries, qk_scale, False,
+        False, DOT_PRECISION, HEAD_DIM, HEAD_DIM_B, BLOCK_M)
+    dk, dk_b, dv, dv_b = _attn_bwd_dkdv_sweep(
+        dk, dk_b, dv, dv_b, k, k_b, v, v_b, offs_n, Q_ptr, dO_ptr, L_ptr, Delta_ptr, stride_qm, stride_dom,
+        tl.maximum(full_slices_end, part_start), part_stop, n_queries, qk_scale, False, True, DOT_PRECISION,
+        HEAD_DIM, HEAD_DIM_B, BLOCK_M)
+    return dk, dk_b, dv, dv_b
+
+
+@triton.jit
 def _attn_bwd_dkdv_tile(
     Q_ptr, K_ptr, V_ptr, dO_ptr, L_ptr, Delta_ptr, dK_ptr, dV_ptr,  # bases for this (batch, head)
     stride_qm, stride_kn, stride_vn, stride_dom, stride_dkn, stride_dvn,
     start_n,  # the key tile's first key
     n_queries, n_keys,
     sm_scale, qk_scale,
+    part, n_parts,  # with PARTS: sweep only this part of the queries
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_B: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,  # query slice swept
     BLOCK_N: tl.constexpr,  # key tile held
+    PARTS: tl.constexpr,
 ):
-    """dK and dV of the keys ``start_n .. start_n + BLOCK_N``, sweeping every query that sees them."""
+    """dK and dV of the keys ``start_n .. start_n + BLOCK_N``, sweeping every query that sees them (with ``PARTS``,
+    the ``part``-th of ``n_parts`` pieces of those queries: a partial sum)."""
     K_block = _column_block(K_ptr, n_keys, stride_kn, start_n, BLOCK_N, False, HEAD_DIM, HEAD_DIM_B)
     V_block = _column_block(V_ptr, n_keys, stride_vn, start_n, BLOCK_N, False, HEAD_DIM, HEAD_DIM_B)
     # Rows past n_keys load as zeros; what they accumulate stays in rows that are never stored.
@@ -552,27 +598,33 @@ def _attn_bwd_dkdv_tile(
     dk_b = _zeros_second_part(BLOCK_N, HEAD_DIM_B)
     dv_b = _zeros_second_part(BLOCK_N, HEAD_DIM_B)
 
-    if IS_CAUSAL:
-        # Queries before start_n see none of these keys (early exit). A query slice sees every key
-        # here iff its first query >= the tile's last key, start_n + BLOCK_N - 1.
-        diagonal_start = start_n // BLOCK_M * BLOCK_M
-        diagonal_stop = tl.minimum(tl.cdiv(start_n + BLOCK_N - 1, BLOCK_M) * BLOCK_M, n_queries)
+    if PARTS:
+        dk, dk_b, dv, dv_b = _attn_bwd_dkdv_part(
+            dk, dk_b, dv, dv_b, k, k_b, v, v_b, offs_n, Q_ptr, dO_ptr, L_ptr, Delta_ptr, stride_qm, stride_dom,
+            start_n, n_queries, qk_scale, part, n_parts, IS_CAUSAL, DOT_PRECISION, HEAD_DIM, HEAD_DIM_B, BLOCK_M,
+            BLOCK_N)
+    else:
+        if IS_CAUSAL:
+            # Queries before start_n see none of these keys (early exit). A query slice sees every key
+            # here iff its first query >= the tile's last key, start_n + BLOCK_N - 1.
+            diagonal_start = start_n // BLOCK_M * BLOCK_M
+            diagonal_stop = tl.minimum(tl.cdiv(start_n + BLOCK_N - 1, BLOCK_M) * BLOCK_M, n_queries)
+            dk, dk_b, dv, dv_b = _attn_bwd_dkdv_sweep(
+                dk, dk_b, dv, dv_b, k, k_b, v, v_b, offs_n, Q_ptr, dO_ptr, L_ptr, Delta_ptr, stride_qm, stride_dom,
+                diagonal_start, diagonal_stop, n_queries, qk_scale, True, True, DOT_PRECISION, HEAD_DIM, HEAD_DIM_B,
+                BLOCK_M)
+        else:
+            diagonal_stop = 0
+        # diagonal_stop is a multiple of BLOCK_M unless it was clipped to n_queries, which ends the sweep.
+        full_slices_end = tl.maximum(n_queries // BLOCK_M * BLOCK_M, diagonal_stop)
         dk, dk_b, dv, dv_b = _attn_bwd_dkdv_sweep(
             dk, dk_b, dv, dv_b, k, k_b, v, v_b, offs_n, Q_ptr, dO_ptr, L_ptr, Delta_ptr, stride_qm, stride_dom,
-            diagonal_start, diagonal_stop, n_queries, qk_scale, True, True, DOT_PRECISION, HEAD_DIM, HEAD_DIM_B,
+            diagonal_stop, full_slices_end, n_queries, qk_scale, False, False, DOT_PRECISION, HEAD_DIM, HEAD_DIM_B,
             BLOCK_M)
-    else:
-        diagonal_stop = 0
-    # diagonal_stop is a multiple of BLOCK_M unless it was clipped to n_queries, which ends the sweep.
-    full_slices_end = tl.maximum(n_queries // BLOCK_M * BLOCK_M, diagonal_stop)
-    dk, dk_b, dv, dv_b = _attn_bwd_dkdv_sweep(
-        dk, dk_b, dv, dv_b, k, k_b, v, v_b, offs_n, Q_ptr, dO_ptr, L_ptr, Delta_ptr, stride_qm, stride_dom,
-        diagonal_stop, full_slices_end, n_queries, qk_scale, False, False, DOT_PRECISION, HEAD_DIM, HEAD_DIM_B,
-        BLOCK_M)
-    dk, dk_b, dv, dv_b = _attn_bwd_dkdv_sweep(
-        dk, dk_b, dv, dv_b, k, k_b, v, v_b, offs_n, Q_ptr, dO_ptr, L_ptr, Delta_ptr, stride_qm, stride_dom,
-        full_slices_end, n_queries, n_queries, qk_scale, False, True, DOT_PRECISION, HEAD_DIM, HEAD_DIM_B,
-        BLOCK_M)
+        dk, dk_b, dv, dv_b = _attn_bwd_dkdv_sweep(
+            dk, dk_b, dv, dv_b, k, k_b, v, v_b, offs_n, Q_ptr, dO_ptr, L_ptr, Delta_ptr, stride_qm, stride_dom,
+            full_slices_end, n_queries, n_queries, qk_scale, False, True, DOT_PRECISION, HEAD_DIM, HEAD_DIM_B,
+            BLOCK_M)
 
     dK_block = _column_block(dK_ptr, n_keys, stride_dkn, start_n, BLOCK_N, False, HEAD_DIM, HEAD_DIM_B)
     dV_block = _column_block(dV_ptr, n_keys, stride_dvn, start_n, BLOCK_N, False, HEAD_DIM, HEAD_DIM_B)
@@ -592,14 +644,17 @@ def _attn_bwd_dq_tile(
     start_m,  # the query tile's first query
     n_queries, n_keys,
     sm_scale, qk_scale,
+    part, n_parts,  # with PARTS: sweep only this part of the keys
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_B: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,  # query tile held
     BLOCK_N: tl.constexpr,  # key slice swept
+    PARTS: tl.constexpr,
 ):
-    """dQ of the queries ``start_m .. start_m + BLOCK_M``, sweeping every key they see."""
+    """dQ of the queries ``start_m .. start_m + BLOCK_M``, sweeping every key they see (with ``PARTS``, the
+    ``part``-th of ``n_parts`` pieces of those keys: a partial sum)."""
     Q_block = _column_block(Q_ptr, n_queries, stride_qm, start_m, BLOCK_M, False, HEAD_DIM, HEAD_DIM_B)
     dO_block = _column_block(dO_ptr, n_queries, stride_dom, start_m, BLOCK_M, False, HEAD_DIM, HEAD_DIM_B)
     K_block = _column_block(K_ptr, n_keys, stride_kn, 0, BLOCK_N, False, HEAD_DIM, HEAD_DIM_B)
@@ -629,12 +684,21 @@ def _attn_bwd_dq_tile(
     else:
         key_stop = n_keys
         unmasked_end = full_slices_end
-    dq, dq_b = _attn_bwd_dq_sweep(dq, dq_b, q, q_b, do, do_b, logsumexp, delta, offs_m, K_block, K_B_block, V_block,
-                                  V_B_block, 0, unmasked_end, n_keys, qk_scale, IS_CAUSAL, False, DOT_PRECISION,
-                                  BLOCK_N, HEAD_DIM_B)
-    dq, dq_b = _attn_bwd_dq_sweep(dq, dq_b, q, q_b, do, do_b, logsumexp, delta, offs_m, K_block, K_B_block, V_block,
-                                  V_B_block, unmasked_end, key_stop, n_keys, qk_scale, IS_CAUSAL, True, DOT_PRECISION,
-                                  BLOCK_N, HEAD_DIM_B)
+    if PARTS:  # the part-th of n_parts pieces of the keys the tile sees
+        part_start, part_stop = _part_of(0, key_stop, BLOCK_N, part, n_parts)
+        dq, dq_b = _attn_bwd_dq_sweep(dq, dq_b, q, q_b, do, do_b, logsumexp, delta, offs_m, K_block, K_B_block,
+                                      V_block, V_B_block, part_start, tl.minimum(unmasked_end, part_stop), n_keys,
+                                      qk_scale, IS_CAUSAL, False, DOT_PRECISION, BLOCK_N, HEAD_DIM_B)
+        dq, dq_b = _attn_bwd_dq_sweep(dq, dq_b, q, q_b, do, do_b, logsumexp, delta, offs_m, K_block, K_B_block,
+                                      V_block, V_B_block, tl.maximum(unmasked_end, part_start), part_stop, n_keys,
+                                      qk_scale, IS_CAUSAL, True, DOT_PRECISION, BLOCK_N, HEAD_DIM_B)
+    else:
+        dq, dq_b = _attn_bwd_dq_sweep(dq, dq_b, q, q_b, do, do_b, logsumexp, delta, offs_m, K_block, K_B_block,
+                                      V_block, V_B_block, 0, unmasked_end, n_keys, qk_scale, IS_CAUSAL, False,
+                                      DOT_PRECISION, BLOCK_N, HEAD_DIM_B)
+        dq, dq_b = _attn_bwd_dq_sweep(dq, dq_b, q, q_b, do, do_b, logsumexp, delta, offs_m, K_block, K_B_block,
+                                      V_block, V_B_block, unmasked_end, key_stop, n_keys, qk_scale, IS_CAUSAL, True,
+                                      DOT_PRECISION, BLOCK_N, HEAD_DIM_B)
 
     dQ_block = _column_block(dQ_ptr, n_queries, stride_dqm, start_m, BLOCK_M, False, HEAD_DIM, HEAD_DIM_B)
     tl.store(dQ_block, (dq * sm_scale).to(dQ_ptr.dtype.element_ty), boundary_check=(0,))
@@ -688,10 +752,88 @@ def attn_bwd_kernel(
         _attn_bwd_dkdv_tile(Q_ptr, K_ptr, V_ptr, dO_ptr, L_ptr, Delta_ptr,
                             dK + off_b * stride_dkb + off_h * stride_dkh, dV + off_b * stride_dvb + off_h * stride_dvh,
                             stride_qm, stride_kn, stride_vn, stride_dom, stride_dkn, stride_dvn,
-                            tile_start, n_queries, n_keys, sm_scale, qk_scale,
-                            HEAD_DIM, HEAD_DIM_B, IS_CAUSAL, DOT_PRECISION, SLICE, TILE)
+                            tile_start, n_queries, n_keys, sm_scale, qk_scale, 0, 1,
+                            HEAD_DIM, HEAD_DIM_B, IS_CAUSAL, DOT_PRECISION, SLICE, TILE, False)
     if tile_start < n_queries:
         _attn_bwd_dq_tile(Q_ptr, K_ptr, V_ptr, dO_ptr, L_ptr, Delta_ptr, dQ + off_b * stride_dqb + off_h * stride_dqh,
                           stride_qm, stride_kn, stride_vn, stride_dom, stride_dqm,
-                          tile_start, n_queries, n_keys, sm_scale, qk_scale,
-                          HEAD_DIM, HEAD_DIM_B, IS_CAUSAL, DOT_PRECISION, TILE, SLICE)
+                          tile_start, n_queries, n_keys, sm_scale, qk_scale, 0, 1,
+                          HEAD_DIM, HEAD_DIM_B, IS_CAUSAL, DOT_PRECISION, TILE, SLICE, False)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Backward split over the swept sequence: as the forward's split over keys, for calls of few tiles. Program
+# (i, bh, part) sweeps the part-th piece of the queries that see key tile i (dK, dV) and of the keys query tile i
+# sees (dQ), and stores float32 partial sums; a second kernel adds each gradient's parts in order (deterministic).
+# ---------------------------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["n_heads", "n_queries", "n_keys", "n_parts"])
+def attn_bwd_split_kernel(
+    Q, K, V, dO,  # inputs: (batch, heads, n_queries | n_keys, HEAD_DIM) through the strides below
+    L, Delta,  # float32 (batch * heads, n_queries): logsumexp (natural log) and rowsum(O * dO)
+    dQ_part, dK_part, dV_part,  # float32 (n_parts, batch * heads, n_queries | n_keys, HEAD_DIM), contiguous
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_dom,
+    n_heads, n_queries, n_keys, n_parts,
+    sm_scale, qk_scale,
+    HEAD_DIM: tl.constexpr,  # a power of two
+    IS_CAUSAL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    TILE: tl.constexpr,
+    SLICE: tl.constexpr,
+):
+    """``attn_bwd_kernel``'s program ``i`` for one part of its sweeps (``program_id(2)``), into partial sums."""
+    tile_start = tl.program_id(0) * TILE
+    off_bh = tl.program_id(1)
+    part = tl.program_id(2)
+    batch_heads = tl.num_programs(1)
+    off_b = (off_bh // n_heads).to(tl.int64)
+    off_h = (off_bh % n_heads).to(tl.int64)
+    Q_ptr = Q + off_b * stride_qb + off_h * stride_qh
+    K_ptr = K + off_b * stride_kb + off_h * stride_kh
+    V_ptr = V + off_b * stride_vb + off_h * stride_vh
+    dO_ptr = dO + off_b * stride_dob + off_h * stride_doh
+    L_ptr = L + off_bh.to(tl.int64) * n_queries
+    Delta_ptr = Delta + off_bh.to(tl.int64) * n_queries
+    slot = (part * batch_heads + off_bh).to(tl.int64)
+
+    if tile_start < n_keys:
+        _attn_bwd_dkdv_tile(Q_ptr, K_ptr, V_ptr, dO_ptr, L_ptr, Delta_ptr,
+                            dK_part + slot * n_keys * HEAD_DIM, dV_part + slot * n_keys * HEAD_DIM,
+                            stride_qm, stride_kn, stride_vn, stride_dom, HEAD_DIM, HEAD_DIM,
+                            tile_start, n_queries, n_keys, sm_scale, qk_scale, part, n_parts,
+                            HEAD_DIM, 0, IS_CAUSAL, DOT_PRECISION, SLICE, TILE, True)
+    if tile_start < n_queries:
+        _attn_bwd_dq_tile(Q_ptr, K_ptr, V_ptr, dO_ptr, L_ptr, Delta_ptr, dQ_part + slot * n_queries * HEAD_DIM,
+                          stride_qm, stride_kn, stride_vn, stride_dom, HEAD_DIM,
+                          tile_start, n_queries, n_keys, sm_scale, qk_scale, part, n_parts,
+                          HEAD_DIM, 0, IS_CAUSAL, DOT_PRECISION, TILE, SLICE, True)
+
+
+@triton.jit(do_not_specialize=["n_heads", "n_rows", "n_parts"])
+def attn_bwd_sum_parts_kernel(
+    Parts,  # float32 (n_parts, batch * heads, n_rows, HEAD_DIM), contiguous
+    Out,  # (batch, heads, n_rows, HEAD_DIM) through the strides below
+    stride_ob, stride_oh, stride_om,
+    n_heads, n_rows, n_parts,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """``Out = sum of the parts``, added in part order, in Out's dtype."""
+    start_m = tl.program_id(0) * BLOCK_M
+    off_bh = tl.program_id(1)
+    batch_heads = tl.num_programs(1)
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    rows = offs_m < n_rows
+    total = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    for part in range(0, n_parts):
+        slot = (part * batch_heads + off_bh).to(tl.int64) * n_rows
+        total += tl.load(Parts + (slot + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], mask=rows[:, None], other=0.0)
+    off_b = (off_bh // n_heads).to(tl.int64)
+    off_h = (off_bh % n_heads).to(tl.int64)
+    out = Out + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :]
+    tl.store(out, total.to(Out.dtype.element_ty), mask=rows[:, None])
