@@ -16,7 +16,7 @@ from cs336_systems.kernels.launch import poisoned_outputs
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the interpreter warns by the hundred
 
 
-@pytest.mark.parametrize("n_splits", [1, 2, 3, 7])
+@pytest.mark.parametrize("n_splits", [2, 7])  # 7: parts past the end of short sweeps stay empty
 @pytest.mark.parametrize("shape, n_keys, is_causal", [
     ((1, 2, 53, 32), 53, True),
     ((2, 45, 16), 70, False),  # 3-D, more keys than queries
@@ -64,7 +64,7 @@ def test_the_forward_splits_only_float32_on_a_gpu_at_power_of_two_head_dims():
     assert portable.forward_key_splits(Q.half(), Q.half(), True) == 1
 
 
-@pytest.mark.parametrize("n_parts", [1, 2, 3, 7])
+@pytest.mark.parametrize("n_parts", [2, 7])
 @pytest.mark.parametrize("shape, n_keys, is_causal", [
     ((1, 2, 53, 32), 53, True),
     ((2, 45, 16), 70, False),
