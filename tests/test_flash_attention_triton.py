@@ -621,9 +621,9 @@ def test_split_kernels_compile_at_the_plain_kernels_tiles(capability):
         triton_kernels.attn_fwd_split_kernel,
         (q, q, q, parts, lse, *strides, *strides, *strides, 1, n, n, 2, 0.1),
         dict(HEAD_DIM=d, IS_CAUSAL=True, DOT_PRECISION="tf32x3", **config.all_kwargs()), capability=capability)
-    combine = compile_for_gpu(
-        triton_kernels.attn_fwd_combine_kernel, (parts, lse, q, lse, *strides, 1, n, 2),
-        dict(HEAD_DIM=d, BLOCK_M=triton_backend.COMBINE_BLOCK_M, num_warps=4), capability=capability)
+    elementwise = dict(HEAD_DIM=d, **triton_backend.COMBINE_CONFIG.all_kwargs())
+    combine = compile_for_gpu(triton_kernels.attn_fwd_combine_kernel, (parts, lse, q, lse, *strides, 1, n, 2),
+                              elementwise, capability=capability)
     assert resource_usage(split).spill_bytes <= {90: 256, 100: 1136}[capability], resource_usage(split)
     assert resource_usage(combine).spill_bytes == 0, resource_usage(combine)
     bwd = triton_backend.fixed_config("bwd", torch.float32, d, "tf32x3", capability)
@@ -631,8 +631,8 @@ def test_split_kernels_compile_at_the_plain_kernels_tiles(capability):
         triton_kernels.attn_bwd_split_kernel,
         (q, q, q, q, lse, lse, parts, parts, parts, *strides, *strides, *strides, *strides, 1, n, n, 2, 0.1, 0.1),
         dict(HEAD_DIM=d, IS_CAUSAL=True, DOT_PRECISION="tf32x3", **bwd.all_kwargs()), capability=capability)
-    sums = compile_for_gpu(triton_kernels.attn_bwd_sum_parts_kernel, (parts, q, *strides, 1, n, 2),
-                           dict(HEAD_DIM=d, BLOCK_M=triton_backend.SUM_BLOCK_M, num_warps=4), capability=capability)
+    sums = compile_for_gpu(triton_kernels.attn_bwd_sum_parts_kernel, (parts, q, *strides, 1, n, 2), elementwise,
+                           capability=capability)
     # the plain backward at these tiles spills 472 bytes for sm_90 and 416 for sm_100
     assert resource_usage(split_bwd).spill_bytes <= {90: 472, 100: 416}[capability], resource_usage(split_bwd)
     assert resource_usage(sums).spill_bytes == 0, resource_usage(sums)

@@ -3,10 +3,12 @@ GPU; float16, bfloat16, float32; head dims 16, 32, 64, 128, and 48, 80, 96 as tw
 :func:`head_dim_parts`); the CPU under ``TRITON_INTERPRET=1``). Same interface
 as every backend: :func:`supports`, :func:`forward`, :func:`backward`.
 
-The forward is one launch, or two for float32 calls of few query tiles on a GPU (:func:`split_forward`: each
-tile's keys split over programs, the parts combined by their logsumexp; :func:`key_splits` says when); the backward
-two (five for such calls, :func:`split_backward`: each program's sweeps split into partial sums, added in order): Delta = rowsum(O * dO), then one kernel whose program ``i`` computes
+The forward is one launch; the backward two: Delta = rowsum(O * dO), then one kernel whose program ``i`` computes
 dK and dV of key tile ``i`` and dQ of query tile ``i``, recomputing P for each (no atomics, deterministic).
+Float32 calls of few programs on a GPU (one head of a few thousand tokens) split their sweeps instead: the forward
+each query tile's keys over programs, the parts combined by their logsumexp (:func:`split_forward`, two launches;
+:func:`key_splits` says when), the backward each program's sweeps into partial sums added in order
+(:func:`split_backward`, five launches; :func:`sweep_splits`).
 
 Launch parameters: on a GPU, fixed tiles per dtype and head dim (:func:`fixed_config`, from autotuner timings),
 compiled once per (dtype, head dim, causal) whatever the lengths; ``FlashConfig.autotune`` lets
@@ -405,16 +407,28 @@ def key_splits(n_queries: int, n_keys: int, batch_heads: int, block_m: int, is_c
 def forward_key_splits(Q: Tensor, K: Tensor, is_causal: bool) -> int:
     """The parts :func:`forward` splits this call's keys into: float32 on a GPU at a power-of-two head dim only (the
     single-head sweeps of ``flash_benchmarking``, where a one-head call gives a few dozen programs); else 1."""
-    head_dim = Q.shape[-1]
-    if Q.dtype != torch.float32 or Q.device.type != "cuda" or head_dim_parts(head_dim)[1]:
+    if Q.dtype != torch.float32 or Q.device.type != "cuda" or head_dim_parts(Q.shape[-1])[1]:
         return 1
-    _, batch_heads, n_queries, n_keys, _ = _sizes(Q, K)
-    block_m = fixed_config("fwd", Q.dtype, head_dim, _dot_precision(Q.dtype), _capability(Q.device)).kwargs["BLOCK_M"]
-    multiprocessors = torch.cuda.get_device_properties(Q.device).multi_processor_count
-    return key_splits(n_queries, n_keys, batch_heads, block_m, is_causal, multiprocessors)
+    return _forward_key_splits(Q.shape, K.shape, is_causal, _dot_precision(Q.dtype), Q.device)
 
 
-COMBINE_BLOCK_M = 32
+@functools.cache
+def _forward_key_splits(q_shape: torch.Size, k_shape: torch.Size, is_causal: bool, precision: str,
+                        device: torch.device) -> int:
+    n_heads = q_shape[1] if len(q_shape) == 4 else 1
+    block_m = fixed_config("fwd", torch.float32, q_shape[-1], precision, _capability(device)).kwargs["BLOCK_M"]
+    multiprocessors = torch.cuda.get_device_properties(device).multi_processor_count
+    return key_splits(q_shape[-2], k_shape[-2], q_shape[0] * n_heads, block_m, is_causal, multiprocessors)
+
+
+COMBINE_CONFIG = triton.Config({"BLOCK_M": 32}, num_warps=4)
+"""The launch of the split forward's combination (and of the split backward's sums): an elementwise pass."""
+SPLIT_KERNELS = {name: Kernel(kernel) for name, kernel in (
+    ("fwd", triton_kernels.attn_fwd_split_kernel), ("combine", triton_kernels.attn_fwd_combine_kernel),
+    ("bwd", triton_kernels.attn_bwd_split_kernel), ("sum", triton_kernels.attn_bwd_sum_parts_kernel))}
+"""The split kernels as launched: compiled once per key, then through the short path (Triton's own launch, which
+binds and specialises every argument on every call, costs 50-100 us a launch on an H100 host: more than these
+kernels run at a few thousand tokens)."""
 
 
 def split_forward(
@@ -430,20 +444,24 @@ def split_forward(
     if n_splits < 1:
         raise ValueError(f"n_splits must be at least 1, got {n_splits}")
     precision = _dot_precision(Q.dtype)
-    config = fixed_config("fwd", Q.dtype, head_dim, precision, _capability(Q.device))
-    block_m = config.kwargs["BLOCK_M"]
+    # What the compilation depends on: the inputs' dtype, strides and alignment, and the sizes (the parts and the
+    # outputs are fresh and contiguous, so their strides follow from the sizes).
+    key = (Q.dtype, Q.shape, K.shape, Q.stride(), K.stride(), V.stride(), aligned(Q, K, V), is_causal, precision,
+           n_splits)
     O_part = new_output((n_splits, batch_heads, n_queries, head_dim), torch.float32, Q.device)
     LSE_part = new_output((n_splits, batch_heads, n_queries), torch.float32, Q.device)
-    triton_kernels.attn_fwd_split_kernel[(-(-n_queries // block_m), batch_heads, n_splits)](
-        Q, K, V, O_part, LSE_part, *batch_head_strides(Q), *batch_head_strides(K), *batch_head_strides(V),
-        n_heads, n_queries, n_keys, n_splits, sm_scale * _LOG2_E,
-        HEAD_DIM=head_dim, IS_CAUSAL=is_causal, DOT_PRECISION=precision, **config.all_kwargs())
+    SPLIT_KERNELS["fwd"](
+        key, lambda tiles: (-(-n_queries // tiles["BLOCK_M"]), batch_heads, n_splits),
+        (Q, K, V, O_part, LSE_part, *batch_head_strides(Q), *batch_head_strides(K), *batch_head_strides(V),
+         n_heads, n_queries, n_keys, n_splits, sm_scale * _LOG2_E),
+        dict(HEAD_DIM=head_dim, IS_CAUSAL=is_causal, DOT_PRECISION=precision),
+        lambda: fixed_config("fwd", Q.dtype, head_dim, precision, _capability(Q.device)))
     O = new_output(Q.shape, Q.dtype, Q.device)
     L = new_output(Q.shape[:-1], torch.float32, Q.device)
-    block = COMBINE_BLOCK_M if not interpreting() else INTERPRETER_CONFIGS["fwd"].kwargs["BLOCK_M"]
-    triton_kernels.attn_fwd_combine_kernel[(-(-n_queries // block), batch_heads)](
-        O_part, LSE_part, O, L, *batch_head_strides(O), n_heads, n_queries, n_splits,
-        HEAD_DIM=head_dim, BLOCK_M=block, num_warps=4)
+    SPLIT_KERNELS["combine"](
+        key, lambda tiles: (-(-n_queries // tiles["BLOCK_M"]), batch_heads),
+        (O_part, LSE_part, O, L, *batch_head_strides(O), n_heads, n_queries, n_splits), dict(HEAD_DIM=head_dim),
+        lambda: COMBINE_CONFIG)
     return O, L
 
 
@@ -517,13 +535,18 @@ def backward_splits(Q: Tensor, K: Tensor) -> int:
     dim, when its programs (one per tile of the longer sequence, per batch and head; each does the same work under a
     causal mask) fill less than half of what the multiprocessors hold at once; parts of at least
     :data:`MIN_KEYS_PER_SPLIT` rows. Else 1."""
-    head_dim = Q.shape[-1]
-    if Q.dtype != torch.float32 or Q.device.type != "cuda" or head_dim_parts(head_dim)[1]:
+    if Q.dtype != torch.float32 or Q.device.type != "cuda" or head_dim_parts(Q.shape[-1])[1]:
         return 1
-    _, batch_heads, n_queries, n_keys, _ = _sizes(Q, K)
-    tile = fixed_config("bwd", Q.dtype, head_dim, _dot_precision(Q.dtype), _capability(Q.device)).kwargs["TILE"]
-    multiprocessors = torch.cuda.get_device_properties(Q.device).multi_processor_count
-    return sweep_splits(batch_heads * -(-max(n_queries, n_keys) // tile), min(n_queries, n_keys),
+    return _backward_splits(Q.shape, K.shape, _dot_precision(Q.dtype), Q.device)
+
+
+@functools.cache
+def _backward_splits(q_shape: torch.Size, k_shape: torch.Size, precision: str, device: torch.device) -> int:
+    n_heads = q_shape[1] if len(q_shape) == 4 else 1
+    n_queries, n_keys = q_shape[-2], k_shape[-2]
+    tile = fixed_config("bwd", torch.float32, q_shape[-1], precision, _capability(device)).kwargs["TILE"]
+    multiprocessors = torch.cuda.get_device_properties(device).multi_processor_count
+    return sweep_splits(q_shape[0] * n_heads * -(-max(n_queries, n_keys) // tile), min(n_queries, n_keys),
                         RESIDENT_PROGRAMS_PER_SM * multiprocessors)
 
 
@@ -533,9 +556,6 @@ def sweep_splits(programs: int, swept: int, slots: int) -> int:
     if 2 * programs > slots:
         return 1
     return max(1, min(slots // programs, swept // MIN_KEYS_PER_SPLIT))
-
-
-SUM_BLOCK_M = 32
 
 
 def split_backward(
@@ -552,24 +572,27 @@ def split_backward(
     if n_parts < 1:
         raise ValueError(f"n_parts must be at least 1, got {n_parts}")
     precision = _dot_precision(Q.dtype)
-    config = fixed_config("bwd", Q.dtype, head_dim, precision, _capability(Q.device))
+    key = (Q.dtype, Q.shape, K.shape, Q.stride(), K.stride(), V.stride(), dO.stride(), aligned(Q, K, V, dO),
+           is_causal, precision, n_parts)
     Delta = launch_delta(O, dO)
-    parts = {name: new_output((n_parts, batch_heads, n, head_dim), torch.float32, Q.device)
-             for name, n in (("dQ", n_queries), ("dK", n_keys), ("dV", n_keys))}
-    grid = (-(-max(n_queries, n_keys) // config.kwargs["TILE"]), batch_heads, n_parts)
-    triton_kernels.attn_bwd_split_kernel[grid](
-        Q, K, V, dO, L, Delta, parts["dQ"], parts["dK"], parts["dV"],
-        *(stride for x in (Q, K, V, dO) for stride in batch_head_strides(x)),
-        n_heads, n_queries, n_keys, n_parts, sm_scale, sm_scale * _LOG2_E,
-        HEAD_DIM=head_dim, IS_CAUSAL=is_causal, DOT_PRECISION=precision, **config.all_kwargs())
-    block = SUM_BLOCK_M if not interpreting() else INTERPRETER_CONFIGS["fwd"].kwargs["BLOCK_M"]
+    dQ_part, dK_part, dV_part = (new_output((n_parts, batch_heads, n, head_dim), torch.float32, Q.device)
+                                 for n in (n_queries, n_keys, n_keys))
+    n_rows = max(n_queries, n_keys)
+    SPLIT_KERNELS["bwd"](
+        key, lambda tiles: (-(-n_rows // tiles["TILE"]), batch_heads, n_parts),
+        (Q, K, V, dO, L, Delta, dQ_part, dK_part, dV_part,
+         *(stride for x in (Q, K, V, dO) for stride in batch_head_strides(x)),
+         n_heads, n_queries, n_keys, n_parts, sm_scale, sm_scale * _LOG2_E),
+        dict(HEAD_DIM=head_dim, IS_CAUSAL=is_causal, DOT_PRECISION=precision),
+        lambda: fixed_config("bwd", Q.dtype, head_dim, precision, _capability(Q.device)))
     grads = []
-    for name, like in (("dQ", Q), ("dK", K), ("dV", V)):
+    for part, like in ((dQ_part, Q), (dK_part, K), (dV_part, V)):
         grad = new_output(like.shape, like.dtype, like.device)
-        n_rows = like.shape[-2]
-        triton_kernels.attn_bwd_sum_parts_kernel[(-(-n_rows // block), batch_heads)](
-            parts[name], grad, *batch_head_strides(grad), n_heads, n_rows, n_parts,
-            HEAD_DIM=head_dim, BLOCK_M=block, num_warps=4)
+        rows = like.shape[-2]
+        SPLIT_KERNELS["sum"](
+            (like.dtype, like.shape, n_parts), lambda tiles, rows=rows: (-(-rows // tiles["BLOCK_M"]), batch_heads),
+            (part, grad, *batch_head_strides(grad), n_heads, rows, n_parts), dict(HEAD_DIM=head_dim),
+            lambda: COMBINE_CONFIG)
         grads.append(grad)
     return tuple(grads)
 
