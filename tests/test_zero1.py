@@ -158,10 +158,11 @@ def one_rank():
         yield
 
 
-@pytest.mark.slow  # a spawn of 2 or 3 ranks: over 5 s on two cores
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_flat_sharded_optimizer_matches_plain_adamw_on_gloo(world_size):
-    assert_all_passed(run_checks(CHECKS, world_size, timeout_s=180))
+@pytest.mark.slow  # a spawn of 3 ranks: over 10 s on two cores
+def test_flat_sharded_optimizer_matches_plain_adamw_on_gloo():
+    """Three ranks, so that the flat buffers are padded and the shards uneven (the two-rank case adds nothing the
+    sharded optimizer's two-rank test and the NCCL test do not cover)."""
+    assert_all_passed(run_checks(CHECKS, 3, timeout_s=180))
 
 
 @pytest.mark.gpu
