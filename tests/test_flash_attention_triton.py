@@ -368,6 +368,17 @@ def test_split_head_dims_match_float64_reference_gpu(case):
     assert not failures(measure(case, kernels="triton"))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not hopper_gpu(), reason="needs a Hopper GPU")
+@pytest.mark.parametrize("case", [case for case in SPLIT_HEAD_DIM_CASES if case.precision in ("bf16", "fp16")]
+                         + [Case("bf16", 1, 4, 1000, 1000, 80, False), Case("fp16", 2, 2, 777, 1500, 96, True),
+                            Case("bf16", 2, 3, 300, 200, 48, True)], ids=str)
+def test_hopper_split_head_dims_match_float64_reference_gpu(case):
+    """Head dims the Hopper backward holds in two column parts (80 = 64 + 16), with the Hopper kernels forced (the
+    forward then pads to 128)."""
+    assert not failures(measure(case, kernels="hopper"))
+
+
 SPLIT_KEY_CASES = [Case("fp32", 1, None, 4096, 4096, 128, True), Case("fp32", 1, 2, 2048, 2048, 64, False),
                    Case("fp32", 1, 1, 1031, 1031, 32, True)]
 

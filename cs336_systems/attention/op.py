@@ -174,7 +174,7 @@ def chosen_backends(Q: Tensor, K: Tensor) -> dict[str, str]:
     chosen = {}
     for part in ("forward", "backward"):
         backend = _backend(part, Q, K)
-        chosen[part] = f"{backend.__name__.rsplit('.', 1)[-1]}, d {_kernel_head_dim(backend, Q.shape[-1])}"
+        chosen[part] = f"{backend.__name__.rsplit('.', 1)[-1]}, d {_kernel_head_dim(backend, Q.shape[-1], part)}"
     return chosen
 
 
@@ -189,10 +189,12 @@ def _padded_head_dim(head_dim: int) -> int:
 
 
 @functools.cache
-def _kernel_head_dim(backend: ModuleType, head_dim: int) -> int:
-    """The head dim ``backend`` runs inputs of ``head_dim`` at: the least of its ``HEAD_DIMS`` from ``head_dim`` on
-    (``head_dim`` itself, or the width it is zero-padded to)."""
-    return min(d for d in backend.HEAD_DIMS if d >= head_dim)
+def _kernel_head_dim(backend: ModuleType, head_dim: int, part: str) -> int:
+    """The head dim ``backend`` runs ``part`` of inputs of ``head_dim`` at: the least of its ``HEAD_DIMS`` (for the
+    Hopper backward also its ``SPLIT_HEAD_DIMS``) from ``head_dim`` on (``head_dim`` itself, or the width it is
+    zero-padded to)."""
+    split = hopper.SPLIT_HEAD_DIMS if backend is hopper and part == "backward" else ()
+    return min(d for d in (*backend.HEAD_DIMS, *split) if d >= head_dim)
 
 
 def _pad(x: Tensor, head_dim: int) -> Tensor:
@@ -208,7 +210,7 @@ def attention_forward(
     head_dim = Q.shape[-1]
     sm_scale = 1.0 / math.sqrt(head_dim)
     backend = _backend("forward", Q, K)
-    padded = _kernel_head_dim(backend, head_dim)
+    padded = _kernel_head_dim(backend, head_dim, "forward")
     if padded == head_dim:
         Q, K, V = unit_last_stride(Q), unit_last_stride(K), unit_last_stride(V)
         return backend.forward(Q, K, V, is_causal, sm_scale)
@@ -227,7 +229,7 @@ def attention_backward(
     head_dim = Q.shape[-1]
     sm_scale = 1.0 / math.sqrt(head_dim)
     backend = _backend("backward", Q, K)
-    padded = _kernel_head_dim(backend, head_dim)
+    padded = _kernel_head_dim(backend, head_dim, "backward")
     if padded == head_dim:
         Q, K, V = unit_last_stride(Q), unit_last_stride(K), unit_last_stride(V)
         return backend.backward(Q, K, V, O, L, dO, is_causal, sm_scale)

@@ -29,11 +29,19 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from cs336_systems.attention.backends import triton_kernels
-from cs336_systems.attention.backends.hopper_kernels import attn_bwd_hopper_kernel, attn_fwd_hopper_kernel
-from cs336_systems.attention.backends.triton import batch_head_strides, launch_delta
+from cs336_systems.attention.backends.hopper_kernels import (
+    attn_bwd_hopper_kernel,
+    attn_bwd_hopper_split_kernel,
+    attn_fwd_hopper_kernel,
+)
+from cs336_systems.attention.backends.triton import batch_head_strides, head_dim_parts, launch_delta
 from cs336_systems.kernels.launch import DescriptorArg, Launcher, aligned, interpreting, new_output
 
 HEAD_DIMS = (16, 32, 64, 128)
+"""Head dims both kernels run without padding."""
+SPLIT_HEAD_DIMS = (48, 80, 96)
+"""Head dims the backward also runs without padding, in two power-of-two column parts (80 = 64 + 16, see
+``triton.head_dim_parts``); the forward pads them to 128."""
 BLOCK_N = 128  # keys held per backward program (64 per consumer warpgroup), keys per forward step
 FORWARD_ROWS = 64  # queries per forward consumer warpgroup (two per program)
 BACKWARD_ROWS = 64
@@ -112,24 +120,26 @@ class DescriptorPlan(NamedTuple):
     shape: tuple[int, ...]
     strides: tuple[int, ...]
     rows: int
+    columns: int = 0  # the block's columns: 0 for the whole head dim
 
     @classmethod
-    def of(cls, x: Tensor, rows: int) -> tuple[DescriptorPlan, bool]:
+    def of(cls, x: Tensor, rows: int, columns: int = 0) -> tuple[DescriptorPlan, bool]:
         """The plan of ``x`` (any layout) and whether its heads are in the view's columns."""
         view, heads_in_columns = tma_view(x)
-        return cls(view.data_ptr() != x.data_ptr(), tuple(view.shape), tuple(view.stride()), rows), heads_in_columns
+        return (cls(view.data_ptr() != x.data_ptr(), tuple(view.shape), tuple(view.stride()), rows, columns),
+                heads_in_columns)
 
     def full_descriptor(self, x: Tensor) -> TensorDescriptor:
         """The descriptor of ``x`` that Triton compiles the kernel from (validated, with its shared layout)."""
-        block = [1, self.rows, x.shape[-1]]
+        block = [1, self.rows, self.columns or x.shape[-1]]
         layout = gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[x.dtype])
         return TensorDescriptor(_aligned_copy(x) if self.copied else x, list(self.shape), list(self.strides), block,
                                 layout)
 
 
-def _output_plan(shape: tuple[int, ...], rows: int) -> DescriptorPlan:
+def _output_plan(shape: tuple[int, ...], rows: int, columns: int = 0) -> DescriptorPlan:
     """The plan of a contiguous output seen as ``shape`` (batch * heads, seq, d)."""
-    return DescriptorPlan(False, shape, (shape[1] * shape[2], shape[2], 1), rows)
+    return DescriptorPlan(False, shape, (shape[1] * shape[2], shape[2], 1), rows, columns)
 
 
 class Plan(NamedTuple):
@@ -297,6 +307,8 @@ def backward(
     """``dQ, dK, dV`` (contiguous, the inputs' dtype) from the forward's ``O`` and ``L`` and the output gradient
     ``dO`` (unit stride along ``d``, O's dtype)."""
     n_heads, batch_heads, n_queries, _, head_dim = _sizes(Q, K)
+    if head_dim in SPLIT_HEAD_DIMS:
+        return _split_backward(Q, K, V, O, L, dO, is_causal, sm_scale)
     # The Gluon kernel adds dS K over key tiles into a float32 buffer, which the Delta kernel zeroes.
     DQ_acc = torch.empty((batch_heads, n_queries, head_dim), dtype=torch.float32, device=Q.device)
     Delta = launch_delta(O, dO, DQ_acc)
@@ -325,3 +337,60 @@ def backward_launch(Q: Tensor, K: Tensor, V: Tensor, dO: Tensor, L: Tensor, Delt
     plan = _backward_plan(Q, K, V, dO, is_causal, sm_scale)
     args = BackwardArgs(*plan.full_descriptors((Q, K, V, dO, dK, dV, DQ_acc)), L, Delta, *plan.scalars)
     return Launch(attn_bwd_hopper_kernel, plan.grid, args, dict(plan.constexprs, num_warps=plan.num_warps))
+
+
+_SPLIT_BACKWARD = Launcher(attn_bwd_hopper_split_kernel)
+
+
+def _split_backward_plan(Q: Tensor, K: Tensor, V: Tensor, dO: Tensor, is_causal: bool, sm_scale: float) -> Plan:
+    """:func:`_backward_plan` at a head dim of two power-of-two parts: two descriptors per tensor, one per column
+    block (Q's, K's, V's, dO's, dK's, dV's, then the float32 dQ accumulator's)."""
+    n_heads, batch_heads, n_queries, n_keys, head_dim = _sizes(Q, K)
+    parts = head_dim_parts(head_dim)
+    descriptors, columns = [], {}
+    for name, x, rows in (("Q", Q, BACKWARD_ROWS), ("K", K, BLOCK_N), ("V", V, BLOCK_N), ("DO", dO, BACKWARD_ROWS)):
+        for part in parts:
+            plan, columns[f"{name}_COLUMNS"] = DescriptorPlan.of(x, rows, part)
+            descriptors.append(plan)
+    for shape, rows in (((batch_heads, n_keys, head_dim), BLOCK_N), ((batch_heads, n_keys, head_dim), BLOCK_N),
+                        ((batch_heads, n_queries, head_dim), BACKWARD_ROWS)):
+        descriptors += [_output_plan(shape, rows, part) for part in parts]
+    constexprs = dict(HEAD_DIM=head_dim, HEAD_DIM_B=parts[1], IS_CAUSAL=is_causal, BLOCK_M=BACKWARD_ROWS,
+                      BLOCK_N=BLOCK_N, STAGES=STAGES, **columns)
+    return Plan((triton.cdiv(n_keys, BLOCK_N), batch_heads), tuple(descriptors),
+                (n_heads, n_queries, n_keys, sm_scale, sm_scale * _LOG2_E), constexprs, 8)
+
+
+def _split_backward(
+    Q: Float[Tensor, "batch *heads q d"], K: Float[Tensor, "batch *heads k d"], V: Float[Tensor, "batch *heads k d"],
+    O: Float[Tensor, "batch *heads q d"], L: Float[Tensor, "batch *heads q"], dO: Float[Tensor, "batch *heads q d"],
+    is_causal: bool, sm_scale: float,
+) -> tuple[Float[Tensor, "batch *heads q d"], Float[Tensor, "batch *heads k d"], Float[Tensor, "batch *heads k d"]]:
+    """:func:`backward` at a head dim of :data:`SPLIT_HEAD_DIMS`."""
+    _, batch_heads, n_queries, _, head_dim = _sizes(Q, K)
+    DQ_acc = torch.zeros((batch_heads, n_queries, head_dim), dtype=torch.float32, device=Q.device)
+    Delta = launch_delta(O, dO)
+    dK = new_output(K.shape, K.dtype, K.device)
+    dV = new_output(V.shape, V.dtype, V.device)
+    key = ("backward", Q.device.index, Q.dtype, is_causal, sm_scale, _layout_key(Q), _layout_key(K), _layout_key(V),
+           _layout_key(dO), aligned(L, Delta))
+    plan = _plans.get(key)
+    tensors = (Q, Q, K, K, V, V, dO, dO, dK, dK, dV, dV, DQ_acc, DQ_acc)
+    if plan is not None and _SPLIT_BACKWARD.compiled(key):
+        _SPLIT_BACKWARD(key, plan.grid, (*plan.descriptor_args(tensors), L, Delta, *plan.scalars), {})
+    else:
+        plan = _plans[key] = _split_backward_plan(Q, K, V, dO, is_causal, sm_scale)
+        _SPLIT_BACKWARD(key, plan.grid, (*plan.full_descriptors(tensors), L, Delta, *plan.scalars), plan.constexprs,
+                        num_warps=plan.num_warps)
+    dQ = new_output(Q.shape, Q.dtype, Q.device)
+    dQ.view(DQ_acc.shape).copy_(DQ_acc.mul_(sm_scale))
+    return dQ, dK, dV
+
+
+def split_backward_launch(Q: Tensor, K: Tensor, V: Tensor, dO: Tensor, L: Tensor, Delta: Tensor, dK: Tensor,
+                          dV: Tensor, DQ_acc: Tensor, is_causal: bool, sm_scale: float) -> Launch:
+    """:func:`backward_launch` at a head dim of :data:`SPLIT_HEAD_DIMS`."""
+    plan = _split_backward_plan(Q, K, V, dO, is_causal, sm_scale)
+    tensors = (Q, Q, K, K, V, V, dO, dO, dK, dK, dV, dV, DQ_acc, DQ_acc)
+    args = (*plan.full_descriptors(tensors), L, Delta, *plan.scalars)
+    return Launch(attn_bwd_hopper_split_kernel, plan.grid, args, dict(plan.constexprs, num_warps=plan.num_warps))

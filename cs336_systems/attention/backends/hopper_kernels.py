@@ -692,3 +692,347 @@ def attn_bwd_hopper_kernel(
     tma.async_copy_shared_to_global(dk_desc, [bh, start_n, 0], k_smem.index(0))
     tma.async_copy_shared_to_global(dv_desc, [bh, start_n, 0], v_smem.index(0))
     tma.store_wait(0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Backward at a head dim of two power-of-two parts (80 = 64 + 16, 96 = 64 + 32, 48 = 32 + 16)
+# ---------------------------------------------------------------------------------------------------
+# Tensor descriptors take power-of-two blocks only, so Q, K, V, dO and every output are moved as two column
+# blocks (columns 0 .. A and A .. A + B) and every product over the head dim is two matmuls: S^T and dP^T
+# accumulate both parts' contributions, dV, dK and dQ are two accumulators each. Otherwise the step is the one
+# above, with no padded copy and no work on zero columns.
+
+
+@gluon.jit
+def _part_coord(b, h, m, n_heads, HEAD_DIM: gl.constexpr, HEADS_IN_COLUMNS: gl.constexpr, COLUMN: gl.constexpr):
+    """:func:`_block_coord` of the column block starting at ``COLUMN`` of the head."""
+    if HEADS_IN_COLUMNS:
+        return [b, m, h * HEAD_DIM + COLUMN]
+    else:
+        return [b * n_heads + h, m, COLUMN]
+
+
+@aggregate
+class SplitBwdConfig:
+    """:class:`BwdConfig` with the head dim in two parts of ``HEAD_DIM_A`` and ``HEAD_DIM_B`` columns (register
+    layouts of each part's dK/dV and dQ accumulators)."""
+
+    HEAD_DIM: gl.constexpr
+    HEAD_DIM_A: gl.constexpr
+    HEAD_DIM_B: gl.constexpr
+    IS_CAUSAL: gl.constexpr
+    BLOCK_M: gl.constexpr
+    BLOCK_N: gl.constexpr
+    Q_COLUMNS: gl.constexpr
+    K_COLUMNS: gl.constexpr
+    V_COLUMNS: gl.constexpr
+    DO_COLUMNS: gl.constexpr
+    st_layout: gl.constexpr
+    acc_layout_a: gl.constexpr
+    acc_layout_b: gl.constexpr
+    dq_layout_a: gl.constexpr
+    dq_layout_b: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, HEAD_DIM, HEAD_DIM_B, IS_CAUSAL, BLOCK_M, BLOCK_N, Q_COLUMNS, K_COLUMNS, V_COLUMNS,
+                 DO_COLUMNS):
+        self.HEAD_DIM = gl.constexpr(HEAD_DIM)
+        self.HEAD_DIM_A = gl.constexpr(HEAD_DIM - HEAD_DIM_B)
+        self.HEAD_DIM_B = gl.constexpr(HEAD_DIM_B)
+        self.IS_CAUSAL = gl.constexpr(IS_CAUSAL)
+        self.BLOCK_M = gl.constexpr(BLOCK_M)
+        self.BLOCK_N = gl.constexpr(BLOCK_N)
+        self.Q_COLUMNS = gl.constexpr(Q_COLUMNS)
+        self.K_COLUMNS = gl.constexpr(K_COLUMNS)
+        self.V_COLUMNS = gl.constexpr(V_COLUMNS)
+        self.DO_COLUMNS = gl.constexpr(DO_COLUMNS)
+        self.st_layout = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
+                                                                instr_shape=[16, BLOCK_M, 16]))
+        self.acc_layout_a = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
+                                                                   instr_shape=[16, HEAD_DIM - HEAD_DIM_B, 16]))
+        self.acc_layout_b = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
+                                                                   instr_shape=[16, HEAD_DIM_B, 16]))
+        self.dq_layout_a = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                                  instr_shape=[16, (HEAD_DIM - HEAD_DIM_B) // 2, 16]))
+        self.dq_layout_b = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                                  instr_shape=[16, HEAD_DIM_B // 2, 16]))
+
+
+@aggregate
+class SplitBwdRing:
+    """:class:`BwdRing` with Q and dO blocks in two column parts (``q``, ``do``: the first ``HEAD_DIM_A`` columns;
+    ``q_b``, ``do_b``: the other ``HEAD_DIM_B``)."""
+
+    q: gl.shared_memory_descriptor
+    q_b: gl.shared_memory_descriptor
+    do: gl.shared_memory_descriptor
+    do_b: gl.shared_memory_descriptor
+    lse: gl.shared_memory_descriptor
+    delta: gl.shared_memory_descriptor
+    barriers: Ring
+
+    @gluon.constexpr_function
+    def __init__(self, q, q_b, do, do_b, lse, delta, barriers):
+        self.q = q
+        self.q_b = q_b
+        self.do = do
+        self.do_b = do_b
+        self.lse = lse
+        self.delta = delta
+        self.barriers = barriers
+
+
+@aggregate
+class SplitBwdBuffers:
+    """:class:`BwdBuffers` with K, V and the dQ staging tile in two column parts."""
+
+    k_smem: gl.shared_memory_descriptor
+    k_smem_b: gl.shared_memory_descriptor
+    v_smem: gl.shared_memory_descriptor
+    v_smem_b: gl.shared_memory_descriptor
+    ds_smem: gl.shared_memory_descriptor
+    dq_smem: gl.shared_memory_descriptor
+    dq_smem_b: gl.shared_memory_descriptor
+    kv_ready: gl.shared_memory_descriptor
+
+    @gluon.constexpr_function
+    def __init__(self, k_smem, k_smem_b, v_smem, v_smem_b, ds_smem, dq_smem, dq_smem_b, kv_ready):
+        self.k_smem = k_smem
+        self.k_smem_b = k_smem_b
+        self.v_smem = v_smem
+        self.v_smem_b = v_smem_b
+        self.ds_smem = ds_smem
+        self.dq_smem = dq_smem
+        self.dq_smem_b = dq_smem_b
+        self.kv_ready = kv_ready
+
+
+@aggregate
+class SplitBwdState:
+    """dK (without the 1/sqrt(d)) and dV in their two column parts, float32 (BLOCK_N, HEAD_DIM_A | HEAD_DIM_B)."""
+
+    dk: gl.tensor
+    dk_b: gl.tensor
+    dv: gl.tensor
+    dv_b: gl.tensor
+
+    @gluon.constexpr_function
+    def __init__(self, dk, dk_b, dv, dv_b):
+        self.dk = dk
+        self.dk_b = dk_b
+        self.dv = dv
+        self.dv_b = dv_b
+
+
+@gluon.jit
+def _split_bwd_load_partition(config, q_desc, q_desc_b, do_desc, do_desc_b, ring, L_row, Delta_row, program):
+    """:func:`_bwd_load_partition` with each Q and dO block moved as its two column parts."""
+    BLOCK_M: gl.constexpr = config.BLOCK_M
+    row_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
+    for j in range(program.n_steps):
+        s, landed = ring.barriers.acquire(j, 2 * BLOCK_M * config.HEAD_DIM * q_desc.dtype.primitive_bitwidth // 8)
+        m = program.query_start + j * BLOCK_M
+        b = program.b
+        h = program.h
+        tma.async_copy_global_to_shared(
+            q_desc, _part_coord(b, h, m, program.n_heads, config.HEAD_DIM, config.Q_COLUMNS, 0), landed, ring.q.index(s))
+        tma.async_copy_global_to_shared(
+            q_desc_b, _part_coord(b, h, m, program.n_heads, config.HEAD_DIM, config.Q_COLUMNS, config.HEAD_DIM_A),
+            landed, ring.q_b.index(s))
+        tma.async_copy_global_to_shared(
+            do_desc, _part_coord(b, h, m, program.n_heads, config.HEAD_DIM, config.DO_COLUMNS, 0), landed,
+            ring.do.index(s))
+        tma.async_copy_global_to_shared(
+            do_desc_b, _part_coord(b, h, m, program.n_heads, config.HEAD_DIM, config.DO_COLUMNS, config.HEAD_DIM_A),
+            landed, ring.do_b.index(s))
+        offs_m = m + gl.arange(0, BLOCK_M, layout=row_layout)
+        in_bounds = offs_m < program.n_queries
+        ring.lse.index(s).store(gl.load(L_row + offs_m, mask=in_bounds, other=0.0) * LOG2_E)
+        ring.delta.index(s).store(gl.load(Delta_row + offs_m, mask=in_bounds, other=0.0))
+        mbarrier.arrive(landed)
+
+
+@gluon.jit
+def _split_bwd_issue_scores(config, program, ring, j, buffers, zero_index):
+    """:func:`_bwd_issue_scores` over both column parts (two matmuls each for S^T and dP^T)."""
+    s = ring.barriers.wait_landed(j, program.n_steps)
+    zero = gl.zeros([config.BLOCK_N, config.BLOCK_M], gl.float32, config.st_layout)
+    scores_t = warpgroup_mma(buffers.k_smem.index(zero_index), ring.q.index(s).permute((1, 0)), zero,
+                             use_acc=False, is_async=True)
+    scores_t = warpgroup_mma(buffers.k_smem_b.index(zero_index), ring.q_b.index(s).permute((1, 0)), scores_t,
+                             is_async=True)
+    dp_t = warpgroup_mma(buffers.v_smem.index(zero_index), ring.do.index(s).permute((1, 0)), zero,
+                         use_acc=False, is_async=True)
+    dp_t = warpgroup_mma(buffers.v_smem_b.index(zero_index), ring.do_b.index(s).permute((1, 0)), dp_t,
+                         is_async=True)
+    return scores_t, dp_t
+
+
+@gluon.jit
+def _split_bwd_step(config, program, buffers, ring, dq_desc, dq_desc_b, qk_scale, state, scores_t, dp_t, j):
+    """:func:`_bwd_step` over both column parts."""
+    BLOCK_M: gl.constexpr = config.BLOCK_M
+    st_layout: gl.constexpr = config.st_layout
+    operand_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=config.acc_layout_a, k_width=2)
+    operand_b: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=config.acc_layout_b, k_width=2)
+    zero_index = j >> 30
+    ds_smem = buffers.ds_smem.index(zero_index)
+    s = ring.barriers.stage(j)
+    m = program.query_start + j * BLOCK_M
+    offs_m = m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
+    lse = ring.lse.index(s).load(gl.SliceLayout(0, st_layout))
+    delta = ring.delta.index(s).load(gl.SliceLayout(0, st_layout))
+    q = ring.q.index(s)
+    q_b = ring.q_b.index(s)
+
+    p_t = gl.exp2(scores_t * qk_scale - lse[None, :])
+    visible = (offs_m < program.n_queries)[None, :]
+    if config.IS_CAUSAL:
+        offs_n = program.start_n + gl.arange(0, config.BLOCK_N, layout=gl.SliceLayout(1, st_layout))
+        visible = visible & (offs_m[None, :] >= offs_n[:, None])
+    p_t = gl.where(visible, p_t, 0.0)
+    p_low = p_t.to(q.dtype)
+    dv = warpgroup_mma(gl.convert_layout(p_low, operand_a), ring.do.index(s), state.dv, is_async=True)
+    dv_b = warpgroup_mma(gl.convert_layout(p_low, operand_b), ring.do_b.index(s), state.dv_b, is_async=True)
+    ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
+    ds_smem.store(ds_t)
+    fence_async_shared()
+    dq_buffer = buffers.dq_smem.index(j % 2)
+    dq_buffer_b = buffers.dq_smem_b.index(j % 2)
+    tma.store_wait(2)  # the reductions of block j - 2, from the same buffers, have read them
+    gl.thread_barrier()
+    ring.barriers.release_previous(j)
+
+    zero_dq = gl.zeros([BLOCK_M, config.HEAD_DIM_A], gl.float32, config.dq_layout_a)
+    zero_dq_b = gl.zeros([BLOCK_M, config.HEAD_DIM_B], gl.float32, config.dq_layout_b)
+    dq = warpgroup_mma(ds_smem.permute((1, 0)), buffers.k_smem.index(zero_index), zero_dq, use_acc=False,
+                       is_async=True)
+    dq_b = warpgroup_mma(ds_smem.permute((1, 0)), buffers.k_smem_b.index(zero_index), zero_dq_b, use_acc=False,
+                         is_async=True)
+    dk = warpgroup_mma(gl.convert_layout(ds_t, operand_a), q, state.dk, is_async=True)
+    dk_b = warpgroup_mma(gl.convert_layout(ds_t, operand_b), q_b, state.dk_b, is_async=True)
+    dq, dq_b = warpgroup_mma_wait(2, deps=[dq, dq_b])
+    dq_buffer.store(dq)
+    dq_buffer_b.store(dq_b)
+    fence_async_shared()
+    gl.thread_barrier()
+    tma_reduce_add(dq_desc, [program.bh, m, 0], dq_buffer.reshape([1, BLOCK_M, config.HEAD_DIM_A]))
+    tma_reduce_add(dq_desc_b, [program.bh, m, config.HEAD_DIM_A], dq_buffer_b.reshape([1, BLOCK_M, config.HEAD_DIM_B]))
+    scores_t, dp_t = _split_bwd_issue_scores(config, program, ring, j + 1, buffers, zero_index)
+    dv, dv_b, dk, dk_b, scores_t, dp_t = warpgroup_mma_wait(0, deps=[dv, dv_b, dk, dk_b, scores_t, dp_t])
+    return SplitBwdState(dk, dk_b, dv, dv_b), scores_t, dp_t
+
+
+@gluon.jit
+def _split_bwd_compute_partition(config, buffers, ring, dq_desc, dq_desc_b, program, qk_scale):
+    """:func:`_bwd_compute_partition` over both column parts; returns dK's and dV's parts."""
+    state = SplitBwdState(gl.zeros([config.BLOCK_N, config.HEAD_DIM_A], gl.float32, config.acc_layout_a),
+                          gl.zeros([config.BLOCK_N, config.HEAD_DIM_B], gl.float32, config.acc_layout_b),
+                          gl.zeros([config.BLOCK_N, config.HEAD_DIM_A], gl.float32, config.acc_layout_a),
+                          gl.zeros([config.BLOCK_N, config.HEAD_DIM_B], gl.float32, config.acc_layout_b))
+    mbarrier.wait(buffers.kv_ready, 0)
+    scores_t, dp_t = _split_bwd_issue_scores(config, program, ring, 0, buffers, 0)
+    scores_t, dp_t = warpgroup_mma_wait(0, deps=[scores_t, dp_t])
+    for j in range(program.n_steps):
+        state, scores_t, dp_t = _split_bwd_step(config, program, buffers, ring, dq_desc, dq_desc_b, qk_scale, state,
+                                                scores_t, dp_t, j)
+    tma.store_wait(0)
+    return state.dk, state.dk_b, state.dv, state.dv_b
+
+
+@gluon.jit(do_not_specialize=["n_heads", "n_queries", "n_keys"])
+def attn_bwd_hopper_split_kernel(
+    q_desc, q_desc_b, k_desc, k_desc_b, v_desc, v_desc_b, do_desc, do_desc_b,  # each input's two column blocks
+    dk_desc, dk_desc_b, dv_desc, dv_desc_b,  # contiguous (batch * heads, n_keys, HEAD_DIM) outputs, two blocks each
+    dq_desc, dq_desc_b,  # float32 (batch * heads, n_queries, HEAD_DIM), zeroed, two blocks
+    L, Delta,  # float32 (batch * heads, n_queries): natural-log logsumexp and rowsum(O * dO)
+    n_heads, n_queries, n_keys,
+    sm_scale, qk_scale,  # 1 / sqrt(d) and log2(e) / sqrt(d)
+    HEAD_DIM: gl.constexpr,
+    HEAD_DIM_B: gl.constexpr,  # columns of the second part (the first: HEAD_DIM - HEAD_DIM_B)
+    IS_CAUSAL: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+    Q_COLUMNS: gl.constexpr, K_COLUMNS: gl.constexpr, V_COLUMNS: gl.constexpr, DO_COLUMNS: gl.constexpr,
+):
+    """:func:`attn_bwd_hopper_kernel` at a head dim of two power-of-two parts."""
+    config = SplitBwdConfig(HEAD_DIM, HEAD_DIM_B, IS_CAUSAL, BLOCK_M, BLOCK_N, Q_COLUMNS, K_COLUMNS, V_COLUMNS,
+                            DO_COLUMNS)
+    HEAD_DIM_A: gl.constexpr = HEAD_DIM - HEAD_DIM_B
+    dtype: gl.constexpr = q_desc.dtype
+    start_n = gl.program_id(0) * BLOCK_N
+    bh = gl.program_id(1)
+    b = bh // n_heads
+    h = bh % n_heads
+    if IS_CAUSAL:
+        query_start = gl.minimum(start_n // BLOCK_M * BLOCK_M, n_queries)
+    else:
+        query_start = 0
+    n_steps = gl.cdiv(n_queries - query_start, BLOCK_M)
+    program = BwdProgram(b, h, bh, n_heads, start_n, query_start, n_steps, n_queries)
+
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM_A], dtype)
+    kv_layout_b: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM_B], dtype)
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM_A], dtype)
+    q_layout_b: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM_B], dtype)
+    st_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
+    dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM_A], gl.float32)
+    dq_layout_b: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM_B], gl.float32)
+    k_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, HEAD_DIM_A], kv_layout)
+    k_smem_b = gl.allocate_shared_memory(dtype, [1, BLOCK_N, HEAD_DIM_B], kv_layout_b)
+    v_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, HEAD_DIM_A], kv_layout)
+    v_smem_b = gl.allocate_shared_memory(dtype, [1, BLOCK_N, HEAD_DIM_B], kv_layout_b)
+    q_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM_A], q_layout)
+    q_ring_b = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM_B], q_layout_b)
+    do_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM_A], q_layout)
+    do_ring_b = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM_B], q_layout_b)
+    ds_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, BLOCK_M], st_layout)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM_A], dq_layout)
+    dq_smem_b = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM_B], dq_layout_b)
+    row_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+    lse_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_layout)
+    delta_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    barriers = Ring(ready, free, STAGES)
+    barriers.init(2, 1)
+    mbarrier.init(kv_ready, count=1)
+    fence_async_shared()
+    ring = SplitBwdRing(q_ring, q_ring_b, do_ring, do_ring_b, lse_ring, delta_ring, barriers)
+    buffers = SplitBwdBuffers(k_smem, k_smem_b, v_smem, v_smem_b, ds_smem, dq_smem, dq_smem_b, kv_ready)
+
+    mbarrier.expect(kv_ready, 2 * BLOCK_N * HEAD_DIM * dtype.primitive_bitwidth // 8)
+    tma.async_copy_global_to_shared(k_desc, _part_coord(b, h, start_n, n_heads, HEAD_DIM, K_COLUMNS, 0), kv_ready,
+                                    k_smem.index(0))
+    tma.async_copy_global_to_shared(k_desc_b, _part_coord(b, h, start_n, n_heads, HEAD_DIM, K_COLUMNS, HEAD_DIM_A),
+                                    kv_ready, k_smem_b.index(0))
+    tma.async_copy_global_to_shared(v_desc, _part_coord(b, h, start_n, n_heads, HEAD_DIM, V_COLUMNS, 0), kv_ready,
+                                    v_smem.index(0))
+    tma.async_copy_global_to_shared(v_desc_b, _part_coord(b, h, start_n, n_heads, HEAD_DIM, V_COLUMNS, HEAD_DIM_A),
+                                    kv_ready, v_smem_b.index(0))
+
+    dk, dk_b, dv, dv_b = gl.warp_specialize(
+        [
+            (_split_bwd_compute_partition, (config, buffers, ring, dq_desc, dq_desc_b, program, qk_scale)),
+            (_split_bwd_load_partition, (config, q_desc, q_desc_b, do_desc, do_desc_b, ring,
+                                         L + bh.to(gl.int64) * n_queries, Delta + bh.to(gl.int64) * n_queries,
+                                         program)),
+        ],
+        [1],
+        [24],
+    )
+
+    gl.thread_barrier()
+    k_smem.index(0).store((dk * sm_scale).to(dtype))
+    k_smem_b.index(0).store((dk_b * sm_scale).to(dtype))
+    v_smem.index(0).store(dv.to(dtype))
+    v_smem_b.index(0).store(dv_b.to(dtype))
+    fence_async_shared()
+    gl.thread_barrier()
+    tma.async_copy_shared_to_global(dk_desc, [bh, start_n, 0], k_smem.index(0))
+    tma.async_copy_shared_to_global(dk_desc_b, [bh, start_n, HEAD_DIM_A], k_smem_b.index(0))
+    tma.async_copy_shared_to_global(dv_desc, [bh, start_n, 0], v_smem.index(0))
+    tma.async_copy_shared_to_global(dv_desc_b, [bh, start_n, HEAD_DIM_A], v_smem_b.index(0))
+    tma.store_wait(0)
