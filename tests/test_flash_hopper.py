@@ -141,23 +141,23 @@ def test_kernel_choice_follows_the_configuration():
     assert triton_backend.supports(cpu, torch.float32, 72) == "head dim 72 (needs one of (16, 32, 48, 64, 80, 96, 128))"
 
 
-def test_two_part_head_dims_stay_portable_where_that_is_faster(monkeypatch):
-    """At 48, 80 and 96 the portable kernels run the head dim in two parts where the Hopper ones pad it to 128: the
-    forward stays portable, and the backward up to ``SPLIT_BACKWARD_MAX_KEYS`` keys; other head dims are left to
-    the programs rule."""
-    keys = op.SPLIT_BACKWARD_MAX_KEYS
+def test_two_part_head_dims_run_the_portable_forward_and_the_hopper_backward(monkeypatch):
+    """At 48, 80 and 96 the portable forward runs the head dim in two parts where the Hopper forward pads it to 128:
+    the forward stays portable; both backwards hold the two parts, and the Hopper one is left to the programs rule,
+    as are other head dims."""
     for d in (48, 80, 96):
-        assert op.portable_runs_faster(d, "forward", 8 * keys)
-        assert op.portable_runs_faster(d, "backward", keys) and not op.portable_runs_faster(d, "backward", keys + 1)
+        assert op.portable_runs_faster(d, "forward") and not op.portable_runs_faster(d, "backward")
     for d in (16, 32, 64, 128, 72, 112):  # every backend's head dims, and padded ones the portable kernels pad too
-        assert not any(op.portable_runs_faster(d, part, 512) for part in ("forward", "backward"))
-    # _backend passes the shape class on: many programs, but a two-part head dim.
+        assert not any(op.portable_runs_faster(d, part) for part in ("forward", "backward"))
+    assert op._kernel_head_dim(hopper, 80, "backward") == 80 and op._kernel_head_dim(hopper, 80, "forward") == 128
+    assert op._kernel_head_dim(hopper, 72, "backward") == 80  # padded to the next head dim the Hopper backward runs
+    # _backend passes the shape class on: many programs, but a two-part head dim's forward.
     seen = []
     monkeypatch.setattr(op, "choose_backend", lambda *args: seen.append(args[-1]))
     for d, n in [(80, 2048), (80, 8192), (64, 2048)]:
         Q = torch.empty(4, 32, n, d)
         op._backend("forward", Q, Q), op._backend("backward", Q, Q)
-    assert seen == [False, False, False, True, True, True]
+    assert seen == [False, True, False, True, True, True]
 
 
 def test_chosen_backends_name_each_part_and_its_head_dim():

@@ -46,10 +46,6 @@ from cs336_systems.kernels.launch import FLOAT_DTYPES, define_operator, unit_las
 SUPPORTED_HEAD_DIMS = tuple(d for d in portable.HEAD_DIMS if d in hopper.HEAD_DIMS)
 """The head dims every backend runs without padding (the portable kernels run a few more: ``portable.HEAD_DIMS``)."""
 MAX_GRID_Y = 65535  # CUDA's limit on the second grid dimension, which runs over batch * heads
-SPLIT_BACKWARD_MAX_KEYS = 2048
-"""Up to this many keys the portable backward at a head dim it holds in two parts (48, 80, 96) runs faster than the
-Hopper backward padded to 128 (one H100, d = 80, the portable kernels at their present tiles: 1.02 against 1.44 ms
-at (4, 32, 2048, 80); at (1, 32, 8192, 80) 3.43 against 3.22 ms)."""
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -143,14 +139,12 @@ def choose_backend(config: FlashConfig, device: torch.device, dtype: torch.dtype
     return portable
 
 
-def portable_runs_faster(head_dim: int, part: str, n_keys: int) -> bool:
-    """Whether, by default, the portable kernels run ``part`` where the Hopper ones could: at the head dims the
-    portable kernels hold in two column parts and the Hopper ones pad to 128, the forward always (one H100,
-    d = 80: 0.28 against 0.59 ms at (4, 32, 2048, 80), 0.93 against 1.14 ms at (1, 32, 8192, 80)) and the backward
-    up to :data:`SPLIT_BACKWARD_MAX_KEYS` keys."""
-    if head_dim in SUPPORTED_HEAD_DIMS or head_dim not in portable.HEAD_DIMS:
-        return False
-    return part == "forward" or n_keys <= SPLIT_BACKWARD_MAX_KEYS
+def portable_runs_faster(head_dim: int, part: str) -> bool:
+    """Whether, by default, the portable kernels run ``part`` where the Hopper ones could: the forward at the head
+    dims the portable kernels hold in two column parts and the Hopper forward pads to 128 (one H100, d = 80: 0.28
+    against 0.58 ms at (4, 32, 2048, 80), 0.92 against 1.15 ms at (1, 32, 8192, 80)). The Hopper backward holds
+    them in two parts too, and runs faster than the portable one."""
+    return part == "forward" and head_dim not in SUPPORTED_HEAD_DIMS and head_dim in portable.HEAD_DIMS
 
 
 def _backend(part: str, Q: Tensor, K: Tensor) -> ModuleType:
@@ -163,7 +157,7 @@ def _backend(part: str, Q: Tensor, K: Tensor) -> ModuleType:
     # The Hopper kernels' programs: batch * heads times the tiles of their rows (queries forward, keys backward).
     rows = shape[-2] if part == "forward" else K.shape[-2]
     enough = batch_heads * -(-rows // hopper.ROWS_PER_PROGRAM) >= config.hopper_min_programs
-    hopper_by_default = enough and not portable_runs_faster(shape[-1], part, K.shape[-2])
+    hopper_by_default = enough and not portable_runs_faster(shape[-1], part)
     return choose_backend(config, Q.device, Q.dtype, _padded_head_dim(shape[-1]), part, hopper_by_default)
 
 

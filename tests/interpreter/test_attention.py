@@ -181,24 +181,28 @@ def test_head_dims_between_the_kernels_runs_padded(d, is_causal):
         assert relative_error(ours[name], ref[name]) < TOLERANCE[torch.float32], name
 
 
-def test_hopper_backward_helpers_zero_and_convert():
+@pytest.mark.parametrize("d", [32, 80])
+def test_hopper_backward_helpers_zero_and_convert(d):
     """The two small kernels around the Hopper backward, which the interpreter cannot run itself: the delta kernel
-    also zeroes the float32 dQ buffer, and the conversion scales and casts it into dQ (strided, 4-D)."""
+    also zeroes the float32 dQ buffer, and the conversion scales and casts it into dQ (strided, 4-D); at a power of
+    two and at a head dim of two column parts (80 = 64 + 16)."""
     from cs336_systems.attention.backends import triton_kernels as kernels
+    from cs336_systems.attention.backends.triton import head_dim_parts
 
-    batch, heads, n, d = 2, 3, 70, 32
+    batch, heads, n = 2, 3, 70
     O, dO = torch.randn(batch, heads, n, d), torch.randn(batch, heads, n, d)
     Delta = torch.full((batch * heads, n), float("nan"))
     DQ_acc = torch.full((batch * heads, n, d), float("nan"))
     grid = (3, batch * heads)
+    part_b = head_dim_parts(d)[1]
     kernels.attn_bwd_delta_kernel[grid](O, dO, Delta, *batch_head_strides(O), *batch_head_strides(dO), heads, n,
-                                        DQ_acc, HEAD_DIM=d, HEAD_DIM_B=0, ZERO_DQ_ACC=True, BLOCK_M=32)
+                                        DQ_acc, HEAD_DIM=d, HEAD_DIM_B=part_b, ZERO_DQ_ACC=True, BLOCK_M=32)
     torch.testing.assert_close(Delta, (O * dO).sum(-1).reshape(batch * heads, n))
     assert torch.equal(DQ_acc, torch.zeros_like(DQ_acc))
     DQ_acc = torch.randn(batch * heads, n, d)
     dQ = torch.full((batch, n, heads, d), float("nan"), dtype=torch.float16).transpose(1, 2)
     kernels.attn_bwd_dq_convert_kernel[grid](DQ_acc, dQ, *batch_head_strides(dQ), heads, n, 0.25, HEAD_DIM=d,
-                                             BLOCK_M=32)
+                                             HEAD_DIM_B=part_b, BLOCK_M=32)
     torch.testing.assert_close(dQ, (DQ_acc * 0.25).to(torch.float16).view(batch, heads, n, d))
 
 

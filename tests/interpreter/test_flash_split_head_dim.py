@@ -88,8 +88,9 @@ def test_portable_kernels_take_split_head_dims_unpadded_and_pad_the_others_to_th
         assert relative_error(result[name], reference[name]) <= TOLERANCE[torch.float32], name
 
 
-def test_hopper_kernels_still_get_split_head_dims_padded_to_a_power_of_two(monkeypatch):
-    """Where the Hopper backend is chosen, d = 80 is padded to 128 as before (its kernels run powers of two only)."""
+def test_hopper_forward_pads_split_head_dims_and_the_hopper_backward_does_not(monkeypatch):
+    """Where the Hopper backend is chosen, the forward gets d = 80 padded to 128 (its kernel runs powers of two
+    only) and the backward gets it as it is (its kernel holds 64 + 16 columns), each with the scale of the true d."""
     widths = _recorded_pads(monkeypatch)
     seen = []
 
@@ -97,8 +98,15 @@ def test_hopper_kernels_still_get_split_head_dims_padded_to_a_power_of_two(monke
         seen.append((Q.shape[-1], K.shape[-1], V.shape[-1], sm_scale))
         return torch.zeros_like(Q), torch.zeros(Q.shape[:-1])
 
+    def hopper_backward(Q, K, V, O, L, dO, is_causal, sm_scale):
+        seen.append((Q.shape[-1], K.shape[-1], V.shape[-1], sm_scale))
+        return torch.zeros_like(Q), torch.zeros_like(K), torch.zeros_like(V)
+
     monkeypatch.setattr(hopper, "forward", hopper_forward)
+    monkeypatch.setattr(hopper, "backward", hopper_backward)
     monkeypatch.setattr(op, "_backend", lambda part, Q, K: hopper)
     Q, K, V = (torch.randn(1, 2, 21, 80) for _ in range(3))
-    O, _ = op.attention_forward(Q, K, V, True)
+    O, L = op.attention_forward(Q, K, V, True)
     assert seen == [(128, 128, 128, 80 ** -0.5)] and widths == [128] * 3 and O.shape == (1, 2, 21, 80)
+    grads = op.attention_backward(Q, K, V, O, L, torch.randn_like(O), True)
+    assert seen[1:] == [(80, 80, 80, 80 ** -0.5)] and widths == [128] * 3 and grads[0].shape == (1, 2, 21, 80)

@@ -307,8 +307,6 @@ def backward(
     """``dQ, dK, dV`` (contiguous, the inputs' dtype) from the forward's ``O`` and ``L`` and the output gradient
     ``dO`` (unit stride along ``d``, O's dtype)."""
     n_heads, batch_heads, n_queries, _, head_dim = _sizes(Q, K)
-    if head_dim in SPLIT_HEAD_DIMS:
-        return _split_backward(Q, K, V, O, L, dO, is_causal, sm_scale)
     # The Gluon kernel adds dS K over key tiles into a float32 buffer, which the Delta kernel zeroes.
     DQ_acc = torch.empty((batch_heads, n_queries, head_dim), dtype=torch.float32, device=Q.device)
     Delta = launch_delta(O, dO, DQ_acc)
@@ -318,16 +316,21 @@ def backward(
     key = ("backward", Q.device.index, Q.dtype, is_causal, sm_scale, _layout_key(Q), _layout_key(K), _layout_key(V),
            _layout_key(dO), aligned(L, Delta))
     plan = _plans.get(key)
-    tensors = (Q, K, V, dO, dK, dV, DQ_acc)
-    if plan is not None and _BACKWARD.compiled(key):
-        _BACKWARD(key, plan.grid, BackwardArgs(*plan.descriptor_args(tensors), L, Delta, *plan.scalars), {})
+    if head_dim in SPLIT_HEAD_DIMS:  # two descriptors per tensor, one per column part
+        launcher, make_plan, arguments = _SPLIT_BACKWARD, _split_backward_plan, tuple
+        tensors = (Q, Q, K, K, V, V, dO, dO, dK, dK, dV, dV, DQ_acc, DQ_acc)
     else:
-        plan = _plans[key] = _backward_plan(Q, K, V, dO, is_causal, sm_scale)
-        _BACKWARD(key, plan.grid, BackwardArgs(*plan.full_descriptors(tensors), L, Delta, *plan.scalars),
-                  plan.constexprs, num_warps=plan.num_warps)
+        launcher, make_plan, arguments = _BACKWARD, _backward_plan, BackwardArgs._make
+        tensors = (Q, K, V, dO, dK, dV, DQ_acc)
+    if plan is not None and launcher.compiled(key):
+        launcher(key, plan.grid, arguments((*plan.descriptor_args(tensors), L, Delta, *plan.scalars)), {})
+    else:
+        plan = _plans[key] = make_plan(Q, K, V, dO, is_causal, sm_scale)
+        launcher(key, plan.grid, arguments((*plan.full_descriptors(tensors), L, Delta, *plan.scalars)),
+                 plan.constexprs, num_warps=plan.num_warps)
     _DQ_CONVERT((dQ.dtype, dQ.shape), (triton.cdiv(n_queries, DELTA_ROWS), batch_heads),
                 DqConvertArgs(DQ_acc, dQ, *batch_head_strides(dQ), n_heads, n_queries, sm_scale),
-                dict(HEAD_DIM=head_dim, BLOCK_M=DELTA_ROWS), num_warps=4)
+                dict(HEAD_DIM=head_dim, HEAD_DIM_B=head_dim_parts(head_dim)[1], BLOCK_M=DELTA_ROWS), num_warps=4)
     return dQ, dK, dV
 
 
@@ -359,32 +362,6 @@ def _split_backward_plan(Q: Tensor, K: Tensor, V: Tensor, dO: Tensor, is_causal:
                       BLOCK_N=BLOCK_N, STAGES=STAGES, **columns)
     return Plan((triton.cdiv(n_keys, BLOCK_N), batch_heads), tuple(descriptors),
                 (n_heads, n_queries, n_keys, sm_scale, sm_scale * _LOG2_E), constexprs, 8)
-
-
-def _split_backward(
-    Q: Float[Tensor, "batch *heads q d"], K: Float[Tensor, "batch *heads k d"], V: Float[Tensor, "batch *heads k d"],
-    O: Float[Tensor, "batch *heads q d"], L: Float[Tensor, "batch *heads q"], dO: Float[Tensor, "batch *heads q d"],
-    is_causal: bool, sm_scale: float,
-) -> tuple[Float[Tensor, "batch *heads q d"], Float[Tensor, "batch *heads k d"], Float[Tensor, "batch *heads k d"]]:
-    """:func:`backward` at a head dim of :data:`SPLIT_HEAD_DIMS`."""
-    _, batch_heads, n_queries, _, head_dim = _sizes(Q, K)
-    DQ_acc = torch.zeros((batch_heads, n_queries, head_dim), dtype=torch.float32, device=Q.device)
-    Delta = launch_delta(O, dO)
-    dK = new_output(K.shape, K.dtype, K.device)
-    dV = new_output(V.shape, V.dtype, V.device)
-    key = ("backward", Q.device.index, Q.dtype, is_causal, sm_scale, _layout_key(Q), _layout_key(K), _layout_key(V),
-           _layout_key(dO), aligned(L, Delta))
-    plan = _plans.get(key)
-    tensors = (Q, Q, K, K, V, V, dO, dO, dK, dK, dV, dV, DQ_acc, DQ_acc)
-    if plan is not None and _SPLIT_BACKWARD.compiled(key):
-        _SPLIT_BACKWARD(key, plan.grid, (*plan.descriptor_args(tensors), L, Delta, *plan.scalars), {})
-    else:
-        plan = _plans[key] = _split_backward_plan(Q, K, V, dO, is_causal, sm_scale)
-        _SPLIT_BACKWARD(key, plan.grid, (*plan.full_descriptors(tensors), L, Delta, *plan.scalars), plan.constexprs,
-                        num_warps=plan.num_warps)
-    dQ = new_output(Q.shape, Q.dtype, Q.device)
-    dQ.view(DQ_acc.shape).copy_(DQ_acc.mul_(sm_scale))
-    return dQ, dK, dV
 
 
 def split_backward_launch(Q: Tensor, K: Tensor, V: Tensor, dO: Tensor, L: Tensor, Delta: Tensor, dK: Tensor,

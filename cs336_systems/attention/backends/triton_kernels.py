@@ -354,7 +354,7 @@ def attn_bwd_delta_kernel(
     n_heads, n_queries,
     DQ_acc,  # float32 (batch * heads, n_queries, HEAD_DIM) to zero when ZERO_DQ_ACC (for the Hopper backward)
     HEAD_DIM: tl.constexpr,
-    HEAD_DIM_B: tl.constexpr,  # columns of the second part, 0 for none (ZERO_DQ_ACC needs none)
+    HEAD_DIM_B: tl.constexpr,  # columns of the second part, 0 for none
     ZERO_DQ_ACC: tl.constexpr,
     BLOCK_M: tl.constexpr,
 ):
@@ -381,8 +381,12 @@ def attn_bwd_delta_kernel(
     tl.store(Delta_rows, delta, mask=in_bounds)
     if ZERO_DQ_ACC:
         rows = DQ_acc + (off_bh.to(tl.int64) * n_queries + offs_m[:, None]) * HEAD_DIM
-        tl.store(rows + tl.arange(0, HEAD_DIM)[None, :], tl.zeros([BLOCK_M, HEAD_DIM], tl.float32),
+        HEAD_DIM_A: tl.constexpr = HEAD_DIM - HEAD_DIM_B
+        tl.store(rows + tl.arange(0, HEAD_DIM_A)[None, :], tl.zeros([BLOCK_M, HEAD_DIM_A], tl.float32),
                  mask=offs_m[:, None] < n_queries)
+        if HEAD_DIM_B > 0:
+            tl.store(rows + HEAD_DIM_A + tl.arange(0, HEAD_DIM_B)[None, :], tl.zeros([BLOCK_M, HEAD_DIM_B], tl.float32),
+                     mask=offs_m[:, None] < n_queries)
 
 
 @triton.jit(do_not_specialize=["n_heads", "n_queries"])
@@ -393,6 +397,7 @@ def attn_bwd_dq_convert_kernel(
     n_heads, n_queries,
     sm_scale,
     HEAD_DIM: tl.constexpr,
+    HEAD_DIM_B: tl.constexpr,  # columns of the second part, 0 for none
     BLOCK_M: tl.constexpr,
 ):
     """dQ = DQ_acc / sqrt(d), in dQ's dtype."""
@@ -401,12 +406,17 @@ def attn_bwd_dq_convert_kernel(
     off_b = (off_bh // n_heads).to(tl.int64)
     off_h = (off_bh % n_heads).to(tl.int64)
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
+    HEAD_DIM_A: tl.constexpr = HEAD_DIM - HEAD_DIM_B
+    offs_d = tl.arange(0, HEAD_DIM_A)
     in_bounds = offs_m[:, None] < n_queries
-    dq = tl.load(DQ_acc + (off_bh.to(tl.int64) * n_queries + offs_m[:, None]) * HEAD_DIM + offs_d[None, :],
-                 mask=in_bounds)
+    accumulated = DQ_acc + (off_bh.to(tl.int64) * n_queries + offs_m[:, None]) * HEAD_DIM
+    dq = tl.load(accumulated + offs_d[None, :], mask=in_bounds)
     rows = dQ + off_b * stride_dqb + off_h * stride_dqh + offs_m[:, None] * stride_dqm
     tl.store(rows + offs_d[None, :], (dq * sm_scale).to(dQ.dtype.element_ty), mask=in_bounds)
+    if HEAD_DIM_B > 0:
+        offs_d_b = HEAD_DIM_A + tl.arange(0, HEAD_DIM_B)
+        dq_b = tl.load(accumulated + offs_d_b[None, :], mask=in_bounds)
+        tl.store(rows + offs_d_b[None, :], (dq_b * sm_scale).to(dQ.dtype.element_ty), mask=in_bounds)
 
 
 @triton.jit
