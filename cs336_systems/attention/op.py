@@ -5,9 +5,9 @@ operators and the ``torch.autograd.Function``.
 
 Q is ``(batch, n_queries, d)`` and K, V are ``(batch, n_keys, d)``, or all four-dimensional
 ``(batch, heads, seq, d)``; any lengths (``n_queries != n_keys`` allowed, the causal rule being ``i >= j`` on
-absolute indices), ``d`` in 16, 32, 64, 128, and for the portable kernels also 48, 80, 96 (other multiples of 8 up to
-128 zero-padded to the next head dim the chosen kernels run: zero features change no score or output), dtype
-float16, bfloat16 or float32. Inputs may be non-contiguous; a copy is made only when the
+absolute indices), ``d`` in 16, 32, 64, 128, and for the portable kernels and the Hopper backward also 48, 80, 96
+(other multiples of 8 up to 128 zero-padded to the next head dim the chosen kernels run: zero features change no
+score or output), dtype float16, bfloat16 or float32. Inputs may be non-contiguous; a copy is made only when the
 last dimension is strided.
 
 Backends. Each is a module of ``backends/`` with the same interface: ``supports(device, dtype, head_dim)`` (why it
@@ -17,8 +17,8 @@ cannot run such inputs, or None), ``forward(Q, K, V, is_causal, sm_scale) -> (O,
 * ``backends/triton.py``: the portable Triton kernels (any CUDA GPU, every dtype, the CPU interpreter);
 * ``backends/hopper.py``: the Gluon kernels for Hopper GPUs (float16/bfloat16), run when
   :data:`cs336_systems.attention.config.FLASH_CONFIG` says so (by default, where they can run, for calls of at
-  least ``hopper_min_programs`` programs, except where the portable kernels run a head dim the Hopper ones pad:
-  see :func:`portable_runs_faster`).
+  least ``hopper_min_programs`` programs, except the forward at a head dim the Hopper forward pads and the
+  portable one does not: see :func:`portable_runs_faster`).
 
 The choice is resolved once per (configuration, device, dtype, head dim, part, shape class) and cached.
 

@@ -1,6 +1,7 @@
 """The Hopper backend: the host side of the Gluon kernels of ``hopper_kernels.py`` (H100/H200, float16/bfloat16,
-head dims 16 to 128). Same interface as every backend: :func:`supports`, :func:`forward`, :func:`backward`; the operator weighs the
-programs a call would launch (``batch * heads`` times the tiles of ``ROWS_PER_PROGRAM`` queries forward, keys
+head dims 16, 32, 64, 128; the backward also 48, 80, 96 in two column parts, :data:`SPLIT_HEAD_DIMS`). Same
+interface as every backend: :func:`supports`, :func:`forward`, :func:`backward`; the operator weighs the programs a
+call would launch (``batch * heads`` times the tiles of ``ROWS_PER_PROGRAM`` queries forward, keys
 backward) against ``FlashConfig.hopper_min_programs``.
 
 Tensor views. TMA descriptors need a unit stride along ``d`` and 16-byte aligned other strides. A 4-D tensor

@@ -21,6 +21,11 @@ the step ends: a wgmma whose accumulator crosses the loop's back edge in flight 
 wgmma of the kernel (its info C7514; the test suite compiles the kernel and checks). Two CTA-wide barriers per
 step order the shared buffers.
 
+Head dims of two power-of-two parts (48, 80, 96). Tensor descriptors move power-of-two blocks only: a second
+backward kernel (``attn_bwd_hopper_split_kernel``) moves each tensor as two column blocks and runs every product
+over the head dim as two matmuls (S^T and dP^T accumulate both parts; dV, dK and dQ are two accumulators each),
+with the same step otherwise. The forward at these head dims is the portable kernels' (or this one padded to 128).
+
 Code. The file reads: what both directions share (the :class:`Ring` of stages with its barriers), the forward,
 then the backward, with the same names on both sides (``_fwd_load_partition`` / ``_bwd_load_partition``,
 ``_fwd_issue_scores``, ``_fwd_step``, ``_fwd_compute_partition`` and their ``_bwd_`` twins). The state a function

@@ -251,11 +251,13 @@ def _head_dim_80(res) -> tuple[dict[str, Any], dict[str, Any]] | None:
     # cuDNN of the same commit where it ran there, so that a ratio compares rows of one code
     cudnn_of = {(r.get("commit"), tuple(r["shape"])): r for r in rows
                 if r.get("date", "") == date and r["provider"] == "sdpa"}
-    body = []
+    body, default_ratios = [], {}
     for (label, shape), r in sorted(latest.items(), key=lambda item: (item[1]["provider"] == "ours", item[0][0],
                                                                       item[0][1][2])):
         cudnn = cudnn_of.get((r.get("commit"), shape))
         ratio = times(r["fwd_bwd_ms"] / cudnn["fwd_bwd_ms"], 2) if cudnn and r["provider"] == "ours" else DASH
+        if cudnn and r["provider"] == "ours" and r.get("kernels") == "auto":
+            default_ratios[shape[2]] = r["fwd_bwd_ms"] / cudnn["fwd_bwd_ms"]
         body.append([label, " × ".join(str(x) for x in shape), num(r["fwd_ms"], 3), num(r["bwd_ms"], 3),
                      num(r["fwd_bwd_ms"], 3), ratio, str(r.get("commit", DASH))])
     first = next(iter(latest.values()))
@@ -265,7 +267,10 @@ def _head_dim_80(res) -> tuple[dict[str, Any], dict[str, Any]] | None:
                   "family's newest row, at the commit it ran (rows of different commits ran different code), over "
                   "cuDNN timed at the same commit.",
                   align=["left", "left", "right", "right", "right", "right", "left"], size=8)
-    return found, {"device": first["device"], "date": date}
+    long = [ratio for context, ratio in default_ratios.items() if context >= 2048]
+    return found, {"device": first["device"], "date": date,
+                   "default_long": spread(min(long), max(long)) if long else DASH,
+                   "default_512": times(default_ratios[512], 2) if 512 in default_ratios else ""}
 
 
 HOPPER_FROM_LENGTH = 16384
