@@ -30,11 +30,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from cs336_systems.attention.backends import triton_kernels
-from cs336_systems.attention.backends.hopper_kernels import (
-    attn_bwd_hopper_kernel,
-    attn_bwd_hopper_split_kernel,
-    attn_fwd_hopper_kernel,
-)
+from cs336_systems.attention.backends.hopper_kernels import attn_bwd_hopper_kernel, attn_fwd_hopper_kernel
 from cs336_systems.attention.backends.triton import batch_head_strides, head_dim_parts, launch_delta
 from cs336_systems.kernels.launch import DescriptorArg, Launcher, aligned, interpreting, new_output
 
@@ -154,12 +150,15 @@ class Plan(NamedTuple):
     num_warps: int
 
     def descriptor_args(self, tensors: tuple[Tensor, ...]) -> tuple[DescriptorArg, ...]:
-        """What the compiled kernel's launcher reads of each descriptor on ``tensors`` (in the plan's order)."""
+        """What the compiled kernel's launcher reads of each descriptor on ``tensors`` (in the plan's order; where
+        the plan has two descriptors per tensor, one per column part, the second ones follow all the first)."""
+        tensors = tensors * (len(self.descriptors) // len(tensors))
         return tuple(DescriptorArg(_aligned_copy(x) if p.copied else x, p.shape, p.strides)
                      for p, x in zip(self.descriptors, tensors))
 
     def full_descriptors(self, tensors: tuple[Tensor, ...]) -> tuple[TensorDescriptor, ...]:
-        """The descriptors on ``tensors`` that Triton compiles the kernel from."""
+        """The descriptors on ``tensors`` that Triton compiles the kernel from (in :meth:`descriptor_args`' order)."""
+        tensors = tensors * (len(self.descriptors) // len(tensors))
         return tuple(p.full_descriptor(x) for p, x in zip(self.descriptors, tensors, strict=True))
 
 
@@ -194,6 +193,13 @@ class BackwardArgs(NamedTuple):
     n_keys: int
     sm_scale: float
     qk_scale: float
+    q_desc_b: Any  # the second column part's descriptors at a head dim of two parts, else None
+    k_desc_b: Any
+    v_desc_b: Any
+    do_desc_b: Any
+    dk_desc_b: Any
+    dv_desc_b: Any
+    dq_desc_b: Any
 
 
 class DqConvertArgs(NamedTuple):
@@ -284,20 +290,33 @@ def forward_launch(Q: Tensor, K: Tensor, V: Tensor, O: Tensor, L: Tensor, is_cau
 
 _BACKWARD = Launcher(attn_bwd_hopper_kernel)
 _DQ_CONVERT = Launcher(triton_kernels.attn_bwd_dq_convert_kernel)
+_NO_SECOND_PART = (None,) * 7
 
 
 def _backward_plan(Q: Tensor, K: Tensor, V: Tensor, dO: Tensor, is_causal: bool, sm_scale: float) -> Plan:
     """The plan of the Gluon backward on inputs laid out as these (Q, K, V, dO, then the contiguous dK, dV and the
-    float32 dQ accumulator)."""
+    float32 dQ accumulator): one descriptor per tensor, and at a head dim of two column parts (:data:`SPLIT_HEAD_DIMS`)
+    a second one per tensor, over its second part, after them."""
     n_heads, batch_heads, n_queries, n_keys, head_dim = _sizes(Q, K)
-    (q, q_columns), (k, k_columns), (v, v_columns), (do, do_columns) = (
-        DescriptorPlan.of(x, rows) for x, rows in ((Q, BACKWARD_ROWS), (K, BLOCK_N), (V, BLOCK_N), (dO, BACKWARD_ROWS)))
-    dk = dv = _output_plan((batch_heads, n_keys, head_dim), BLOCK_N)
-    dq = _output_plan((batch_heads, n_queries, head_dim), BACKWARD_ROWS)
+    part_a, part_b = head_dim_parts(head_dim)
+    descriptors = []
+    for columns in (part_a, part_b) if part_b else (0,):  # 0: the whole head dim
+        inputs = [DescriptorPlan.of(x, rows, columns) for x, rows in
+                  ((Q, BACKWARD_ROWS), (K, BLOCK_N), (V, BLOCK_N), (dO, BACKWARD_ROWS))]
+        (q, q_columns), (k, k_columns), (v, v_columns), (do, do_columns) = inputs
+        dk = dv = _output_plan((batch_heads, n_keys, head_dim), BLOCK_N, columns)
+        dq = _output_plan((batch_heads, n_queries, head_dim), BACKWARD_ROWS, columns)
+        descriptors += [q, k, v, do, dk, dv, dq]
     constexprs = dict(HEAD_DIM=head_dim, IS_CAUSAL=is_causal, BLOCK_M=BACKWARD_ROWS, BLOCK_N=BLOCK_N, STAGES=STAGES,
-                      Q_COLUMNS=q_columns, K_COLUMNS=k_columns, V_COLUMNS=v_columns, DO_COLUMNS=do_columns)
-    return Plan((triton.cdiv(n_keys, BLOCK_N), batch_heads), (q, k, v, do, dk, dv, dq),
+                      Q_COLUMNS=q_columns, K_COLUMNS=k_columns, V_COLUMNS=v_columns, DO_COLUMNS=do_columns,
+                      HEAD_DIM_B=part_b)
+    return Plan((triton.cdiv(n_keys, BLOCK_N), batch_heads), tuple(descriptors),
                 (n_heads, n_queries, n_keys, sm_scale, sm_scale * _LOG2_E), constexprs, 8)
+
+
+def _backward_args(descriptors: tuple, L: Tensor, Delta: Tensor, scalars: tuple) -> BackwardArgs:
+    """The kernel's arguments from a plan's descriptors (one or two per tensor) and the other values."""
+    return BackwardArgs(*descriptors[:7], L, Delta, *scalars, *(descriptors[7:] or _NO_SECOND_PART))
 
 
 def backward(
@@ -317,18 +336,13 @@ def backward(
     key = ("backward", Q.device.index, Q.dtype, is_causal, sm_scale, _layout_key(Q), _layout_key(K), _layout_key(V),
            _layout_key(dO), aligned(L, Delta))
     plan = _plans.get(key)
-    if head_dim in SPLIT_HEAD_DIMS:  # two descriptors per tensor, one per column part
-        launcher, make_plan, arguments = _SPLIT_BACKWARD, _split_backward_plan, tuple
-        tensors = (Q, Q, K, K, V, V, dO, dO, dK, dK, dV, dV, DQ_acc, DQ_acc)
+    tensors = (Q, K, V, dO, dK, dV, DQ_acc)
+    if plan is not None and _BACKWARD.compiled(key):
+        _BACKWARD(key, plan.grid, _backward_args(plan.descriptor_args(tensors), L, Delta, plan.scalars), {})
     else:
-        launcher, make_plan, arguments = _BACKWARD, _backward_plan, BackwardArgs._make
-        tensors = (Q, K, V, dO, dK, dV, DQ_acc)
-    if plan is not None and launcher.compiled(key):
-        launcher(key, plan.grid, arguments((*plan.descriptor_args(tensors), L, Delta, *plan.scalars)), {})
-    else:
-        plan = _plans[key] = make_plan(Q, K, V, dO, is_causal, sm_scale)
-        launcher(key, plan.grid, arguments((*plan.full_descriptors(tensors), L, Delta, *plan.scalars)),
-                 plan.constexprs, num_warps=plan.num_warps)
+        plan = _plans[key] = _backward_plan(Q, K, V, dO, is_causal, sm_scale)
+        _BACKWARD(key, plan.grid, _backward_args(plan.full_descriptors(tensors), L, Delta, plan.scalars),
+                  plan.constexprs, num_warps=plan.num_warps)
     _DQ_CONVERT((dQ.dtype, dQ.shape), (triton.cdiv(n_queries, DELTA_ROWS), batch_heads),
                 DqConvertArgs(DQ_acc, dQ, *batch_head_strides(dQ), n_heads, n_queries, sm_scale),
                 dict(HEAD_DIM=head_dim, HEAD_DIM_B=head_dim_parts(head_dim)[1], BLOCK_M=DELTA_ROWS), num_warps=4)
@@ -339,36 +353,5 @@ def backward_launch(Q: Tensor, K: Tensor, V: Tensor, dO: Tensor, L: Tensor, Delt
                     DQ_acc: Tensor, is_causal: bool, sm_scale: float) -> Launch:
     """The Gluon backward's launch on these tensors (``dK``, ``dV``, ``DQ_acc`` contiguous), without running it."""
     plan = _backward_plan(Q, K, V, dO, is_causal, sm_scale)
-    args = BackwardArgs(*plan.full_descriptors((Q, K, V, dO, dK, dV, DQ_acc)), L, Delta, *plan.scalars)
+    args = _backward_args(plan.full_descriptors((Q, K, V, dO, dK, dV, DQ_acc)), L, Delta, plan.scalars)
     return Launch(attn_bwd_hopper_kernel, plan.grid, args, dict(plan.constexprs, num_warps=plan.num_warps))
-
-
-_SPLIT_BACKWARD = Launcher(attn_bwd_hopper_split_kernel)
-
-
-def _split_backward_plan(Q: Tensor, K: Tensor, V: Tensor, dO: Tensor, is_causal: bool, sm_scale: float) -> Plan:
-    """:func:`_backward_plan` at a head dim of two power-of-two parts: two descriptors per tensor, one per column
-    block (Q's, K's, V's, dO's, dK's, dV's, then the float32 dQ accumulator's)."""
-    n_heads, batch_heads, n_queries, n_keys, head_dim = _sizes(Q, K)
-    parts = head_dim_parts(head_dim)
-    descriptors, columns = [], {}
-    for name, x, rows in (("Q", Q, BACKWARD_ROWS), ("K", K, BLOCK_N), ("V", V, BLOCK_N), ("DO", dO, BACKWARD_ROWS)):
-        for part in parts:
-            plan, columns[f"{name}_COLUMNS"] = DescriptorPlan.of(x, rows, part)
-            descriptors.append(plan)
-    for shape, rows in (((batch_heads, n_keys, head_dim), BLOCK_N), ((batch_heads, n_keys, head_dim), BLOCK_N),
-                        ((batch_heads, n_queries, head_dim), BACKWARD_ROWS)):
-        descriptors += [_output_plan(shape, rows, part) for part in parts]
-    constexprs = dict(HEAD_DIM=head_dim, HEAD_DIM_B=parts[1], IS_CAUSAL=is_causal, BLOCK_M=BACKWARD_ROWS,
-                      BLOCK_N=BLOCK_N, STAGES=STAGES, **columns)
-    return Plan((triton.cdiv(n_keys, BLOCK_N), batch_heads), tuple(descriptors),
-                (n_heads, n_queries, n_keys, sm_scale, sm_scale * _LOG2_E), constexprs, 8)
-
-
-def split_backward_launch(Q: Tensor, K: Tensor, V: Tensor, dO: Tensor, L: Tensor, Delta: Tensor, dK: Tensor,
-                          dV: Tensor, DQ_acc: Tensor, is_causal: bool, sm_scale: float) -> Launch:
-    """:func:`backward_launch` at a head dim of :data:`SPLIT_HEAD_DIMS`."""
-    plan = _split_backward_plan(Q, K, V, dO, is_causal, sm_scale)
-    tensors = (Q, Q, K, K, V, V, dO, dO, dK, dK, dV, dV, DQ_acc, DQ_acc)
-    args = (*plan.full_descriptors(tensors), L, Delta, *plan.scalars)
-    return Launch(attn_bwd_hopper_split_kernel, plan.grid, args, dict(plan.constexprs, num_warps=plan.num_warps))

@@ -21,10 +21,10 @@ the step ends: a wgmma whose accumulator crosses the loop's back edge in flight 
 wgmma of the kernel (its info C7514; the test suite compiles the kernel and checks). Two CTA-wide barriers per
 step order the shared buffers.
 
-Head dims of two power-of-two parts (48, 80, 96). Tensor descriptors move power-of-two blocks only: a second
-backward kernel (``attn_bwd_hopper_split_kernel``) moves each tensor as two column blocks and runs every product
-over the head dim as two matmuls (S^T and dP^T accumulate both parts; dV, dK and dQ are two accumulators each),
-with the same step otherwise. The forward at these head dims is the portable kernels' (or this one padded to 128).
+Head dims of two power-of-two parts (48, 80, 96). Tensor descriptors move power-of-two blocks only: the backward
+moves each tensor as two column blocks and runs every product over the head dim as two matmuls (S^T and dP^T
+accumulate both parts; dV, dK and dQ are two accumulators each), with the same step otherwise. The forward at
+these head dims is the portable kernels' (or this one padded to 128).
 
 Code. The file reads: what both directions share (the :class:`Ring` of stages with its barriers), the forward,
 then the backward, with the same names on both sides (``_fwd_load_partition`` / ``_bwd_load_partition``,
@@ -386,12 +386,17 @@ def attn_fwd_hopper_kernel(
 # A program holds BLOCK_N = 128 keys: two consumer warpgroups in one partition, each owning 64 of the keys'
 # rows of S^T, dP^T, dK and dV, meeting at CTA-wide barriers around the shared dS^T and the dQ staging tile. A
 # one-warp partition streams Q and dO blocks, with their rows' logsumexp and Delta, through a ring.
+#
+# At a head dim of two power-of-two parts (80 = 64 + 16; tensor descriptors move power-of-two blocks only) every
+# tensor moves as two column blocks and every product over the head dim is two matmuls: S^T and dP^T accumulate
+# both parts, dV, dK and dQ are two accumulators each. The second part's buffers, descriptors and accumulators
+# (the ``*_b`` names) are constexpr ``None`` at a power of two, where the code is the one-part kernel's.
 
 
 @aggregate
 class BwdConfig:
     """The backward's compile-time configuration: the kernel's constexpr arguments and the consumers' register
-    layouts."""
+    layouts (of each column part: ``HEAD_DIM_A`` columns, then ``HEAD_DIM_B``, 0 for none)."""
 
     HEAD_DIM: gl.constexpr
     IS_CAUSAL: gl.constexpr
@@ -404,9 +409,14 @@ class BwdConfig:
     st_layout: gl.constexpr
     acc_layout: gl.constexpr
     dq_layout: gl.constexpr
+    HEAD_DIM_A: gl.constexpr
+    HEAD_DIM_B: gl.constexpr
+    acc_layout_b: gl.constexpr
+    dq_layout_b: gl.constexpr
 
     @gluon.constexpr_function
-    def __init__(self, HEAD_DIM, IS_CAUSAL, BLOCK_M, BLOCK_N, Q_COLUMNS, K_COLUMNS, V_COLUMNS, DO_COLUMNS):
+    def __init__(self, HEAD_DIM, HEAD_DIM_B, IS_CAUSAL, BLOCK_M, BLOCK_N, Q_COLUMNS, K_COLUMNS, V_COLUMNS,
+                 DO_COLUMNS):
         self.HEAD_DIM = gl.constexpr(HEAD_DIM)
         self.IS_CAUSAL = gl.constexpr(IS_CAUSAL)
         self.BLOCK_M = gl.constexpr(BLOCK_M)
@@ -415,15 +425,37 @@ class BwdConfig:
         self.K_COLUMNS = gl.constexpr(K_COLUMNS)
         self.V_COLUMNS = gl.constexpr(V_COLUMNS)
         self.DO_COLUMNS = gl.constexpr(DO_COLUMNS)
+        self.HEAD_DIM_A = gl.constexpr(HEAD_DIM - HEAD_DIM_B)
+        self.HEAD_DIM_B = gl.constexpr(HEAD_DIM_B)
         # S^T = K Q^T (BLOCK_N, BLOCK_M): warpgroup w computes the rows of its keys, so that P^T and dS^T are in
         # the registers of the warpgroup whose dV and dK rows they feed (register-sourced wgmma).
         self.st_layout = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
                                                                 instr_shape=[16, BLOCK_M, 16]))
-        # dK, dV (BLOCK_N, HEAD_DIM): warpgroup w accumulates the rows of its keys.
-        self.acc_layout = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
-                                                                 instr_shape=[16, HEAD_DIM, 16]))
-        self.dq_layout = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                                instr_shape=[16, HEAD_DIM // 2, 16]))
+        # dK, dV (BLOCK_N, columns): warpgroup w accumulates the rows of its keys; dQ (BLOCK_M, columns): each
+        # warpgroup half of the columns.
+        self.acc_layout = gl.constexpr(_acc_layout(HEAD_DIM - HEAD_DIM_B))
+        self.dq_layout = gl.constexpr(_dq_layout(HEAD_DIM - HEAD_DIM_B))
+        self.acc_layout_b = gl.constexpr(_acc_layout(HEAD_DIM_B) if HEAD_DIM_B else None)
+        self.dq_layout_b = gl.constexpr(_dq_layout(HEAD_DIM_B) if HEAD_DIM_B else None)
+
+
+@gluon.constexpr_function
+def _acc_layout(columns):
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, columns, 16])
+
+
+@gluon.constexpr_function
+def _dq_layout(columns):
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, columns // 2, 16])
+
+
+@gluon.jit
+def _part_coord(b, h, m, n_heads, HEAD_DIM: gl.constexpr, HEADS_IN_COLUMNS: gl.constexpr, COLUMN: gl.constexpr):
+    """:func:`_block_coord` of the column block starting at ``COLUMN`` of the head."""
+    if HEADS_IN_COLUMNS:
+        return [b, m, h * HEAD_DIM + COLUMN]
+    else:
+        return [b * n_heads + h, m, COLUMN]
 
 
 @aggregate
@@ -455,74 +487,104 @@ class BwdProgram:
 
 @aggregate
 class BwdRing:
-    """The Q/dO ring: per stage a block of Q and of dO (STAGES, BLOCK_M, HEAD_DIM) and their rows' base-2
-    logsumexp and Delta (STAGES, BLOCK_M), and the stages' barriers ``barriers``."""
+    """The Q/dO ring: per stage a block of Q and of dO (STAGES, BLOCK_M, HEAD_DIM_A) and their rows' base-2
+    logsumexp and Delta (STAGES, BLOCK_M), and the stages' barriers ``barriers``; ``q_b``, ``do_b``: the blocks'
+    second column parts (STAGES, BLOCK_M, HEAD_DIM_B), or None."""
 
     q: gl.shared_memory_descriptor
     do: gl.shared_memory_descriptor
     lse: gl.shared_memory_descriptor
     delta: gl.shared_memory_descriptor
     barriers: Ring
+    q_b: (gl.shared_memory_descriptor, gl.constexpr)
+    do_b: (gl.shared_memory_descriptor, gl.constexpr)
 
     @gluon.constexpr_function
-    def __init__(self, q, do, lse, delta, barriers):
+    def __init__(self, q, do, lse, delta, barriers, q_b, do_b):
         self.q = q
         self.do = do
         self.lse = lse
         self.delta = delta
         self.barriers = barriers
+        self.q_b = _optional(q_b)
+        self.do_b = _optional(do_b)
+
+
+@gluon.constexpr_function
+def _optional(value):
+    """A field that is None at a power-of-two head dim: ``None`` arrives unwrapped, wrap it as a constexpr."""
+    return gl.constexpr(None) if value is None else value
 
 
 @aggregate
 class BwdBuffers:
-    """The backward's other shared memory: K and V (1, BLOCK_N, HEAD_DIM), landed at ``kv_ready`` (later dK and
+    """The backward's other shared memory: K and V (1, BLOCK_N, HEAD_DIM_A), landed at ``kv_ready`` (later dK and
     dV); dS^T (1, BLOCK_N, BLOCK_M), for dQ = dS K; the double-buffered float32 dQ staging tile
-    (2, BLOCK_M, HEAD_DIM)."""
+    (2, BLOCK_M, HEAD_DIM_A); the second column parts of K, V and the staging tile, or None."""
 
     k_smem: gl.shared_memory_descriptor
     v_smem: gl.shared_memory_descriptor
     ds_smem: gl.shared_memory_descriptor
     dq_smem: gl.shared_memory_descriptor
     kv_ready: gl.shared_memory_descriptor
+    k_smem_b: (gl.shared_memory_descriptor, gl.constexpr)
+    v_smem_b: (gl.shared_memory_descriptor, gl.constexpr)
+    dq_smem_b: (gl.shared_memory_descriptor, gl.constexpr)
 
     @gluon.constexpr_function
-    def __init__(self, k_smem, v_smem, ds_smem, dq_smem, kv_ready):
+    def __init__(self, k_smem, v_smem, ds_smem, dq_smem, kv_ready, k_smem_b, v_smem_b, dq_smem_b):
         self.k_smem = k_smem
         self.v_smem = v_smem
         self.ds_smem = ds_smem
         self.dq_smem = dq_smem
         self.kv_ready = kv_ready
+        self.k_smem_b = _optional(k_smem_b)
+        self.v_smem_b = _optional(v_smem_b)
+        self.dq_smem_b = _optional(dq_smem_b)
 
 
 @aggregate
 class BwdState:
-    """The two warpgroups' accumulators: dK (without the 1/sqrt(d)) and dV, float32 (BLOCK_N, HEAD_DIM)."""
+    """The two warpgroups' accumulators: dK (without the 1/sqrt(d)) and dV, float32 (BLOCK_N, HEAD_DIM_A), and
+    their second column parts (BLOCK_N, HEAD_DIM_B) or None."""
 
     dk: gl.tensor
     dv: gl.tensor
+    dk_b: (gl.tensor, gl.constexpr)
+    dv_b: (gl.tensor, gl.constexpr)
 
     @gluon.constexpr_function
-    def __init__(self, dk, dv):
+    def __init__(self, dk, dv, dk_b, dv_b):
         self.dk = dk
         self.dv = dv
+        self.dk_b = _optional(dk_b)
+        self.dv_b = _optional(dv_b)
 
 
 @gluon.jit
-def _bwd_load_partition(config, q_desc, do_desc, ring, L_row, Delta_row, program):
-    """Worker partition: stream Q and dO blocks (copy engine) and their rows' base-2 logsumexp and Delta (plain
-    loads, stored to shared memory) into the ring, as far ahead of the consumers as it has stages. A stage is
-    ready after two arrivals: the copy engine's bytes and this warp's stores."""
+def _bwd_load_partition(config, q_desc, do_desc, ring, L_row, Delta_row, program, q_desc_b, do_desc_b):
+    """Worker partition: stream Q and dO blocks (copy engine; each in two column blocks at a two-part head dim)
+    and their rows' base-2 logsumexp and Delta (plain loads, stored to shared memory) into the ring, as far ahead
+    of the consumers as it has stages. A stage is ready after two arrivals: the copy engine's bytes and this warp's
+    stores."""
     BLOCK_M: gl.constexpr = config.BLOCK_M
     row_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
     for j in range(program.n_steps):
         s, landed = ring.barriers.acquire(j, 2 * BLOCK_M * config.HEAD_DIM * q_desc.dtype.primitive_bitwidth // 8)
         m = program.query_start + j * BLOCK_M
         tma.async_copy_global_to_shared(
-            q_desc, _block_coord(program.b, program.h, m, program.n_heads, config.HEAD_DIM, config.Q_COLUMNS),
+            q_desc, _part_coord(program.b, program.h, m, program.n_heads, config.HEAD_DIM, config.Q_COLUMNS, 0),
             landed, ring.q.index(s))
         tma.async_copy_global_to_shared(
-            do_desc, _block_coord(program.b, program.h, m, program.n_heads, config.HEAD_DIM, config.DO_COLUMNS),
+            do_desc, _part_coord(program.b, program.h, m, program.n_heads, config.HEAD_DIM, config.DO_COLUMNS, 0),
             landed, ring.do.index(s))
+        if config.HEAD_DIM_B > 0:
+            tma.async_copy_global_to_shared(
+                q_desc_b, _part_coord(program.b, program.h, m, program.n_heads, config.HEAD_DIM, config.Q_COLUMNS,
+                                      config.HEAD_DIM_A), landed, ring.q_b.index(s))
+            tma.async_copy_global_to_shared(
+                do_desc_b, _part_coord(program.b, program.h, m, program.n_heads, config.HEAD_DIM, config.DO_COLUMNS,
+                                       config.HEAD_DIM_A), landed, ring.do_b.index(s))
         offs_m = m + gl.arange(0, BLOCK_M, layout=row_layout)
         in_bounds = offs_m < program.n_queries
         ring.lse.index(s).store(gl.load(L_row + offs_m, mask=in_bounds, other=0.0) * LOG2_E)
@@ -531,18 +593,23 @@ def _bwd_load_partition(config, q_desc, do_desc, ring, L_row, Delta_row, program
 
 
 @gluon.jit
-def _bwd_issue_scores(config, program, ring, j, k_smem, v_smem):
+def _bwd_issue_scores(config, program, ring, j, k_smem, v_smem, k_smem_b, v_smem_b):
     """Start S_j^T = K Q_j^T and dP_j^T = V dO_j^T on the tensor cores once block ``j`` has landed (see
-    :meth:`Ring.wait_landed` past the last block); ``k_smem`` and ``v_smem`` are (BLOCK_N, HEAD_DIM)."""
+    :meth:`Ring.wait_landed` past the last block); ``k_smem`` and ``v_smem`` are (BLOCK_N, HEAD_DIM_A), ``k_smem_b``
+    and ``v_smem_b`` the second column parts (BLOCK_N, HEAD_DIM_B) or None."""
     s = ring.barriers.wait_landed(j, program.n_steps)
     zero = gl.zeros([config.BLOCK_N, config.BLOCK_M], gl.float32, config.st_layout)
     scores_t = warpgroup_mma(k_smem, ring.q.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
+    if config.HEAD_DIM_B > 0:
+        scores_t = warpgroup_mma(k_smem_b, ring.q_b.index(s).permute((1, 0)), scores_t, is_async=True)
     dp_t = warpgroup_mma(v_smem, ring.do.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
+    if config.HEAD_DIM_B > 0:
+        dp_t = warpgroup_mma(v_smem_b, ring.do_b.index(s).permute((1, 0)), dp_t, is_async=True)
     return scores_t, dp_t
 
 
 @gluon.jit
-def _bwd_step(config, program, buffers, ring, dq_desc, qk_scale, state, scores_t, dp_t, j):
+def _bwd_step(config, program, buffers, ring, dq_desc, qk_scale, state, scores_t, dp_t, j, dq_desc_b):
     """Query block ``j`` of the sweep, whose S^T and dP^T have landed: accumulate its share of dK and dV, add its dQ
     rows by TMA, and compute block ``j + 1``'s S^T and dP^T behind dK.
 
@@ -559,6 +626,11 @@ def _bwd_step(config, program, buffers, ring, dq_desc, qk_scale, state, scores_t
     k_smem = buffers.k_smem.index(zero)
     v_smem = buffers.v_smem.index(zero)
     ds_smem = buffers.ds_smem.index(zero)
+    k_smem_b = buffers.k_smem_b
+    v_smem_b = buffers.v_smem_b
+    if config.HEAD_DIM_B > 0:
+        k_smem_b = buffers.k_smem_b.index(zero)
+        v_smem_b = buffers.v_smem_b.index(zero)
     s = ring.barriers.stage(j)
     m = program.query_start + j * BLOCK_M
     offs_m = m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
@@ -575,395 +647,111 @@ def _bwd_step(config, program, buffers, ring, dq_desc, qk_scale, state, scores_t
         visible = visible & (offs_m[None, :] >= offs_n[:, None])
     p_t = gl.where(visible, p_t, 0.0)
     dv = warpgroup_mma(gl.convert_layout(p_t.to(q.dtype), operand_layout), do, state.dv, is_async=True)
+    dv_b = state.dv_b
+    if config.HEAD_DIM_B > 0:
+        operand_layout_b: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=config.acc_layout_b, k_width=2)
+        dv_b = warpgroup_mma(gl.convert_layout(p_t.to(q.dtype), operand_layout_b), ring.do_b.index(s), dv_b,
+                             is_async=True)
     ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
     ds_smem.store(ds_t)
     fence_async_shared()
     dq_buffer = buffers.dq_smem.index(j % 2)
-    tma.store_wait(1)  # the reduction of block j - 2, from the same buffer, has read it
+    # The reductions of block j - 2, from the same buffers, have read them (one a column part, issued per step).
+    if config.HEAD_DIM_B > 0:
+        tma.store_wait(2)
+    else:
+        tma.store_wait(1)
     # One barrier for three orders: dQ_j = dS K reads both warpgroups' rows of dS^T; dq_buffer is free for every
     # thread; both warpgroups have waited for block j - 1's last matmuls, so that its stage is free. (Triton
     # follows the single-thread arrive with a bar.sync of its own: three per step in the PTX.)
     gl.thread_barrier()
     ring.barriers.release_previous(j)
 
-    zero_dq = gl.zeros([BLOCK_M, config.HEAD_DIM], gl.float32, config.dq_layout)
+    zero_dq = gl.zeros([BLOCK_M, config.HEAD_DIM_A], gl.float32, config.dq_layout)
     dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem, zero_dq, use_acc=False, is_async=True)
+    if config.HEAD_DIM_B > 0:
+        zero_dq_b = gl.zeros([BLOCK_M, config.HEAD_DIM_B], gl.float32, config.dq_layout_b)
+        dq_b = warpgroup_mma(ds_smem.permute((1, 0)), k_smem_b, zero_dq_b, use_acc=False, is_async=True)
     dk = warpgroup_mma(gl.convert_layout(ds_t, operand_layout), q, state.dk, is_async=True)
-    dq = warpgroup_mma_wait(1, deps=[dq])
+    dk_b = state.dk_b
+    if config.HEAD_DIM_B > 0:
+        dk_b = warpgroup_mma(gl.convert_layout(ds_t, operand_layout_b), ring.q_b.index(s), dk_b, is_async=True)
+        dq, dq_b = warpgroup_mma_wait(2, deps=[dq, dq_b])
+    else:
+        dq = warpgroup_mma_wait(1, deps=[dq])
     dq_buffer.store(dq)
+    if config.HEAD_DIM_B > 0:
+        dq_buffer_b = buffers.dq_smem_b.index(j % 2)
+        dq_buffer_b.store(dq_b)
     fence_async_shared()
     # Also orders this step's dS^T reads (every warpgroup's dQ matmul is done) before next step's dS^T writes.
     gl.thread_barrier()
-    tma_reduce_add(dq_desc, [program.bh, m, 0], dq_buffer.reshape([1, BLOCK_M, config.HEAD_DIM]))
-    scores_t, dp_t = _bwd_issue_scores(config, program, ring, j + 1, k_smem, v_smem)
+    tma_reduce_add(dq_desc, [program.bh, m, 0], dq_buffer.reshape([1, BLOCK_M, config.HEAD_DIM_A]))
+    if config.HEAD_DIM_B > 0:
+        tma_reduce_add(dq_desc_b, [program.bh, m, config.HEAD_DIM_A],
+                       dq_buffer_b.reshape([1, BLOCK_M, config.HEAD_DIM_B]))
+    scores_t, dp_t = _bwd_issue_scores(config, program, ring, j + 1, k_smem, v_smem, k_smem_b, v_smem_b)
     # Nothing crosses the loop's back edge in flight: an accumulator carried there while its wgmma runs makes
     # ptxas serialise every wgmma of the kernel (C7514).
-    dv, dk, scores_t, dp_t = warpgroup_mma_wait(0, deps=[dv, dk, scores_t, dp_t])
-    return BwdState(dk, dv), scores_t, dp_t
+    if config.HEAD_DIM_B > 0:
+        dv, dk, dv_b, dk_b, scores_t, dp_t = warpgroup_mma_wait(0, deps=[dv, dk, dv_b, dk_b, scores_t, dp_t])
+    else:
+        dv, dk, scores_t, dp_t = warpgroup_mma_wait(0, deps=[dv, dk, scores_t, dp_t])
+    return BwdState(dk, dv, dk_b, dv_b), scores_t, dp_t
 
 
 @gluon.jit
-def _bwd_compute_partition(config, buffers, ring, dq_desc, program, qk_scale):
-    """Default partition (two warpgroups, each owning 64 of the keys): five matmuls per query block; returns dK
-    (without the 1/sqrt(d)) and dV, float32 (BLOCK_N, HEAD_DIM)."""
-    state = BwdState(gl.zeros([config.BLOCK_N, config.HEAD_DIM], gl.float32, config.acc_layout),
-                     gl.zeros([config.BLOCK_N, config.HEAD_DIM], gl.float32, config.acc_layout))
+def _bwd_compute_partition(config, buffers, ring, dq_desc, program, qk_scale, dq_desc_b):
+    """Default partition (two warpgroups, each owning 64 of the keys): five matmuls per query block (two per
+    product over the head dim at a two-part head dim); returns dK (without the 1/sqrt(d)) and dV, float32
+    (BLOCK_N, HEAD_DIM_A), and their second column parts or None."""
+    if config.HEAD_DIM_B > 0:
+        state = BwdState(gl.zeros([config.BLOCK_N, config.HEAD_DIM_A], gl.float32, config.acc_layout),
+                         gl.zeros([config.BLOCK_N, config.HEAD_DIM_A], gl.float32, config.acc_layout),
+                         gl.zeros([config.BLOCK_N, config.HEAD_DIM_B], gl.float32, config.acc_layout_b),
+                         gl.zeros([config.BLOCK_N, config.HEAD_DIM_B], gl.float32, config.acc_layout_b))
+    else:
+        state = BwdState(gl.zeros([config.BLOCK_N, config.HEAD_DIM], gl.float32, config.acc_layout),
+                         gl.zeros([config.BLOCK_N, config.HEAD_DIM], gl.float32, config.acc_layout), None, None)
     mbarrier.wait(buffers.kv_ready, 0)
-    scores_t, dp_t = _bwd_issue_scores(config, program, ring, 0, buffers.k_smem.index(0), buffers.v_smem.index(0))
+    k_smem_b = buffers.k_smem_b
+    v_smem_b = buffers.v_smem_b
+    if config.HEAD_DIM_B > 0:
+        k_smem_b = buffers.k_smem_b.index(0)
+        v_smem_b = buffers.v_smem_b.index(0)
+    scores_t, dp_t = _bwd_issue_scores(config, program, ring, 0, buffers.k_smem.index(0), buffers.v_smem.index(0),
+                                       k_smem_b, v_smem_b)
     scores_t, dp_t = warpgroup_mma_wait(0, deps=[scores_t, dp_t])
     for j in range(program.n_steps):
         state, scores_t, dp_t = _bwd_step(config, program, buffers, ring, dq_desc, qk_scale, state, scores_t, dp_t,
-                                          j)
+                                          j, dq_desc_b)
     tma.store_wait(0)
-    return state.dk, state.dv
+    if config.HEAD_DIM_B > 0:
+        return state.dk, state.dv, state.dk_b, state.dv_b
+    else:
+        return state.dk, state.dv
 
 
 @gluon.jit(do_not_specialize=["n_heads", "n_queries", "n_keys"])
 def attn_bwd_hopper_kernel(
-    q_desc, k_desc, v_desc, do_desc,  # 3-D views of Q, K, V, dO, blocks (1, BLOCK_M or BLOCK_N, HEAD_DIM)
-    dk_desc, dv_desc,  # contiguous (batch * heads, n_keys, HEAD_DIM) outputs, blocks (1, BLOCK_N, HEAD_DIM)
-    dq_desc,  # float32 (batch * heads, n_queries, HEAD_DIM), zeroed, blocks (1, BLOCK_M, HEAD_DIM)
+    q_desc, k_desc, v_desc, do_desc,  # 3-D views of Q, K, V, dO, blocks (1, BLOCK_M or BLOCK_N, HEAD_DIM_A)
+    dk_desc, dv_desc,  # contiguous (batch * heads, n_keys, HEAD_DIM) outputs, blocks (1, BLOCK_N, HEAD_DIM_A)
+    dq_desc,  # float32 (batch * heads, n_queries, HEAD_DIM), zeroed, blocks (1, BLOCK_M, HEAD_DIM_A)
     L, Delta,  # float32 (batch * heads, n_queries): natural-log logsumexp and rowsum(O * dO)
     n_heads, n_queries, n_keys,
     sm_scale, qk_scale,  # 1 / sqrt(d) and log2(e) / sqrt(d)
+    q_desc_b, k_desc_b, v_desc_b, do_desc_b, dk_desc_b, dv_desc_b, dq_desc_b,  # the second column blocks, or None
     HEAD_DIM: gl.constexpr,
     IS_CAUSAL: gl.constexpr,
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr,
     Q_COLUMNS: gl.constexpr, K_COLUMNS: gl.constexpr, V_COLUMNS: gl.constexpr, DO_COLUMNS: gl.constexpr,
+    HEAD_DIM_B: gl.constexpr,  # columns of the second part, 0 for none (the first: HEAD_DIM - HEAD_DIM_B)
 ):
     """Program ``(i, bh)``: dK and dV of keys ``i * BLOCK_N ..`` of batch-head ``bh``, and their share of dQ."""
-    config = BwdConfig(HEAD_DIM, IS_CAUSAL, BLOCK_M, BLOCK_N, Q_COLUMNS, K_COLUMNS, V_COLUMNS, DO_COLUMNS)
-    dtype: gl.constexpr = q_desc.dtype
-    start_n = gl.program_id(0) * BLOCK_N
-    bh = gl.program_id(1)
-    b = bh // n_heads
-    h = bh % n_heads
-    if IS_CAUSAL:
-        query_start = gl.minimum(start_n // BLOCK_M * BLOCK_M, n_queries)
-    else:
-        query_start = 0
-    n_steps = gl.cdiv(n_queries - query_start, BLOCK_M)
-    program = BwdProgram(b, h, bh, n_heads, start_n, query_start, n_steps, n_queries)
-
-    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
-    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
-    st_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
-    dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], gl.float32)
-    k_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, HEAD_DIM], kv_layout)
-    v_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, HEAD_DIM], kv_layout)
-    q_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_layout)
-    do_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_layout)
-    ds_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, BLOCK_M], st_layout)
-    dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM], dq_layout)
-    row_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
-    lse_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_layout)
-    delta_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    barriers = Ring(ready, free, STAGES)
-    barriers.init(2, 1)  # landed by the copy engine's bytes (with the expect) and the loader's stores
-    mbarrier.init(kv_ready, count=1)
-    fence_async_shared()
-    ring = BwdRing(q_ring, do_ring, lse_ring, delta_ring, barriers)
-    buffers = BwdBuffers(k_smem, v_smem, ds_smem, dq_smem, kv_ready)
-
-    mbarrier.expect(kv_ready, 2 * BLOCK_N * HEAD_DIM * dtype.primitive_bitwidth // 8)
-    tma.async_copy_global_to_shared(k_desc, _block_coord(b, h, start_n, n_heads, HEAD_DIM, K_COLUMNS), kv_ready,
-                                    k_smem.index(0))
-    tma.async_copy_global_to_shared(v_desc, _block_coord(b, h, start_n, n_heads, HEAD_DIM, V_COLUMNS), kv_ready,
-                                    v_smem.index(0))
-
-    # The worker's arguments in this order (see the module docstring): Q's and dO's descriptors, the ring, the
-    # rows of L and Delta, the program.
-    dk, dv = gl.warp_specialize(
-        [
-            (_bwd_compute_partition, (config, buffers, ring, dq_desc, program, qk_scale)),
-            (_bwd_load_partition, (config, q_desc, do_desc, ring, L + bh.to(gl.int64) * n_queries,
-                                   Delta + bh.to(gl.int64) * n_queries, program)),
-        ],
-        [1],
-        [24],
-    )
-
-    # K and V are no longer read: their buffers stage dK and dV for the copy engine.
-    gl.thread_barrier()
-    k_smem.index(0).store((dk * sm_scale).to(dtype))
-    v_smem.index(0).store(dv.to(dtype))
-    fence_async_shared()
-    gl.thread_barrier()
-    tma.async_copy_shared_to_global(dk_desc, [bh, start_n, 0], k_smem.index(0))
-    tma.async_copy_shared_to_global(dv_desc, [bh, start_n, 0], v_smem.index(0))
-    tma.store_wait(0)
-
-
-# ---------------------------------------------------------------------------------------------------
-# Backward at a head dim of two power-of-two parts (80 = 64 + 16, 96 = 64 + 32, 48 = 32 + 16)
-# ---------------------------------------------------------------------------------------------------
-# Tensor descriptors take power-of-two blocks only, so Q, K, V, dO and every output are moved as two column
-# blocks (columns 0 .. A and A .. A + B) and every product over the head dim is two matmuls: S^T and dP^T
-# accumulate both parts' contributions, dV, dK and dQ are two accumulators each. Otherwise the step is the one
-# above, with no padded copy and no work on zero columns.
-
-
-@gluon.jit
-def _part_coord(b, h, m, n_heads, HEAD_DIM: gl.constexpr, HEADS_IN_COLUMNS: gl.constexpr, COLUMN: gl.constexpr):
-    """:func:`_block_coord` of the column block starting at ``COLUMN`` of the head."""
-    if HEADS_IN_COLUMNS:
-        return [b, m, h * HEAD_DIM + COLUMN]
-    else:
-        return [b * n_heads + h, m, COLUMN]
-
-
-@aggregate
-class SplitBwdConfig:
-    """:class:`BwdConfig` with the head dim in two parts of ``HEAD_DIM_A`` and ``HEAD_DIM_B`` columns (register
-    layouts of each part's dK/dV and dQ accumulators)."""
-
-    HEAD_DIM: gl.constexpr
-    HEAD_DIM_A: gl.constexpr
-    HEAD_DIM_B: gl.constexpr
-    IS_CAUSAL: gl.constexpr
-    BLOCK_M: gl.constexpr
-    BLOCK_N: gl.constexpr
-    Q_COLUMNS: gl.constexpr
-    K_COLUMNS: gl.constexpr
-    V_COLUMNS: gl.constexpr
-    DO_COLUMNS: gl.constexpr
-    st_layout: gl.constexpr
-    acc_layout_a: gl.constexpr
-    acc_layout_b: gl.constexpr
-    dq_layout_a: gl.constexpr
-    dq_layout_b: gl.constexpr
-
-    @gluon.constexpr_function
-    def __init__(self, HEAD_DIM, HEAD_DIM_B, IS_CAUSAL, BLOCK_M, BLOCK_N, Q_COLUMNS, K_COLUMNS, V_COLUMNS,
-                 DO_COLUMNS):
-        self.HEAD_DIM = gl.constexpr(HEAD_DIM)
-        self.HEAD_DIM_A = gl.constexpr(HEAD_DIM - HEAD_DIM_B)
-        self.HEAD_DIM_B = gl.constexpr(HEAD_DIM_B)
-        self.IS_CAUSAL = gl.constexpr(IS_CAUSAL)
-        self.BLOCK_M = gl.constexpr(BLOCK_M)
-        self.BLOCK_N = gl.constexpr(BLOCK_N)
-        self.Q_COLUMNS = gl.constexpr(Q_COLUMNS)
-        self.K_COLUMNS = gl.constexpr(K_COLUMNS)
-        self.V_COLUMNS = gl.constexpr(V_COLUMNS)
-        self.DO_COLUMNS = gl.constexpr(DO_COLUMNS)
-        self.st_layout = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
-                                                                instr_shape=[16, BLOCK_M, 16]))
-        self.acc_layout_a = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
-                                                                   instr_shape=[16, HEAD_DIM - HEAD_DIM_B, 16]))
-        self.acc_layout_b = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
-                                                                   instr_shape=[16, HEAD_DIM_B, 16]))
-        self.dq_layout_a = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                                  instr_shape=[16, (HEAD_DIM - HEAD_DIM_B) // 2, 16]))
-        self.dq_layout_b = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                                  instr_shape=[16, HEAD_DIM_B // 2, 16]))
-
-
-@aggregate
-class SplitBwdRing:
-    """:class:`BwdRing` with Q and dO blocks in two column parts (``q``, ``do``: the first ``HEAD_DIM_A`` columns;
-    ``q_b``, ``do_b``: the other ``HEAD_DIM_B``)."""
-
-    q: gl.shared_memory_descriptor
-    q_b: gl.shared_memory_descriptor
-    do: gl.shared_memory_descriptor
-    do_b: gl.shared_memory_descriptor
-    lse: gl.shared_memory_descriptor
-    delta: gl.shared_memory_descriptor
-    barriers: Ring
-
-    @gluon.constexpr_function
-    def __init__(self, q, q_b, do, do_b, lse, delta, barriers):
-        self.q = q
-        self.q_b = q_b
-        self.do = do
-        self.do_b = do_b
-        self.lse = lse
-        self.delta = delta
-        self.barriers = barriers
-
-
-@aggregate
-class SplitBwdBuffers:
-    """:class:`BwdBuffers` with K, V and the dQ staging tile in two column parts."""
-
-    k_smem: gl.shared_memory_descriptor
-    k_smem_b: gl.shared_memory_descriptor
-    v_smem: gl.shared_memory_descriptor
-    v_smem_b: gl.shared_memory_descriptor
-    ds_smem: gl.shared_memory_descriptor
-    dq_smem: gl.shared_memory_descriptor
-    dq_smem_b: gl.shared_memory_descriptor
-    kv_ready: gl.shared_memory_descriptor
-
-    @gluon.constexpr_function
-    def __init__(self, k_smem, k_smem_b, v_smem, v_smem_b, ds_smem, dq_smem, dq_smem_b, kv_ready):
-        self.k_smem = k_smem
-        self.k_smem_b = k_smem_b
-        self.v_smem = v_smem
-        self.v_smem_b = v_smem_b
-        self.ds_smem = ds_smem
-        self.dq_smem = dq_smem
-        self.dq_smem_b = dq_smem_b
-        self.kv_ready = kv_ready
-
-
-@aggregate
-class SplitBwdState:
-    """dK (without the 1/sqrt(d)) and dV in their two column parts, float32 (BLOCK_N, HEAD_DIM_A | HEAD_DIM_B)."""
-
-    dk: gl.tensor
-    dk_b: gl.tensor
-    dv: gl.tensor
-    dv_b: gl.tensor
-
-    @gluon.constexpr_function
-    def __init__(self, dk, dk_b, dv, dv_b):
-        self.dk = dk
-        self.dk_b = dk_b
-        self.dv = dv
-        self.dv_b = dv_b
-
-
-@gluon.jit
-def _split_bwd_load_partition(config, q_desc, q_desc_b, do_desc, do_desc_b, ring, L_row, Delta_row, program):
-    """:func:`_bwd_load_partition` with each Q and dO block moved as its two column parts."""
-    BLOCK_M: gl.constexpr = config.BLOCK_M
-    row_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
-    for j in range(program.n_steps):
-        s, landed = ring.barriers.acquire(j, 2 * BLOCK_M * config.HEAD_DIM * q_desc.dtype.primitive_bitwidth // 8)
-        m = program.query_start + j * BLOCK_M
-        b = program.b
-        h = program.h
-        tma.async_copy_global_to_shared(
-            q_desc, _part_coord(b, h, m, program.n_heads, config.HEAD_DIM, config.Q_COLUMNS, 0), landed, ring.q.index(s))
-        tma.async_copy_global_to_shared(
-            q_desc_b, _part_coord(b, h, m, program.n_heads, config.HEAD_DIM, config.Q_COLUMNS, config.HEAD_DIM_A),
-            landed, ring.q_b.index(s))
-        tma.async_copy_global_to_shared(
-            do_desc, _part_coord(b, h, m, program.n_heads, config.HEAD_DIM, config.DO_COLUMNS, 0), landed,
-            ring.do.index(s))
-        tma.async_copy_global_to_shared(
-            do_desc_b, _part_coord(b, h, m, program.n_heads, config.HEAD_DIM, config.DO_COLUMNS, config.HEAD_DIM_A),
-            landed, ring.do_b.index(s))
-        offs_m = m + gl.arange(0, BLOCK_M, layout=row_layout)
-        in_bounds = offs_m < program.n_queries
-        ring.lse.index(s).store(gl.load(L_row + offs_m, mask=in_bounds, other=0.0) * LOG2_E)
-        ring.delta.index(s).store(gl.load(Delta_row + offs_m, mask=in_bounds, other=0.0))
-        mbarrier.arrive(landed)
-
-
-@gluon.jit
-def _split_bwd_issue_scores(config, program, ring, j, buffers, zero_index):
-    """:func:`_bwd_issue_scores` over both column parts (two matmuls each for S^T and dP^T)."""
-    s = ring.barriers.wait_landed(j, program.n_steps)
-    zero = gl.zeros([config.BLOCK_N, config.BLOCK_M], gl.float32, config.st_layout)
-    scores_t = warpgroup_mma(buffers.k_smem.index(zero_index), ring.q.index(s).permute((1, 0)), zero,
-                             use_acc=False, is_async=True)
-    scores_t = warpgroup_mma(buffers.k_smem_b.index(zero_index), ring.q_b.index(s).permute((1, 0)), scores_t,
-                             is_async=True)
-    dp_t = warpgroup_mma(buffers.v_smem.index(zero_index), ring.do.index(s).permute((1, 0)), zero,
-                         use_acc=False, is_async=True)
-    dp_t = warpgroup_mma(buffers.v_smem_b.index(zero_index), ring.do_b.index(s).permute((1, 0)), dp_t,
-                         is_async=True)
-    return scores_t, dp_t
-
-
-@gluon.jit
-def _split_bwd_step(config, program, buffers, ring, dq_desc, dq_desc_b, qk_scale, state, scores_t, dp_t, j):
-    """:func:`_bwd_step` over both column parts."""
-    BLOCK_M: gl.constexpr = config.BLOCK_M
-    st_layout: gl.constexpr = config.st_layout
-    operand_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=config.acc_layout_a, k_width=2)
-    operand_b: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=config.acc_layout_b, k_width=2)
-    zero_index = j >> 30
-    ds_smem = buffers.ds_smem.index(zero_index)
-    s = ring.barriers.stage(j)
-    m = program.query_start + j * BLOCK_M
-    offs_m = m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
-    lse = ring.lse.index(s).load(gl.SliceLayout(0, st_layout))
-    delta = ring.delta.index(s).load(gl.SliceLayout(0, st_layout))
-    q = ring.q.index(s)
-    q_b = ring.q_b.index(s)
-
-    p_t = gl.exp2(scores_t * qk_scale - lse[None, :])
-    visible = (offs_m < program.n_queries)[None, :]
-    if config.IS_CAUSAL:
-        offs_n = program.start_n + gl.arange(0, config.BLOCK_N, layout=gl.SliceLayout(1, st_layout))
-        visible = visible & (offs_m[None, :] >= offs_n[:, None])
-    p_t = gl.where(visible, p_t, 0.0)
-    p_low = p_t.to(q.dtype)
-    dv = warpgroup_mma(gl.convert_layout(p_low, operand_a), ring.do.index(s), state.dv, is_async=True)
-    dv_b = warpgroup_mma(gl.convert_layout(p_low, operand_b), ring.do_b.index(s), state.dv_b, is_async=True)
-    ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
-    ds_smem.store(ds_t)
-    fence_async_shared()
-    dq_buffer = buffers.dq_smem.index(j % 2)
-    dq_buffer_b = buffers.dq_smem_b.index(j % 2)
-    tma.store_wait(2)  # the reductions of block j - 2, from the same buffers, have read them
-    gl.thread_barrier()
-    ring.barriers.release_previous(j)
-
-    zero_dq = gl.zeros([BLOCK_M, config.HEAD_DIM_A], gl.float32, config.dq_layout_a)
-    zero_dq_b = gl.zeros([BLOCK_M, config.HEAD_DIM_B], gl.float32, config.dq_layout_b)
-    dq = warpgroup_mma(ds_smem.permute((1, 0)), buffers.k_smem.index(zero_index), zero_dq, use_acc=False,
-                       is_async=True)
-    dq_b = warpgroup_mma(ds_smem.permute((1, 0)), buffers.k_smem_b.index(zero_index), zero_dq_b, use_acc=False,
-                         is_async=True)
-    dk = warpgroup_mma(gl.convert_layout(ds_t, operand_a), q, state.dk, is_async=True)
-    dk_b = warpgroup_mma(gl.convert_layout(ds_t, operand_b), q_b, state.dk_b, is_async=True)
-    dq, dq_b = warpgroup_mma_wait(2, deps=[dq, dq_b])
-    dq_buffer.store(dq)
-    dq_buffer_b.store(dq_b)
-    fence_async_shared()
-    gl.thread_barrier()
-    tma_reduce_add(dq_desc, [program.bh, m, 0], dq_buffer.reshape([1, BLOCK_M, config.HEAD_DIM_A]))
-    tma_reduce_add(dq_desc_b, [program.bh, m, config.HEAD_DIM_A], dq_buffer_b.reshape([1, BLOCK_M, config.HEAD_DIM_B]))
-    scores_t, dp_t = _split_bwd_issue_scores(config, program, ring, j + 1, buffers, zero_index)
-    dv, dv_b, dk, dk_b, scores_t, dp_t = warpgroup_mma_wait(0, deps=[dv, dv_b, dk, dk_b, scores_t, dp_t])
-    return SplitBwdState(dk, dk_b, dv, dv_b), scores_t, dp_t
-
-
-@gluon.jit
-def _split_bwd_compute_partition(config, buffers, ring, dq_desc, dq_desc_b, program, qk_scale):
-    """:func:`_bwd_compute_partition` over both column parts; returns dK's and dV's parts."""
-    state = SplitBwdState(gl.zeros([config.BLOCK_N, config.HEAD_DIM_A], gl.float32, config.acc_layout_a),
-                          gl.zeros([config.BLOCK_N, config.HEAD_DIM_B], gl.float32, config.acc_layout_b),
-                          gl.zeros([config.BLOCK_N, config.HEAD_DIM_A], gl.float32, config.acc_layout_a),
-                          gl.zeros([config.BLOCK_N, config.HEAD_DIM_B], gl.float32, config.acc_layout_b))
-    mbarrier.wait(buffers.kv_ready, 0)
-    scores_t, dp_t = _split_bwd_issue_scores(config, program, ring, 0, buffers, 0)
-    scores_t, dp_t = warpgroup_mma_wait(0, deps=[scores_t, dp_t])
-    for j in range(program.n_steps):
-        state, scores_t, dp_t = _split_bwd_step(config, program, buffers, ring, dq_desc, dq_desc_b, qk_scale, state,
-                                                scores_t, dp_t, j)
-    tma.store_wait(0)
-    return state.dk, state.dk_b, state.dv, state.dv_b
-
-
-@gluon.jit(do_not_specialize=["n_heads", "n_queries", "n_keys"])
-def attn_bwd_hopper_split_kernel(
-    q_desc, q_desc_b, k_desc, k_desc_b, v_desc, v_desc_b, do_desc, do_desc_b,  # each input's two column blocks
-    dk_desc, dk_desc_b, dv_desc, dv_desc_b,  # contiguous (batch * heads, n_keys, HEAD_DIM) outputs, two blocks each
-    dq_desc, dq_desc_b,  # float32 (batch * heads, n_queries, HEAD_DIM), zeroed, two blocks
-    L, Delta,  # float32 (batch * heads, n_queries): natural-log logsumexp and rowsum(O * dO)
-    n_heads, n_queries, n_keys,
-    sm_scale, qk_scale,  # 1 / sqrt(d) and log2(e) / sqrt(d)
-    HEAD_DIM: gl.constexpr,
-    HEAD_DIM_B: gl.constexpr,  # columns of the second part (the first: HEAD_DIM - HEAD_DIM_B)
-    IS_CAUSAL: gl.constexpr,
-    BLOCK_M: gl.constexpr,
-    BLOCK_N: gl.constexpr,
-    STAGES: gl.constexpr,
-    Q_COLUMNS: gl.constexpr, K_COLUMNS: gl.constexpr, V_COLUMNS: gl.constexpr, DO_COLUMNS: gl.constexpr,
-):
-    """:func:`attn_bwd_hopper_kernel` at a head dim of two power-of-two parts."""
-    config = SplitBwdConfig(HEAD_DIM, HEAD_DIM_B, IS_CAUSAL, BLOCK_M, BLOCK_N, Q_COLUMNS, K_COLUMNS, V_COLUMNS,
-                            DO_COLUMNS)
+    config = BwdConfig(HEAD_DIM, HEAD_DIM_B, IS_CAUSAL, BLOCK_M, BLOCK_N, Q_COLUMNS, K_COLUMNS, V_COLUMNS,
+                       DO_COLUMNS)
     HEAD_DIM_A: gl.constexpr = HEAD_DIM - HEAD_DIM_B
     dtype: gl.constexpr = q_desc.dtype
     start_n = gl.program_id(0) * BLOCK_N
@@ -978,66 +766,80 @@ def attn_bwd_hopper_split_kernel(
     program = BwdProgram(b, h, bh, n_heads, start_n, query_start, n_steps, n_queries)
 
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM_A], dtype)
-    kv_layout_b: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM_B], dtype)
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM_A], dtype)
-    q_layout_b: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM_B], dtype)
     st_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
     dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM_A], gl.float32)
-    dq_layout_b: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM_B], gl.float32)
     k_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, HEAD_DIM_A], kv_layout)
-    k_smem_b = gl.allocate_shared_memory(dtype, [1, BLOCK_N, HEAD_DIM_B], kv_layout_b)
     v_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, HEAD_DIM_A], kv_layout)
-    v_smem_b = gl.allocate_shared_memory(dtype, [1, BLOCK_N, HEAD_DIM_B], kv_layout_b)
     q_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM_A], q_layout)
-    q_ring_b = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM_B], q_layout_b)
     do_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM_A], q_layout)
-    do_ring_b = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM_B], q_layout_b)
     ds_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, BLOCK_M], st_layout)
     dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM_A], dq_layout)
-    dq_smem_b = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM_B], dq_layout_b)
     row_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
     lse_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_layout)
     delta_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    if HEAD_DIM_B > 0:
+        kv_layout_b: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM_B], dtype)
+        q_layout_b: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM_B], dtype)
+        dq_layout_b: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM_B], gl.float32)
+        k_smem_b = gl.allocate_shared_memory(dtype, [1, BLOCK_N, HEAD_DIM_B], kv_layout_b)
+        v_smem_b = gl.allocate_shared_memory(dtype, [1, BLOCK_N, HEAD_DIM_B], kv_layout_b)
+        q_ring_b = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM_B], q_layout_b)
+        do_ring_b = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM_B], q_layout_b)
+        dq_smem_b = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM_B], dq_layout_b)
+    else:
+        k_smem_b = None
+        v_smem_b = None
+        q_ring_b = None
+        do_ring_b = None
+        dq_smem_b = None
     barriers = Ring(ready, free, STAGES)
-    barriers.init(2, 1)
+    barriers.init(2, 1)  # landed by the copy engine's bytes (with the expect) and the loader's stores
     mbarrier.init(kv_ready, count=1)
     fence_async_shared()
-    ring = SplitBwdRing(q_ring, q_ring_b, do_ring, do_ring_b, lse_ring, delta_ring, barriers)
-    buffers = SplitBwdBuffers(k_smem, k_smem_b, v_smem, v_smem_b, ds_smem, dq_smem, dq_smem_b, kv_ready)
+    ring = BwdRing(q_ring, do_ring, lse_ring, delta_ring, barriers, q_ring_b, do_ring_b)
+    buffers = BwdBuffers(k_smem, v_smem, ds_smem, dq_smem, kv_ready, k_smem_b, v_smem_b, dq_smem_b)
 
     mbarrier.expect(kv_ready, 2 * BLOCK_N * HEAD_DIM * dtype.primitive_bitwidth // 8)
     tma.async_copy_global_to_shared(k_desc, _part_coord(b, h, start_n, n_heads, HEAD_DIM, K_COLUMNS, 0), kv_ready,
                                     k_smem.index(0))
-    tma.async_copy_global_to_shared(k_desc_b, _part_coord(b, h, start_n, n_heads, HEAD_DIM, K_COLUMNS, HEAD_DIM_A),
-                                    kv_ready, k_smem_b.index(0))
     tma.async_copy_global_to_shared(v_desc, _part_coord(b, h, start_n, n_heads, HEAD_DIM, V_COLUMNS, 0), kv_ready,
                                     v_smem.index(0))
-    tma.async_copy_global_to_shared(v_desc_b, _part_coord(b, h, start_n, n_heads, HEAD_DIM, V_COLUMNS, HEAD_DIM_A),
-                                    kv_ready, v_smem_b.index(0))
+    if HEAD_DIM_B > 0:
+        tma.async_copy_global_to_shared(k_desc_b, _part_coord(b, h, start_n, n_heads, HEAD_DIM, K_COLUMNS, HEAD_DIM_A),
+                                        kv_ready, k_smem_b.index(0))
+        tma.async_copy_global_to_shared(v_desc_b, _part_coord(b, h, start_n, n_heads, HEAD_DIM, V_COLUMNS, HEAD_DIM_A),
+                                        kv_ready, v_smem_b.index(0))
 
-    dk, dk_b, dv, dv_b = gl.warp_specialize(
+    # The worker's arguments in this order (see the module docstring): Q's and dO's descriptors, the ring, the
+    # rows of L and Delta, the program (then the second column parts' descriptors, None at a power of two).
+    accumulators = gl.warp_specialize(
         [
-            (_split_bwd_compute_partition, (config, buffers, ring, dq_desc, dq_desc_b, program, qk_scale)),
-            (_split_bwd_load_partition, (config, q_desc, q_desc_b, do_desc, do_desc_b, ring,
-                                         L + bh.to(gl.int64) * n_queries, Delta + bh.to(gl.int64) * n_queries,
-                                         program)),
+            (_bwd_compute_partition, (config, buffers, ring, dq_desc, program, qk_scale, dq_desc_b)),
+            (_bwd_load_partition, (config, q_desc, do_desc, ring, L + bh.to(gl.int64) * n_queries,
+                                   Delta + bh.to(gl.int64) * n_queries, program, q_desc_b, do_desc_b)),
         ],
         [1],
         [24],
     )
+    dk = accumulators[0]
+    dv = accumulators[1]
 
+    # K and V are no longer read: their buffers stage dK and dV for the copy engine.
     gl.thread_barrier()
     k_smem.index(0).store((dk * sm_scale).to(dtype))
-    k_smem_b.index(0).store((dk_b * sm_scale).to(dtype))
     v_smem.index(0).store(dv.to(dtype))
-    v_smem_b.index(0).store(dv_b.to(dtype))
+    if HEAD_DIM_B > 0:
+        k_smem_b.index(0).store((accumulators[2] * sm_scale).to(dtype))
+        v_smem_b.index(0).store(accumulators[3].to(dtype))
     fence_async_shared()
     gl.thread_barrier()
     tma.async_copy_shared_to_global(dk_desc, [bh, start_n, 0], k_smem.index(0))
-    tma.async_copy_shared_to_global(dk_desc_b, [bh, start_n, HEAD_DIM_A], k_smem_b.index(0))
     tma.async_copy_shared_to_global(dv_desc, [bh, start_n, 0], v_smem.index(0))
-    tma.async_copy_shared_to_global(dv_desc_b, [bh, start_n, HEAD_DIM_A], v_smem_b.index(0))
+    if HEAD_DIM_B > 0:
+        tma.async_copy_shared_to_global(dk_desc_b, [bh, start_n, HEAD_DIM_A], k_smem_b.index(0))
+        tma.async_copy_shared_to_global(dv_desc_b, [bh, start_n, HEAD_DIM_A], v_smem_b.index(0))
     tma.store_wait(0)
