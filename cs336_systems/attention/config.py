@@ -33,7 +33,8 @@ class FlashConfig:
     kernels run the head dim unpadded and faster: ``op.portable_runs_faster``), else the portable Triton kernels;
     "hopper" runs them wherever they can run and raises where they cannot; "triton" never runs them.
     ``autotune``: the Triton kernels' tiles picked by ``triton.autotune`` per (coarsened lengths, head dim, causal,
-    dtype), tens of seconds per new length bucket, instead of the fixed tiles per dtype and head dim.
+    dtype), tens of seconds per new length bucket, instead of the fixed tiles per dtype and head dim (float32 calls
+    that split their sweeps over more programs keep the fixed tiles).
     ``hopper_min_programs``: programs are ``batch * heads`` times the tiles of 128 queries (forward) or keys
     (backward). Since the Hopper backward's wgmma run asynchronously the Hopper kernels are at least as
     fast as the Triton kernels from one head of 4,096 (32 programs) up (measured on an H100, bf16, causal: one head

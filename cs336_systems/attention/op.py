@@ -107,7 +107,8 @@ def check_inputs(Q: Tensor, K: Tensor, V: Tensor, is_causal: bool) -> None:
     if Q.shape[-1] > max(SUPPORTED_HEAD_DIMS) or Q.shape[-1] % 8:
         raise ValueError(
             f"unsupported head dimension d={Q.shape[-1]}: the kernels run d in {SUPPORTED_HEAD_DIMS} (the portable "
-            f"ones also {tuple(d for d in portable.HEAD_DIMS if d not in SUPPORTED_HEAD_DIMS)}), and other multiples "
+            f"ones and the Hopper backward also {tuple(d for d in portable.HEAD_DIMS if d not in SUPPORTED_HEAD_DIMS)}"
+            f"), and other multiples "
             f"of 8 up to {max(SUPPORTED_HEAD_DIMS)} zero-padded to the next of those the chosen kernels run"
         )
     batch_heads = math.prod(Q.shape[:-2])
@@ -163,7 +164,7 @@ def _backend(part: str, Q: Tensor, K: Tensor) -> ModuleType:
 
 def chosen_backends(Q: Tensor, K: Tensor) -> dict[str, str]:
     """The backends the operator runs for these inputs under the current configuration, by part, with the head dim
-    their kernels run it at: e.g. ``{"forward": "triton, d 80", "backward": "hopper, d 128"}`` (benchmarks record
+    their kernels run it at: e.g. ``{"forward": "triton, d 80", "backward": "hopper, d 80"}`` (benchmarks record
     it beside their times)."""
     chosen = {}
     for part in ("forward", "backward"):

@@ -60,7 +60,8 @@ _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.floa
 
 def supports(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
     """Why these kernels cannot run on such inputs, or None when they can (asked once per device, dtype and head
-    dim: the operator caches its choice)."""
+    dim: the operator caches its choice; it asks at the head dim padded to :data:`HEAD_DIMS`, and gives the backward
+    :data:`SPLIT_HEAD_DIMS` unpadded)."""
     if interpreting():
         return "the Triton interpreter (TRITON_INTERPRET=1) runs no Gluon kernels"
     if device.type != "cuda":
@@ -126,12 +127,12 @@ class DescriptorPlan(NamedTuple):
         return (cls(view.data_ptr() != x.data_ptr(), tuple(view.shape), tuple(view.stride()), rows, columns),
                 heads_in_columns)
 
-    def full_descriptor(self, x: Tensor) -> TensorDescriptor:
-        """The descriptor of ``x`` that Triton compiles the kernel from (validated, with its shared layout)."""
-        block = [1, self.rows, self.columns or x.shape[-1]]
-        layout = gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[x.dtype])
-        return TensorDescriptor(_aligned_copy(x) if self.copied else x, list(self.shape), list(self.strides), block,
-                                layout)
+    def full_descriptor(self, source: Tensor) -> TensorDescriptor:
+        """The descriptor on ``source`` (the tensor, or its copy where :attr:`copied`) that Triton compiles the
+        kernel from (validated, with its shared layout)."""
+        block = [1, self.rows, self.columns or source.shape[-1]]
+        layout = gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[source.dtype])
+        return TensorDescriptor(source, list(self.shape), list(self.strides), block, layout)
 
 
 def _output_plan(shape: tuple[int, ...], rows: int, columns: int = 0) -> DescriptorPlan:
@@ -152,14 +153,19 @@ class Plan(NamedTuple):
     def descriptor_args(self, tensors: tuple[Tensor, ...]) -> tuple[DescriptorArg, ...]:
         """What the compiled kernel's launcher reads of each descriptor on ``tensors`` (in the plan's order; where
         the plan has two descriptors per tensor, one per column part, the second ones follow all the first)."""
-        tensors = tensors * (len(self.descriptors) // len(tensors))
-        return tuple(DescriptorArg(_aligned_copy(x) if p.copied else x, p.shape, p.strides)
-                     for p, x in zip(self.descriptors, tensors))
+        return tuple(DescriptorArg(source, p.shape, p.strides)
+                     for p, source in zip(self.descriptors, self._sources(tensors), strict=True))
 
     def full_descriptors(self, tensors: tuple[Tensor, ...]) -> tuple[TensorDescriptor, ...]:
         """The descriptors on ``tensors`` that Triton compiles the kernel from (in :meth:`descriptor_args`' order)."""
-        tensors = tensors * (len(self.descriptors) // len(tensors))
-        return tuple(p.full_descriptor(x) for p, x in zip(self.descriptors, tensors, strict=True))
+        return tuple(p.full_descriptor(source) for p, source in zip(self.descriptors, self._sources(tensors),
+                                                                     strict=True))
+
+    def _sources(self, tensors: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+        """Each tensor, or its aligned copy where its plan says so (one copy per tensor, whatever its descriptors),
+        once per descriptor."""
+        sources = tuple(_aligned_copy(x) if p.copied else x for p, x in zip(self.descriptors, tensors))
+        return sources * (len(self.descriptors) // len(tensors))
 
 
 class ForwardArgs(NamedTuple):
