@@ -11,7 +11,8 @@ score or output), dtype float16, bfloat16 or float32. Inputs may be non-contiguo
 last dimension is strided.
 
 Backends. Each is a module of ``backends/`` with the same interface: ``supports(device, dtype, head_dim)`` (why it
-cannot run such inputs, or None), ``forward(Q, K, V, is_causal, sm_scale) -> (O, L)`` and
+cannot run such inputs, or None), ``kernel_head_dims(part)`` (the head dims it runs the forward or the backward at
+unpadded), ``forward(Q, K, V, is_causal, sm_scale) -> (O, L)`` and
 ``backward(Q, K, V, O, L, dO, is_causal, sm_scale) -> (dQ, dK, dV)``.
 
 * ``backends/triton.py``: the portable Triton kernels (any CUDA GPU, every dtype, the CPU interpreter);
@@ -185,11 +186,9 @@ def _padded_head_dim(head_dim: int) -> int:
 
 @functools.cache
 def _kernel_head_dim(backend: ModuleType, head_dim: int, part: str) -> int:
-    """The head dim ``backend`` runs ``part`` of inputs of ``head_dim`` at: the least of its ``HEAD_DIMS`` (for the
-    Hopper backward also its ``SPLIT_HEAD_DIMS``) from ``head_dim`` on (``head_dim`` itself, or the width it is
-    zero-padded to)."""
-    split = hopper.SPLIT_HEAD_DIMS if backend is hopper and part == "backward" else ()
-    return min(d for d in (*backend.HEAD_DIMS, *split) if d >= head_dim)
+    """The head dim ``backend`` runs ``part`` of inputs of ``head_dim`` at: the least of its
+    ``kernel_head_dims(part)`` from ``head_dim`` on (``head_dim`` itself, or the width it is zero-padded to)."""
+    return min(d for d in backend.kernel_head_dims(part) if d >= head_dim)
 
 
 def _pad(x: Tensor, head_dim: int) -> Tensor:

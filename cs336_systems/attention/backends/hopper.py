@@ -1,8 +1,8 @@
 """The Hopper backend: the host side of the Gluon kernels of ``hopper_kernels.py`` (H100/H200, float16/bfloat16,
 head dims 16, 32, 64, 128; the backward also 48, 80, 96 in two column parts, :data:`SPLIT_HEAD_DIMS`). Same
-interface as every backend: :func:`supports`, :func:`forward`, :func:`backward`; the operator weighs the programs a
-call would launch (``batch * heads`` times the tiles of ``ROWS_PER_PROGRAM`` queries forward, keys
-backward) against ``FlashConfig.hopper_min_programs``.
+interface as every backend: :func:`supports`, :func:`kernel_head_dims`, :func:`forward`, :func:`backward`; the
+operator weighs the programs a call would launch (``batch * heads`` times the tiles of ``ROWS_PER_PROGRAM`` queries
+forward, keys backward) against ``FlashConfig.hopper_min_programs``.
 
 Tensor views. TMA descriptors need a unit stride along ``d`` and 16-byte aligned other strides. A 4-D tensor
 ``(batch, heads, seq, d)`` is seen as 3-D in one of two ways, without copying: ``(batch * heads, seq, d)`` when
@@ -31,14 +31,15 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from cs336_systems.attention.backends import triton_kernels
 from cs336_systems.attention.backends.hopper_kernels import attn_bwd_hopper_kernel, attn_fwd_hopper_kernel
+from cs336_systems.attention.backends.triton import HEAD_DIMS as PORTABLE_HEAD_DIMS
 from cs336_systems.attention.backends.triton import batch_head_strides, head_dim_parts, launch_delta
 from cs336_systems.kernels.launch import DescriptorArg, Launcher, aligned, interpreting, new_output
 
 HEAD_DIMS = (16, 32, 64, 128)
 """Head dims both kernels run without padding."""
-SPLIT_HEAD_DIMS = (48, 80, 96)
-"""Head dims the backward also runs without padding, in two power-of-two column parts (80 = 64 + 16, see
-``triton.head_dim_parts``); the forward pads them to 128."""
+SPLIT_HEAD_DIMS = tuple(d for d in PORTABLE_HEAD_DIMS if head_dim_parts(d)[1])
+"""Head dims the backward also runs without padding (48, 80, 96), in two power-of-two column parts (80 = 64 + 16,
+see ``triton.head_dim_parts``); the forward pads them to 128."""
 BLOCK_N = 128  # keys held per backward program (64 per consumer warpgroup), keys per forward step
 FORWARD_ROWS = 64  # queries per forward consumer warpgroup (two per program)
 BACKWARD_ROWS = 64
@@ -74,6 +75,11 @@ def supports(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | N
     if head_dim not in HEAD_DIMS:
         return f"head dim {head_dim} (needs one of {HEAD_DIMS})"
     return None
+
+
+def kernel_head_dims(part: str) -> tuple[int, ...]:
+    """The head dims the kernels run ``part`` ("forward" or "backward") at without padding."""
+    return HEAD_DIMS + SPLIT_HEAD_DIMS if part == "backward" else HEAD_DIMS
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -351,7 +357,7 @@ def backward(
                   plan.constexprs, num_warps=plan.num_warps)
     _DQ_CONVERT((dQ.dtype, dQ.shape), (triton.cdiv(n_queries, DELTA_ROWS), batch_heads),
                 DqConvertArgs(DQ_acc, dQ, *batch_head_strides(dQ), n_heads, n_queries, sm_scale),
-                dict(HEAD_DIM=head_dim, HEAD_DIM_B=head_dim_parts(head_dim)[1], BLOCK_M=DELTA_ROWS), num_warps=4)
+                dict(HEAD_DIM=head_dim, HEAD_DIM_B=plan.constexprs["HEAD_DIM_B"], BLOCK_M=DELTA_ROWS), num_warps=4)
     return dQ, dK, dV
 
 

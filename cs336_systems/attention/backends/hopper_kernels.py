@@ -66,12 +66,13 @@ from cs336_systems.attention.backends.triton_kernels import LN_2, LOG2_E
 
 
 @gluon.jit
-def _block_coord(b, h, m, n_heads, HEAD_DIM: gl.constexpr, HEADS_IN_COLUMNS: gl.constexpr):
-    """The descriptor coordinate of rows ``m ..`` of head ``h`` of batch ``b`` (see the module docstring)."""
+def _block_coord(b, h, m, n_heads, HEAD_DIM: gl.constexpr, HEADS_IN_COLUMNS: gl.constexpr, COLUMN: gl.constexpr):
+    """The descriptor coordinate of rows ``m ..`` of head ``h`` of batch ``b`` (see the module docstring), from the
+    head's column ``COLUMN`` (0, or the second column part's first)."""
     if HEADS_IN_COLUMNS:
-        return [b, m, h * HEAD_DIM]
+        return [b, m, h * HEAD_DIM + COLUMN]
     else:
-        return [b * n_heads + h, m, 0]
+        return [b * n_heads + h, m, COLUMN]
 
 
 @aggregate
@@ -248,15 +249,15 @@ def _fwd_load_partition(config, q_desc, k_desc, v_desc, buffers, program):
         rows = q_smem.index(w).shape[0]
         tma.async_copy_global_to_shared(
             q_desc, _block_coord(program.b, program.h, program.start_m + w * rows, program.n_heads, config.HEAD_DIM,
-                                 config.Q_COLUMNS), buffers.q_ready, q_smem.index(w))
+                                 config.Q_COLUMNS, 0), buffers.q_ready, q_smem.index(w))
     for j in range(program.n_blocks):
         s, landed = buffers.kv.acquire(j, 2 * config.BLOCK_N * config.HEAD_DIM * k_desc.dtype.primitive_bitwidth // 8)
         n = j * config.BLOCK_N
         tma.async_copy_global_to_shared(
-            k_desc, _block_coord(program.b, program.h, n, program.n_heads, config.HEAD_DIM, config.K_COLUMNS),
+            k_desc, _block_coord(program.b, program.h, n, program.n_heads, config.HEAD_DIM, config.K_COLUMNS, 0),
             landed, buffers.k_ring.index(s))
         tma.async_copy_global_to_shared(
-            v_desc, _block_coord(program.b, program.h, n, program.n_heads, config.HEAD_DIM, config.V_COLUMNS),
+            v_desc, _block_coord(program.b, program.h, n, program.n_heads, config.HEAD_DIM, config.V_COLUMNS, 0),
             landed, buffers.v_ring.index(s))
 
 
@@ -449,15 +450,6 @@ def _dq_layout(columns):
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, columns // 2, 16])
 
 
-@gluon.jit
-def _part_coord(b, h, m, n_heads, HEAD_DIM: gl.constexpr, HEADS_IN_COLUMNS: gl.constexpr, COLUMN: gl.constexpr):
-    """:func:`_block_coord` of the column block starting at ``COLUMN`` of the head."""
-    if HEADS_IN_COLUMNS:
-        return [b, m, h * HEAD_DIM + COLUMN]
-    else:
-        return [b * n_heads + h, m, COLUMN]
-
-
 @aggregate
 class BwdProgram:
     """Where a backward program works: batch ``b``, head ``h`` (batch-head ``bh``), keys ``start_n ..
@@ -573,17 +565,17 @@ def _bwd_load_partition(config, q_desc, do_desc, ring, L_row, Delta_row, program
         s, landed = ring.barriers.acquire(j, 2 * BLOCK_M * config.HEAD_DIM * q_desc.dtype.primitive_bitwidth // 8)
         m = program.query_start + j * BLOCK_M
         tma.async_copy_global_to_shared(
-            q_desc, _part_coord(program.b, program.h, m, program.n_heads, config.HEAD_DIM, config.Q_COLUMNS, 0),
+            q_desc, _block_coord(program.b, program.h, m, program.n_heads, config.HEAD_DIM, config.Q_COLUMNS, 0),
             landed, ring.q.index(s))
         tma.async_copy_global_to_shared(
-            do_desc, _part_coord(program.b, program.h, m, program.n_heads, config.HEAD_DIM, config.DO_COLUMNS, 0),
+            do_desc, _block_coord(program.b, program.h, m, program.n_heads, config.HEAD_DIM, config.DO_COLUMNS, 0),
             landed, ring.do.index(s))
         if config.HEAD_DIM_B > 0:
             tma.async_copy_global_to_shared(
-                q_desc_b, _part_coord(program.b, program.h, m, program.n_heads, config.HEAD_DIM, config.Q_COLUMNS,
+                q_desc_b, _block_coord(program.b, program.h, m, program.n_heads, config.HEAD_DIM, config.Q_COLUMNS,
                                       config.HEAD_DIM_A), landed, ring.q_b.index(s))
             tma.async_copy_global_to_shared(
-                do_desc_b, _part_coord(program.b, program.h, m, program.n_heads, config.HEAD_DIM, config.DO_COLUMNS,
+                do_desc_b, _block_coord(program.b, program.h, m, program.n_heads, config.HEAD_DIM, config.DO_COLUMNS,
                                        config.HEAD_DIM_A), landed, ring.do_b.index(s))
         offs_m = m + gl.arange(0, BLOCK_M, layout=row_layout)
         in_bounds = offs_m < program.n_queries
@@ -705,14 +697,11 @@ def _bwd_compute_partition(config, buffers, ring, dq_desc, program, qk_scale, dq
     """Default partition (two warpgroups, each owning 64 of the keys): five matmuls per query block (two per
     product over the head dim at a two-part head dim); returns dK (without the 1/sqrt(d)) and dV, float32
     (BLOCK_N, HEAD_DIM_A), and their second column parts or None."""
+    zero_acc = gl.zeros([config.BLOCK_N, config.HEAD_DIM_A], gl.float32, config.acc_layout)
+    zero_acc_b = None
     if config.HEAD_DIM_B > 0:
-        state = BwdState(gl.zeros([config.BLOCK_N, config.HEAD_DIM_A], gl.float32, config.acc_layout),
-                         gl.zeros([config.BLOCK_N, config.HEAD_DIM_A], gl.float32, config.acc_layout),
-                         gl.zeros([config.BLOCK_N, config.HEAD_DIM_B], gl.float32, config.acc_layout_b),
-                         gl.zeros([config.BLOCK_N, config.HEAD_DIM_B], gl.float32, config.acc_layout_b))
-    else:
-        state = BwdState(gl.zeros([config.BLOCK_N, config.HEAD_DIM], gl.float32, config.acc_layout),
-                         gl.zeros([config.BLOCK_N, config.HEAD_DIM], gl.float32, config.acc_layout), None, None)
+        zero_acc_b = gl.zeros([config.BLOCK_N, config.HEAD_DIM_B], gl.float32, config.acc_layout_b)
+    state = BwdState(zero_acc, zero_acc, zero_acc_b, zero_acc_b)
     mbarrier.wait(buffers.kv_ready, 0)
     k_smem_b = buffers.k_smem_b
     v_smem_b = buffers.v_smem_b
@@ -804,14 +793,14 @@ def attn_bwd_hopper_kernel(
     buffers = BwdBuffers(k_smem, v_smem, ds_smem, dq_smem, kv_ready, k_smem_b, v_smem_b, dq_smem_b)
 
     mbarrier.expect(kv_ready, 2 * BLOCK_N * HEAD_DIM * dtype.primitive_bitwidth // 8)
-    tma.async_copy_global_to_shared(k_desc, _part_coord(b, h, start_n, n_heads, HEAD_DIM, K_COLUMNS, 0), kv_ready,
+    tma.async_copy_global_to_shared(k_desc, _block_coord(b, h, start_n, n_heads, HEAD_DIM, K_COLUMNS, 0), kv_ready,
                                     k_smem.index(0))
-    tma.async_copy_global_to_shared(v_desc, _part_coord(b, h, start_n, n_heads, HEAD_DIM, V_COLUMNS, 0), kv_ready,
+    tma.async_copy_global_to_shared(v_desc, _block_coord(b, h, start_n, n_heads, HEAD_DIM, V_COLUMNS, 0), kv_ready,
                                     v_smem.index(0))
     if HEAD_DIM_B > 0:
-        tma.async_copy_global_to_shared(k_desc_b, _part_coord(b, h, start_n, n_heads, HEAD_DIM, K_COLUMNS, HEAD_DIM_A),
+        tma.async_copy_global_to_shared(k_desc_b, _block_coord(b, h, start_n, n_heads, HEAD_DIM, K_COLUMNS, HEAD_DIM_A),
                                         kv_ready, k_smem_b.index(0))
-        tma.async_copy_global_to_shared(v_desc_b, _part_coord(b, h, start_n, n_heads, HEAD_DIM, V_COLUMNS, HEAD_DIM_A),
+        tma.async_copy_global_to_shared(v_desc_b, _block_coord(b, h, start_n, n_heads, HEAD_DIM, V_COLUMNS, HEAD_DIM_A),
                                         kv_ready, v_smem_b.index(0))
 
     # The worker's arguments in this order (see the module docstring): Q's and dO's descriptors, the ring, the

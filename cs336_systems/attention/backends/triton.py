@@ -1,7 +1,7 @@
 """The portable Triton backend: FlashAttention-2's launch code for the kernels of ``triton_kernels.py`` (any CUDA
 GPU; float16, bfloat16, float32; head dims 16, 32, 64, 128, and 48, 80, 96 as two column parts (see
 :func:`head_dim_parts`); the CPU under ``TRITON_INTERPRET=1``). Same interface
-as every backend: :func:`supports`, :func:`forward`, :func:`backward`.
+as every backend: :func:`supports`, :func:`kernel_head_dims`, :func:`forward`, :func:`backward`.
 
 The forward is one launch; the backward two: Delta = rowsum(O * dO), then one kernel whose program ``i`` computes
 dK and dV of key tile ``i`` and dQ of query tile ``i``, recomputing P for each (no atomics, deterministic).
@@ -70,6 +70,11 @@ def supports(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | N
     if head_dim not in HEAD_DIMS:
         return f"head dim {head_dim} (needs one of {HEAD_DIMS})"
     return unsupported_device(device, "the Triton kernels", "cs336_systems.attention")
+
+
+def kernel_head_dims(part: str) -> tuple[int, ...]:
+    """The head dims the kernels run ``part`` ("forward" or "backward") at without padding: :data:`HEAD_DIMS`."""
+    return HEAD_DIMS
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -404,21 +409,35 @@ def key_splits(n_queries: int, n_keys: int, batch_heads: int, block_m: int, is_c
     return max(1, min(parts, n_keys // MIN_KEYS_PER_SPLIT))
 
 
+def _may_split(Q: Tensor) -> bool:
+    """Whether a call's sweeps may be split over more programs: float32 on a GPU at a power-of-two head dim (the
+    single-head sweeps of ``flash_benchmarking``, where a one-head call gives a few dozen programs)."""
+    return Q.dtype == torch.float32 and Q.device.type == "cuda" and not head_dim_parts(Q.shape[-1])[1]
+
+
+def _check_split(what: str, head_dim: int, count_name: str, count: int) -> None:
+    if head_dim_parts(head_dim)[1]:
+        raise ValueError(f"{what} takes power-of-two head dims, not {head_dim}")
+    if count < 1:
+        raise ValueError(f"{count_name} must be at least 1, got {count}")
+
+
 def forward_key_splits(Q: Tensor, K: Tensor, is_causal: bool) -> int:
-    """The parts :func:`forward` splits this call's keys into: float32 on a GPU at a power-of-two head dim only (the
-    single-head sweeps of ``flash_benchmarking``, where a one-head call gives a few dozen programs); else 1."""
-    if Q.dtype != torch.float32 or Q.device.type != "cuda" or head_dim_parts(Q.shape[-1])[1]:
+    """The parts :func:`forward` splits this call's keys into (:func:`key_splits`, where :func:`_may_split`); else
+    1."""
+    if not _may_split(Q):
         return 1
-    return _forward_key_splits(Q.shape, K.shape, is_causal, _dot_precision(Q.dtype), Q.device)
+    _, batch_heads, n_queries, n_keys, head_dim = _sizes(Q, K)
+    return _forward_key_splits(batch_heads, n_queries, n_keys, head_dim, is_causal, _dot_precision(Q.dtype),
+                               Q.device)
 
 
 @functools.cache
-def _forward_key_splits(q_shape: torch.Size, k_shape: torch.Size, is_causal: bool, precision: str,
-                        device: torch.device) -> int:
-    n_heads = q_shape[1] if len(q_shape) == 4 else 1
-    block_m = fixed_config("fwd", torch.float32, q_shape[-1], precision, _capability(device)).kwargs["BLOCK_M"]
+def _forward_key_splits(batch_heads: int, n_queries: int, n_keys: int, head_dim: int, is_causal: bool,
+                        precision: str, device: torch.device) -> int:
+    block_m = fixed_config("fwd", torch.float32, head_dim, precision, _capability(device)).kwargs["BLOCK_M"]
     multiprocessors = torch.cuda.get_device_properties(device).multi_processor_count
-    return key_splits(q_shape[-2], k_shape[-2], q_shape[0] * n_heads, block_m, is_causal, multiprocessors)
+    return key_splits(n_queries, n_keys, batch_heads, block_m, is_causal, multiprocessors)
 
 
 COMBINE_CONFIG = triton.Config({"BLOCK_M": 32}, num_warps=4)
@@ -439,10 +458,7 @@ def split_forward(
     by a program of its own (``attn_fwd_split_kernel``), then combined by their logsumexp
     (``attn_fwd_combine_kernel``); at the fixed tiles, power-of-two head dims only."""
     n_heads, batch_heads, n_queries, n_keys, head_dim = _sizes(Q, K)
-    if head_dim_parts(head_dim)[1]:
-        raise ValueError(f"the forward split over keys takes power-of-two head dims, not {head_dim}")
-    if n_splits < 1:
-        raise ValueError(f"n_splits must be at least 1, got {n_splits}")
+    _check_split("the forward split over keys", head_dim, "n_splits", n_splits)
     precision = _dot_precision(Q.dtype)
     # What the compilation depends on: the inputs' dtype, strides and alignment, and the sizes (the parts and the
     # outputs are fresh and contiguous, so their strides follow from the sizes).
@@ -531,22 +547,22 @@ its 64K registers each)."""
 
 
 def backward_splits(Q: Tensor, K: Tensor) -> int:
-    """Into how many parts :func:`backward` splits each program's sweeps: float32 on a GPU at a power-of-two head
-    dim, when its programs (one per tile of the longer sequence, per batch and head; each does the same work under a
-    causal mask) fill less than half of what the multiprocessors hold at once; parts of at least
-    :data:`MIN_KEYS_PER_SPLIT` rows. Else 1."""
-    if Q.dtype != torch.float32 or Q.device.type != "cuda" or head_dim_parts(Q.shape[-1])[1]:
+    """Into how many parts :func:`backward` splits each program's sweeps, where :func:`_may_split`: when its
+    programs (one per tile of the longer sequence, per batch and head; each does the same work under a causal mask)
+    fill less than half of what the multiprocessors hold at once; parts of at least :data:`MIN_KEYS_PER_SPLIT`
+    rows (:func:`sweep_splits`). Else 1."""
+    if not _may_split(Q):
         return 1
-    return _backward_splits(Q.shape, K.shape, _dot_precision(Q.dtype), Q.device)
+    _, batch_heads, n_queries, n_keys, head_dim = _sizes(Q, K)
+    return _backward_splits(batch_heads, n_queries, n_keys, head_dim, _dot_precision(Q.dtype), Q.device)
 
 
 @functools.cache
-def _backward_splits(q_shape: torch.Size, k_shape: torch.Size, precision: str, device: torch.device) -> int:
-    n_heads = q_shape[1] if len(q_shape) == 4 else 1
-    n_queries, n_keys = q_shape[-2], k_shape[-2]
-    tile = fixed_config("bwd", torch.float32, q_shape[-1], precision, _capability(device)).kwargs["TILE"]
+def _backward_splits(batch_heads: int, n_queries: int, n_keys: int, head_dim: int, precision: str,
+                     device: torch.device) -> int:
+    tile = fixed_config("bwd", torch.float32, head_dim, precision, _capability(device)).kwargs["TILE"]
     multiprocessors = torch.cuda.get_device_properties(device).multi_processor_count
-    return sweep_splits(q_shape[0] * n_heads * -(-max(n_queries, n_keys) // tile), min(n_queries, n_keys),
+    return sweep_splits(batch_heads * -(-max(n_queries, n_keys) // tile), min(n_queries, n_keys),
                         RESIDENT_PROGRAMS_PER_SM * multiprocessors)
 
 
@@ -567,10 +583,7 @@ def split_backward(
     program of its own into float32 partial sums (``attn_bwd_split_kernel``), then added in order
     (``attn_bwd_sum_parts_kernel``); at the fixed tiles, power-of-two head dims only."""
     n_heads, batch_heads, n_queries, n_keys, head_dim = _sizes(Q, K)
-    if head_dim_parts(head_dim)[1]:
-        raise ValueError(f"the backward split takes power-of-two head dims, not {head_dim}")
-    if n_parts < 1:
-        raise ValueError(f"n_parts must be at least 1, got {n_parts}")
+    _check_split("the backward split", head_dim, "n_parts", n_parts)
     precision = _dot_precision(Q.dtype)
     key = (Q.dtype, Q.shape, K.shape, Q.stride(), K.stride(), V.stride(), dO.stride(), aligned(Q, K, V, dO),
            is_causal, precision, n_parts)
