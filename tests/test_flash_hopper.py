@@ -39,16 +39,21 @@ def _launch_on_cpu_tensors(batch, heads, n_queries, n_keys, d, dtype, is_causal)
     return hopper.backward_launch(Q, K, V, dO, L, Delta, dK, dV, DQ_acc, is_causal, 1 / math.sqrt(d))
 
 
-# Two configurations each (a few seconds of ptxas apiece): the largest head dim, causal, and the smallest, not
-# causal; every head dim runs on the GPU.
+# A few configurations (a few seconds of ptxas apiece): the largest head dim, causal, the smallest, not causal, and
+# two head dims of two column parts (two descriptors per tensor); every head dim runs on the GPU.
 @pytest.mark.slow
 @pytest.mark.compiled_kernels
-@pytest.mark.parametrize("d, dtype, is_causal", [(128, torch.bfloat16, True), (16, torch.float16, False)])
-def test_compiles_for_sm90_without_spills(d, dtype, is_causal):
+@pytest.mark.parametrize("d, dtype, is_causal", [(128, torch.bfloat16, True), (16, torch.float16, False),
+                                                (80, torch.bfloat16, True), (96, torch.float16, False)])
+def test_backward_compiles_for_sm90_without_spills_or_serialized_wgmma(d, dtype, is_causal):
     if not nvidia_toolchain_available():
         pytest.skip("this Triton has no NVIDIA backend or ptxas")
     launch = _launch_on_cpu_tensors(2, 3, 1000, 777, d, dtype, is_causal)
     assert launch.grid == (math.ceil(777 / hopper.BLOCK_N), 6)
+    parts = [part for part in triton_backend.head_dim_parts(d) if part]
+    assert launch.kwargs["HEAD_DIM_B"] == (parts[1] if len(parts) == 2 else 0)
+    widths = [arg.block_shape[-1] for arg in launch.args if isinstance(arg, TensorDescriptor)]
+    assert widths == [width for width in parts for _ in range(7)]  # one descriptor per tensor and column part
     compiled = compile_for_gpu(launch.kernel, launch.args, launch.kwargs)
     usage = resource_usage(compiled)
     assert usage.spill_bytes == 0, usage
@@ -57,6 +62,7 @@ def test_compiles_for_sm90_without_spills(d, dtype, is_causal):
     # The point of this kernel: Hopper's asynchronous matmuls, copy engine and register reallocation.
     for instruction in ("wgmma.mma_async", "cp.async.bulk.tensor", "cp.reduce.async.bulk.tensor", "setmaxnreg"):
         assert instruction in ptx, instruction
+    assert serialized_wgmma(compiled) is None
 
 
 @pytest.mark.compiled_kernels
@@ -76,38 +82,6 @@ def test_forward_compiles_for_sm90_without_spills(d, dtype, is_causal):
     for instruction in ("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg"):
         assert instruction in compiled.asm["ptx"], instruction
     assert serialized_wgmma(compiled) is None  # S_(j+1) is waited for in the next step, yet nothing reads it early
-
-
-@pytest.mark.slow
-@pytest.mark.compiled_kernels
-def test_backward_wgmma_are_not_serialized():
-    if not nvidia_toolchain_available():
-        pytest.skip("this Triton has no NVIDIA backend or ptxas")
-    launch = _launch_on_cpu_tensors(2, 3, 1000, 777, 128, torch.bfloat16, True)
-    compiled = compile_for_gpu(launch.kernel, launch.args, launch.kwargs)
-    assert serialized_wgmma(compiled) is None
-
-
-@pytest.mark.slow
-@pytest.mark.compiled_kernels
-@pytest.mark.parametrize("d, dtype, is_causal", [(80, torch.bfloat16, True), (96, torch.float16, False)])
-def test_split_backward_compiles_for_sm90_without_spills_or_serialized_wgmma(d, dtype, is_causal):
-    """The backward at a head dim of two column parts: two descriptors per tensor, one per part."""
-    if not nvidia_toolchain_available():
-        pytest.skip("this Triton has no NVIDIA backend or ptxas")
-    shape_q, shape_k = (2, 3, 1000, d), (2, 3, 777, d)
-    Q, dO = (torch.empty(shape_q, dtype=dtype) for _ in range(2))
-    K, V, dK, dV = (torch.empty(shape_k, dtype=dtype) for _ in range(4))
-    L, Delta = (torch.empty(6, 1000) for _ in range(2))
-    launch = hopper.backward_launch(Q, K, V, dO, L, Delta, dK, dV, torch.empty(6, 1000, d), is_causal,
-                                    1 / math.sqrt(d))
-    assert launch.kwargs["HEAD_DIM_B"] == d - 64
-    descriptors = [*launch.args[:7], *launch.args[-7:]]
-    assert [desc.block_shape[-1] for desc in descriptors] == [64] * 7 + [d - 64] * 7
-    compiled = compile_for_gpu(launch.kernel, launch.args, launch.kwargs)
-    usage = resource_usage(compiled)
-    assert usage.spill_bytes == 0 and usage.shared_bytes <= HOPPER_SHARED_MEMORY, usage
-    assert serialized_wgmma(compiled) is None
 
 
 def _heads(view: torch.Tensor, heads_in_columns: bool, batch: int, heads: int, d: int) -> torch.Tensor:
@@ -193,7 +167,7 @@ def test_chosen_backends_name_each_part_and_its_head_dim():
 
 def test_backends_share_one_interface():
     for backend in (hopper, triton_backend):
-        for name in ("supports", "forward", "backward"):
+        for name in ("supports", "kernel_head_dims", "forward", "backward"):
             assert callable(getattr(backend, name)), (backend.__name__, name)
 
 
