@@ -74,7 +74,7 @@ def test_forward_compiles_for_sm90_without_spills(d, dtype, is_causal):
     Q, K, V, O = (torch.empty(2, 3, 1000, d, dtype=dtype) for _ in range(4))
     L = torch.empty(6, 1000)
     launch = hopper.forward_launch(Q, K, V, O, L, is_causal, 1 / math.sqrt(d))
-    assert launch.grid == (math.ceil(1000 / (2 * hopper.FORWARD_ROWS)), 6)
+    assert launch.grid == (6 * math.ceil(1000 / hopper.ROWS_PER_PROGRAM), 1)  # one persistent program per tile
     compiled = compile_for_gpu(launch.kernel, launch.args, launch.kwargs)
     usage = resource_usage(compiled)
     assert usage.spill_bytes == 0, usage
@@ -275,7 +275,8 @@ def test_short_path_launches_what_the_first_launch_compiled(monkeypatch, part, d
         else:
             hopper.backward(Q, K, V, O, L, dO, True, 0.125)
     (key, grid, first, constexprs, options), (key_again, grid_again, second, short, _) = launcher.launches
-    assert key == key_again and grid == grid_again == (2, 6) and short == {}
+    assert key == key_again and short == {}
+    assert grid == grid_again == ((6 * 2, 1) if part == "forward" else (2, 6))  # the forward: a program per tile
     assert options == {"num_warps": 4 if part == "forward" else 8}
     assert constexprs["Q_COLUMNS"] == (layout == "transposed") and constexprs["HEAD_DIM"] == d
     assert type(first) is type(second)

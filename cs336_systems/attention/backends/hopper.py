@@ -19,6 +19,9 @@ compiled kernel directly (:class:`cs336_systems.kernels.launch.Launcher`).
 
 from __future__ import annotations
 
+import functools
+import heapq
+import itertools
 import math
 from typing import Any, NamedTuple
 
@@ -182,6 +185,7 @@ class ForwardArgs(NamedTuple):
     v_desc: Any
     o_desc: Any
     L: Tensor
+    schedule: Tensor
     n_heads: int
     n_queries: int
     n_keys: int
@@ -258,6 +262,54 @@ _plans: dict[tuple, Plan] = {}
 _FORWARD = Launcher(attn_fwd_hopper_kernel)
 
 
+TILE_COST = 1
+"""A forward tile's fixed cost (loading its Q, writing its O and L), in key blocks, for :func:`forward_schedule`."""
+
+
+def forward_schedule(batch_heads: int, n_queries: int, n_keys: int, is_causal: bool, programs: int) -> list[int]:
+    """The forward's tiles (``bh * query_tiles + i``: queries ``i * ROWS_PER_PROGRAM ..`` of ``bh``) dealt to at
+    most ``programs`` persistent programs: ``programs + 1`` offsets, then each program's tiles in order (the
+    kernel's ``schedule``). Tiles go, head after head and the heaviest causal tiles of a head first, each to the
+    program that would be free first (at ``TILE_COST`` plus a key block per tile): what the hardware's scheduler
+    does for a grid of one program per tile, without a program's start and end between tiles. Programs running
+    together work on a few heads, whose K and V stay in L2."""
+    query_tiles = triton.cdiv(n_queries, ROWS_PER_PROGRAM)
+    key_blocks = triton.cdiv(n_keys, BLOCK_N)
+    programs = min(programs, batch_heads * query_tiles)
+    free_at = [(0, p) for p in range(programs)]  # a heap of (finish, program)
+    tiles: list[list[int]] = [[] for _ in range(programs)]
+    for bh in range(batch_heads):
+        for i in reversed(range(query_tiles)):
+            blocks = min(key_blocks, triton.cdiv((i + 1) * ROWS_PER_PROGRAM, BLOCK_N)) if is_causal else key_blocks
+            finish, p = heapq.heappop(free_at)
+            tiles[p].append(bh * query_tiles + i)
+            heapq.heappush(free_at, (finish + TILE_COST + blocks, p))
+    offsets = list(itertools.accumulate((len(t) for t in tiles), initial=0))
+    return [programs + 1 + offset for offset in offsets] + [tile for t in tiles for tile in t]
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    """The GPU's streaming multiprocessors: the forward's persistent programs (one each). Elsewhere (launches
+    compiled ahead of time on the CPU) an H100's 132."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
+def _schedule_tensor(schedule: list[int], device: torch.device) -> Tensor:
+    """``schedule`` as an int32 tensor on ``device``, copied from page-locked memory (which a CUDA graph being
+    captured allows: the graph replays the copy)."""
+    host = torch.tensor(schedule, dtype=torch.int32)
+    if device.type != "cuda":
+        return host
+    host = host.pin_memory()
+    tensor = torch.empty_like(host, device=device).copy_(host, non_blocking=True)
+    _pinned[tensor.data_ptr()] = host  # alive as long as the copy may run (every replay of a captured one)
+    return tensor
+
+
+_pinned: dict[int, Tensor] = {}
+
+
 def _forward_plan(Q: Tensor, K: Tensor, V: Tensor, is_causal: bool, sm_scale: float) -> Plan:
     """The plan of the forward on inputs laid out as these (Q, K, V, then the contiguous output O)."""
     n_heads, batch_heads, n_queries, n_keys, head_dim = _sizes(Q, K)
@@ -266,8 +318,9 @@ def _forward_plan(Q: Tensor, K: Tensor, V: Tensor, is_causal: bool, sm_scale: fl
     o = _output_plan((batch_heads, n_queries, head_dim), FORWARD_ROWS)
     constexprs = dict(HEAD_DIM=head_dim, IS_CAUSAL=is_causal, ROWS=FORWARD_ROWS, BLOCK_N=BLOCK_N, STAGES=STAGES,
                       Q_COLUMNS=q_columns, K_COLUMNS=k_columns, V_COLUMNS=v_columns)
-    return Plan((triton.cdiv(n_queries, ROWS_PER_PROGRAM), batch_heads), (q, k, v, o),
-                (n_heads, n_queries, n_keys, sm_scale * _LOG2_E), constexprs, 4)
+    schedule = forward_schedule(batch_heads, n_queries, n_keys, is_causal, _multiprocessors(Q.device))
+    return Plan((schedule[0] - 1, 1), (q, k, v, o),
+                (_schedule_tensor(schedule, Q.device), n_heads, n_queries, n_keys, sm_scale * _LOG2_E), constexprs, 4)
 
 
 def forward(
@@ -283,7 +336,9 @@ def forward(
     if plan is not None and _FORWARD.compiled(key):  # the short path: only what holds the tensors' addresses
         _FORWARD(key, plan.grid, ForwardArgs(*plan.descriptor_args((Q, K, V, O)), L, *plan.scalars), {})
     else:
-        plan = _plans[key] = _forward_plan(Q, K, V, is_causal, sm_scale)
+        plan = _forward_plan(Q, K, V, is_causal, sm_scale)
+        if not (Q.is_cuda and torch.cuda.is_current_stream_capturing()):  # a captured plan's schedule is copied at replays only
+            _plans[key] = plan
         _FORWARD(key, plan.grid, ForwardArgs(*plan.full_descriptors((Q, K, V, O)), L, *plan.scalars),
                  plan.constexprs, num_warps=plan.num_warps)
     return O, L

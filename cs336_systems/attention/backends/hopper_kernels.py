@@ -110,11 +110,12 @@ class Ring:
         return s, landed
 
     @gluon.jit
-    def wait_landed(self, j, n_blocks):
-        """Consumer: the stage of block ``j`` once it has landed. Past the last block (``j == n_blocks``) the last
-        block's stage, unwaited: the caller recomputes that block instead of waiting for one that never comes, so
-        that every step of its loop finds the next matmuls in flight."""
-        j_valid = gl.maximum(gl.minimum(j, n_blocks - 1), 0)
+    def wait_landed(self, j, n_blocks, first):
+        """Consumer: the stage of block ``first + j`` of a sweep over blocks ``first .. first + n_blocks`` once it
+        has landed. Past the sweep's last block (``j == n_blocks``) the last block's stage, unwaited: the caller
+        recomputes that block instead of waiting for one that never comes, so that every step of its loop finds the
+        next matmuls in flight."""
+        j_valid = first + gl.maximum(gl.minimum(j, n_blocks - 1), 0)
         s = j_valid % self.STAGES
         mbarrier.wait(self.ready.index(s), (j_valid // self.STAGES) & 1, pred=j < n_blocks)
         return s
@@ -176,7 +177,7 @@ class FwdConfig:
 
 @aggregate
 class FwdProgram:
-    """Where a forward program works: batch ``b``, head ``h`` (batch-head ``bh``), queries ``start_m ..
+    """One tile of the forward: batch ``b``, head ``h`` (``bh = b * heads + h``), queries ``start_m ..
     start_m + 2 * ROWS``, key blocks ``0 .. n_blocks`` of which the first ``n_full`` need no mask."""
 
     b: gl.tensor
@@ -202,24 +203,54 @@ class FwdProgram:
         self.n_keys = n_keys
 
 
+@gluon.jit
+def _fwd_tile(config, tile, n_heads, n_queries, n_keys):
+    """The :class:`FwdProgram` of tile ``tile = bh * query_tiles + i`` (queries ``i * 2 * ROWS ..`` of ``bh``)."""
+    query_tiles = gl.cdiv(n_queries, 2 * config.ROWS)
+    bh = tile // query_tiles
+    start_m = (tile % query_tiles) * (2 * config.ROWS)
+    n_blocks = gl.cdiv(n_keys, config.BLOCK_N)
+    if config.IS_CAUSAL:
+        # Keys past the tile's last query are invisible; blocks reaching past its first query need the mask.
+        n_blocks = gl.minimum(n_blocks, gl.cdiv(start_m + 2 * config.ROWS, config.BLOCK_N))
+        n_full = gl.minimum(start_m // config.BLOCK_N, n_keys // config.BLOCK_N)
+    else:
+        n_full = n_keys // config.BLOCK_N
+    n_full = gl.minimum(n_full, n_blocks)
+    return FwdProgram(bh // n_heads, bh % n_heads, bh, n_heads, start_m, n_blocks, n_full, n_queries, n_keys)
+
+
+@gluon.jit
+def _fwd_schedule(schedule):
+    """This program's tiles: ``tiles[first:last]`` (the schedule holds ``programs + 1`` offsets, then tile ids)."""
+    pid = gl.program_id(0)
+    first = gl.load(schedule + pid)
+    last = gl.load(schedule + pid + 1)
+    return first, last, schedule + gl.num_programs(0) + 1
+
+
 @aggregate
 class FwdBuffers:
-    """The forward's shared memory: the two warpgroups' Q tiles (2, ROWS, HEAD_DIM), later their O, landed at
-    ``q_ready``; the K/V ring (STAGES, BLOCK_N, HEAD_DIM) and its barriers ``kv`` (a stage is released by both
-    warpgroups)."""
+    """The forward's shared memory: the two warpgroups' Q tiles (2, ROWS, HEAD_DIM), landed at ``q_ready`` and
+    released at ``q_free`` (by both warpgroups); their O tiles on the way out (2, ROWS, HEAD_DIM); the K/V ring
+    (STAGES, BLOCK_N, HEAD_DIM) and its barriers ``kv`` (a stage is released by both warpgroups)."""
 
     q_smem: gl.shared_memory_descriptor
+    o_smem: gl.shared_memory_descriptor
     k_ring: gl.shared_memory_descriptor
     v_ring: gl.shared_memory_descriptor
     q_ready: gl.shared_memory_descriptor
+    q_free: gl.shared_memory_descriptor
     kv: Ring
 
     @gluon.constexpr_function
-    def __init__(self, q_smem, k_ring, v_ring, q_ready, kv):
+    def __init__(self, q_smem, o_smem, k_ring, v_ring, q_ready, q_free, kv):
         self.q_smem = q_smem
+        self.o_smem = o_smem
         self.k_ring = k_ring
         self.v_ring = v_ring
         self.q_ready = q_ready
+        self.q_free = q_free
         self.kv = kv
 
 
@@ -240,39 +271,48 @@ class FwdState:
 
 
 @gluon.jit
-def _fwd_load_partition(config, q_desc, k_desc, v_desc, buffers, program):
-    """Worker partition: both warpgroups' Q tiles, then K and V blocks into the ring, as far ahead of the consumers
-    as it has stages."""
+def _fwd_load_partition(config, q_desc, k_desc, v_desc, buffers, schedule, n_heads, n_queries, n_keys):
+    """Worker partition: per tile, both warpgroups' Q tiles (once they have released the previous tile's), then K
+    and V blocks into the ring, as far ahead of the consumers as it has stages, across tiles."""
     q_smem = buffers.q_smem
-    mbarrier.expect(buffers.q_ready, 2 * q_smem.index(0).numel * q_desc.dtype.primitive_bitwidth // 8)
-    for w in gl.static_range(2):
-        rows = q_smem.index(w).shape[0]
-        tma.async_copy_global_to_shared(
-            q_desc, _block_coord(program.b, program.h, program.start_m + w * rows, program.n_heads, config.HEAD_DIM,
-                                 config.Q_COLUMNS, 0), buffers.q_ready, q_smem.index(w))
-    for j in range(program.n_blocks):
-        s, landed = buffers.kv.acquire(j, 2 * config.BLOCK_N * config.HEAD_DIM * k_desc.dtype.primitive_bitwidth // 8)
-        n = j * config.BLOCK_N
-        tma.async_copy_global_to_shared(
-            k_desc, _block_coord(program.b, program.h, n, program.n_heads, config.HEAD_DIM, config.K_COLUMNS, 0),
-            landed, buffers.k_ring.index(s))
-        tma.async_copy_global_to_shared(
-            v_desc, _block_coord(program.b, program.h, n, program.n_heads, config.HEAD_DIM, config.V_COLUMNS, 0),
-            landed, buffers.v_ring.index(s))
+    first, last, tiles = _fwd_schedule(schedule)
+    block = 0  # K/V blocks streamed so far: the ring's position
+    for k in range(first, last):
+        program = _fwd_tile(config, gl.load(tiles + k), n_heads, n_queries, n_keys)
+        mbarrier.wait(buffers.q_free, ((k - first) & 1) ^ 1, pred=k > first)
+        mbarrier.expect(buffers.q_ready, 2 * q_smem.index(0).numel * q_desc.dtype.primitive_bitwidth // 8)
+        for w in gl.static_range(2):
+            rows = q_smem.index(w).shape[0]
+            tma.async_copy_global_to_shared(
+                q_desc, _block_coord(program.b, program.h, program.start_m + w * rows, program.n_heads,
+                                     config.HEAD_DIM, config.Q_COLUMNS, 0), buffers.q_ready, q_smem.index(w))
+        for j in range(program.n_blocks):
+            s, landed = buffers.kv.acquire(block + j,
+                                           2 * config.BLOCK_N * config.HEAD_DIM * k_desc.dtype.primitive_bitwidth // 8)
+            n = j * config.BLOCK_N
+            tma.async_copy_global_to_shared(
+                k_desc, _block_coord(program.b, program.h, n, program.n_heads, config.HEAD_DIM, config.K_COLUMNS, 0),
+                landed, buffers.k_ring.index(s))
+            tma.async_copy_global_to_shared(
+                v_desc, _block_coord(program.b, program.h, n, program.n_heads, config.HEAD_DIM, config.V_COLUMNS, 0),
+                landed, buffers.v_ring.index(s))
+        block += program.n_blocks
 
 
 @gluon.jit
-def _fwd_issue_scores(config, program, buffers, j, q):
-    """Start S_j = Q K_j^T once block ``j`` has landed (see :meth:`Ring.wait_landed` past the last block)."""
-    s = buffers.kv.wait_landed(j, program.n_blocks)
+def _fwd_issue_scores(config, program, buffers, block, j, q):
+    """Start S_j = Q K_j^T once the tile's block ``j`` (the ring's ``block + j``) has landed (see
+    :meth:`Ring.wait_landed` past the last block)."""
+    s = buffers.kv.wait_landed(j, program.n_blocks, block)
     zero = gl.zeros([config.ROWS, config.BLOCK_N], gl.float32, config.s_layout)
     return warpgroup_mma(q, buffers.k_ring.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
 
 
 @gluon.jit
-def _fwd_step(config, program, buffers, state, scores, j, q, offs_m, qk_scale, MASKED: gl.constexpr):
-    """Key block ``j``, whose S is in flight: online softmax, then P V_j, with S_(j+1) started behind it."""
-    s = buffers.kv.stage(j)
+def _fwd_step(config, program, buffers, state, scores, block, j, q, offs_m, qk_scale, MASKED: gl.constexpr):
+    """Key block ``j`` of the tile (the ring's ``block + j``), whose S is in flight: online softmax, then P V_j,
+    with S_(j+1) started behind it."""
+    s = buffers.kv.stage(block + j)
     scores = warpgroup_mma_wait(0, deps=[scores])
     if MASKED:
         offs_n = j * config.BLOCK_N + gl.arange(0, config.BLOCK_N, layout=gl.SliceLayout(0, config.s_layout))
@@ -288,40 +328,52 @@ def _fwd_step(config, program, buffers, state, scores, j, q, offs_m, qk_scale, M
     acc = state.acc * gl.convert_layout(rescale, gl.SliceLayout(1, config.o_layout))[:, None]
     p_op = gl.convert_layout(p.to(q.dtype), gl.DotOperandLayout(operand_index=0, parent=config.o_layout, k_width=2))
     acc = warpgroup_mma(p_op, buffers.v_ring.index(s), acc, is_async=True)
-    scores = _fwd_issue_scores(config, program, buffers, j + 1, q)
+    scores = _fwd_issue_scores(config, program, buffers, block, j + 1, q)
     acc = warpgroup_mma_wait(1, deps=[acc])
     # This warpgroup is done with stage s (K_j long since, V_j now): one arrive from it, after its own barrier.
-    buffers.kv.release(j)
+    # Past the tile's last block the S in flight reads a released stage, which the loader may be refilling with
+    # the next tile's block: that S is never used.
+    buffers.kv.release(block + j)
     return FwdState(acc, row_sum, new_row_max), scores
 
 
 @gluon.jit
-def _fwd_compute_partition(config, buffers, o_desc, L, program, qk_scale, w: gl.constexpr):
-    """Warpgroup ``w`` (the default partition for 0, a worker for 1): rows ``start_m + w * ROWS ..`` of O
-    (through the copy engine) and L."""
+def _fwd_compute_partition(config, buffers, o_desc, L, schedule, n_heads, n_queries, n_keys, qk_scale,
+                           w: gl.constexpr):
+    """Warpgroup ``w`` (the default partition for 0, a worker for 1): per tile, rows ``start_m + w * ROWS ..``
+    of O (through the copy engine, its store overlapping the next tile) and L."""
     row_layout: gl.constexpr = gl.SliceLayout(1, config.s_layout)
     q = buffers.q_smem.index(w)
-    first_row = program.start_m + w * config.ROWS
-    offs_m = first_row + gl.arange(0, config.ROWS, layout=row_layout)
-    state = FwdState(gl.zeros([config.ROWS, config.HEAD_DIM], gl.float32, config.o_layout),
-                     gl.zeros([config.ROWS], gl.float32, row_layout),
-                     gl.full([config.ROWS], float("-inf"), gl.float32, row_layout))
+    o_smem = buffers.o_smem.index(w)
+    first, last, tiles = _fwd_schedule(schedule)
+    block = 0
+    for k in range(first, last):
+        program = _fwd_tile(config, gl.load(tiles + k), n_heads, n_queries, n_keys)
+        first_row = program.start_m + w * config.ROWS
+        offs_m = first_row + gl.arange(0, config.ROWS, layout=row_layout)
+        state = FwdState(gl.zeros([config.ROWS, config.HEAD_DIM], gl.float32, config.o_layout),
+                         gl.zeros([config.ROWS], gl.float32, row_layout),
+                         gl.full([config.ROWS], float("-inf"), gl.float32, row_layout))
 
-    mbarrier.wait(buffers.q_ready, 0)
-    scores = _fwd_issue_scores(config, program, buffers, 0, q)
-    for j in range(0, program.n_full):
-        state, scores = _fwd_step(config, program, buffers, state, scores, j, q, offs_m, qk_scale, False)
-    for j in range(program.n_full, program.n_blocks):
-        state, scores = _fwd_step(config, program, buffers, state, scores, j, q, offs_m, qk_scale, True)
-    acc = warpgroup_mma_wait(0, deps=[state.acc, scores])[0]
+        mbarrier.wait(buffers.q_ready, (k - first) & 1)
+        scores = _fwd_issue_scores(config, program, buffers, block, 0, q)
+        for j in range(0, program.n_full):
+            state, scores = _fwd_step(config, program, buffers, state, scores, block, j, q, offs_m, qk_scale, False)
+        for j in range(program.n_full, program.n_blocks):
+            state, scores = _fwd_step(config, program, buffers, state, scores, block, j, q, offs_m, qk_scale, True)
+        acc = warpgroup_mma_wait(0, deps=[state.acc, scores])[0]
+        mbarrier.arrive(buffers.q_free)  # the loader may bring the next tile's Q
+        block += program.n_blocks
 
-    L_row = L + program.bh.to(gl.int64) * program.n_queries
-    gl.store(L_row + offs_m, (state.row_max + gl.log2(state.row_sum)) * LN_2, mask=offs_m < program.n_queries)
-    out = acc / gl.convert_layout(state.row_sum, gl.SliceLayout(1, config.o_layout))[:, None]
-    q.store(out.to(q.dtype))  # Q is no longer read: its buffer stages O for the copy engine
-    fence_async_shared()
-    gl.thread_barrier()
-    tma.async_copy_shared_to_global(o_desc, [program.bh, first_row, 0], q)
+        L_row = L + program.bh.to(gl.int64) * program.n_queries
+        gl.store(L_row + offs_m, (state.row_max + gl.log2(state.row_sum)) * LN_2, mask=offs_m < program.n_queries)
+        out = acc / gl.convert_layout(state.row_sum, gl.SliceLayout(1, config.o_layout))[:, None]
+        tma.store_wait(0)  # the previous tile's O has left o_smem
+        gl.thread_barrier()
+        o_smem.store(out.to(q.dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+        tma.async_copy_shared_to_global(o_desc, [program.bh, first_row, 0], o_smem)
     tma.store_wait(0)
 
 
@@ -330,6 +382,7 @@ def attn_fwd_hopper_kernel(
     q_desc, k_desc, v_desc,  # 3-D views of Q, K, V, blocks (1, ROWS or BLOCK_N, HEAD_DIM)
     o_desc,  # contiguous (batch * heads, n_queries, HEAD_DIM) output, blocks (1, ROWS, HEAD_DIM)
     L,  # float32 (batch * heads, n_queries) output: natural-log logsumexp
+    schedule,  # int32: programs + 1 offsets, then the tile ids, program after program (see _fwd_schedule)
     n_heads, n_queries, n_keys,
     qk_scale,  # log2(e) / sqrt(d)
     HEAD_DIM: gl.constexpr,
@@ -339,42 +392,32 @@ def attn_fwd_hopper_kernel(
     STAGES: gl.constexpr,
     Q_COLUMNS: gl.constexpr, K_COLUMNS: gl.constexpr, V_COLUMNS: gl.constexpr,
 ):
-    """Program ``(i, bh)``: O and L of the queries of tile ``n_tiles - 1 - i`` (heavy causal tiles first)."""
+    """Persistent program ``i``: O and L of the tiles the schedule gives it, one after another."""
     config = FwdConfig(HEAD_DIM, IS_CAUSAL, ROWS, BLOCK_N, Q_COLUMNS, K_COLUMNS, V_COLUMNS)
     dtype: gl.constexpr = q_desc.dtype
-    start_m = (gl.num_programs(0) - 1 - gl.program_id(0)) * (2 * ROWS)
-    bh = gl.program_id(1)
-    b = bh // n_heads
-    h = bh % n_heads
-    n_blocks = gl.cdiv(n_keys, BLOCK_N)
-    if IS_CAUSAL:
-        # Keys past the tile's last query are invisible; blocks reaching past its first query need the mask.
-        n_blocks = gl.minimum(n_blocks, gl.cdiv(start_m + 2 * ROWS, BLOCK_N))
-        n_full = gl.minimum(start_m // BLOCK_N, n_keys // BLOCK_N)
-    else:
-        n_full = n_keys // BLOCK_N
-    n_full = gl.minimum(n_full, n_blocks)
-    program = FwdProgram(b, h, bh, n_heads, start_m, n_blocks, n_full, n_queries, n_keys)
 
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM], dtype)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
     q_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_DIM], q_layout)
+    o_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_DIM], q_layout)
     k_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
     v_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv = Ring(kv_ready, kv_free, STAGES)
     mbarrier.init(q_ready, count=1)
+    mbarrier.init(q_free, count=2)
     kv.init(1, 2)  # landed by the copy engine's bytes; released by both consumer warpgroups
     fence_async_shared()
-    buffers = FwdBuffers(q_smem, k_ring, v_ring, q_ready, kv)
+    buffers = FwdBuffers(q_smem, o_smem, k_ring, v_ring, q_ready, q_free, kv)
 
     gl.warp_specialize(
         [
-            (_fwd_compute_partition, (config, buffers, o_desc, L, program, qk_scale, 0)),
-            (_fwd_compute_partition, (config, buffers, o_desc, L, program, qk_scale, 1)),
-            (_fwd_load_partition, (config, q_desc, k_desc, v_desc, buffers, program)),
+            (_fwd_compute_partition, (config, buffers, o_desc, L, schedule, n_heads, n_queries, n_keys, qk_scale, 0)),
+            (_fwd_compute_partition, (config, buffers, o_desc, L, schedule, n_heads, n_queries, n_keys, qk_scale, 1)),
+            (_fwd_load_partition, (config, q_desc, k_desc, v_desc, buffers, schedule, n_heads, n_queries, n_keys)),
         ],
         [4, 1],
         [240, 24],
@@ -589,7 +632,7 @@ def _bwd_issue_scores(config, program, ring, j, k_smem, v_smem, k_smem_b, v_smem
     """Start S_j^T = K Q_j^T and dP_j^T = V dO_j^T on the tensor cores once block ``j`` has landed (see
     :meth:`Ring.wait_landed` past the last block); ``k_smem`` and ``v_smem`` are (BLOCK_N, HEAD_DIM_A), ``k_smem_b``
     and ``v_smem_b`` the second column parts (BLOCK_N, HEAD_DIM_B) or None."""
-    s = ring.barriers.wait_landed(j, program.n_steps)
+    s = ring.barriers.wait_landed(j, program.n_steps, 0)
     zero = gl.zeros([config.BLOCK_N, config.BLOCK_M], gl.float32, config.st_layout)
     scores_t = warpgroup_mma(k_smem, ring.q.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
     if config.HEAD_DIM_B > 0:
