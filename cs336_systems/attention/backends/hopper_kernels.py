@@ -222,11 +222,10 @@ def _fwd_tile(config, tile, n_heads, n_queries, n_keys):
 
 @gluon.jit
 def _fwd_schedule(schedule):
-    """This program's tiles: ``tiles[first:last]`` (the schedule holds ``programs + 1`` offsets, then tile ids)."""
+    """Where this program's tile ids are: ``schedule[first:last]`` (the schedule starts with each program's
+    ``first``, and the last program's ``last``)."""
     pid = gl.program_id(0)
-    first = gl.load(schedule + pid)
-    last = gl.load(schedule + pid + 1)
-    return first, last, schedule + gl.num_programs(0) + 1
+    return gl.load(schedule + pid), gl.load(schedule + pid + 1)
 
 
 @aggregate
@@ -275,10 +274,10 @@ def _fwd_load_partition(config, q_desc, k_desc, v_desc, buffers, schedule, n_hea
     """Worker partition: per tile, both warpgroups' Q tiles (once they have released the previous tile's), then K
     and V blocks into the ring, as far ahead of the consumers as it has stages, across tiles."""
     q_smem = buffers.q_smem
-    first, last, tiles = _fwd_schedule(schedule)
+    first, last = _fwd_schedule(schedule)
     block = 0  # K/V blocks streamed so far: the ring's position
     for k in range(first, last):
-        program = _fwd_tile(config, gl.load(tiles + k), n_heads, n_queries, n_keys)
+        program = _fwd_tile(config, gl.load(schedule + k), n_heads, n_queries, n_keys)
         mbarrier.wait(buffers.q_free, ((k - first) & 1) ^ 1, pred=k > first)
         mbarrier.expect(buffers.q_ready, 2 * q_smem.index(0).numel * q_desc.dtype.primitive_bitwidth // 8)
         for w in gl.static_range(2):
@@ -345,10 +344,10 @@ def _fwd_compute_partition(config, buffers, o_desc, L, schedule, n_heads, n_quer
     row_layout: gl.constexpr = gl.SliceLayout(1, config.s_layout)
     q = buffers.q_smem.index(w)
     o_smem = buffers.o_smem.index(w)
-    first, last, tiles = _fwd_schedule(schedule)
+    first, last = _fwd_schedule(schedule)
     block = 0
     for k in range(first, last):
-        program = _fwd_tile(config, gl.load(tiles + k), n_heads, n_queries, n_keys)
+        program = _fwd_tile(config, gl.load(schedule + k), n_heads, n_queries, n_keys)
         first_row = program.start_m + w * config.ROWS
         offs_m = first_row + gl.arange(0, config.ROWS, layout=row_layout)
         state = FwdState(gl.zeros([config.ROWS, config.HEAD_DIM], gl.float32, config.o_layout),
@@ -382,7 +381,7 @@ def attn_fwd_hopper_kernel(
     q_desc, k_desc, v_desc,  # 3-D views of Q, K, V, blocks (1, ROWS or BLOCK_N, HEAD_DIM)
     o_desc,  # contiguous (batch * heads, n_queries, HEAD_DIM) output, blocks (1, ROWS, HEAD_DIM)
     L,  # float32 (batch * heads, n_queries) output: natural-log logsumexp
-    schedule,  # int32: programs + 1 offsets, then the tile ids, program after program (see _fwd_schedule)
+    schedule,  # int32: where each program's tile ids start (programs + 1 entries), then the ids
     n_heads, n_queries, n_keys,
     qk_scale,  # log2(e) / sqrt(d)
     HEAD_DIM: gl.constexpr,
