@@ -121,6 +121,13 @@ class Ring:
         return s
 
     @gluon.jit
+    def wait(self, j):
+        """Consumer: the stage of block ``j`` once it has landed."""
+        s = j % self.STAGES
+        mbarrier.wait(self.ready.index(s), (j // self.STAGES) & 1)
+        return s
+
+    @gluon.jit
     def stage(self, j):
         """The stage of block ``j``."""
         return j % self.STAGES
@@ -230,26 +237,23 @@ def _fwd_schedule(schedule):
 
 @aggregate
 class FwdBuffers:
-    """The forward's shared memory: the two warpgroups' Q tiles (2, ROWS, HEAD_DIM), landed at ``q_ready`` and
-    released at ``q_free`` (by both warpgroups); their O tiles on the way out (2, ROWS, HEAD_DIM); the K/V ring
+    """The forward's shared memory: the warpgroups' Q tiles in two slots (slot ``t % 2`` holds tile ``t``'s, for
+    warpgroup ``w`` at index ``2 * slot + w``: (4, ROWS, HEAD_DIM)), its ring barriers ``q`` (a slot is landed by
+    the copy engine, released by both warpgroups once its tile's O, staged in it, has left); the K/V ring
     (STAGES, BLOCK_N, HEAD_DIM) and its barriers ``kv`` (a stage is released by both warpgroups)."""
 
     q_smem: gl.shared_memory_descriptor
-    o_smem: gl.shared_memory_descriptor
     k_ring: gl.shared_memory_descriptor
     v_ring: gl.shared_memory_descriptor
-    q_ready: gl.shared_memory_descriptor
-    q_free: gl.shared_memory_descriptor
+    q: Ring
     kv: Ring
 
     @gluon.constexpr_function
-    def __init__(self, q_smem, o_smem, k_ring, v_ring, q_ready, q_free, kv):
+    def __init__(self, q_smem, k_ring, v_ring, q, kv):
         self.q_smem = q_smem
-        self.o_smem = o_smem
         self.k_ring = k_ring
         self.v_ring = v_ring
-        self.q_ready = q_ready
-        self.q_free = q_free
+        self.q = q
         self.kv = kv
 
 
@@ -271,20 +275,17 @@ class FwdState:
 
 @gluon.jit
 def _fwd_load_partition(config, q_desc, k_desc, v_desc, buffers, schedule, n_heads, n_queries, n_keys):
-    """Worker partition: per tile, both warpgroups' Q tiles (once they have released the previous tile's), then K
-    and V blocks into the ring, as far ahead of the consumers as it has stages, across tiles."""
-    q_smem = buffers.q_smem
+    """Worker partition: per tile, both warpgroups' Q tiles into a free slot, then K and V blocks into the ring, as
+    far ahead of the consumers as they have room, across tiles."""
     first, last = _fwd_schedule(schedule)
     block = 0  # K/V blocks streamed so far: the ring's position
     for k in range(first, last):
         program = _fwd_tile(config, gl.load(schedule + k), n_heads, n_queries, n_keys)
-        mbarrier.wait(buffers.q_free, ((k - first) & 1) ^ 1, pred=k > first)
-        mbarrier.expect(buffers.q_ready, 2 * q_smem.index(0).numel * q_desc.dtype.primitive_bitwidth // 8)
+        slot, landed = buffers.q.acquire(k - first, 2 * config.ROWS * config.HEAD_DIM * q_desc.dtype.primitive_bitwidth // 8)
         for w in gl.static_range(2):
-            rows = q_smem.index(w).shape[0]
             tma.async_copy_global_to_shared(
-                q_desc, _block_coord(program.b, program.h, program.start_m + w * rows, program.n_heads,
-                                     config.HEAD_DIM, config.Q_COLUMNS, 0), buffers.q_ready, q_smem.index(w))
+                q_desc, _block_coord(program.b, program.h, program.start_m + w * config.ROWS, program.n_heads,
+                                     config.HEAD_DIM, config.Q_COLUMNS, 0), landed, buffers.q_smem.index(2 * slot + w))
         for j in range(program.n_blocks):
             s, landed = buffers.kv.acquire(block + j,
                                            2 * config.BLOCK_N * config.HEAD_DIM * k_desc.dtype.primitive_bitwidth // 8)
@@ -340,10 +341,8 @@ def _fwd_step(config, program, buffers, state, scores, block, j, q, offs_m, qk_s
 def _fwd_compute_partition(config, buffers, o_desc, L, schedule, n_heads, n_queries, n_keys, qk_scale,
                            w: gl.constexpr):
     """Warpgroup ``w`` (the default partition for 0, a worker for 1): per tile, rows ``start_m + w * ROWS ..``
-    of O (through the copy engine, its store overlapping the next tile) and L."""
+    of O (staged in the tile's Q slot for the copy engine, the store overlapping the next tile) and L."""
     row_layout: gl.constexpr = gl.SliceLayout(1, config.s_layout)
-    q = buffers.q_smem.index(w)
-    o_smem = buffers.o_smem.index(w)
     first, last = _fwd_schedule(schedule)
     block = 0
     for k in range(first, last):
@@ -354,25 +353,27 @@ def _fwd_compute_partition(config, buffers, o_desc, L, schedule, n_heads, n_quer
                          gl.zeros([config.ROWS], gl.float32, row_layout),
                          gl.full([config.ROWS], float("-inf"), gl.float32, row_layout))
 
-        mbarrier.wait(buffers.q_ready, (k - first) & 1)
+        q = buffers.q_smem.index(2 * buffers.q.wait(k - first) + w)
         scores = _fwd_issue_scores(config, program, buffers, block, 0, q)
         for j in range(0, program.n_full):
             state, scores = _fwd_step(config, program, buffers, state, scores, block, j, q, offs_m, qk_scale, False)
+        # The previous tile's O has left its slot by now (waited here, not at the tile's start, where the store
+        # has just been issued): the loader may refill the slot with the next tile's Q.
+        tma.store_wait(0)
+        gl.thread_barrier()
+        buffers.q.release_previous(k - first)
         for j in range(program.n_full, program.n_blocks):
             state, scores = _fwd_step(config, program, buffers, state, scores, block, j, q, offs_m, qk_scale, True)
         acc = warpgroup_mma_wait(0, deps=[state.acc, scores])[0]
-        mbarrier.arrive(buffers.q_free)  # the loader may bring the next tile's Q
         block += program.n_blocks
 
         L_row = L + program.bh.to(gl.int64) * program.n_queries
         gl.store(L_row + offs_m, (state.row_max + gl.log2(state.row_sum)) * LN_2, mask=offs_m < program.n_queries)
         out = acc / gl.convert_layout(state.row_sum, gl.SliceLayout(1, config.o_layout))[:, None]
-        tma.store_wait(0)  # the previous tile's O has left o_smem
-        gl.thread_barrier()
-        o_smem.store(out.to(q.dtype))
+        q.store(out.to(q.dtype))  # Q is no longer read: its buffer stages O for the copy engine
         fence_async_shared()
         gl.thread_barrier()
-        tma.async_copy_shared_to_global(o_desc, [program.bh, first_row, 0], o_smem)
+        tma.async_copy_shared_to_global(o_desc, [program.bh, first_row, 0], q)
     tma.store_wait(0)
 
 
@@ -397,20 +398,19 @@ def attn_fwd_hopper_kernel(
 
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM], dtype)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
-    q_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_DIM], q_layout)
-    o_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_DIM], q_layout)
+    q_smem = gl.allocate_shared_memory(dtype, [4, ROWS, HEAD_DIM], q_layout)
     k_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
     v_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
-    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    q_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    q = Ring(q_ready, q_free, 2)
     kv = Ring(kv_ready, kv_free, STAGES)
-    mbarrier.init(q_ready, count=1)
-    mbarrier.init(q_free, count=2)
-    kv.init(1, 2)  # landed by the copy engine's bytes; released by both consumer warpgroups
+    q.init(1, 2)  # landed by the copy engine's bytes; released by both consumer warpgroups
+    kv.init(1, 2)
     fence_async_shared()
-    buffers = FwdBuffers(q_smem, o_smem, k_ring, v_ring, q_ready, q_free, kv)
+    buffers = FwdBuffers(q_smem, k_ring, v_ring, q, kv)
 
     gl.warp_specialize(
         [
