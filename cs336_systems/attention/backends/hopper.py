@@ -264,28 +264,49 @@ _FORWARD = Launcher(attn_fwd_hopper_kernel)
 
 TILE_COST = 1
 """A forward tile's fixed cost (loading its Q, writing its O and L), in key blocks, for :func:`forward_schedule`."""
+BALANCE_TOLERANCE = 1.02
+"""How much longer than the balanced schedule's the head-major one's busiest program may be (see
+:func:`forward_schedule`)."""
+
+
+def _deal(tiles: list[tuple[int, int, int]], programs: int) -> tuple[list[list[tuple[int, int, int]]], int]:
+    """``tiles`` ((bh, i, cost) each) dealt in order, each to the program that would be free first; and the busiest
+    program's total cost."""
+    free_at = [(0, p) for p in range(programs)]  # a heap of (finish, program)
+    dealt: list[list[tuple[int, int, int]]] = [[] for _ in range(programs)]
+    for tile in tiles:
+        finish, p = heapq.heappop(free_at)
+        dealt[p].append(tile)
+        heapq.heappush(free_at, (finish + tile[2], p))
+    return dealt, max(finish for finish, _ in free_at)
 
 
 def forward_schedule(batch_heads: int, n_queries: int, n_keys: int, is_causal: bool, programs: int) -> list[int]:
     """The forward's tiles (``bh * query_tiles + i``: queries ``i * ROWS_PER_PROGRAM ..`` of ``bh``) dealt to at
-    most ``programs`` persistent programs: ``programs + 1`` offsets, then each program's tiles in order (the
-    kernel's ``schedule``). Tiles go, head after head and the heaviest causal tiles of a head first, each to the
-    program that would be free first (at ``TILE_COST`` plus a key block per tile): what the hardware's scheduler
-    does for a grid of one program per tile, without a program's start and end between tiles. Programs running
-    together work on a few heads, whose K and V stay in L2."""
+    most ``programs`` persistent programs: each program's first index into the list (``programs + 1`` entries,
+    the last the list's length), then each program's tile ids in order (the kernel's ``schedule``).
+
+    A tile costs ``TILE_COST`` plus its key blocks. Head-major: tiles go head after head, the heaviest causal tiles
+    of a head first, each to the program that would be free first (what the hardware's scheduler does for a grid
+    of one program per tile): programs running together work on a few heads, whose K and V stay in L2. Where that
+    leaves the busiest program more than ``BALANCE_TOLERANCE`` times the balanced schedule's work, the balanced
+    one: the heaviest tiles first over all heads (longest processing time first), each program's tiles then run
+    in head order, so that programs still meet on nearby heads."""
     query_tiles = triton.cdiv(n_queries, ROWS_PER_PROGRAM)
     key_blocks = triton.cdiv(n_keys, BLOCK_N)
     programs = min(programs, batch_heads * query_tiles)
-    free_at = [(0, p) for p in range(programs)]  # a heap of (finish, program)
-    tiles: list[list[int]] = [[] for _ in range(programs)]
-    for bh in range(batch_heads):
-        for i in reversed(range(query_tiles)):
-            blocks = min(key_blocks, triton.cdiv((i + 1) * ROWS_PER_PROGRAM, BLOCK_N)) if is_causal else key_blocks
-            finish, p = heapq.heappop(free_at)
-            tiles[p].append(bh * query_tiles + i)
-            heapq.heappush(free_at, (finish + TILE_COST + blocks, p))
-    offsets = list(itertools.accumulate((len(t) for t in tiles), initial=0))
-    return [programs + 1 + offset for offset in offsets] + [tile for t in tiles for tile in t]
+
+    def cost(i: int) -> int:
+        return TILE_COST + (min(key_blocks, triton.cdiv((i + 1) * ROWS_PER_PROGRAM, BLOCK_N)) if is_causal
+                            else key_blocks)
+
+    tiles = [(bh, i, cost(i)) for bh in range(batch_heads) for i in reversed(range(query_tiles))]
+    dealt, busiest = _deal(tiles, programs)
+    balanced, balanced_busiest = _deal(sorted(tiles, key=lambda tile: -tile[2]), programs)
+    if busiest > BALANCE_TOLERANCE * balanced_busiest:
+        dealt = [sorted(program, key=lambda tile: (tile[0], -tile[1])) for program in balanced]
+    offsets = list(itertools.accumulate((len(program) for program in dealt), initial=programs + 1))
+    return offsets + [bh * query_tiles + i for program in dealt for bh, i, _ in program]
 
 
 @functools.cache
