@@ -187,6 +187,55 @@ def test_launch_arguments_are_the_kernels_parameters():
         assert all(param.is_constexpr for param in kernel.params[len(args._fields):]), kernel.__name__
 
 
+def _program_loads(schedule: list[int], n_queries: int, n_keys: int, is_causal: bool) -> list[int]:
+    """Each program's work under the schedule's cost model (a tile's fixed cost plus its key blocks)."""
+    query_tiles = math.ceil(n_queries / hopper.ROWS_PER_PROGRAM)
+    key_blocks = math.ceil(n_keys / hopper.BLOCK_N)
+    programs = schedule[0] - 1
+
+    def cost(tile: int) -> int:
+        i = tile % query_tiles
+        return hopper.TILE_COST + (min(key_blocks, math.ceil((i + 1) * hopper.ROWS_PER_PROGRAM / hopper.BLOCK_N))
+                                   if is_causal else key_blocks)
+
+    return [sum(cost(tile) for tile in schedule[schedule[p]:schedule[p + 1]]) for p in range(programs)]
+
+
+@pytest.mark.parametrize("batch_heads, n_queries, n_keys, is_causal, programs, d", [
+    (100, 2048, 2048, True, 132, 64),  # uneven head-major: the balanced schedule
+    (128, 2048, 2048, True, 132, 128),  # the balanced one would hold too much K and V in L2: head-major
+    (6, 1000, 777, True, 132, 64),  # fewer tiles than programs
+    (7, 300, 5000, False, 4, 64),  # not causal: equal tiles, dealt in turn
+    (3, 1, 1, True, 132, 16),
+])
+def test_forward_schedule_deals_every_tile_once(batch_heads, n_queries, n_keys, is_causal, programs, d):
+    schedule = hopper.forward_schedule(batch_heads, n_queries, n_keys, is_causal, programs, 4 * n_keys * d)
+    tiles = batch_heads * math.ceil(n_queries / hopper.ROWS_PER_PROGRAM)
+    used = min(programs, tiles)
+    offsets = schedule[:used + 1]
+    assert offsets[0] == used + 1 and offsets[-1] == len(schedule)
+    assert all(first < last for first, last in zip(offsets, offsets[1:]))  # every program has a tile
+    assert sorted(schedule[used + 1:]) == list(range(tiles))
+    loads = _program_loads(schedule, n_queries, n_keys, is_causal)
+    if not is_causal:
+        assert max(loads) - min(loads) <= loads[0] // len(schedule[offsets[0]:offsets[1]])  # at most a tile apart
+
+
+def test_forward_schedule_balances_only_within_the_l2_budget(monkeypatch):
+    """At (4, 25, 2048, 64) the head-major schedule's busiest program has 9 % more work than the balanced
+    schedule's, whose programs meet on 48 heads (24 MB of K and V, within the budget); each program's tiles run in
+    head order. With no L2 budget the head-major schedule stays, heads in order across programs."""
+    shape = (100, 2048, 2048, True, 132, 2 * 2048 * 64 * 2)
+    balanced = hopper.forward_schedule(*shape)
+    monkeypatch.setattr(hopper, "L2_BUDGET", 0)
+    head_major = hopper.forward_schedule(*shape)
+    busiest = [max(_program_loads(s, 2048, 2048, True)) for s in (balanced, head_major)]
+    assert busiest[0] * hopper.BALANCE_TOLERANCE < busiest[1]
+    heads = [tile // 16 for tile in balanced[balanced[0]:balanced[1]]]
+    assert heads == sorted(heads)
+    assert [head_major[head_major[0]], head_major[head_major[1]]] == [15, 14]  # head 0's heaviest: programs 0, 1
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not hopper_gpu(), reason="needs a Hopper GPU")
 def test_kernel_choice_on_hopper_gpu():
@@ -199,6 +248,25 @@ def test_kernel_choice_on_hopper_gpu():
     assert op.choose_backend(forced, gpu, torch.bfloat16, 64, "forward", False) is hopper
     with pytest.raises(ValueError, match="float32"):
         op.choose_backend(forced, gpu, torch.float32, 64, "backward", True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not hopper_gpu(), reason="needs a Hopper GPU")
+@pytest.mark.parametrize("is_causal", [True, False])
+@pytest.mark.parametrize("l2_budget", [0, hopper.L2_BUDGET])
+def test_persistent_forward_runs_many_tiles_per_program_gpu(monkeypatch, is_causal, l2_budget):
+    """The Gluon forward at 640 tiles (about 5 a program), head-major and balanced schedules, against float64 with
+    poisoned outputs; n_keys != n_queries, a ragged end."""
+    monkeypatch.setattr(hopper, "L2_BUDGET", l2_budget)
+    monkeypatch.setattr(hopper, "_plans", {})
+    torch.manual_seed(1)
+    Q = torch.randn(2, 40, 1000, 64, device="cuda", dtype=torch.bfloat16)
+    K, V = (torch.randn(2, 40, 1100, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    mask = torch.ones(1000, 1100, device="cuda", dtype=torch.bool).tril() if is_causal else None
+    expected = torch.nn.functional.scaled_dot_product_attention(Q.double(), K.double(), V.double(), attn_mask=mask)
+    with poisoned_outputs():
+        output, _ = hopper.forward(Q, K, V, is_causal, 1 / 8)
+    assert relative_error(output, expected) < 1e-2
 
 
 @pytest.mark.gpu

@@ -12,7 +12,7 @@ copied (:func:`tma_view`).
 
 Launch plans. A call's launch is planned once per (device, dtype, shapes, strides, alignment, causal): per
 descriptor the tensor it views, whether that tensor must be copied, and the view's shape and strides; the grid and
-the kernel's constexprs. The first call of a key builds full ``TensorDescriptor`` objects from its plan (Triton
+the kernel's constexprs; for the persistent forward, its schedule of tiles (:func:`forward_schedule`), on the GPU. The first call of a key builds full ``TensorDescriptor`` objects from its plan (Triton
 compiles from them); later calls build only what holds the tensors' addresses (``DescriptorArg``) and launch the
 compiled kernel directly (:class:`cs336_systems.kernels.launch.Launcher`).
 """
@@ -267,6 +267,11 @@ TILE_COST = 1
 BALANCE_TOLERANCE = 1.02
 """How much longer than the balanced schedule's the head-major one's busiest program may be (see
 :func:`forward_schedule`)."""
+L2_BUDGET = 32 * 2**20
+"""The most bytes of K and V the balanced schedule may have in flight (heads that programs work on at once, times
+a head's K and V). An H100's L2 holds 50 MB; measured on one (forward, causal): the balanced schedule ran faster
+with 24 and 32 MB in flight ((4, 25, 2048, 64) 0.150 against 0.157 ms, (1, 25, 8192, 64) 0.498 against 0.516),
+slower with 48 and 80 ((4, 32, 2048, 128) 0.329 against 0.303, (1, 32, 8192, 128) 1.09 against 0.98)."""
 
 
 def _deal(tiles: list[tuple[int, int, int]], programs: int) -> tuple[list[list[tuple[int, int, int]]], int]:
@@ -281,17 +286,25 @@ def _deal(tiles: list[tuple[int, int, int]], programs: int) -> tuple[list[list[t
     return dealt, max(finish for finish, _ in free_at)
 
 
-def forward_schedule(batch_heads: int, n_queries: int, n_keys: int, is_causal: bool, programs: int) -> list[int]:
+def _heads_in_flight(dealt: list[list[tuple[int, int, int]]]) -> int:
+    """The most heads the programs' ``k``-th tiles cover, over ``k``."""
+    steps = max(len(program) for program in dealt)
+    return max(len({program[k][0] for program in dealt if k < len(program)}) for k in range(steps))
+
+
+def forward_schedule(batch_heads: int, n_queries: int, n_keys: int, is_causal: bool, programs: int,
+                     head_bytes: int) -> list[int]:
     """The forward's tiles (``bh * query_tiles + i``: queries ``i * ROWS_PER_PROGRAM ..`` of ``bh``) dealt to at
     most ``programs`` persistent programs: each program's first index into the list (``programs + 1`` entries,
     the last the list's length), then each program's tile ids in order (the kernel's ``schedule``).
 
     A tile costs ``TILE_COST`` plus its key blocks. Head-major: tiles go head after head, the heaviest causal tiles
     of a head first, each to the program that would be free first (what the hardware's scheduler does for a grid
-    of one program per tile): programs running together work on a few heads, whose K and V stay in L2. Where that
-    leaves the busiest program more than ``BALANCE_TOLERANCE`` times the balanced schedule's work, the balanced
-    one: the heaviest tiles first over all heads (longest processing time first), each program's tiles then run
-    in head order, so that programs still meet on nearby heads."""
+    of one program per tile): programs running together work on a few heads, whose K and V (``head_bytes`` each)
+    stay in L2. Where that leaves the busiest program more than ``BALANCE_TOLERANCE`` times the balanced schedule's
+    work, the balanced one, if its heads in flight fit in ``L2_BUDGET``: the heaviest tiles first over all heads
+    (longest processing time first), then each program's tiles in head order, so that programs still meet on
+    nearby heads."""
     query_tiles = triton.cdiv(n_queries, ROWS_PER_PROGRAM)
     key_blocks = triton.cdiv(n_keys, BLOCK_N)
     programs = min(programs, batch_heads * query_tiles)
@@ -304,7 +317,9 @@ def forward_schedule(batch_heads: int, n_queries: int, n_keys: int, is_causal: b
     dealt, busiest = _deal(tiles, programs)
     balanced, balanced_busiest = _deal(sorted(tiles, key=lambda tile: -tile[2]), programs)
     if busiest > BALANCE_TOLERANCE * balanced_busiest:
-        dealt = [sorted(program, key=lambda tile: (tile[0], -tile[1])) for program in balanced]
+        balanced = [sorted(program, key=lambda tile: (tile[0], -tile[1])) for program in balanced]
+        if _heads_in_flight(balanced) * head_bytes <= L2_BUDGET:
+            dealt = balanced
     offsets = list(itertools.accumulate((len(program) for program in dealt), initial=programs + 1))
     return offsets + [bh * query_tiles + i for program in dealt for bh, i, _ in program]
 
@@ -339,7 +354,8 @@ def _forward_plan(Q: Tensor, K: Tensor, V: Tensor, is_causal: bool, sm_scale: fl
     o = _output_plan((batch_heads, n_queries, head_dim), FORWARD_ROWS)
     constexprs = dict(HEAD_DIM=head_dim, IS_CAUSAL=is_causal, ROWS=FORWARD_ROWS, BLOCK_N=BLOCK_N, STAGES=STAGES,
                       Q_COLUMNS=q_columns, K_COLUMNS=k_columns, V_COLUMNS=v_columns)
-    schedule = forward_schedule(batch_heads, n_queries, n_keys, is_causal, _multiprocessors(Q.device))
+    schedule = forward_schedule(batch_heads, n_queries, n_keys, is_causal, _multiprocessors(Q.device),
+                                2 * n_keys * head_dim * Q.element_size())
     return Plan((schedule[0] - 1, 1), (q, k, v, o),
                 (_schedule_tensor(schedule, Q.device), n_heads, n_queries, n_keys, sm_scale * _LOG2_E), constexprs, 4)
 

@@ -5,9 +5,12 @@ Both are warp-specialised (``gl.warp_specialize``): a one-warp worker partition 
 engine (TMA) into a ring of shared-memory stages guarded by mbarriers, refilling a stage once the consumers have
 released it, while consumer warpgroups (their registers raised by ``setmaxnreg``) run asynchronous ``wgmma``.
 
-Forward. One program holds 128 queries, 64 per consumer warpgroup, each warpgroup its own partition: they meet
-only at the K/V ring's barriers, so that they drift apart and one's softmax runs while the other's matmuls
-occupy the tensor cores. S_(j+1) = Q K_(j+1)^T is issued behind P V_j; P goes to ``wgmma`` from registers.
+Forward. Persistent: one program per multiprocessor runs the tiles of 128 queries that the host's schedule
+deals it (``hopper.forward_schedule``), one after another, 64 queries per consumer warpgroup, each warpgroup its own
+partition: they meet only at the rings' barriers, so that they drift apart and one's softmax runs while the other's
+matmuls occupy the tensor cores. S_(j+1) = Q K_(j+1)^T is issued behind P V_j; P goes to ``wgmma`` from registers.
+Q tiles come in two slots and the K/V ring runs on across tiles, so that the loader fetches the next tile's Q and
+first blocks while the consumers finish a tile, and a tile's O, staged in its Q slot, leaves during the next tile.
 
 Backward. One program holds ``BLOCK_N`` = 128 keys (K and V in shared memory, dK and dV accumulating in
 registers, 64 keys per consumer warpgroup) and sweeps the query blocks that see them, ``BLOCK_M`` queries at a
