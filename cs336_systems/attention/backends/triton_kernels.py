@@ -282,8 +282,6 @@ def attn_fwd_split_kernel(
     row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    # A row that sees none of the part's keys sums masked scores: its logsumexp is about MASKED_SCORE * qk_scale,
-    # so the combination gives it weight 0 beside the part that holds key 0, which every row sees.
     acc, _, row_sum, row_max = _attn_fwd_sweep(
         acc, 0.0, row_sum, row_max, q, q, K_block, K_block, V_block, V_block, split_start,
         tl.minimum(split_stop, unmasked_end), offs_m, n_keys, qk_scale, IS_CAUSAL, False, DOT_PRECISION, BLOCK_N, 0)
@@ -291,12 +289,16 @@ def attn_fwd_split_kernel(
         acc, 0.0, row_sum, row_max, q, q, K_block, K_block, V_block, V_block, tl.maximum(split_start, unmasked_end),
         split_stop, offs_m, n_keys, qk_scale, IS_CAUSAL, True, DOT_PRECISION, BLOCK_N, 0)
 
-    swept = row_sum > 0  # false only in a part with no keys at all (past the tile's last visible key)
+    # A row that sees none of the part's keys (no keys at all, or only masked ones: its maximum is then a masked
+    # score, and its sums are not to be trusted, since exp2 of a fused multiply-add's rounding error near
+    # MASKED_SCORE * qk_scale overflows) gets a zero output and logsumexp -inf: weight 0 in the combination,
+    # beside the part that holds key 0, which every row sees.
+    swept = row_max > 0.5 * MASKED_SCORE * qk_scale
     part = (split * tl.num_programs(1) + off_bh).to(tl.int64) * n_queries
     rows = offs_m < n_queries
     offs_d = tl.arange(0, HEAD_DIM)
     tl.store(O_part + (part + offs_m[:, None]) * HEAD_DIM + offs_d[None, :],
-             acc / tl.where(swept, row_sum, 1.0)[:, None], mask=rows[:, None])
+             tl.where(swept[:, None], acc / tl.where(swept, row_sum, 1.0)[:, None], 0.0), mask=rows[:, None])
     lse = row_max + tl.math.log2(tl.where(swept, row_sum, 1.0))
     tl.store(LSE_part + part + offs_m, tl.where(swept, lse, float("-inf")), mask=rows)
 
