@@ -956,6 +956,30 @@ def test_flash_shapes_rows_are_labelled_by_the_backends_that_ran():
     assert backends_label({"provider": "ours", "kernels": "triton"}) == "ours (triton)"  # rows that do not say
 
 
+def test_model_shapes_table_takes_each_familys_newest_row_over_cudnn_of_its_commit(tmp_path):
+    """The models' attention table at one head dim: the newest date's rows, each kernel family's newest row per shape,
+    each part over cuDNN timed at the same commit; the long-context shapes of the same file left out."""
+    from pipeline.sections.flash import _model_shapes
+
+    def bench(provider, shape, fwd, bwd, commit, date="2026-11-27"):
+        backends = {"forward": "hopper, d 64", "backward": "hopper, d 64"} if provider == "ours" else None
+        return {"provider": provider, "kernels": "auto", "backends": backends, "shape": shape, "fwd_ms": fwd,
+                "bwd_ms": bwd, "fwd_bwd_ms": fwd + bwd, "device": "GPU", "date": date, "commit": commit}
+
+    rows = [bench("ours", [4, 25, 2048, 64], 9.0, 9.0, "old", date="2026-11-26"),  # an older date: left out
+            bench("sdpa", [4, 25, 2048, 64], 0.15, 0.45, "a"), bench("ours", [4, 25, 2048, 64], 0.18, 0.45, "a"),
+            bench("sdpa", [4, 25, 2048, 64], 0.10, 0.40, "b"), bench("ours", [4, 25, 2048, 64], 0.15, 0.42, "b"),
+            bench("sdpa", [4, 25, 512, 64], 0.02, 0.18, "b"), bench("ours", [4, 25, 512, 64], 0.03, 0.45, "b"),
+            bench("sdpa", [16, 1, 16384, 64], 1.3, 3.3, "b"), bench("ours", [16, 1, 16384, 64], 1.2, 3.4, "b")]
+    (tmp_path / "flash_shapes_bench.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    found, n = _model_shapes(Results(tmp_path), 64)
+    shapes = [line[1] for line in found["rows"]]
+    assert "16 × 1 × 16384 × 64" not in shapes and len(shapes) == 4  # cuDNN and ours at 512 and 2048, commit b
+    assert n["long_fwd_ms"] == "1.50×" and n["long_bwd_ms"] == "1.05×"  # over commit b's cuDNN, not a's
+    assert n["short_fwd_bwd_ms"] == "2.40×"
+    assert _model_shapes(Results(tmp_path), 80) is None
+
+
 def test_fsdp_settings_list_every_launch_of_a_repeated_setting():
     from pipeline.sections.sharding import fsdp_settings
 

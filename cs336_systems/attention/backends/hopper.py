@@ -338,12 +338,13 @@ def _schedule_tensor(schedule: list[int], device: torch.device) -> Tensor:
     if device.type != "cuda":
         return host
     host = host.pin_memory()
-    tensor = torch.empty_like(host, device=device).copy_(host, non_blocking=True)
-    _pinned[tensor.data_ptr()] = host  # alive as long as the copy may run (every replay of a captured one)
-    return tensor
+    _pinned.append(host)  # kept for as long as the copy may run: every replay of a graph that captured it
+    return torch.empty_like(host, device=device).copy_(host, non_blocking=True)
 
 
-_pinned: dict[int, Tensor] = {}
+_pinned: list[Tensor] = []
+"""The page-locked sources of the schedules copied to a GPU (a few kilobytes per launch plan, or per call while a
+CUDA graph is captured, when plans are not kept)."""
 
 
 def _forward_plan(Q: Tensor, K: Tensor, V: Tensor, is_causal: bool, sm_scale: float) -> Plan:

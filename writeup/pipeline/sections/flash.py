@@ -208,10 +208,11 @@ def flash_benchmarking(res, out: Output) -> dict[str, Any]:
          "gluon_length": f"{GLUON_MIN_LENGTH:,}", "max_d": str(max(heads)) if heads else DASH}
     n["hopper"] = _hopper_sweep(res) or {}
     n["has_hopper"] = bool(n["hopper"])
-    head_dim_80 = _head_dim_80(res)
-    n["has_d80"] = head_dim_80 is not None
-    if head_dim_80 is not None:
-        tables["d80"], n["d80"] = head_dim_80
+    for head_dim in MODEL_ATTENTION:
+        found = _model_shapes(res, head_dim)
+        n[f"has_d{head_dim}"] = found is not None
+        if found is not None:
+            tables[f"d{head_dim}"], n[f"d{head_dim}"] = found
     return {"tables": tables, "figures": figs, "n": n}
 
 
@@ -235,13 +236,18 @@ def backends_label(r: dict[str, Any]) -> str:
     return f"ours, forward {name(b['forward'])}, backward {name(b['backward'])}"
 
 
-def _head_dim_80(res) -> tuple[dict[str, Any], dict[str, Any]] | None:
-    """The 2.7B model's attention (head dim 80) in ``flash_shapes_bench.jsonl``: the newest row of each provider,
-    kernel family and shape of the newest date, as a table (ms, and ours over cuDNN) and its numbers; None without
+MODEL_ATTENTION = {64: "The small to xl models' attention (d = 64)", 80: "The 2.7B model's attention (d = 80)"}
+"""The head dims of the model sizes, as ``flash_shapes_bench --shapes models`` times them."""
+MODEL_MAX_CONTEXT = 8192  # the models' shapes in flash_shapes_bench; its long-context shapes start at 16,384
+
+
+def _model_shapes(res, head_dim: int) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """The models' attention at ``head_dim`` in ``flash_shapes_bench.jsonl``: the newest row of each provider, kernel
+    family and shape of the newest date, as a table (ms, and ours over cuDNN per part) and its numbers; None without
     such rows."""
     try:
-        rows = [r for r in res.log_rows("flash_shapes_bench", measured=lambda r: r["shape"][-1] == 80)
-                if r["shape"][-1] == 80]
+        rows = [r for r in res.log_rows("flash_shapes_bench", measured=lambda r: r["shape"][-1] == head_dim)
+                if r["shape"][-1] == head_dim and r["shape"][2] <= MODEL_MAX_CONTEXT]
     except Missing:
         return None
     if not rows:
@@ -251,26 +257,34 @@ def _head_dim_80(res) -> tuple[dict[str, Any], dict[str, Any]] | None:
     # cuDNN of the same commit where it ran there, so that a ratio compares rows of one code
     cudnn_of = {(r.get("commit"), tuple(r["shape"])): r for r in rows
                 if r.get("date", "") == date and r["provider"] == "sdpa"}
+    parts = ("fwd_ms", "bwd_ms", "fwd_bwd_ms")
     body, default_ratios = [], {}
     for (label, shape), r in sorted(latest.items(), key=lambda item: (item[1]["provider"] == "ours", item[0][0],
-                                                                      item[0][1][2])):
-        cudnn = cudnn_of.get((r.get("commit"), shape))
-        ratio = times(r["fwd_bwd_ms"] / cudnn["fwd_bwd_ms"], 2) if cudnn and r["provider"] == "ours" else DASH
-        if cudnn and r["provider"] == "ours" and r.get("kernels") == "auto":
-            default_ratios[shape[2]] = r["fwd_bwd_ms"] / cudnn["fwd_bwd_ms"]
-        body.append([label, " × ".join(str(x) for x in shape), num(r["fwd_ms"], 3), num(r["bwd_ms"], 3),
-                     num(r["fwd_bwd_ms"], 3), ratio, str(r.get("commit", DASH))])
+                                                                      item[0][1][2], item[0][1][0])):
+        cudnn = cudnn_of.get((r.get("commit"), shape)) if r["provider"] == "ours" else None
+        ratios = {part: r[part] / cudnn[part] for part in parts} if cudnn else {}
+        if ratios and r.get("kernels") == "auto":
+            default_ratios[shape] = ratios
+        body.append([label, " × ".join(str(x) for x in shape), *(num(r[part], 3) for part in parts),
+                     *(times(ratios[part], 2) if ratios else DASH for part in parts), str(r.get("commit", DASH))])
     first = next(iter(latest.values()))
-    found = table(["kernels", "shape (B, H, T, d)", "fwd ms", "bwd ms", "both ms", "both ÷ cuDNN", "commit"], body,
-                  f"The 2.7B model's attention (d = 80), bf16, causal, scripts/flash_shapes_bench.py on "
-                  f"{first['device']} ({date}), each kernel family in its own process: do_bench per call; each kernel "
-                  "family's newest row, at the commit it ran (rows of different commits ran different code), over "
-                  "cuDNN timed at the same commit.",
-                  align=["left", "left", "right", "right", "right", "right", "left"], size=8)
-    long = [ratio for context, ratio in default_ratios.items() if context >= 2048]
+    found = table(["kernels", "shape (B, H, T, d)", "fwd ms", "bwd ms", "both ms", "fwd ÷ cuDNN", "bwd ÷ cuDNN",
+                   "both ÷ cuDNN", "commit"], body,
+                  f"{MODEL_ATTENTION[head_dim]}, bf16, causal, scripts/flash_shapes_bench.py on {first['device']} "
+                  f"({date}), each kernel family in its own process: do_bench per call (an eager call, its host "
+                  "time included); each kernel family's newest row, at the commit it ran (rows of different commits "
+                  "ran different code), over cuDNN timed at the same commit.",
+                  align=["left", "left"] + ["right"] * 6 + ["left"], size=8)
+    long = {shape: ratios for shape, ratios in default_ratios.items() if shape[2] >= 2048}
+    short = {shape: ratios for shape, ratios in default_ratios.items() if shape[2] < 2048}
+
+    def over(group: dict, part: str) -> str:
+        values = [ratios[part] for ratios in group.values()]
+        return spread(min(values), max(values)) if values else ""
+
     return found, {"device": first["device"], "date": date,
-                   "default_long": spread(min(long), max(long)) if long else DASH,
-                   "default_512": times(default_ratios[512], 2) if 512 in default_ratios else ""}
+                   **{f"long_{part}": over(long, part) for part in parts},
+                   **{f"short_{part}": over(short, part) for part in parts}}
 
 
 HOPPER_FROM_LENGTH = 16384

@@ -395,6 +395,13 @@ def train_step(res, out: Output) -> dict[str, Any]:
     runs = sorted({r["run"] for t, o in bests for r in (t, o)})
     commits = sorted({r.get("env", {}).get("commit", "?")[:7] for t, o in bests for r in (t, o)})
 
+    # The slower variants' rows may come from other commits than the compared ones: say which.
+    def provenance(r: dict[str, Any]) -> tuple[str, str]:
+        return r.get("env", {}).get("commit", "?")[:7], r.get("env", {}).get("date", "")[:10]
+
+    compared = {provenance(r) for t, o in bests for r in (t, o)}
+    older_slower = sorted({provenance(r) for c in both.values() for r in c.values()} - compared)
+
     def gap_phrase(shape, gap) -> str:
         return (f"at {shape_label(*shape)}: forward {gap['forward']:+.1f} ms, backward {gap['backward']:+.1f} ms, "
                 f"optimizer {gap['optimizer']:+.1f} ms")
@@ -402,6 +409,8 @@ def train_step(res, out: Output) -> dict[str, Any]:
     largest = [(shape, max(PHASES, key=lambda p: gap[p])) for shape, gap in gaps]
     n = {
         "device": device, "runs": join_words(runs), "commits": join_words(commits),
+        "has_older_slower": bool(older_slower),
+        "older_slower": join_words([f"{commit} ({date})" if date else commit for commit, date in older_slower]),
         "measured": "; ".join(measured_parts),
         "unmeasured": "; ".join([*([f"{join_words(unmeasured_sizes)} at any shape"] if unmeasured_sizes else []),
                                  *unmeasured_shapes]),
