@@ -151,7 +151,8 @@ def _output_plan(shape: tuple[int, ...], rows: int, columns: int = 0) -> Descrip
 
 class Plan(NamedTuple):
     """A planned launch: the grid, one :class:`DescriptorPlan` per descriptor argument (in the kernel's order), the
-    scalar arguments (sizes and scales, fixed by the call's key), the kernel's constexprs and its warps."""
+    other arguments fixed by the call's key (sizes and scales; the forward's schedule first), the kernel's
+    constexprs and its warps."""
 
     grid: tuple[int, int]
     descriptors: tuple[DescriptorPlan, ...]
