@@ -156,7 +156,7 @@ def _backend(part: str, Q: Tensor, K: Tensor) -> ModuleType:
     config = FLASH_CONFIG.get()
     shape = Q.shape
     batch_heads = shape[0] * shape[1] if len(shape) == 4 else shape[0]
-    # The Hopper kernels' programs: batch * heads times the tiles of their rows (queries forward, keys backward).
+    # The Hopper kernels' tiles: batch * heads times the tiles of their rows (queries forward, keys backward).
     rows = shape[-2] if part == "forward" else K.shape[-2]
     enough = batch_heads * -(-rows // hopper.ROWS_PER_PROGRAM) >= config.hopper_min_programs
     hopper_by_default = enough and not portable_runs_faster(shape[-1], part)

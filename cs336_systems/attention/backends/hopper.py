@@ -1,8 +1,9 @@
 """The Hopper backend: the host side of the Gluon kernels of ``hopper_kernels.py`` (H100/H200, float16/bfloat16,
 head dims 16, 32, 64, 128; the backward also 48, 80, 96 in two column parts, :data:`SPLIT_HEAD_DIMS`). Same
 interface as every backend: :func:`supports`, :func:`kernel_head_dims`, :func:`forward`, :func:`backward`; the
-operator weighs the programs a call would launch (``batch * heads`` times the tiles of ``ROWS_PER_PROGRAM`` queries
-forward, keys backward) against ``FlashConfig.hopper_min_programs``.
+operator weighs a call's tiles (``batch * heads`` times the tiles of ``ROWS_PER_PROGRAM`` queries forward, keys
+backward: the backward's programs; the persistent forward runs them in at most one program per multiprocessor)
+against ``FlashConfig.hopper_min_programs``.
 
 Tensor views. TMA descriptors need a unit stride along ``d`` and 16-byte aligned other strides. A 4-D tensor
 ``(batch, heads, seq, d)`` is seen as 3-D in one of two ways, without copying: ``(batch * heads, seq, d)`` when
@@ -284,7 +285,7 @@ def _deal(tiles: list[tuple[int, int, int]], programs: int) -> tuple[list[list[t
         finish, p = heapq.heappop(free_at)
         dealt[p].append(tile)
         heapq.heappush(free_at, (finish + tile[2], p))
-    return dealt, max(finish for finish, _ in free_at)
+    return dealt, max((finish for finish, _ in free_at), default=0)
 
 
 def _heads_in_flight(dealt: list[list[tuple[int, int, int]]]) -> int:
@@ -333,19 +334,19 @@ def _multiprocessors(device: torch.device) -> int:
 
 
 def _schedule_tensor(schedule: list[int], device: torch.device) -> Tensor:
-    """``schedule`` as an int32 tensor on ``device``, copied from page-locked memory (which a CUDA graph being
-    captured allows: the graph replays the copy)."""
+    """``schedule`` as an int32 tensor on ``device``: copied before this returns (so that a launch on any stream
+    finds it there), or, while a CUDA graph is being captured, copied by the graph from page-locked memory at each
+    replay (a capture allows no synchronous copy)."""
     host = torch.tensor(schedule, dtype=torch.int32)
-    if device.type != "cuda":
-        return host
+    if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+        return host.to(device)
     host = host.pin_memory()
-    _pinned.append(host)  # kept for as long as the copy may run: every replay of a graph that captured it
+    _captured_sources.append(host)  # kept for as long as the graph may replay the copy
     return torch.empty_like(host, device=device).copy_(host, non_blocking=True)
 
 
-_pinned: list[Tensor] = []
-"""The page-locked sources of the schedules copied to a GPU (a few kilobytes per launch plan, or per call while a
-CUDA graph is captured, when plans are not kept)."""
+_captured_sources: list[Tensor] = []
+"""The page-locked sources of the schedules that captured graphs copy (a few kilobytes per captured call)."""
 
 
 def _forward_plan(Q: Tensor, K: Tensor, V: Tensor, is_causal: bool, sm_scale: float) -> Plan:

@@ -149,10 +149,11 @@ class Ring:
 # ---------------------------------------------------------------------------------------------------
 # Forward
 # ---------------------------------------------------------------------------------------------------
-# A program holds 128 queries: two consumer warpgroups of 64 rows each, each its own partition, so that they
-# drift apart: while one runs its softmax on the CUDA cores, the other's matmuls run on the tensor cores (the
-# effect FlashAttention-3 gets by ping-pong scheduling). A one-warp partition streams K and V blocks through a
-# ring; a stage is refilled once both warpgroups have released it (an mbarrier of count 2).
+# A program runs tiles of 128 queries one after another (the host's schedule): two consumer warpgroups of 64 rows
+# each, each its own partition, so that they drift apart: while one runs its softmax on the CUDA cores, the other's
+# matmuls run on the tensor cores (the effect FlashAttention-3 gets by ping-pong scheduling). A one-warp partition
+# streams each tile's Q into one of two slots and K and V blocks through a ring that runs on across tiles; a slot or
+# stage is refilled once both warpgroups have released it (mbarriers of count 2).
 
 
 @aggregate
