@@ -294,13 +294,37 @@ def attn_fwd_split_kernel(
     # MASKED_SCORE * qk_scale overflows) gets a zero output and logsumexp -inf: weight 0 in the combination,
     # beside the part that holds key 0, which every row sees.
     swept = row_max > 0.5 * MASKED_SCORE * qk_scale
-    part = (split * tl.num_programs(1) + off_bh).to(tl.int64) * n_queries
+    part = _part_rows(split, tl.num_programs(1), off_bh, n_queries)
     rows = offs_m < n_queries
     offs_d = tl.arange(0, HEAD_DIM)
     tl.store(O_part + (part + offs_m[:, None]) * HEAD_DIM + offs_d[None, :],
              tl.where(swept[:, None], acc / tl.where(swept, row_sum, 1.0)[:, None], 0.0), mask=rows[:, None])
     lse = row_max + tl.math.log2(tl.where(swept, row_sum, 1.0))
     tl.store(LSE_part + part + offs_m, tl.where(swept, lse, float("-inf")), mask=rows)
+
+
+@triton.jit
+def _part_rows(part, batch_heads, off_bh, n_rows):
+    """The first row of head ``off_bh`` in part ``part`` of a part-major buffer (n_parts, batch * heads, n_rows,
+    ..), as an int64 row index."""
+    return (part * batch_heads + off_bh).to(tl.int64) * n_rows
+
+
+@triton.jit
+def _parts_pass_program(n_rows, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Program ``(i, bh)`` of a pass over part-major buffers: ``bh``, batch * heads, its rows ``i * BLOCK_M ..``
+    (BLOCK_M,), which of them exist, and the columns (HEAD_DIM,)."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    return tl.program_id(1), tl.num_programs(1), offs_m, offs_m < n_rows, tl.arange(0, HEAD_DIM)
+
+
+@triton.jit
+def _head_rows(base, off_bh, n_heads, stride_b, stride_h, stride_m, offs_m, offs_d):
+    """Pointers (BLOCK_M, HEAD_DIM) to rows ``offs_m`` of head ``off_bh`` of a (batch, heads, rows, HEAD_DIM)
+    tensor through its strides."""
+    off_b = (off_bh // n_heads).to(tl.int64)
+    off_h = (off_bh % n_heads).to(tl.int64)
+    return base + off_b * stride_b + off_h * stride_h + offs_m[:, None] * stride_m + offs_d[None, :]
 
 
 @triton.jit(do_not_specialize=["n_heads", "n_queries", "n_splits"])
@@ -313,29 +337,22 @@ def attn_fwd_combine_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
 ):
-    start_m = tl.program_id(0) * BLOCK_M
-    off_bh = tl.program_id(1)
-    batch_heads = tl.num_programs(1)
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    rows = offs_m < n_queries
+    off_bh, batch_heads, offs_m, rows, offs_d = _parts_pass_program(n_queries, HEAD_DIM, BLOCK_M)
     lse_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     for split in range(0, n_splits):
-        part = (split * batch_heads + off_bh).to(tl.int64) * n_queries
+        part = _part_rows(split, batch_heads, off_bh, n_queries)
         lse_max = tl.maximum(lse_max, tl.load(LSE_part + part + offs_m, mask=rows, other=float("-inf")))
     lse_max = tl.where(rows, lse_max, 0.0)  # finite on every stored row: the part holding key 0 swept it
     total = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     for split in range(0, n_splits):
-        part = (split * batch_heads + off_bh).to(tl.int64) * n_queries
+        part = _part_rows(split, batch_heads, off_bh, n_queries)
         weight = tl.math.exp2(tl.load(LSE_part + part + offs_m, mask=rows, other=float("-inf")) - lse_max)
         o = tl.load(O_part + (part + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], mask=rows[:, None], other=0.0)
         acc += weight[:, None] * o
         total += weight
     total = tl.where(rows, total, 1.0)
-    off_b = (off_bh // n_heads).to(tl.int64)
-    off_h = (off_bh % n_heads).to(tl.int64)
-    O_ptr = O + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :]
+    O_ptr = _head_rows(O, off_bh, n_heads, stride_ob, stride_oh, stride_om, offs_m, offs_d)
     tl.store(O_ptr, (acc / total[:, None]).to(O.dtype.element_ty), mask=rows[:, None])
     tl.store(L + off_bh.to(tl.int64) * n_queries + offs_m, (lse_max + tl.math.log2(total)) * LN_2, mask=rows)
 
@@ -835,17 +852,10 @@ def attn_bwd_sum_parts_kernel(
     BLOCK_M: tl.constexpr,
 ):
     """``Out = sum of the parts``, added in part order, in Out's dtype."""
-    start_m = tl.program_id(0) * BLOCK_M
-    off_bh = tl.program_id(1)
-    batch_heads = tl.num_programs(1)
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    rows = offs_m < n_rows
+    off_bh, batch_heads, offs_m, rows, offs_d = _parts_pass_program(n_rows, HEAD_DIM, BLOCK_M)
     total = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     for part in range(0, n_parts):
-        slot = (part * batch_heads + off_bh).to(tl.int64) * n_rows
+        slot = _part_rows(part, batch_heads, off_bh, n_rows)
         total += tl.load(Parts + (slot + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], mask=rows[:, None], other=0.0)
-    off_b = (off_bh // n_heads).to(tl.int64)
-    off_h = (off_bh % n_heads).to(tl.int64)
-    out = Out + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :]
+    out = _head_rows(Out, off_bh, n_heads, stride_ob, stride_oh, stride_om, offs_m, offs_d)
     tl.store(out, total.to(Out.dtype.element_ty), mask=rows[:, None])
