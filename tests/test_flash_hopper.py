@@ -272,6 +272,33 @@ def test_persistent_forward_runs_many_tiles_per_program_gpu(monkeypatch, is_caus
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not hopper_gpu(), reason="needs a Hopper GPU")
+def test_forward_first_planned_in_a_cuda_graph_capture_replays_gpu(monkeypatch):
+    """A forward whose plan is first made while a CUDA graph is captured: its schedule is copied by the graph from
+    page-locked memory at each replay, and the plan is not cached (its schedule lives in the graph's memory).
+    Replays on new inputs (written into the captured ones) match float64, outputs NaN-poisoned at each replay."""
+    torch.manual_seed(2)
+    Q, K, V = (torch.randn(2, 40, 1000, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    hopper.forward(Q, K, V, True, 1 / 8)  # compiled before the capture: the test is of the plan made in it
+    monkeypatch.setattr(hopper, "_plans", {})
+    monkeypatch.setattr(hopper, "_captured_sources", [])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), poisoned_outputs():
+        output, _ = hopper.forward(Q, K, V, True, 1 / 8)
+    assert hopper._plans == {}
+    assert len(hopper._captured_sources) == 1 and hopper._captured_sources[0].is_pinned()
+    for seed in (3, 4):
+        torch.manual_seed(seed)
+        for x in (Q, K, V):
+            x.copy_(torch.randn_like(x))
+        graph.replay()
+        expected = torch.nn.functional.scaled_dot_product_attention(Q.double(), K.double(), V.double(),
+                                                                    is_causal=True)
+        assert relative_error(output, expected) < 1e-2
+    del graph  # before the page-locked schedule it copies from
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not hopper_gpu(), reason="needs a Hopper GPU")
 @pytest.mark.parametrize("d", [16, 32, 64, 80, 128])
 @pytest.mark.parametrize("layout", ["contiguous", "transposed"])
 def test_hopper_and_triton_kernels_agree_gpu(d, layout):
