@@ -1068,3 +1068,21 @@ def test_fsdp_settings_keep_the_longest_launch_over_a_later_shorter_one():
     other_model = [dict(r, context_length=1024, steps=40) for r in history[:2]]  # longer, but another model
     (setting,) = fsdp_settings(history[2:], other_model + history)
     assert (setting["steps"], setting["step_ratio"]) == (20, pytest.approx(378.0 / 510.0))
+
+
+def test_leaderboard_marks_backends_of_an_earlier_run_and_compares_only_ours_run(tmp_path):
+    """A backend whose latest row comes from an earlier run than ours' is marked in the table and named in the
+    caption, and the text's fastest backend is taken from ours' run only (here the earlier FlashAttention-2 row,
+    7 ms, would otherwise beat cuDNN's 8)."""
+    results = tmp_path / "results"
+    write_fixture(results, tmp_path / "row-figures")
+    rows = fixture_leaderboard()
+    for r in rows:
+        if r["provider"] == "sdpa_flash":
+            r.update(run="20261120T100000Z-000000", fwd_bwd_ms=7.0, env={**r["env"], "date": "2026-11-20T10:00:00Z"})
+    (results / "leaderboard.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    section = SECTIONS["leaderboard"](Results(results), Output(tmp_path / "figures", tmp_path / "build"))
+    table = section["tables"]["main"]
+    assert [r[0] for r in table["rows"]][:2] == ["SDPA, FlashAttention backend †", "SDPA, cuDNN backend"]
+    assert "† in an earlier run of the same protocol (2026-11-20)" in table["caption"]
+    assert (section["n"]["best"], section["n"]["best_ms"]) == ("SDPA, cuDNN backend", "8.00")
