@@ -182,6 +182,15 @@ def _stacks_table(cases: dict[Any, Case]) -> dict[str, Any]:
                  align=["left", "left", "left"], size=8)
 
 
+MARKER = "†"
+"""Marks a comparison of rows from different invocations of the tool."""
+
+
+def same_run(*rows: dict[str, Any] | None) -> bool:
+    """Whether every row was measured and all come from one invocation of the tool."""
+    return all(measured(r) for r in rows) and len({r.get("run") for r in rows}) == 1
+
+
 def _main_table(cases: dict[Any, Case], marker: str) -> dict[str, Any]:
     body = []
     for (size, context, batch), case in cases.items():
@@ -252,9 +261,13 @@ def _phase_table(cases: dict[Any, Case], size: str, replay_bwd: list[float]
             torch, ours = value(rows["torch"], label), value(rows["ours"], label)
             cells += [num(torch, 1), num(ours, 1), f"{ours - torch:+.1f}"]
         body.append(cells)
-    header = [["", *[span(f"context {c:,}, batch {b}", 3) for (c, b), _ in pairs]],
+    apart = {shape for shape, rows in pairs if rows["ours"].get("run") != rows["torch"].get("run")}
+    header = [["", *[span(f"context {c:,}, batch {b}" + (f" {MARKER}" if (c, b) in apart else ""), 3)
+                     for (c, b), _ in pairs]],
               ["ms", *["torch", "ours", "ours − torch"] * len(pairs)]]
     replay = (f" (their rows record a backward of at most {num(max(replay_bwd), 2)} ms)" if replay_bwd else "")
+    if apart:
+        replay += f". {MARKER}: the two stacks' rows come from different invocations of the tool"
     tab = table(header, body, f"The {size} model's training step by phase, {VARIANT_NAMES[PHASE_VARIANT]} variant "
                 "(medians over steps timed phase by phase, the device synchronised after each phase, so the phases "
                 "do not add up exactly to the step timed whole). The optimizer phase includes zeroing the "
@@ -324,9 +337,12 @@ def _recompute_rows(res, device: str, cases: dict[tuple[str, int, int], Case]) -
         torch_row = cases.get(key, {}).get(("torch", "default"))
         if not measured(torch_row) or not (cases[key].get(("ours", "default")) or {}).get("oom"):
             continue
+        apart = "" if same_run(r, torch_row) else (
+            f" (another invocation: commit {torch_row.get('env', {}).get('commit', '?')[:7]} against "
+            f"{r.get('env', {}).get('commit', '?')[:7]})")
         phrases.append(f"at {r['size']} and {shape_label(r['context_length'], r['batch_size'])} it takes "
                        f"{num(r['step_ms'])} ms at a peak of {num(r['peak_gb'])} GB, against torch's default variant's "
-                       f"{num(torch_row['step_ms'])} ms and {num(torch_row['peak_gb'])} GB")
+                       f"{num(torch_row['step_ms'])} ms and {num(torch_row['peak_gb'])} GB{apart}")
     return "; ".join(phrases)
 
 
@@ -335,7 +351,7 @@ def train_step(res, out: Output) -> dict[str, Any]:
     cases = load_train_step(res)
     if not any(step_ratio(c) for c in cases.values()):
         raise Missing("writeup/results/train_step.jsonl", "no configuration measured with both stacks (with a variant)")
-    marker = "†"
+    marker = MARKER
     both = {key: c for key, c in cases.items() if step_ratio(c)}
     ratios = {key: step_ratio(c) for key, c in both.items()}
     rows = [r for c in cases.values() for r in c.values()]
@@ -383,13 +399,13 @@ def train_step(res, out: Output) -> dict[str, Any]:
     # variant leaves out the memory its graph's private pool holds.
     defaults = [(c.get(("torch", "default")), c.get(("ours", "default"))) for c in both.values()]
     peak_ratio = [o["peak_gb"] / t["peak_gb"] for t, o in defaults
-                  if measured(t) and measured(o) and o.get("peak_gb") and t.get("peak_gb")]
+                  if same_run(t, o) and o.get("peak_gb") and t.get("peak_gb")]
     default_oom = [f"{case_name(key)} ({stack})" for key, c in both.items() for stack in STACKS
                    if (c.get((stack, "default")) or {}).get("oom")]
     recompute = _recompute_rows(res, device, both)
     faster = {s: [c for c in both.values() if best(c, s)["variant"] == "cudagraphs"] for s in STACKS}
     gains = {s: {key: c[(s, "default")]["step_ms"] / c[(s, "cudagraphs")]["step_ms"] for key, c in both.items()
-                 if measured(c.get((s, "default"))) and measured(c.get((s, "cudagraphs")))} for s in STACKS}
+                 if same_run(c.get((s, "default")), c.get((s, "cudagraphs")))} for s in STACKS}
     gain = {s: list(g.values()) for s, g in gains.items()}
     most_gain = {s: case_name(max(g, key=g.get)) if g else DASH for s, g in gains.items()}
     runs = sorted({r["run"] for t, o in bests for r in (t, o)})
