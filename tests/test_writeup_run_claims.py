@@ -10,11 +10,12 @@ from typing import Any
 
 import pytest
 
+from tests import test_writeup  # loads writeup/build.py, which puts writeup/ on sys.path (skips without typst)
 from tests._writeup_fixture import row, write_fixture
-from tests.test_writeup import WRITEUP  # loads writeup/build.py, which puts writeup/ on sys.path
 
-from pipeline.results import Results  # noqa: E402
-from pipeline.sections import SECTIONS, Output  # noqa: E402
+WRITEUP = test_writeup.WRITEUP
+from pipeline.results import Results
+from pipeline.sections import SECTIONS, Output
 
 
 def section_with(tmp_path: Path, name: str, problem: str,
