@@ -234,9 +234,12 @@ def forward_grid(res) -> dict[str, Any]:
     except Missing:
         return {"table": None, "n": {"has_grid": False}}
     by_shape: dict[tuple, dict[str, float]] = {}
+    run_of: dict[tuple, dict[str, Any]] = {}  # the call that wrote each line (a line without a run: the file's call)
     for r in lines:
         name = r["provider"] if r["provider"] != "ours" else f"ours {r['programs_per_sm']}"
         by_shape.setdefault((r["dtype"], r["rows"], r["cols"]), {})[name] = r["gbps"]
+        run_of.setdefault((r["dtype"], r["rows"], r["cols"]), {})[name] = r.get("run")
+    calls = len({r.get("run") for r in lines})
     grids = {"ours 4": "4 per SM", "ours 16": "16 per SM", "ours 0": "one per tile", "ours None": "tuned"}
     body, ratios = [], {}
     for (dtype, m, n_cols), got in sorted(by_shape.items()):
@@ -246,14 +249,16 @@ def forward_grid(res) -> dict[str, Any]:
                      num(ratio, 3)])
     header = ["dtype", "M × N", *[f"ours, {g}" for g in grids.values()], "Liger", "tuned / Liger"]
     caption = (f"Our RMSNorm forward by grid size (programs per SM; tuned: the autotuner's pick among them) and "
-               f"Liger's, GB/s on CUDA-graph replays, one call on {lines[0]['device']} "
-               f"(scripts/rmsnorm_forward_grid.py).")
+               f"Liger's, GB/s on CUDA-graph replays, {'one call' if calls == 1 else f'{calls} calls'} on "
+               f"{lines[0]['device']} (scripts/rmsnorm_forward_grid.py).")
     return {"table": table(header, body, caption, align=["left", "right", *["right"] * 6], size=7),
             "n": {"has_grid": True, "ratios": "; ".join(f"{d}: {spread(min(v), max(v))}" for d, v in ratios.items()),
                   "wins": sum(r >= 1 for v in ratios.values() for r in v),
                   "shapes": sum(len(v) for v in ratios.values()),
                   "before": spread(min(by["ours 4"] / by["liger"] for by in by_shape.values()),
-                                   max(by["ours 4"] / by["liger"] for by in by_shape.values()))}}
+                                   max(by["ours 4"] / by["liger"] for by in by_shape.values())),
+                  "calls": str(calls) if calls > 1 else "one",
+                  "before_same_call": all(run["ours 4"] == run["liger"] for run in run_of.values())}}
 
 
 def _time_span(row: dict[str, Any]) -> float:

@@ -12,7 +12,9 @@ from cs336_systems.bench.ddp_overhead_model import fit_overhead_model
 from pipeline import accounting, figures
 from pipeline.markup import DASH, num, pct, sci_parts, sig, span, table, times
 from pipeline.results import Missing
+from pipeline.sections.flash import row_date
 from pipeline.sections.registry import Output, problem
+from pipeline.sections.single_gpu import row_commit
 
 TOY_LOG = "h200x2-tests/toy_training.log"  # written by scripts/device_tests.sh on two GPUs
 TOY_ENV = "h200x2-tests/environment.txt"
@@ -389,6 +391,16 @@ def trace_numbers(row: dict[str, Any] | None) -> dict[str, Any]:
             "device": str(row.get("device", DASH))}
 
 
+def machine_and_commit(rows: list[dict[str, Any]], ranks: bool = False) -> str:
+    """Each distinct device and commit of ``rows`` (with the ranks used, if ``ranks``), e.g. ``2 ranks of 4x NVIDIA
+    H100 80GB HBM3 at commit a0d588e (2026-11-26)``."""
+    places = []
+    for r in rows:
+        where = f"{r.get('world_size')} ranks of {r.get('device', DASH)}" if ranks else r.get("device", DASH)
+        places.append(f"{where} at commit {row_commit(r)} ({row_date(r)})")
+    return " and ".join(dict.fromkeys(places))
+
+
 @problem("ddp_overlap_individual_parameters_benchmarking")
 def ddp_overlap_individual_parameters_benchmarking(res, out: Output) -> dict[str, Any]:
     rows = load_ddp(res)
@@ -396,6 +408,9 @@ def ddp_overlap_individual_parameters_benchmarking(res, out: Output) -> dict[str
     numbers = {v: per_dtype(rows, v) for v in ("naive", "flattened", "overlapped", "torch_ddp")}
     traced = traced_rows(res)
     figures = {f"{v}_{d}": trace_figure(out, traced.get((v, d))) for v in TRACED for d in DTYPE_ORDER}
+    # Part (b)'s fp32 traces may come from another machine or commit than the table's rows: the text names both.
+    fp32_traces = [traced[(v, "fp32")] for v in TRACED if (v, "fp32") in traced]
+    same = {(r.get("device"), row_commit(r)) for r in fp32_traces} <= {(r.get("device"), row_commit(r)) for r in shown}
     return {"tables": {"main": ddp_table(shown, CAPTION.format(setup=ddp_setup(rows)))},
             "figures": figures,
             "n": {**numbers, "torch": numbers["torch_ddp"],
@@ -403,7 +418,9 @@ def ddp_overlap_individual_parameters_benchmarking(res, out: Output) -> dict[str
                               for d in DTYPE_ORDER},
                   "vs_torch": {d: times(numbers["overlapped"][d]["_step"] / numbers["torch_ddp"][d]["_step"])
                                for d in DTYPE_ORDER},
-                  "trace": {v: {d: trace_numbers(traced.get((v, d))) for d in DTYPE_ORDER} for v in TRACED}}}
+                  "trace": {v: {d: trace_numbers(traced.get((v, d))) for d in DTYPE_ORDER} for v in TRACED},
+                  "trace_where": {"same": same, "trace": machine_and_commit(fp32_traces, ranks=True),
+                                  "table": machine_and_commit(shown)}}}
 
 
 def overhead_fits(bucketed: list[dict[str, Any]], collective: list[dict[str, Any]]) -> dict[str, Any]:

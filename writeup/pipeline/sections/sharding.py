@@ -10,8 +10,10 @@ from cs336_basics.model import MODEL_SIZES
 from cs336_systems.bench.fsdp_accounting import CHECK_LR, CHECK_TOLERANCE, weight_tolerance
 from pipeline import accounting
 from pipeline.markup import DASH, num, span, spread, table, times
-from pipeline.results import Missing
+from pipeline.results import Missing, config_of, read_jsonl
+from pipeline.sections.flash import row_date
 from pipeline.sections.registry import Output, problem
+from pipeline.sections.single_gpu import row_commit
 from pipeline.snapshot_reports import BEFORE_RECORDING, parse_snapshot_reports
 
 
@@ -40,6 +42,8 @@ def optimizer_state_sharding(res, out: Output) -> dict[str, Any]:
 SHARDING_FILE = "writeup/results/optimizer_state_sharding_accounting.jsonl"
 OPTIMIZER_LABEL = {"adamw": "AdamW", "sharded": "ours (ShardedOptimizer)", "zero_redundancy": "ZeroRedundancyOptimizer",
                    "zero1_flat": "ours, ZeRO-1 flat (FlatShardedOptimizer)"}
+OPTIMIZER_SHORT = {"adamw": "AdamW", "sharded": "ours", "zero_redundancy": "ZeroRedundancyOptimizer",
+                   "zero1_flat": "flat ZeRO-1"}
 REQUIRED_KINDS = ("adamw", "sharded", "zero_redundancy")  # zero1_flat rows are shown when measured
 DTYPE_ORDER = ["fp32", "bf16"]
 
@@ -52,11 +56,38 @@ def optimizer_kind(name: str) -> str:
     return "zero_redundancy" if "zero" in name else "sharded" if "shard" in name else "adamw"
 
 
+def newest_first(row: dict[str, Any]) -> tuple[str, str]:
+    return (str(row.get("env", {}).get("date", "")), str(row.get("run", "")))
+
+
+def rows_of_one_commit(latest: list[dict[str, Any]], history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per dtype, AdamW, ours and ZeRO from one commit: each one's newest row at the newest commit (of ``latest``'s
+    device) where all three ran; the other optimizers (the flat ZeRO-1) keep their newest row, and a dtype without
+    such a commit its newest rows. ``latest``: the newest row per configuration, of one device; ``history``: every
+    row of the file."""
+    chosen = []
+    for dtype in dict.fromkeys(r.get("dtype") for r in latest):
+        rows = [r for r in latest if r.get("dtype") == dtype]
+        required = {config_of(r) for r in rows if optimizer_kind(r["optimizer"]) in REQUIRED_KINDS}
+        by_commit: dict[str, dict[str, dict[str, Any]]] = {}
+        for r in sorted(history, key=newest_first):  # the newest row of a configuration at a commit is kept
+            if r.get("device") == rows[0].get("device") and config_of(r) in required:
+                by_commit.setdefault(row_commit(r), {})[config_of(r)] = r
+        complete = [found for found in by_commit.values() if set(found) == required]
+        if complete:
+            newest = max(complete, key=lambda found: max(newest_first(r) for r in found.values()))
+            rows = [newest.get(config_of(r), r) for r in rows]
+        chosen += rows
+    return chosen
+
+
 def load_sharding_accounting(res, world_size: int = 2) -> list[dict[str, Any]]:
-    """The rows of ``world_size`` ranks by dtype, then AdamW, ours, ZeRO; ``kind`` normalised (each case ran on
-    freshly spawned ranks)."""
+    """The rows of ``world_size`` ranks (:func:`rows_of_one_commit`) by dtype, then AdamW, ours, ZeRO; ``kind``
+    normalised (each case ran on freshly spawned ranks, a launch of its own)."""
+    history = read_jsonl(res.path("optimizer_state_sharding_accounting.jsonl"))
     rows = [dict(r, kind=optimizer_kind(r["optimizer"]))
-            for r in res.rows("optimizer_state_sharding_accounting", world_size=world_size)]
+            for r in res.rows("optimizer_state_sharding_accounting", world_size=world_size,
+                              keep=lambda latest: rows_of_one_commit(latest, history))]
     order = list(OPTIMIZER_LABEL)
     return sorted(rows, key=lambda r: (DTYPE_ORDER.index(r["dtype"]) if r.get("dtype") in DTYPE_ORDER else 9,
                                        order.index(r["kind"])))
@@ -106,6 +137,9 @@ def optimizer_state_sharding_accounting(res, out: Output) -> dict[str, Any]:
             "slowdown": times(sharded["step_ms"] / plain["step_ms"]),
             "zero_slowdown": times(zero["step_ms"] / plain["step_ms"]),
             "vs_zero": times(sharded["step_ms"] / zero["step_ms"], 3),
+            # "" when the three rows share a commit, else each one's commit, said next to the ratios
+            "commits": "" if len({row_commit(r) for r in (plain, sharded, zero)}) == 1 else commits_phrase(
+                [plain, sharded, zero]),
             **flat_numbers(ok.get((dtype, "zero1_flat")), zero),
         }
 
@@ -113,8 +147,10 @@ def optimizer_state_sharding_accounting(res, out: Output) -> dict[str, Any]:
         """The ZeRO-1 flat optimizer beside ZeroRedundancyOptimizer, when measured."""
         if flat is None:
             return {"has_flat": False}
+        note = two_commits(flat, zero)
         return {"has_flat": True, "step_flat": num(flat["step_ms"]), "peak_flat": num(flat["peak_gb"], 2),
-                "peak_zero_2": num(zero["peak_gb"], 2), "flat_vs_zero": times(flat["step_ms"] / zero["step_ms"], 3),
+                "peak_zero_2": num(zero["peak_gb"], 2),
+                "flat_vs_zero": times(flat["step_ms"] / zero["step_ms"], 3) + (f"; {note}" if note else ""),
                 "flat_no_worse": flat["step_ms"] <= zero["step_ms"] and flat["peak_gb"] <= zero["peak_gb"]}
 
     n = {
@@ -129,6 +165,7 @@ def optimizer_state_sharding_accounting(res, out: Output) -> dict[str, Any]:
     # Where these rows and the DDP benchmarks' ran: the launch-to-launch variation quoted from the DDP section was
     # measured on its own machine.
     n["where"] = rows[0].get("device", DASH)
+    n["commits"] = commits_phrase([r for r in rows if r["kind"] in REQUIRED_KINDS])
     ddp_rows = res.rows("ddp_benchmarking", world_size=int(world))
     ddp_devices = sorted({r.get("device", DASH) for r in ddp_rows})
     quoted = {id(r) for r in ddp_rows}
@@ -145,32 +182,61 @@ def flat_at_four(rows: list[dict[str, Any]]) -> dict[str, Any]:
     out = {"world": str(rows[0].get("world_size")), "where": rows[0].get("device", DASH)}
     for dtype in DTYPE_ORDER:
         flat, zero = ok.get((dtype, "zero1_flat")), ok.get((dtype, "zero_redundancy"))
-        out[dtype] = {"vs_zero": times(flat["step_ms"] / zero["step_ms"], 3) if flat and zero else DASH,
+        note = two_commits(flat, zero) if flat and zero else ""
+        out[dtype] = {"vs_zero": times(flat["step_ms"] / zero["step_ms"], 3) + (f" ({note})" if note else "")
+                      if flat and zero else DASH,
                       "peak_flat": num(flat and flat["peak_gb"], 2), "peak_zero": num(zero and zero["peak_gb"], 2)}
     return out
 
 
+def commits_phrase(rows: list[dict[str, Any]]) -> str:
+    """Where in the history ``rows`` ran: ``commit e615cb1, 2026-11-25``, or each commit with its rows'
+    optimizers and dtypes."""
+    groups: dict[str, list[str]] = {}
+    for r in rows:
+        groups.setdefault(f"{row_commit(r)}, {row_date(r)}", []).append(
+            f"{OPTIMIZER_SHORT[optimizer_kind(r['optimizer'])]} {r.get('dtype', '')}".strip())
+    if len(groups) == 1:
+        return f"commit {next(iter(groups))}"
+    return "commits " + "; ".join(f"{commit} ({', '.join(what)})" for commit, what in groups.items())
+
+
+def two_commits(flat: dict[str, Any], zero: dict[str, Any]) -> str:
+    """"" when the flat ZeRO-1 and ``ZeroRedundancyOptimizer`` rows share a commit, else both commits."""
+    if row_commit(flat) == row_commit(zero):
+        return ""
+    return f"flat at commit {row_commit(flat)}, ZeroRedundancyOptimizer at commit {row_commit(zero)}"
+
+
 def sharding_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Step, ratios to AdamW and to ``ZeroRedundancyOptimizer`` of the same dtype, peak and state, per row."""
+    """Step, ratios to AdamW and to ``ZeroRedundancyOptimizer`` of the same dtype, peak and state, per row; a row
+    of another commit than its dtype's AdamW row is marked (†), and the caption names the commits."""
     size, _, world = model_params(rows)
     ok = {(r.get("dtype"), r["kind"]): r for r in rows if not r.get("oom")}
+    adamw_commit = {r.get("dtype"): row_commit(r) for r in rows if r["kind"] == "adamw"}
+    elsewhere = [r for r in rows if row_commit(r) != adamw_commit.get(r.get("dtype"), row_commit(r))]
 
     def ratio(r: dict[str, Any], kind: str) -> str:
         base = ok.get((r.get("dtype"), kind))
         return times(r["step_ms"] / base["step_ms"], 3) if base and not r.get("oom") else DASH
 
-    summary = [[OPTIMIZER_LABEL[r["kind"]], r.get("dtype", DASH)]
+    summary = [[OPTIMIZER_LABEL[r["kind"]] + (" †" if r in elsewhere else ""), r.get("dtype", DASH)]
                + (["OOM", DASH, DASH, DASH, DASH] if r.get("oom") else
                   [num(r.get("step_ms")), ratio(r, "adamw"), ratio(r, "zero_redundancy"), num(r.get("peak_gb"), 2),
                    num(r.get("optimizer_state_gb"), 2)]) for r in rows]
     first = rows[0]
+    steps = " or ".join(str(s) for s in sorted({r["steps"] for r in rows if r.get("steps") is not None}))
+    commits = f"Unmarked rows at {commits_phrase([r for r in rows if r not in elsewhere])}"
+    if elsewhere:
+        commits += (f"; † at another commit than AdamW's of its dtype ({commits_phrase(elsewhere)}): their ratios "
+                    "compare launches of different commits")
     return table(["optimizer", "dtype", "step (ms)", "vs AdamW", "vs ZeRO", "peak (GB)", "optimizer state (GB)"],
                  summary,
                  f"{size} model on {world} GPUs ({first.get('device', DASH)}) under our bucketed DDP "
                  f"({first.get('ddp', DASH)}), context {first.get('context_length')}, batch {first.get('batch_size')} "
-                 f"per GPU, each case on freshly spawned ranks: median step time over {first.get('steps')} steps, its "
+                 f"per GPU, each case on freshly spawned ranks: median step time over {steps} steps, its "
                  "ratio to AdamW and to ZeroRedundancyOptimizer of the same dtype, peak memory per GPU and the "
-                 "optimizer state each GPU holds.", size=8)
+                 f"optimizer state each GPU holds. {commits}.", size=8)
 
 
 @problem("fsdp")

@@ -11,6 +11,7 @@ from cs336_basics.model import MODEL_SIZES
 from pipeline import accounting, figures
 from pipeline.markup import DASH, gb, num, pct, pm, short_kernel, span, spread, table, times
 from pipeline.results import Missing
+from pipeline.sections.flash import row_date
 from pipeline.sections.registry import Output, problem
 
 SIZES = list(MODEL_SIZES)  # small ... 2.7B, the order every table uses
@@ -39,6 +40,16 @@ def oom_or(row: dict[str, Any] | None, text: str) -> str:
 
 def cv(row: dict[str, Any]) -> float:
     return row["std_ms"] / row["mean_ms"]
+
+
+def row_commit(row: dict[str, Any]) -> str:
+    """The commit a row was measured at (its first seven characters), or "?"."""
+    return str((row.get("env") or {}).get("commit") or row.get("git_commit") or "?")[:7]
+
+
+def measured_at(row: dict[str, Any]) -> str:
+    """``commit 8224ee2, 2026-11-22``: the code and the day of a row."""
+    return f"commit {row_commit(row)}, {row_date(row)}"
 
 
 def join_words(words: list[str]) -> str:
@@ -581,12 +592,28 @@ def pytorch_attention(res, out: Output) -> dict[str, Any]:
     return {"tables": {"grid": grid}, "figures": {"memory": figure}, "n": n}
 
 
+def split_pair(eager: dict[str, Any], compiled: dict[str, Any], what: str, split: list[tuple[str, str]]) -> str:
+    """" †" when the eager and the compiled row of a compared pair come from different runs (invocations), noting
+    ``what`` and the two rows' code and day in ``split``; "" when one run measured both."""
+    if eager.get("run") == compiled.get("run"):
+        return ""
+    split.append((what, f"eager {measured_at(eager)}; compiled {measured_at(compiled)}"))
+    return " †"
+
+
+def split_note(split: list[tuple[str, str]]) -> str:
+    """The caption's note on the pairs that :func:`split_pair` marked, or "" when every pair shares a run."""
+    if not split:
+        return ""
+    return f" † eager and compiled from different runs: {'; '.join(f'{what} ({runs})' for what, runs in split)}."
+
+
 @problem("torch_compile")
 def torch_compile(res, out: Output) -> dict[str, Any]:
     rows = res.rows("torch_compile")
     attention = [row for row in rows if row.get("part") == "attention"]
     model = [row for row in rows if row.get("part") == "model"]
-    body, speedups = [], []
+    body, speedups, attention_split = [], [], []
     for d in sorted({r["d"] for r in attention}):
         for length in sorted({r["seq_len"] for r in attention}):
             eager, compiled = one(attention, d=d, seq_len=length, attention="naive"), one(attention, d=d, seq_len=length,
@@ -599,23 +626,26 @@ def torch_compile(res, out: Output) -> dict[str, Any]:
             if ok:
                 speedups.append((d, length, eager["forward_mean_ms"] / compiled["forward_mean_ms"],
                                  eager["backward_mean_ms"] / compiled["backward_mean_ms"]))
-            cells += [times(speedups[-1][2]) if ok else DASH, times(speedups[-1][3]) if ok else DASH]
+                mark = split_pair(eager, compiled, f"d = {d}, T = {length:,}", attention_split)
+            cells += [times(speedups[-1][2]) + mark if ok else DASH, times(speedups[-1][3]) + mark if ok else DASH]
             body.append(cells)
     header = [["", "", span("eager", 2), span("compiled", 2), span("speed-up", 2)],
               ["d", "length", "fwd", "bwd", "fwd", "bwd", "fwd", "bwd"]]
     first = attention[0] if attention else {}
     attention_table = table(header, body, f"Attention eager vs torch.compile, batch {first.get('batch_size')}, "
-                            f"{first.get('dtype')}: ms per pass (mean of {first.get('passes')}).", size=8)
-    model_body, model_speedups = [], {}
+                            f"{first.get('dtype')}: ms per pass (mean of {first.get('passes')})."
+                            + split_note(attention_split), size=8)
+    model_body, model_speedups, model_split = [], {}, []
     for size in sorted({r["size"] for r in model}, key=size_order):
         cells = [size]
         for mode in ("forward", "train_step"):
             eager, compiled = one(model, size=size, mode=mode, compile=False), next(
                 (r for r in by(model, size=size, mode=mode) if r.get("compile")), None)
             ok = eager and compiled and not eager.get("oom") and not compiled.get("oom")
+            mark = split_pair(eager, compiled, f"{size} {MODE_LABEL[mode]}", model_split) if ok else ""
             cells += [oom_or(eager, pm(eager and eager.get("mean_ms"), eager and eager.get("std_ms"))),
                       oom_or(compiled, pm(compiled and compiled.get("mean_ms"), compiled and compiled.get("std_ms"))),
-                      times(eager["mean_ms"] / compiled["mean_ms"]) if ok else DASH]
+                      times(eager["mean_ms"] / compiled["mean_ms"]) + mark if ok else DASH]
             if ok:
                 model_speedups.setdefault(mode, []).append(eager["mean_ms"] / compiled["mean_ms"])
         model_body.append(cells)
@@ -624,10 +654,10 @@ def torch_compile(res, out: Output) -> dict[str, Any]:
     mfirst = model[0] if model else {}
     model_table = table(model_header, model_body, f"Whole model eager vs torch.compile, fp32, batch "
                         f"{mfirst.get('batch_size')}, context {mfirst.get('context_length')}: mean ± std (ms); "
-                        "– : not measured.", size=8)
+                        "– : not measured." + split_note(model_split), size=8)
     long = [s for s in speedups if s[1] >= 4096]
-    # The eager attention here is measured in the same run as the compiled one; how far it lies from the
-    # pytorch_attention table's separate run (forward and backward, every case both measured).
+    # The eager attention here is measured beside the compiled one (in one run unless marked); how far it lies
+    # from the pytorch_attention table's separate run (forward and backward, every case both measured).
     table_rows = {(r["d"], r["seq_len"]): r for r in res.rows("pytorch_attention") if not r.get("oom")}
     gaps = [abs(e[k] / table_rows[(e["d"], e["seq_len"])][k] - 1)
             for e in attention if e.get("attention") == "naive" and not e.get("oom") and (e["d"], e["seq_len"]) in table_rows
@@ -650,6 +680,9 @@ def torch_compile(res, out: Output) -> dict[str, Any]:
         "model_fwd_hi": times(max(model_speedups.get("forward", [math.nan]))),
         "model_step_lo": times(min(model_speedups.get("train_step", [math.nan]))),
         "model_step_hi": times(max(model_speedups.get("train_step", [math.nan]))),
+        # The compared pairs whose eager and compiled rows come from different runs (marked † in the tables).
+        "attention_split": join_words([what for what, _ in attention_split]),
+        "model_split": join_words([what for what, _ in model_split]),
     }
     return {"tables": {"attention": attention_table, "model": model_table}, "n": n}
 
