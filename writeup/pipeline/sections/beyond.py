@@ -504,6 +504,11 @@ def _point_name(point: tuple[int, int]) -> str:
     return f"{point[0]}×{point[1]}"
 
 
+def short_gpu(name: str) -> str:
+    """``'NVIDIA H100 80GB HBM3'`` -> ``'H100'``."""
+    return (name.removeprefix("NVIDIA ").split() or [name])[0]
+
+
 def _log_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The log (``flash_log``'s rows): one table line per measured step in file order with its latest decision
     (``flash_log.latest_decisions``: a ``--set-decision`` row overrides), the hypothesis and notes of each step,
@@ -525,7 +530,7 @@ def _log_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     for r in measured:
         board, at = r["leaderboard"], by_point(r)
         ours = num(board.get("ours_fwd_bwd_ms"), 2)
-        body.append([r["step"], *([gpu(r)] if several else []), decisions.get(r["step"], "pending"),
+        body.append([r["step"], *([short_gpu(gpu(r))] if several else []), decisions.get(r["step"], "pending"),
                      ours if board.get("verified") is not False else f"{ours} (not verified)",
                      num(board.get("sdpa_cudnn_fwd_bwd_ms"), 2), times(board.get("ratio_vs_cudnn")),
                      *[times(at.get(p, {}).get("ratio_vs_cudnn")) for p in points],
@@ -540,7 +545,8 @@ def _log_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
                 "(ours and SDPA cuDNN), ours / cuDNN forward + backward at each point of the sweep (causal, bf16, "
                 "sequence length N × head dim d)"
                 + (f", and our backward alone at {_point_name(bwd_point)}" if bwd_point else "")
-                + (f"; GPU: the one each step ran on (ratios are against cuDNN on the same GPU in the same run)."
+                + (f"; GPU: the one each step ran on ({', '.join(gpus)}; ratios are against cuDNN on the same GPU "
+                   "in the same run)."
                    if several else f"; every step on the {gpus[0]}."),
                 align=["left", *(["left"] if several else []), "left",
                        *["right"] * (3 + len(points) + bool(bwd_point))], size=7)

@@ -220,8 +220,12 @@ def flash_benchmarking(res, out: Output) -> dict[str, Any]:
             ax.set_xlabel("sequence length")
         axes[0].set_ylabel("forward + backward (ms)")
         figures.legend_below(fig, axes[0], ncol=len(providers))
+        runs_shown = {index[(p, n_, d_, dtype)].get("run") for p in providers for n_ in lengths for d_ in heads
+                      if fwd_bwd(index, (p, n_, d_, dtype))}
         figs[dtype] = out.save(fig, f"flash_benchmarking_{dtype}", f"Forward + backward latency against sequence "
-                               f"length, {dtype}, causal, batch 1 (log-log; missing points ran out of memory).")
+                               f"length, {dtype}, causal, batch 1 (log-log; missing points ran out of memory)"
+                               + ("; the providers' rows come from different runs, named in the tables' captions."
+                                  if len(runs_shown) > 1 else "."))
         ratios = [(n, d, fwd_bwd(index, (base, n, d, dtype)) / fwd_bwd(index, (ours, n, d, dtype)))
                   for n in lengths for d in heads
                   if fwd_bwd(index, (base, n, d, dtype)) and fwd_bwd(index, (ours, n, d, dtype))]

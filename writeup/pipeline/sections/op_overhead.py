@@ -173,6 +173,7 @@ def op_overhead(res, out: Output) -> dict[str, Any]:
          "cheaper": join_words([name(k) for k in cheaper]) or DASH, "dearer": join_words([name(k) for k in dearer]) or DASH,
          "has_cheaper": bool(cheaper), "has_dearer": bool(dearer),
          "attention": attention, "marker": marker, "older_marker": older_marker, "has_older": bool(older),
+         "older_commits": join_words([runs[i][1] for i in sorted(older)]),
          "older_ops": join_words([op for op in ops if any(run_of[k] in older for k in keys if k[0] == op)]),
          "ce_forward_dearer": ("cross_entropy", "forward") in {k[::2] for k in dearer},
          "n_both": str(len(both)), "n_fell": str(sum(b < a for a, b in both.values())),
