@@ -509,6 +509,11 @@ def _point_name(point: tuple[int, int]) -> str:
     return f"{point[0]}×{point[1]}"
 
 
+def short_gpu(name: str) -> str:
+    """``'NVIDIA H100 80GB HBM3'`` -> ``'H100'``."""
+    return (name.removeprefix("NVIDIA ").split() or [name])[0]
+
+
 def _log_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The log (``flash_log``'s rows): one table line per measured step in file order with its latest decision
     (``flash_log.latest_decisions``: a ``--set-decision`` row overrides), the hypothesis and notes of each step,
@@ -521,26 +526,35 @@ def _log_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     def by_point(row: dict[str, Any]) -> dict[tuple[int, int], dict[str, Any]]:
         return {(p["seq_len"], p["d_head"]): p for p in row["points"]}
 
+    def gpu(row: dict[str, Any]) -> str:
+        return (row.get("env") or {}).get("gpu_name") or row.get("device", "an unknown device")
+
+    gpus = list(dict.fromkeys(map(gpu, measured)))
+    several = len(gpus) > 1  # then each line names its GPU, and absolute times compare within one GPU only
     body = []
     for r in measured:
         board, at = r["leaderboard"], by_point(r)
         ours = num(board.get("ours_fwd_bwd_ms"), 2)
-        body.append([r["step"], decisions.get(r["step"], "pending"),
+        body.append([r["step"], *([short_gpu(gpu(r))] if several else []), decisions.get(r["step"], "pending"),
                      ours if board.get("verified") is not False else f"{ours} (not verified)",
                      num(board.get("sdpa_cudnn_fwd_bwd_ms"), 2), times(board.get("ratio_vs_cudnn")),
                      *[times(at.get(p, {}).get("ratio_vs_cudnn")) for p in points],
                      *([num(at.get(bwd_point, {}).get("ours_bwd_ms"), 2)] if bwd_point else [])])
-    header = [["", "", span("leaderboard shape", 3), span("ours / cuDNN, N × d", len(points)),
-               *(["ours bwd (ms)"] if bwd_point else [])],
-              ["step", "decision", "ours (ms)", "cuDNN (ms)", "ours/cuDNN", *map(_point_name, points),
+    header = [["", *([""] if several else []), "", span("leaderboard shape", 3),
+               span("ours / cuDNN, N × d", len(points)), *(["ours bwd (ms)"] if bwd_point else [])],
+              ["step", *(["GPU"] if several else []), "decision", "ours (ms)", "cuDNN (ms)", "ours/cuDNN", *map(_point_name, points),
                *([_point_name(bwd_point)] if bwd_point else [])]]
     tab = table(header, body,
                 "The FlashAttention optimisation log (cs336_systems.bench.flash_log), one line per measured step "
                 "in the order measured, with its latest decision: forward + backward on the leaderboard shape "
                 "(ours and SDPA cuDNN), ours / cuDNN forward + backward at each point of the sweep (causal, bf16, "
                 "sequence length N × head dim d)"
-                + (f", and our backward alone at {_point_name(bwd_point)}." if bwd_point else "."),
-                align=["left", "left", *["right"] * (3 + len(points) + bool(bwd_point))], size=7)
+                + (f", and our backward alone at {_point_name(bwd_point)}" if bwd_point else "")
+                + (f"; GPU: the one each step ran on ({', '.join(gpus)}; ratios are against cuDNN on the same GPU "
+                   "in the same run)."
+                   if several else f"; every step on the {gpus[0]}."),
+                align=["left", *(["left"] if several else []), "left",
+                       *["right"] * (3 + len(points) + bool(bwd_point))], size=7)
 
     steps: dict[str, dict[str, Any]] = {}
     for r in rows:
@@ -561,16 +575,27 @@ def _log_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
                "hypothesis": sentences(s["hypothesis"]), "note": sentences(s["note"])} for s in steps.values()]
 
     first, last = measured[0], measured[-1]
-    devices = ", ".join(dict.fromkeys((r.get("env") or {}).get("gpu_name") or r.get("device", "an unknown device")
-                                      for r in measured))
+    devices = ", ".join(gpus)
 
-    def board_text(row: dict[str, Any]) -> str:
+    def board_text(row: dict[str, Any], with_ms: bool = True) -> str:
         board = row["leaderboard"]
-        return (f"{times(board.get('ratio_vs_cudnn'))} ({num(board.get('ours_fwd_bwd_ms'), 2)} ms against "
-                f"{num(board.get('sdpa_cudnn_fwd_bwd_ms'), 2)} ms)")
+        return times(board.get("ratio_vs_cudnn")) + (
+            f" ({num(board.get('ours_fwd_bwd_ms'), 2)} ms against {num(board.get('sdpa_cudnn_fwd_bwd_ms'), 2)} ms)"
+            if with_ms else f" on the {gpu(row)}")
 
     def bwd_ms(row: dict[str, Any]) -> str:
         return num(by_point(row).get(bwd_point, {}).get("ours_bwd_ms"), 2)
+
+    def on_one_gpu(rows_: list[dict[str, Any]]) -> str:
+        """The first and last step of one GPU: ours and cuDNN in ms, and our backward alone."""
+        a, b = rows_[0], rows_[-1]
+        if a is b:
+            return (f"the {gpu(a)} ran one step, {a['step']}: {board_text(a)}"
+                    + (f", our backward alone at {_point_name(bwd_point)} {bwd_ms(a)} ms" if bwd_point else ""))
+        return (f"on the {gpu(a)}, from {a['step']} to {b['step']} ({len(rows_)} steps), ours / cuDNN went from "
+                f"{board_text(a)} to {board_text(b)}"
+                + (f" and our backward alone at {_point_name(bwd_point)} from {bwd_ms(a)} ms to {bwd_ms(b)} ms"
+                   if bwd_point else ""))
 
     verified = [r for r in measured if r["leaderboard"].get("verified")]
     checks = ("every step passed the leaderboard's checks (one graph, our kernels, matches SDPA)"
@@ -579,13 +604,20 @@ def _log_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     if len(measured) == 1:
         summary = (f"One step ({first['step']}) was measured on {devices}; {checks}. On the leaderboard shape, ours "
                    f"takes {board_text(first)} the time of SDPA's cuDNN backend.")
-    else:
+    elif not several:
         summary = (f"{len(measured)} steps were measured, on {devices}; {checks}. On the leaderboard shape, ours / "
                    f"cuDNN went from {board_text(first)} at the first step, {first['step']} "
                    f"({decisions.get(first['step'], 'pending')}), to {board_text(last)} at the last, {last['step']} "
                    f"({decisions.get(last['step'], 'pending')})"
                    + (f"; our backward alone at {_point_name(bwd_point)} from {bwd_ms(first)} ms to "
                       f"{bwd_ms(last)} ms." if bwd_point else "."))
+    else:
+        summary = (f"{len(measured)} steps were measured, on {devices}; {checks}. On the leaderboard shape, ours / "
+                   f"cuDNN (each against cuDNN of its own run and GPU) went from {board_text(first, False)} at the "
+                   f"first step, {first['step']} ({decisions.get(first['step'], 'pending')}), to "
+                   f"{board_text(last, False)} at the last, {last['step']} "
+                   f"({decisions.get(last['step'], 'pending')}). Milliseconds compare within one GPU only: "
+                   + "; ".join(on_one_gpu([r for r in measured if gpu(r) == g]) for g in gpus) + ".")
     return {"table": tab, "steps": listed, "summary": summary, "n_steps": str(len(measured))}
 
 

@@ -10,6 +10,7 @@ from pipeline import figures
 from pipeline.markup import DASH, num, sci, span, spread, table, times
 from pipeline.results import Missing
 from pipeline.sections.registry import Output, problem
+from pipeline.sections.train_step import join_words
 
 ERRORS_FILE = "h100-hopper-backward/tests/flash_attention_triton_errors.json"  # the GPU tests with the Hopper kernels
 PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
@@ -113,24 +114,71 @@ def fwd_bwd(index: dict, key: tuple) -> float | None:
     return row.get("fwd_bwd_ms") if row and not row.get("oom") else None
 
 
-def where_ours_loses(index: dict, ours: str, other: str, lengths: list[int], heads: list[int], dtype: str) -> str:
+TIE = 0.02
+"""Rows of two different runs within 2 % of each other are a tie: no run set them side by side, and runs of the
+same configuration differ by about that much."""
+
+
+def latest_cells(rows: list[dict[str, Any]]) -> dict[tuple, dict[str, Any]]:
+    """The row each table cell shows: the latest (date, run) of each (provider, length, d, dtype)."""
+    index = {}
+    for r in sorted(rows, key=lambda r: (r.get("env", {}).get("date", ""), r.get("run", ""))):
+        index[(r["provider"], r["seq_len"], r["d_head"], r["dtype"])] = r
+    return index
+
+
+def _length_words(d: int, listed: list[int], tail: list[int]) -> str:
+    """"d = 128 (lengths 4,096 and 8,192)", or "d = 64 (from 8,192 on)" when ``listed`` is every length of ``tail``."""
+    if tail == listed and len(listed) > 1:
+        return f"d = {d} (from {listed[0]:,} on)"
+    return f"d = {d} (length{'s' if len(listed) > 1 else ''} {join_words([f'{n:,}' for n in listed])})"
+
+
+def where_ours_loses(index: dict, ours: str, other: str, lengths: list[int], heads: list[int],
+                     dtype: str) -> tuple[str, str]:
     """Per head dimension, the lengths where ours is slower than ``other`` (forward + backward, where both ran):
-    "d = 128 (lengths 4,096 and 8,192)", or "d = 64 (from 8,192 on)" when ours is slower at every longer length."""
-    words = []
+    "d = 128 (lengths 4,096 and 8,192)", or "d = 64 (from 8,192 on)" when ours is slower at every longer length;
+    and, apart, the lengths where the two tie: rows of different runs within ``TIE`` of each other."""
+    slower_words, tie_words = [], []
     for d in heads:
-        both = [(n, fwd_bwd(index, (ours, n, d, dtype)), fwd_bwd(index, (other, n, d, dtype))) for n in lengths]
-        both = [(n, a, b) for n, a, b in both if a and b]
-        slower = [n for n, a, b in both if a > b]
-        if not slower:
-            continue
-        tail = [n for n, _, _ in both if n >= slower[0]]
-        if tail == slower and len(slower) > 1:
-            words.append(f"d = {d} (from {slower[0]:,} on)")
-        else:
-            listed = [f"{n:,}" for n in slower]
-            lengths_ = listed[0] if len(listed) == 1 else ", ".join(listed[:-1]) + " and " + listed[-1]
-            words.append(f"d = {d} (length{'s' if len(listed) > 1 else ''} {lengths_})")
-    return "; ".join(words)
+        both = [(n, index.get((ours, n, d, dtype)), index.get((other, n, d, dtype))) for n in lengths]
+        both = [(n, a, b) for n, a, b in both if fwd_bwd(index, (ours, n, d, dtype))
+                and fwd_bwd(index, (other, n, d, dtype))]
+        tied = [n for n, a, b in both
+                if a.get("run") != b.get("run") and abs(a["fwd_bwd_ms"] / b["fwd_bwd_ms"] - 1) <= TIE]
+        slower = [n for n, a, b in both if a["fwd_bwd_ms"] > b["fwd_bwd_ms"] and n not in tied]
+        if slower:
+            slower_words.append(_length_words(d, slower, [n for n, _, _ in both if n >= slower[0]]))
+        if tied:
+            tie_words.append(_length_words(d, tied, []))
+    return "; ".join(slower_words), "; ".join(tie_words)
+
+
+def shown_runs(index: dict, providers: list[str], lengths: list[int], heads: list[int], dtype: str) -> str:
+    """Where the cells a table shows come from, per provider: "ours: 2 runs of 2026-11-26 (commits a and b,
+    do_bench rep 100 ms); naive: 1 run of 2026-11-22 (commit c, rep 40 ms)", or "all rows from one run (...)"."""
+    shown = {p: [index[(p, n, d, dtype)] for n in lengths for d in heads if (p, n, d, dtype) in index]
+             for p in providers}
+
+    def where(rows: list[dict[str, Any]]) -> str:
+        rows = sorted(rows, key=lambda r: (r.get("env", {}).get("date", ""), r.get("run", "")))
+        dates = sorted({r.get("env", {}).get("date", "")[:10] or "?" for r in rows})
+        commits = list(dict.fromkeys(str(r.get("env", {}).get("commit", "?")) for r in rows))
+        reps = sorted({r["rep_ms"] for r in rows if r.get("rep_ms") is not None})
+        runs = len({r.get("run") for r in rows})
+        return (f"{runs if runs > 1 else 'one'} run{'s' if runs > 1 else ''} of {' to '.join(dict.fromkeys([dates[0], dates[-1]]))} "
+                f"(commit{'s' if len(commits) > 1 else ''} {join_words(commits)}"
+                + (f", do_bench rep {join_words([f'{x:g}' for x in reps])} ms" if reps else "") + ")")
+
+    if len({r.get("run") for rows in shown.values() for r in rows}) == 1:
+        return "all rows from " + where([r for rows in shown.values() for r in rows])
+    return "; ".join(f"{p}: {where(rows)}" for p, rows in shown.items() if rows)
+
+
+def cross_run(index: dict, a: str, b: str, lengths: list[int], heads: list[int], dtype: str) -> bool:
+    """Whether some cell where both ``a`` and ``b`` ran sets rows of two different runs side by side."""
+    return any(index[(a, n, d, dtype)].get("run") != index[(b, n, d, dtype)].get("run")
+               for n in lengths for d in heads if (a, n, d, dtype) in index and (b, n, d, dtype) in index)
 
 
 @problem("flash_benchmarking")
@@ -140,26 +188,25 @@ def flash_benchmarking(res, out: Output) -> dict[str, Any]:
     dtypes = sorted({row["dtype"] for row in rows}, key=lambda d: (d != "bf16", d))
     lengths = sorted({row["seq_len"] for row in rows})
     heads = sorted({row["d_head"] for row in rows})
-    index = {(r["provider"], r["seq_len"], r["d_head"], r["dtype"]): r for r in rows}
+    index = latest_cells(rows)
     ours = next((p for p in providers if provider_role(p) == "ours"), None)
     base = next((p for p in providers if provider_role(p) == "pytorch"), None)
     extra = [p for p in providers if p not in (ours, base)]
     tables, figs, speedups = {}, {}, {}
     for dtype in dtypes:
-        dates = {p: sorted({r["env"]["date"][:10] for r in rows if r["provider"] == p and r["dtype"] == dtype
-                            and r.get("env", {}).get("date")}) for p in (ours, base)}
-        when = "; ".join(f"{p} measured {' to '.join(dict.fromkeys([d[0], d[-1]]))}" for p, d in dates.items() if d)
+        runs = shown_runs(index, [ours, base], lengths, heads, dtype)
         tables[dtype] = provider_table(
             index, [ours, base], lengths, heads, dtype, ("fwd_ms", "bwd_ms", "fwd_bwd_ms"),
             f"Our Triton FlashAttention-2 against the PyTorch attention ({base}), {dtype}, batch 1, causal: latency "
             "(ms) from triton.testing.do_bench; fwd: forward, bwd: backward, both: forward + backward; OOM: out of "
-            f"memory{f' ({when})' if when else ''}.")
+            f"memory; {runs}.")
         ran = [p for p in extra if any(fwd_bwd(index, (p, n_, d_, dtype)) for n_ in lengths for d_ in heads)]
         if ran:
             tables[f"extra_{dtype}"] = provider_table(
                 index, [ours, *ran], lengths, heads, dtype, ("fwd_bwd_ms",),
                 f"Forward + backward (ms), {dtype}, batch 1, causal: ours beside the other implementations the "
-                f"benchmark timed in {dtype} ({', '.join(ran)}); –: not measured.")
+                f"benchmark timed in {dtype} ({', '.join(ran)}); –: not measured; "
+                f"{shown_runs(index, [ours, *ran], lengths, heads, dtype)}.")
         fig, axes = figures.new(7.0, 2.5, ncols=len(heads), sharey=True)
         for ax, d in zip(axes, heads):
             for provider in providers:
@@ -173,8 +220,12 @@ def flash_benchmarking(res, out: Output) -> dict[str, Any]:
             ax.set_xlabel("sequence length")
         axes[0].set_ylabel("forward + backward (ms)")
         figures.legend_below(fig, axes[0], ncol=len(providers))
+        runs_shown = {index[(p, n_, d_, dtype)].get("run") for p in providers for n_ in lengths for d_ in heads
+                      if fwd_bwd(index, (p, n_, d_, dtype))}
         figs[dtype] = out.save(fig, f"flash_benchmarking_{dtype}", f"Forward + backward latency against sequence "
-                               f"length, {dtype}, causal, batch 1 (log-log; missing points ran out of memory).")
+                               f"length, {dtype}, causal, batch 1 (log-log; missing points ran out of memory)"
+                               + ("; the providers' rows come from different runs, named in the tables' captions."
+                                  if len(runs_shown) > 1 else "."))
         ratios = [(n, d, fwd_bwd(index, (base, n, d, dtype)) / fwd_bwd(index, (ours, n, d, dtype)))
                   for n in lengths for d in heads
                   if fwd_bwd(index, (base, n, d, dtype)) and fwd_bwd(index, (ours, n, d, dtype))]
@@ -183,13 +234,17 @@ def flash_benchmarking(res, out: Output) -> dict[str, Any]:
         base_oom = sorted({r["seq_len"] for r in rows if r["provider"] == base and r["dtype"] == dtype and r.get("oom")})
         compiled = next((p for p in providers if p.endswith("compiled")), None)
         top = (max(lengths), max(heads)) if lengths else None
+        loses, ties = where_ours_loses(index, ours, base, lengths, heads, dtype)
+        loses_compiled, ties_compiled = (where_ours_loses(index, ours, compiled, lengths, heads, dtype)
+                                         if compiled else ("", ""))
         speedups[dtype] = {
             "range": spread(min((r[2] for r in ratios), default=None), max((r[2] for r in ratios), default=None)),
             "longest": f"{longest:,}" if longest else DASH,
             "at_longest": spread(min(at_longest, default=None), max(at_longest, default=None)),
             "base_oom": f"{base_oom[0]:,}" if base_oom else "",
-            "loses": where_ours_loses(index, ours, base, lengths, heads, dtype),
-            "loses_compiled": where_ours_loses(index, ours, compiled, lengths, heads, dtype) if compiled else "",
+            "loses": loses, "ties": ties, "loses_compiled": loses_compiled, "ties_compiled": ties_compiled,
+            "cross_run": cross_run(index, ours, base, lengths, heads, dtype), "runs": runs,
+            "compiled_cross_run": bool(compiled) and cross_run(index, ours, compiled, lengths, heads, dtype),
             "compiled": compiled or "",
             "top_length": f"{top[0]:,}" if top else DASH, "top_d": str(top[1]) if top else DASH,
             "top_ours": num(fwd_bwd(index, (ours, *top, dtype)), 0) if top else DASH,
@@ -349,14 +404,16 @@ def leaderboard(res, out: Output) -> dict[str, Any]:
     # A backend's latest row may come from an earlier run than ours': it is marked, and only rows of ours' run
     # are compared in the text.
     earlier = {r["provider"]: row_date(r) for r in rows if r.get("run") != ours.get("run")}
+    # A † row's ratio to ours would divide rows of two runs: it is left out.
     body = [[LEADERBOARD_LABELS.get(r["provider"], r["provider"]) + (" †" if r["provider"] in earlier else ""),
-             num(r["fwd_bwd_ms"], 3), num(r.get("fwd_ms"), 3), times(r["fwd_bwd_ms"] / ours["fwd_bwd_ms"])]
+             num(r["fwd_bwd_ms"], 3), num(r.get("fwd_ms"), 3),
+             DASH if r["provider"] in earlier else times(r["fwd_bwd_ms"] / ours["fwd_bwd_ms"])]
             for r in rows]
     caption = ("Leaderboard shape: batch x heads = 16, length 16,384, head dim 64, bf16, causal; "
                "torch.compile(apply), o.sum().backward(), timed by triton.testing.do_bench")
     if earlier:
         caption += (f"; ours and the unmarked backends in one run ({row_date(ours)}), † in an earlier run of the "
-                    f"same protocol ({', '.join(sorted(set(earlier.values())))}).")
+                    f"same protocol ({', '.join(sorted(set(earlier.values())))}), not divided by ours (–).")
     else:
         caption += " in one run."
     tab = table(["implementation", "forward + backward (ms)", "forward (ms)", "time ÷ ours"], body, caption)

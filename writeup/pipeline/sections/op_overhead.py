@@ -66,23 +66,49 @@ def compared(key: Key) -> bool:
     return op != "attention" or shape == STEP_ATTENTION_SHAPE
 
 
+OP_SHAPES = {"attention": "Attention: bf16, causal, shape (batch, heads, tokens, head dimension)",
+             "rmsnorm": "rmsnorm: (rows, d_model)", "cross_entropy": "cross_entropy: (tokens, d_model, vocabulary)",
+             "adamw": "adamw: the xl model's parameters, fp32"}
+
+
+def newest_per_op(runs: list[tuple[str, str, dict[Key, dict[str, dict[str, Any]]]]]
+                  ) -> tuple[dict[Key, dict[str, dict[str, Any]]], dict[Key, int]]:
+    """Each operator's rows from the newest run that measured it (the newest run may time only some operators):
+    the cases in operator order, and the index in ``runs`` each case comes from."""
+    newest = {op: i for i, (_, _, cases) in enumerate(runs) for op, _, _ in cases}
+    shown, run_of = {}, {}
+    for op in sorted(newest, key=OPS.index):
+        for key, case in runs[newest[op]][2].items():
+            if key[0] == op:
+                shown[key], run_of[key] = case, newest[op]
+    return shown, run_of
+
+
+def run_date(cases: dict[Key, dict[str, dict[str, Any]]]) -> str:
+    return min(str(r.get("env", {}).get("date", "?"))[:10] for c in cases.values() for r in c.values())
+
+
 @problem("op_overhead")
 def op_overhead(res, out: Output) -> dict[str, Any]:
     runs = load_op_overhead(res)
-    (now_run, now_commit, now), (before_run, before_commit, before) = runs[-1], runs[0]
+    (now_run, now_commit, _), (before_run, before_commit, before) = runs[-1], runs[0]
+    now, run_of = newest_per_op(runs)
     if not any(issue(c.get("ours")) for c in now.values()):
         raise Missing("writeup/results/op_overhead.jsonl", "no run with our operators measured")
     has_before = len(runs) > 1
-    marker = "‡"
-    keys = sorted(now, key=lambda k: (OPS.index(k[0]), list(now).index(k)))
+    marker, older_marker = "‡", "§"
+    older = {run_of[k] for k in now if run_of[k] != len(runs) - 1}  # runs of operators the newest run left out
+    keys = list(now)
     body = []
     for key in keys:
         op, shape, pass_ = key
-        case, old = now[key], before.get(key) if has_before else None
+        # An operator whose newest run is the earliest has no "before" of its own.
+        case, old = now[key], before.get(key) if has_before and run_of[key] > 0 else None
         others = [p for p in PROVIDER_NAMES if p != "ours" and p in case]
         for i, provider in enumerate(others):
             first = i == 0
-            body.append([op if first else "", shape_text(shape) if first else "",
+            body.append([op + (f" {older_marker}" if run_of[key] in older else "") if first else "",
+                         shape_text(shape) if first else "",
                          PASS_NAMES.get(pass_, pass_) + (marker if key[::2] in NOT_LIKE_FOR_LIKE else "")
                          if first else "",
                          num(issue((old or {}).get("ours")), 1) if first else "",
@@ -93,15 +119,21 @@ def op_overhead(res, out: Output) -> dict[str, Any]:
               ["op", "shape", "pass", "before", "now", "provider", "now (µs)", "before", "now"]]
     calls = sorted({r.get("calls") for c in now.values() for r in c.values() if r.get("calls")})
     repeats = sorted({r.get("repeats") for c in now.values() for r in c.values() if r.get("repeats")})
+    ops = list(dict.fromkeys(k[0] for k in keys))
     tab = table(header, body,
                 "Host time per call (issue time: a loop of "
                 f"{'/'.join(map(str, calls))} calls issued without synchronising the device, median of "
                 f"{'/'.join(map(str, repeats))} loops) of each of our operators and of its PyTorch counterparts. "
                 + (f"Before: run {before_run} at commit {before_commit}; now: " if has_before else "Now (one run): ")
-                + f"run {now_run} at commit {now_commit}. "
-                "Attention: bf16, causal, shape (batch, heads, tokens, head dimension); rmsnorm: (rows, d_model); "
-                "cross_entropy: (tokens, d_model, vocabulary); adamw: the xl model's parameters, fp32. "
-                f"{marker}: ours' forward also computes the gradients, so this row is not like for like.",
+                + f"run {now_run} at commit {now_commit}"
+                + "".join(f"; {older_marker} now: run {runs[i][0]} at commit {runs[i][1]}, the newest to measure "
+                          f"{join_words([op for op in ops if any(run_of[k] == i for k in keys if k[0] == op)])}"
+                          for i in sorted(older))
+                + (". Before and now are different runs on different machines, whose µs differ also by the "
+                   "machine: compare the ratios, each within one run. " if has_before else ". ")
+                + "; ".join(OP_SHAPES[op] for op in ops) + ". "
+                + (f"{marker}: ours' forward also computes the gradients, so this row is not like for like."
+                   if any(k[::2] in NOT_LIKE_FOR_LIKE for k in keys) else ""),
                 align=["left", "left", "left", "right", "right", "left", "right", "right", "right"], size=8)
 
     ratios = {}
@@ -117,26 +149,33 @@ def op_overhead(res, out: Output) -> dict[str, Any]:
 
     cheaper = [k for k, r in ratios.items() if r <= 1]
     dearer = [k for k, r in ratios.items() if r > 1]
+
+    def step_attention(cases: dict, pass_: str, provider: str) -> float | None:
+        return issue(cases.get(("attention", STEP_ATTENTION_SHAPE, pass_), {}).get(provider))
+
     attention = {p: {"now": times(over(now.get(("attention", STEP_ATTENTION_SHAPE, p)), "sdpa_cudnn")),
                      "before": times(over(before.get(("attention", STEP_ATTENTION_SHAPE, p)), "sdpa_cudnn")),
-                     "ours_now": num(issue(now.get(("attention", STEP_ATTENTION_SHAPE, p), {}).get("ours")), 0),
-                     "ours_before": num(issue(before.get(("attention", STEP_ATTENTION_SHAPE, p), {}).get("ours")), 0)}
+                     "ours_now": num(step_attention(now, p, "ours"), 0),
+                     "ours_before": num(step_attention(before, p, "ours"), 0),
+                     "cudnn_now": num(step_attention(now, p, "sdpa_cudnn"), 0),
+                     "cudnn_before": num(step_attention(before, p, "sdpa_cudnn"), 0)}
                  for p in ("forward", "forward_backward")}
-    speedups = [issue(now[k].get("ours")) / issue(before[k].get("ours")) for k in keys
-                if has_before and k in before and issue(before[k].get("ours")) and issue(now[k].get("ours"))]
+    # The change between the runs as the within-run ratios: ours over its counterpart, before and now.
+    both = {k: (over(before.get(k), COUNTERPART[k[0]]), r) for k, r in ratios.items() if has_before and run_of[k] > 0}
+    both = {k: pair for k, pair in both.items() if pair[0] is not None}
+    rose = [f"{k[0]} {PASS_NAMES.get(k[2], k[2])} ({times(a)} to {times(b)})" for k, (a, b) in both.items() if b > a]
     devices = sorted({r.get("device", "?") for _, _, cases in runs for c in cases.values() for r in c.values()})
     n = {"has_before": has_before, "before_commit": before_commit, "now_commit": now_commit,
+         "before_date": run_date(before), "now_date": run_date(runs[-1][2]),
          "devices": join_words(devices),
          "step_shape": f"({', '.join(map(str, STEP_ATTENTION_SHAPE))})",
          "n_compared": str(len(ratios)), "n_cheaper": str(len(cheaper)),
          "cheaper": join_words([name(k) for k in cheaper]) or DASH, "dearer": join_words([name(k) for k in dearer]) or DASH,
          "has_cheaper": bool(cheaper), "has_dearer": bool(dearer),
-         "attention": attention, "marker": marker,
+         "attention": attention, "marker": marker, "older_marker": older_marker, "has_older": bool(older),
+         "older_commits": join_words([runs[i][1] for i in sorted(older)]),
+         "older_ops": join_words([op for op in ops if any(run_of[k] in older for k in keys if k[0] == op)]),
          "ce_forward_dearer": ("cross_entropy", "forward") in {k[::2] for k in dearer},
-         "now_over_before": (f"{times(min(speedups))} to {times(max(speedups))}" if speedups else DASH),
-         "has_slower_now": any(has_before and k in before and issue(before[k].get("ours"))
-                               and issue(now[k].get("ours")) > issue(before[k].get("ours")) for k in keys),
-         "slower_now": join_words([f"{k[0]} {PASS_NAMES.get(k[2], k[2])}" for k in keys
-                                   if has_before and k in before and issue(before[k].get("ours"))
-                                   and issue(now[k].get("ours")) > issue(before[k].get("ours"))])}
+         "n_both": str(len(both)), "n_fell": str(sum(b < a for a, b in both.values())),
+         "has_rose": bool(rose), "rose": join_words(rose)}
     return {"tables": {"main": tab}, "n": n}
