@@ -106,3 +106,10 @@ def short_kernel(name: str, width: int = 60) -> str:
         if cut in name and name.index(cut) > 8:
             name = name[: name.index(cut)]
     return name if len(name) <= width else name[: width - 1] + "…"
+
+
+def join_words(words: list[str]) -> str:
+    """``'a, b and c'``."""
+    if len(words) <= 1:
+        return "".join(words)
+    return ", ".join(words[:-1]) + " and " + words[-1]

@@ -174,3 +174,18 @@ def environment_line(rows: list[dict[str, Any]]) -> str | None:
     if commits:
         parts.append(f"commit{'s' if len(commits) > 1 else ''} {', '.join(commits)}")
     return " · ".join(parts)
+
+
+def row_date(row: dict[str, Any]) -> str:
+    """The day a row was measured (its environment's date), or "?"."""
+    return str((row.get("env") or {}).get("date", ""))[:10] or "?"
+
+
+def row_commit(row: dict[str, Any]) -> str:
+    """The commit a row was measured at (its first seven characters), or "?"."""
+    return str((row.get("env") or {}).get("commit") or row.get("git_commit") or "?")[:7]
+
+
+def measured_at(row: dict[str, Any]) -> str:
+    """``commit 8224ee2, 2026-11-22``: the code and the day of a row."""
+    return f"commit {row_commit(row)}, {row_date(row)}"

@@ -11,10 +11,8 @@ from cs336_basics.model import MODEL_SIZES
 from cs336_systems.bench.ddp_overhead_model import fit_overhead_model
 from pipeline import accounting, figures
 from pipeline.markup import DASH, num, pct, sci_parts, sig, span, table, times
-from pipeline.results import Missing
-from pipeline.sections.flash import row_date
+from pipeline.results import Missing, row_commit, row_date
 from pipeline.sections.registry import Output, problem
-from pipeline.sections.single_gpu import row_commit
 
 TOY_LOG = "h200x2-tests/toy_training.log"  # written by scripts/device_tests.sh on two GPUs
 TOY_ENV = "h200x2-tests/environment.txt"

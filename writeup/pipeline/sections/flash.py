@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from cs336_systems.attention.config import FlashConfig
 from pipeline import figures
-from pipeline.markup import DASH, num, sci, span, spread, table, times
-from pipeline.results import Missing
+from pipeline.markup import DASH, join_words, num, sci, span, spread, table, times
+from pipeline.results import Missing, row_date
 from pipeline.sections.registry import Output, problem
-from pipeline.sections.train_step import join_words
 
 ERRORS_FILE = "h100-hopper-backward/tests/flash_attention_triton_errors.json"  # the GPU tests with the Hopper kernels
 PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
@@ -385,11 +383,6 @@ LEADERBOARD_LABELS = {"ours": "ours (FlashAttention-2 operator)", "sdpa_cudnn": 
                       "sdpa_flash": "SDPA, FlashAttention backend", "sdpa_efficient": "SDPA, memory-efficient backend"}
 
 
-def row_date(row: dict[str, Any]) -> str:
-    """The day a row was measured (its environment's date), or "?"."""
-    return str(row.get("env", {}).get("date", ""))[:10] or "?"
-
-
 def load_leaderboard(res) -> list[dict[str, Any]]:
     return res.rows("leaderboard")
 
@@ -401,8 +394,8 @@ def leaderboard(res, out: Output) -> dict[str, Any]:
     if ours is None:
         raise Missing("writeup/results/leaderboard.jsonl", "no row with provider 'ours'")
     rows.sort(key=lambda row: row["fwd_bwd_ms"])
-    # A backend's latest row may come from an earlier run than ours': it is marked, and only rows of ours' run
-    # are compared in the text.
+    # A backend's latest row may come from another run than ours': it is marked, and only rows of ours' run are
+    # compared (in the text and the ratio column).
     earlier = {r["provider"]: row_date(r) for r in rows if r.get("run") != ours.get("run")}
     # A † row's ratio to ours would divide rows of two runs: it is left out.
     body = [[LEADERBOARD_LABELS.get(r["provider"], r["provider"]) + (" †" if r["provider"] in earlier else ""),
@@ -412,7 +405,7 @@ def leaderboard(res, out: Output) -> dict[str, Any]:
     caption = ("Leaderboard shape: batch x heads = 16, length 16,384, head dim 64, bf16, causal; "
                "torch.compile(apply), o.sum().backward(), timed by triton.testing.do_bench")
     if earlier:
-        caption += (f"; ours and the unmarked backends in one run ({row_date(ours)}), † in an earlier run of the "
+        caption += (f"; ours and the unmarked backends in one run ({row_date(ours)}), † in another run of the "
                     f"same protocol ({', '.join(sorted(set(earlier.values())))}), not divided by ours (–).")
     else:
         caption += " in one run."

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.markup import DASH, num, span, table, times
+from pipeline.markup import DASH, join_words, num, span, table, times
 from pipeline.results import Missing
 from pipeline.sections.registry import Output, problem
-from pipeline.sections.train_step import join_words
 
 OPS = ("attention", "rmsnorm", "cross_entropy", "adamw")  # cs336_systems/bench/op_overhead.py PROVIDERS
 PASSES = ("forward", "forward_backward", "step")
@@ -129,8 +128,8 @@ def op_overhead(res, out: Output) -> dict[str, Any]:
                 + "".join(f"; {older_marker} now: run {runs[i][0]} at commit {runs[i][1]}, the newest to measure "
                           f"{join_words([op for op in ops if any(run_of[k] == i for k in keys if k[0] == op)])}"
                           for i in sorted(older))
-                + (". Before and now are different runs on different machines, whose µs differ also by the "
-                   "machine: compare the ratios, each within one run. " if has_before else ". ")
+                + (". Before and now are different runs, possibly on different machines, whose µs then differ "
+                   "also by the machine: compare the ratios, each within one run. " if has_before else ". ")
                 + "; ".join(OP_SHAPES[op] for op in ops) + ". "
                 + (f"{marker}: ours' forward also computes the gradients, so this row is not like for like."
                    if any(k[::2] in NOT_LIKE_FOR_LIKE for k in keys) else ""),
@@ -162,7 +161,7 @@ def op_overhead(res, out: Output) -> dict[str, Any]:
                  for p in ("forward", "forward_backward")}
     # The change between the runs as the within-run ratios: ours over its counterpart, before and now.
     both = {k: (over(before.get(k), COUNTERPART[k[0]]), r) for k, r in ratios.items() if has_before and run_of[k] > 0}
-    both = {k: pair for k, pair in both.items() if pair[0] is not None}
+    both = {k: pair for k, pair in both.items() if pair[0] is not None and k[::2] not in NOT_LIKE_FOR_LIKE}
     rose = [f"{k[0]} {PASS_NAMES.get(k[2], k[2])} ({times(a)} to {times(b)})" for k, (a, b) in both.items() if b > a]
     devices = sorted({r.get("device", "?") for _, _, cases in runs for c in cases.values() for r in c.values()})
     n = {"has_before": has_before, "before_commit": before_commit, "now_commit": now_commit,
@@ -174,6 +173,7 @@ def op_overhead(res, out: Output) -> dict[str, Any]:
          "has_cheaper": bool(cheaper), "has_dearer": bool(dearer),
          "attention": attention, "marker": marker, "older_marker": older_marker, "has_older": bool(older),
          "older_commits": join_words([runs[i][1] for i in sorted(older)]),
+         "older_dates": join_words([run_date(runs[i][2]) for i in sorted(older)]),
          "older_ops": join_words([op for op in ops if any(run_of[k] in older for k in keys if k[0] == op)]),
          "ce_forward_dearer": ("cross_entropy", "forward") in {k[::2] for k in dearer},
          "n_both": str(len(both)), "n_fell": str(sum(b < a for a, b in both.values())),

@@ -10,10 +10,8 @@ from cs336_basics.model import MODEL_SIZES
 from cs336_systems.bench.fsdp_accounting import CHECK_LR, CHECK_TOLERANCE, weight_tolerance
 from pipeline import accounting
 from pipeline.markup import DASH, num, span, spread, table, times
-from pipeline.results import Missing, config_of, read_jsonl
-from pipeline.sections.flash import row_date
+from pipeline.results import Missing, config_of, read_jsonl, row_commit, row_date
 from pipeline.sections.registry import Output, problem
-from pipeline.sections.single_gpu import row_commit
 from pipeline.snapshot_reports import BEFORE_RECORDING, parse_snapshot_reports
 
 
@@ -62,7 +60,8 @@ def newest_first(row: dict[str, Any]) -> tuple[str, str]:
 
 def rows_of_one_commit(latest: list[dict[str, Any]], history: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per dtype, AdamW, ours and ZeRO from one commit: each one's newest row at the newest commit (of ``latest``'s
-    device) where all three ran; the other optimizers (the flat ZeRO-1) keep their newest row, and a dtype without
+    device) where all three ran; the other optimizers (the flat ZeRO-1, whose newest rows may measure code newer than
+    that commit's) keep their newest row, marked, and a dtype without
     such a commit its newest rows. ``latest``: the newest row per configuration, of one device; ``history``: every
     row of the file."""
     chosen = []

@@ -9,9 +9,8 @@ from typing import Any
 
 from cs336_basics.model import MODEL_SIZES
 from pipeline import accounting, figures
-from pipeline.markup import DASH, gb, num, pct, pm, short_kernel, span, spread, table, times
-from pipeline.results import Missing
-from pipeline.sections.flash import row_date
+from pipeline.markup import DASH, gb, join_words, num, pct, pm, short_kernel, span, spread, table, times
+from pipeline.results import Missing, measured_at
 from pipeline.sections.registry import Output, problem
 
 SIZES = list(MODEL_SIZES)  # small ... 2.7B, the order every table uses
@@ -40,22 +39,6 @@ def oom_or(row: dict[str, Any] | None, text: str) -> str:
 
 def cv(row: dict[str, Any]) -> float:
     return row["std_ms"] / row["mean_ms"]
-
-
-def row_commit(row: dict[str, Any]) -> str:
-    """The commit a row was measured at (its first seven characters), or "?"."""
-    return str((row.get("env") or {}).get("commit") or row.get("git_commit") or "?")[:7]
-
-
-def measured_at(row: dict[str, Any]) -> str:
-    """``commit 8224ee2, 2026-11-22``: the code and the day of a row."""
-    return f"commit {row_commit(row)}, {row_date(row)}"
-
-
-def join_words(words: list[str]) -> str:
-    if len(words) <= 1:
-        return "".join(words)
-    return ", ".join(words[:-1]) + " and " + words[-1]
 
 
 # -----------------------------------------------------------------------------------------------

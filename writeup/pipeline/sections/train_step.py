@@ -12,7 +12,7 @@ from cs336_basics.model import MODEL_SIZES
 from cs336_systems.parallel.fsdp.transport import DEFAULT_GRADIENT_MEMORY
 from cs336_systems.train.step import Parts
 from pipeline import accounting, figures
-from pipeline.markup import DASH, num, pct, sig, span, spread, table, times
+from pipeline.markup import DASH, join_words, num, pct, sig, span, spread, table, times
 from pipeline.results import Missing, main_device, read_jsonl
 from pipeline.sections.registry import Output, problem
 
@@ -67,12 +67,6 @@ PART_DEFAULTS = {f.name: list(f.default) if isinstance(f.default, tuple) else f.
 
 def size_order(size: str) -> int:
     return SIZES.index(size) if size in SIZES else len(SIZES)
-
-
-def join_words(words: list[str]) -> str:
-    if len(words) <= 1:
-        return "".join(words)
-    return ", ".join(words[:-1]) + " and " + words[-1]
 
 
 def value_range(values: list[float], digits: int = 1, fmt=None) -> str:
@@ -266,13 +260,12 @@ def _phase_table(cases: dict[Any, Case], size: str, replay_bwd: list[float]
                      for (c, b), _ in pairs]],
               ["ms", *["torch", "ours", "ours − torch"] * len(pairs)]]
     replay = (f" (their rows record a backward of at most {num(max(replay_bwd), 2)} ms)" if replay_bwd else "")
-    if apart:
-        replay += f". {MARKER}: the two stacks' rows come from different invocations of the tool"
+    apart_note = f" {MARKER}: the two stacks' rows come from different invocations of the tool." if apart else ""
     tab = table(header, body, f"The {size} model's training step by phase, {VARIANT_NAMES[PHASE_VARIANT]} variant "
                 "(medians over steps timed phase by phase, the device synchronised after each phase, so the phases "
                 "do not add up exactly to the step timed whole). The optimizer phase includes zeroing the "
                 "gradients. With CUDA graphs the replayed forward + backward is recorded under forward and the "
-                f"backward phase is empty{replay}, so that variant is not broken down here.", size=8)
+                f"backward phase is empty{replay}, so that variant is not broken down here.{apart_note}", size=8)
     gaps = [(shape, {p: rows["ours"][f"{p}_ms"] - rows["torch"][f"{p}_ms"] for p in PHASES}) for shape, rows in pairs]
     return tab, gaps
 
@@ -338,8 +331,8 @@ def _recompute_rows(res, device: str, cases: dict[tuple[str, int, int], Case]) -
         if not measured(torch_row) or not (cases[key].get(("ours", "default")) or {}).get("oom"):
             continue
         apart = "" if same_run(r, torch_row) else (
-            f" (another invocation: commit {torch_row.get('env', {}).get('commit', '?')[:7]} against "
-            f"{r.get('env', {}).get('commit', '?')[:7]})")
+            f" (torch's row from another invocation, at commit {torch_row.get('env', {}).get('commit', '?')[:7]}; "
+            f"ours at {r.get('env', {}).get('commit', '?')[:7]})")
         phrases.append(f"at {r['size']} and {shape_label(r['context_length'], r['batch_size'])} it takes "
                        f"{num(r['step_ms'])} ms at a peak of {num(r['peak_gb'])} GB, against torch's default variant's "
                        f"{num(torch_row['step_ms'])} ms and {num(torch_row['peak_gb'])} GB{apart}")
@@ -416,7 +409,8 @@ def train_step(res, out: Output) -> dict[str, Any]:
         return r.get("env", {}).get("commit", "?")[:7], r.get("env", {}).get("date", "")[:10]
 
     compared = {provenance(r) for t, o in bests for r in (t, o)}
-    older_slower = sorted({provenance(r) for c in both.values() for r in c.values()} - compared)
+    older_slower = sorted({provenance(r) for c in both.values() for r in c.values()} - compared,
+                          key=lambda commit_date: (commit_date[1], commit_date[0]))
 
     def gap_phrase(shape, gap) -> str:
         return (f"at {shape_label(*shape)}: forward {gap['forward']:+.1f} ms, backward {gap['backward']:+.1f} ms, "
@@ -426,7 +420,8 @@ def train_step(res, out: Output) -> dict[str, Any]:
     n = {
         "device": device, "runs": join_words(runs), "commits": join_words(commits),
         "has_older_slower": bool(older_slower),
-        "older_slower": join_words([f"{commit} ({date})" if date else commit for commit, date in older_slower]),
+        "older_slower": ("commit " if len(older_slower) == 1 else "commits ") + join_words(
+            [f"{commit} ({date})" if date else commit for commit, date in older_slower]),
         "measured": "; ".join(measured_parts),
         "unmeasured": "; ".join([*([f"{join_words(unmeasured_sizes)} at any shape"] if unmeasured_sizes else []),
                                  *unmeasured_shapes]),
