@@ -699,14 +699,25 @@ def test_rmsnorm_reads_only_the_newest_kernel_run_at_its_largest_row_count(fixtu
     assert section["figures"]["main"]["path"] == "figures/rmsnorm_grid.png"
 
 
-def _rmsnorm_with(tmp_path: Path, edit) -> dict:
-    """The rmsnorm section built from the fixture's rows after ``edit(rows)`` returns the rows to write."""
+def section_built(tmp_path: Path, name: str, **edits) -> dict:
+    """Section ``name`` built from the fixture, each ``problem=edit`` replacing ``problem``'s rows by
+    ``edit(rows)``."""
     results = tmp_path / "results"
     write_fixture(results, tmp_path / "row-figures")
-    path = results / "rmsnorm.jsonl"
-    rows = edit([json.loads(line) for line in path.read_text().splitlines()])
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return SECTIONS["rmsnorm"](Results(results), Output(tmp_path / "figures", tmp_path / "build"))
+    for problem, edit in edits.items():
+        path = results / f"{problem}.jsonl"
+        rows = edit([json.loads(line) for line in path.read_text().splitlines()])
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return SECTIONS[name](Results(results), Output(tmp_path / "figures", tmp_path / "build"))
+
+
+def in_run(row: dict, run: str, date: str, commit: str) -> dict:
+    """``row`` as measured by another invocation of its tool, on ``date`` at ``commit``."""
+    return {**row, "run": run, "env": {**row["env"], "date": date, "commit": commit}}
+
+
+def _rmsnorm_with(tmp_path: Path, edit) -> dict:
+    return section_built(tmp_path, "rmsnorm", rmsnorm=edit)
 
 
 def _kernel_row(rows: list[dict], provider: str, pass_: str, m: int, n: int, dtype: str) -> dict:

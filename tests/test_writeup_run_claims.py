@@ -5,33 +5,15 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests import test_writeup  # loads writeup/build.py, which puts writeup/ on sys.path (skips without typst)
-from tests._writeup_fixture import row, write_fixture
+from tests._writeup_fixture import row
 
 WRITEUP = test_writeup.WRITEUP
-from pipeline.results import Results
-from pipeline.sections import SECTIONS, Output
-
-
-def section_with(tmp_path: Path, name: str, problem: str,
-                 edit: Callable[[list[dict[str, Any]]], list[dict[str, Any]]]) -> dict[str, Any]:
-    """Section ``name`` built from the fixture with ``problem``'s rows replaced by ``edit(rows)``."""
-    results = tmp_path / "results"
-    write_fixture(results, tmp_path / "row-figures")
-    path = results / f"{problem}.jsonl"
-    rows = edit([json.loads(line) for line in path.read_text().splitlines()])
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return SECTIONS[name](Results(results), Output(tmp_path / "figures", tmp_path / "build"))
-
-
-def launched(r: dict[str, Any], run: str, commit: str, date: str) -> dict[str, Any]:
-    """``r`` as measured by another invocation, at ``commit`` on ``date``."""
-    return {**r, "run": run, "env": {**r["env"], "commit": commit, "date": date}}
+in_run, section_built = test_writeup.in_run, test_writeup.section_built
 
 
 def typst(name: str) -> str:
@@ -42,10 +24,10 @@ def test_compile_pairs_of_two_runs_are_marked_and_excepted_from_the_same_run_cla
     """The compiled training step from a later run than its eager baseline: its speed-up is marked, the caption
     names both rows' commits, and the text's 'same run' excepts that pair (it did not before)."""
     def edit(rows):
-        return [launched(r, "20261122T220041Z-5c1efc", "07d675fabcde", "2026-11-22T22:00:41Z")
+        return [in_run(r, "20261122T220041Z-5c1efc", "2026-11-22T22:00:41Z", "07d675fabcde")
                 if r.get("part") == "model" and r.get("compile") and r["mode"] == "train_step" else r for r in rows]
 
-    section = section_with(tmp_path, "torch_compile", "torch_compile", edit)
+    section = section_built(tmp_path, "torch_compile", torch_compile=edit)
     (small,) = section["tables"]["model"]["rows"]
     assert small[3].endswith("×") and small[6].endswith("× †")  # forward of one run, training step of two
     caption = section["tables"]["model"]["caption"]
@@ -58,7 +40,7 @@ def test_compile_pairs_of_two_runs_are_marked_and_excepted_from_the_same_run_cla
 
 
 def test_compile_pairs_of_one_run_say_same_run_without_marks(tmp_path):
-    section = section_with(tmp_path, "torch_compile", "torch_compile", lambda rows: rows)
+    section = section_built(tmp_path, "torch_compile")
     assert section["n"]["model_split"] == "" and "†" not in section["tables"]["model"]["caption"]
     assert not any("†" in cell for r in section["tables"]["model"]["rows"] for cell in r)
 
@@ -75,7 +57,7 @@ def sharding_launch(optimizer: str, dtype: str, step_ms: float, commit: str, min
     r = row("optimizer_state_sharding_accounting", config,
             {"step_ms": step_ms, "steps": 5, "peak_gb": peak, "optimizer_state_gb": state, "memory": memory},
             gpus=2, gpu="NVIDIA H100 80GB HBM3")
-    return launched(r, f"20261125T16{minute:02d}00Z-{optimizer[:6]}", commit, f"2026-11-25T16:{minute:02d}:00Z")
+    return in_run(r, f"20261125T16{minute:02d}00Z-{optimizer[:6]}", f"2026-11-25T16:{minute:02d}:00Z", commit)
 
 
 def two_gpu_history() -> list[dict[str, Any]]:
@@ -102,8 +84,7 @@ def test_sharding_ratios_come_from_one_commit_per_dtype_and_name_the_others(tmp_
         four = [r for r in rows if r["world_size"] == 4]
         return two_gpu_history() + four
 
-    section = section_with(tmp_path, "optimizer_state_sharding_accounting", "optimizer_state_sharding_accounting",
-                           edit)
+    section = section_built(tmp_path, "optimizer_state_sharding_accounting", optimizer_state_sharding_accounting=edit)
     n = section["n"]
     assert (n["bf16"]["step_plain"], n["bf16"]["step_sharded"], n["bf16"]["step_zero"]) == ("399.0", "437.8", "403.5")
     assert (n["bf16"]["slowdown"], n["bf16"]["vs_zero"], n["bf16"]["commits"]) == ("1.10×", "1.085×", "")
@@ -128,8 +109,7 @@ def test_sharding_without_a_commit_of_all_three_names_each_commit_next_to_the_ra
                    ("f6153c0", "fdb6874")]
         return history + [r for r in rows if r["world_size"] == 4]
 
-    section = section_with(tmp_path, "optimizer_state_sharding_accounting", "optimizer_state_sharding_accounting",
-                           edit)
+    section = section_built(tmp_path, "optimizer_state_sharding_accounting", optimizer_state_sharding_accounting=edit)
     bf16 = section["n"]["bf16"]
     assert (bf16["step_plain"], bf16["step_sharded"], bf16["slowdown"]) == ("350.8", "414.4", "1.18×")
     assert bf16["commits"] == ("commits f6153c0, 2026-11-25 (AdamW bf16); fdb6874, 2026-11-25 "
@@ -146,20 +126,19 @@ def test_ddp_traces_of_another_machine_and_commit_are_named_beside_the_table(tmp
         out = []
         for r in rows:
             if r["world_size"] == 2 and r["dtype"] == "fp32" and r["variant"] in ("naive", "overlap"):
-                traced = launched(r, f"20261126T153406Z-{r['variant']}", "a0d588eabcde", "2026-11-26T15:34:06Z")
+                traced = in_run(r, f"20261126T153406Z-{r['variant']}", "2026-11-26T15:34:06Z", "a0d588eabcde")
                 out.append({**traced, "device": "4x NVIDIA H100 80GB HBM3"})
                 r = {k: v for k, v in r.items() if not k.startswith("trace_")}
             out.append(r)
         return out
 
-    section = section_with(tmp_path, "ddp_overlap_individual_parameters_benchmarking", "ddp_benchmarking", edit)
+    section = section_built(tmp_path, "ddp_overlap_individual_parameters_benchmarking", ddp_benchmarking=edit)
     where = section["n"]["trace_where"]
     assert where == {"same": False, "trace": "2 ranks of 4x NVIDIA H100 80GB HBM3 at commit a0d588e (2026-11-26)",
                      "table": "2x NVIDIA H200 at commit 0123456 (2026-11-22)"}
     assert section["n"]["trace"]["naive"]["fp32"]["busy"] == "50.0"  # the 4-GPU host's trace is the one quoted
     assert "#w.trace" in typst("ddp.typ")
-    same = section_with(tmp_path / "same", "ddp_overlap_individual_parameters_benchmarking", "ddp_benchmarking",
-                        lambda rows: rows)
+    same = section_built(tmp_path / "same", "ddp_overlap_individual_parameters_benchmarking")
     assert same["n"]["trace_where"]["same"] is True
 
 
@@ -191,7 +170,7 @@ def test_rmsnorm_forward_grid_says_which_calls_measured_its_lines(tmp_path, run_
         grid.write_text("".join(json.dumps(line) + "\n" for line in forward_grid_lines(run_of)))
         return rows
 
-    forward = section_with(tmp_path, "rmsnorm", "rmsnorm", edit)["n"]["forward"]
+    forward = section_built(tmp_path, "rmsnorm", rmsnorm=edit)["n"]["forward"]
     assert (forward["before"], forward["calls"], forward["before_same_call"]) == ("0.94× to 0.99×", calls, same_call)
     text = typst("beyond.typ")
     assert "an earlier grid run" not in text and "not f.before_same_call" in text

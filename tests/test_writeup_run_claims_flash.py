@@ -3,25 +3,21 @@ measured together only for rows of one run, and milliseconds are compared on one
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from pipeline.markup import DASH
-
 from cs336_systems.attention.config import FlashConfig
-from tests._writeup_fixture import flash_log_step, row, write_fixture
+from tests._writeup_fixture import flash_log_step, row
 from tests._writeup_fixture import leaderboard as fixture_leaderboard
 from tests._writeup_fixture import op_overhead as fixture_op_overhead
-from tests.test_writeup import SECTIONS, WRITEUP, Output, Results
+from tests.test_writeup import WRITEUP, section_built  # loads writeup/build.py: writeup/ on sys.path
+
+# isort: split
+from pipeline.markup import DASH
 
 
 def section(name: str, tmp_path: Path, **files: list[dict]) -> dict:
     """Section ``name`` built from the fixture, with ``files`` (problem -> rows) replacing its results files."""
-    results = tmp_path / "results"
-    write_fixture(results, tmp_path / "row-figures")
-    for problem, rows in files.items():
-        (results / f"{problem}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return SECTIONS[name](Results(results), Output(tmp_path / "figures", tmp_path / "build"))
+    return section_built(tmp_path, name, **{problem: (lambda _, rows=rows: rows) for problem, rows in files.items()})
 
 
 def in_run(r: dict, run: str, date: str, commit: str, gpu: str | None = None) -> dict:

@@ -2,26 +2,15 @@
 
 from __future__ import annotations
 
-import json
 
 import pytest
 
 pytest.importorskip("typst", reason="the writeup is typeset by the typst package (installed by uv sync)")
-from tests._writeup_fixture import write_fixture
-from tests.test_writeup import _load_build
-
-_load_build()  # puts writeup/ on sys.path
-from pipeline.results import Results
-from pipeline.sections import SECTIONS, Output
+from tests.test_writeup import section_built
 
 
 def _section(tmp_path, edit):
-    results = tmp_path / "results"
-    write_fixture(results, tmp_path / "row-figures")
-    path = results / "train_step.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines()]
-    path.write_text("".join(json.dumps(r) + "\n" for r in edit(rows)))
-    return SECTIONS["train_step"](Results(results), Output(tmp_path / "figures", tmp_path / "build"))
+    return section_built(tmp_path, "train_step", train_step=edit)
 
 
 def _rerun(rows, size, context, stack, variant, **changes):
