@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import pytest
 
 pytest.importorskip("typst", reason="the writeup is typeset by the typst package (installed by uv sync)")
