@@ -767,6 +767,20 @@ def _bwd_compute_partition(config, buffers, ring, dq_desc, program, qk_scale, dq
         return state.dk, state.dv
 
 
+@gluon.jit
+def _bwd_operand_buffers(dtype: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                         COLUMNS: gl.constexpr):
+    """One column part's (``COLUMNS`` of the head dim) shared memory for the matmuls' operands: K and V
+    (1, BLOCK_N, COLUMNS), the Q and dO rings (STAGES, BLOCK_M, COLUMNS)."""
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, COLUMNS], dtype)
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, COLUMNS], dtype)
+    k_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, COLUMNS], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, COLUMNS], kv_layout)
+    q_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, COLUMNS], q_layout)
+    do_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, COLUMNS], q_layout)
+    return k_smem, v_smem, q_ring, do_ring
+
+
 @gluon.jit(do_not_specialize=["n_heads", "n_queries", "n_keys"])
 def attn_bwd_hopper_kernel(
     q_desc, k_desc, v_desc, do_desc,  # 3-D views of Q, K, V, dO, blocks (1, BLOCK_M or BLOCK_N, HEAD_DIM_A)
@@ -800,15 +814,10 @@ def attn_bwd_hopper_kernel(
     n_steps = gl.cdiv(n_queries - query_start, BLOCK_M)
     program = BwdProgram(b, h, bh, n_heads, start_n, query_start, n_steps, n_queries)
 
-    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM_A], dtype)
-    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM_A], dtype)
+    k_smem, v_smem, q_ring, do_ring = _bwd_operand_buffers(dtype, BLOCK_N, BLOCK_M, STAGES, HEAD_DIM_A)
     st_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
-    dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM_A], gl.float32)
-    k_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, HEAD_DIM_A], kv_layout)
-    v_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, HEAD_DIM_A], kv_layout)
-    q_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM_A], q_layout)
-    do_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM_A], q_layout)
     ds_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, BLOCK_M], st_layout)
+    dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM_A], gl.float32)
     dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM_A], dq_layout)
     row_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
     lse_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_layout)
@@ -817,13 +826,8 @@ def attn_bwd_hopper_kernel(
     free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     if HEAD_DIM_B > 0:
-        kv_layout_b: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM_B], dtype)
-        q_layout_b: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM_B], dtype)
+        k_smem_b, v_smem_b, q_ring_b, do_ring_b = _bwd_operand_buffers(dtype, BLOCK_N, BLOCK_M, STAGES, HEAD_DIM_B)
         dq_layout_b: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM_B], gl.float32)
-        k_smem_b = gl.allocate_shared_memory(dtype, [1, BLOCK_N, HEAD_DIM_B], kv_layout_b)
-        v_smem_b = gl.allocate_shared_memory(dtype, [1, BLOCK_N, HEAD_DIM_B], kv_layout_b)
-        q_ring_b = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM_B], q_layout_b)
-        do_ring_b = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM_B], q_layout_b)
         dq_smem_b = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM_B], dq_layout_b)
     else:
         k_smem_b = None
