@@ -36,8 +36,9 @@ class FlashConfig:
     dtype), tens of seconds per new length bucket, instead of the fixed tiles per dtype and head dim (float32 calls
     that split their sweeps over more programs keep the fixed tiles).
     ``hopper_min_programs``: counted as ``batch * heads`` times the tiles of 128 queries (forward) or keys
-    (backward): the backward's programs, the tiles the persistent forward's programs share. Since the Hopper backward's wgmma run asynchronously the Hopper kernels are at least as
-    fast as the Triton kernels from one head of 4,096 (32 programs) up (measured on an H100, bf16, causal: one head
+    (backward): the backward's programs, the tiles the persistent forward's programs share. Since the Hopper
+    backward's wgmma run asynchronously the Hopper kernels are at least as fast as the Triton kernels from one head
+    of 4,096 (32 programs) up (measured on an H100, bf16, causal: one head
     of 16,384, forward + backward 0.56 ms against 0.61 at d = 64, 0.81 against 1.01 at d = 128); below, both are
     bound by their launches.
     ``fp32_products``: how the Triton kernels multiply float32 inputs where PyTorch does not allow TF32 (where it

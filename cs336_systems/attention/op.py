@@ -108,9 +108,9 @@ def check_inputs(Q: Tensor, K: Tensor, V: Tensor, is_causal: bool) -> None:
     if Q.shape[-1] > max(SUPPORTED_HEAD_DIMS) or Q.shape[-1] % 8:
         raise ValueError(
             f"unsupported head dimension d={Q.shape[-1]}: the kernels run d in {SUPPORTED_HEAD_DIMS} (the portable "
-            f"ones and the Hopper backward also {tuple(d for d in portable.HEAD_DIMS if d not in SUPPORTED_HEAD_DIMS)}"
-            f"), and other multiples "
-            f"of 8 up to {max(SUPPORTED_HEAD_DIMS)} zero-padded to the next of those the chosen kernels run"
+            f"ones and the Hopper backward also {tuple(d for d in portable.HEAD_DIMS if d not in SUPPORTED_HEAD_DIMS)}),"
+            f" and other multiples of 8 up to {max(SUPPORTED_HEAD_DIMS)} zero-padded to the next of those the chosen "
+            "kernels run"
         )
     batch_heads = math.prod(Q.shape[:-2])
     if batch_heads > MAX_GRID_Y:

@@ -13,9 +13,10 @@ copied (:func:`tma_view`).
 
 Launch plans. A call's launch is planned once per (device, dtype, shapes, strides, alignment, causal): per
 descriptor the tensor it views, whether that tensor must be copied, and the view's shape and strides; the grid and
-the kernel's constexprs; for the persistent forward, its schedule of tiles (:func:`forward_schedule`), on the GPU. The first call of a key builds full ``TensorDescriptor`` objects from its plan (Triton
-compiles from them); later calls build only what holds the tensors' addresses (``DescriptorArg``) and launch the
-compiled kernel directly (:class:`cs336_systems.kernels.launch.Launcher`).
+the kernel's constexprs; for the persistent forward, its schedule of tiles (:func:`forward_schedule`), on the GPU.
+The first call of a key builds full ``TensorDescriptor`` objects from its plan (Triton compiles from them); later
+calls build only what holds the tensors' addresses (``DescriptorArg``) and launch the compiled kernel directly
+(:class:`cs336_systems.kernels.launch.Launcher`).
 """
 
 from __future__ import annotations
@@ -377,7 +378,8 @@ def forward(
         _FORWARD(key, plan.grid, ForwardArgs(*plan.descriptor_args((Q, K, V, O)), L, *plan.scalars), {})
     else:
         plan = _forward_plan(Q, K, V, is_causal, sm_scale)
-        if not (Q.is_cuda and torch.cuda.is_current_stream_capturing()):  # a captured plan's schedule is copied at replays only
+        # A plan made during a capture is not kept: its schedule lives in the graph's memory, copied at replays.
+        if not (Q.is_cuda and torch.cuda.is_current_stream_capturing()):
             _plans[key] = plan
         _FORWARD(key, plan.grid, ForwardArgs(*plan.full_descriptors((Q, K, V, O)), L, *plan.scalars),
                  plan.constexprs, num_warps=plan.num_warps)

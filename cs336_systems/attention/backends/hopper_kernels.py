@@ -285,7 +285,8 @@ def _fwd_load_partition(config, q_desc, k_desc, v_desc, buffers, schedule, n_hea
     block = 0  # K/V blocks streamed so far: the ring's position
     for k in range(first, last):
         program = _fwd_tile(config, gl.load(schedule + k), n_heads, n_queries, n_keys)
-        slot, landed = buffers.q.acquire(k - first, 2 * config.ROWS * config.HEAD_DIM * q_desc.dtype.primitive_bitwidth // 8)
+        slot, landed = buffers.q.acquire(k - first,
+                                         2 * config.ROWS * config.HEAD_DIM * q_desc.dtype.primitive_bitwidth // 8)
         for w in gl.static_range(2):
             tma.async_copy_global_to_shared(
                 q_desc, _block_coord(program.b, program.h, program.start_m + w * config.ROWS, program.n_heads,
