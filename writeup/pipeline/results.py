@@ -50,7 +50,8 @@ def config_of(row: dict[str, Any]) -> str:
     return json.dumps({k: row.get(k) for k in sorted(keys)}, sort_keys=True, default=str)
 
 
-def _when(row: dict[str, Any]) -> tuple[str, str]:
+def measured_when(row: dict[str, Any]) -> tuple[str, str]:
+    """A row's (date, run): the order in which rows were measured (a sort key)."""
     return (row.get("env", {}).get("date", ""), row.get("run", ""))
 
 
@@ -59,7 +60,7 @@ def latest_per_config(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     latest: dict[tuple[str, str], dict[str, Any]] = {}
     for row in rows:
         key = (row.get("device", ""), config_of(row))
-        if key not in latest or _when(row) >= _when(latest[key]):
+        if key not in latest or measured_when(row) >= measured_when(latest[key]):
             latest[key] = row
     return list(latest.values())
 
@@ -67,7 +68,7 @@ def latest_per_config(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def main_device(rows: list[dict[str, Any]]) -> str:
     """The device with the most rows (ties: the latest measured)."""
     counts = Counter(row.get("device", "") for row in rows)
-    last_date = {row.get("device", ""): _when(row) for row in sorted(rows, key=_when)}
+    last_date = {row.get("device", ""): measured_when(row) for row in sorted(rows, key=measured_when)}
     return max(counts, key=lambda device: (counts[device], last_date[device]))
 
 

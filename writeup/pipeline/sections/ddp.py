@@ -11,7 +11,7 @@ from cs336_basics.model import MODEL_SIZES
 from cs336_systems.bench.ddp_overhead_model import fit_overhead_model
 from pipeline import accounting, figures
 from pipeline.markup import DASH, num, pct, sci_parts, sig, span, table, times
-from pipeline.results import Missing, row_commit, row_date
+from pipeline.results import Missing, measured_when, row_commit, row_date
 from pipeline.sections.registry import Output, problem
 
 TOY_LOG = "h200x2-tests/toy_training.log"  # written by scripts/device_tests.sh on two GPUs
@@ -349,7 +349,7 @@ def traced_rows(res, variants: tuple[str, ...] = TRACED) -> dict[tuple[str, str]
     rows = res.rows("ddp_benchmarking", one_device=False, world_size=2, keep=lambda rows: [
         r for r in rows if r.get("trace_figure") and variant_of(r["variant"]) in variants])
     newest: dict[tuple[str, str], dict[str, Any]] = {}
-    for row in sorted(rows, key=lambda r: (r.get("env", {}).get("date", ""), r.get("run", ""))):
+    for row in sorted(rows, key=measured_when):
         newest[(variant_of(row["variant"]), row.get("dtype"))] = dict(row, variant=variant_of(row["variant"]))
     return newest
 

@@ -7,7 +7,7 @@ from typing import Any
 from cs336_systems.attention.config import FlashConfig
 from pipeline import figures
 from pipeline.markup import DASH, join_words, num, sci, span, spread, table, times
-from pipeline.results import Missing, row_date
+from pipeline.results import Missing, measured_when, row_date
 from pipeline.sections.registry import Output, problem
 
 ERRORS_FILE = "h100-hopper-backward/tests/flash_attention_triton_errors.json"  # the GPU tests with the Hopper kernels
@@ -120,7 +120,7 @@ same configuration differ by about that much."""
 def latest_cells(rows: list[dict[str, Any]]) -> dict[tuple, dict[str, Any]]:
     """The row each table cell shows: the latest (date, run) of each (provider, length, d, dtype)."""
     index = {}
-    for r in sorted(rows, key=lambda r: (r.get("env", {}).get("date", ""), r.get("run", ""))):
+    for r in sorted(rows, key=measured_when):
         index[(r["provider"], r["seq_len"], r["d_head"], r["dtype"])] = r
     return index
 
@@ -159,7 +159,7 @@ def shown_runs(index: dict, providers: list[str], lengths: list[int], heads: lis
              for p in providers}
 
     def where(rows: list[dict[str, Any]]) -> str:
-        rows = sorted(rows, key=lambda r: (r.get("env", {}).get("date", ""), r.get("run", "")))
+        rows = sorted(rows, key=measured_when)
         dates = sorted({r.get("env", {}).get("date", "")[:10] or "?" for r in rows})
         commits = list(dict.fromkeys(str(r.get("env", {}).get("commit", "?")) for r in rows))
         reps = sorted({r["rep_ms"] for r in rows if r.get("rep_ms") is not None})

@@ -10,7 +10,7 @@ from cs336_basics.model import MODEL_SIZES
 from cs336_systems.bench.fsdp_accounting import CHECK_LR, CHECK_TOLERANCE, weight_tolerance
 from pipeline import accounting
 from pipeline.markup import DASH, num, span, spread, table, times
-from pipeline.results import Missing, config_of, read_jsonl, row_commit, row_date
+from pipeline.results import Missing, config_of, measured_when, read_jsonl, row_commit, row_date
 from pipeline.sections.registry import Output, problem
 from pipeline.snapshot_reports import BEFORE_RECORDING, parse_snapshot_reports
 
@@ -54,10 +54,6 @@ def optimizer_kind(name: str) -> str:
     return "zero_redundancy" if "zero" in name else "sharded" if "shard" in name else "adamw"
 
 
-def newest_first(row: dict[str, Any]) -> tuple[str, str]:
-    return (str(row.get("env", {}).get("date", "")), str(row.get("run", "")))
-
-
 def rows_of_one_commit(latest: list[dict[str, Any]], history: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per dtype, AdamW, ours and ZeRO from one commit: each one's newest row at the newest commit (of ``latest``'s
     device) where all three ran; the other optimizers (the flat ZeRO-1, whose newest rows may measure code newer than
@@ -69,12 +65,12 @@ def rows_of_one_commit(latest: list[dict[str, Any]], history: list[dict[str, Any
         rows = [r for r in latest if r.get("dtype") == dtype]
         required = {config_of(r) for r in rows if optimizer_kind(r["optimizer"]) in REQUIRED_KINDS}
         by_commit: dict[str, dict[str, dict[str, Any]]] = {}
-        for r in sorted(history, key=newest_first):  # the newest row of a configuration at a commit is kept
+        for r in sorted(history, key=measured_when):  # the newest row of a configuration at a commit is kept
             if r.get("device") == rows[0].get("device") and config_of(r) in required:
                 by_commit.setdefault(row_commit(r), {})[config_of(r)] = r
         complete = [found for found in by_commit.values() if set(found) == required]
         if complete:
-            newest = max(complete, key=lambda found: max(newest_first(r) for r in found.values()))
+            newest = max(complete, key=lambda found: max(measured_when(r) for r in found.values()))
             rows = [newest.get(config_of(r), r) for r in rows]
         chosen += rows
     return chosen

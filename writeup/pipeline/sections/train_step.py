@@ -13,7 +13,7 @@ from cs336_systems.parallel.fsdp.transport import DEFAULT_GRADIENT_MEMORY
 from cs336_systems.train.step import Parts
 from pipeline import accounting, figures
 from pipeline.markup import DASH, join_words, num, pct, sig, span, spread, table, times
-from pipeline.results import Missing, main_device, read_jsonl
+from pipeline.results import Missing, main_device, measured_when, read_jsonl, row_commit
 from pipeline.sections.registry import Output, problem
 
 SIZES = list(MODEL_SIZES)  # small ... 2.7B, the order every table uses
@@ -110,8 +110,7 @@ def load_train_step(res) -> dict[tuple[str, int, int], Case]:
     cases: dict[tuple[str, int, int], Case] = {}
     # A row that says residual_norm="separate" and one from before that key existed describe the same stack, but
     # latest_per_config keeps both (their keys differ): the newest of them wins here.
-    when = lambda r: (r.get("env", {}).get("date", ""), r.get("run", ""))
-    for r in sorted(res.rows("train_step", one_device=False, keep=new_protocol), key=when):
+    for r in sorted(res.rows("train_step", one_device=False, keep=new_protocol), key=measured_when):
         cases.setdefault((r["size"], r["context_length"], r["batch_size"]), {})[(r["stack"], r["variant"])] = r
     return dict(sorted(cases.items(), key=lambda item: (size_order(item[0][0]), item[0][2] != 4, item[0][1])))
 
@@ -331,8 +330,8 @@ def _recompute_rows(res, device: str, cases: dict[tuple[str, int, int], Case]) -
         if not measured(torch_row) or not (cases[key].get(("ours", "default")) or {}).get("oom"):
             continue
         apart = "" if same_run(r, torch_row) else (
-            f" (torch's row from another invocation, at commit {torch_row.get('env', {}).get('commit', '?')[:7]}; "
-            f"ours at {r.get('env', {}).get('commit', '?')[:7]})")
+            f" (torch's row from another invocation, at commit {row_commit(torch_row)}; "
+            f"ours at {row_commit(r)})")
         phrases.append(f"at {r['size']} and {shape_label(r['context_length'], r['batch_size'])} it takes "
                        f"{num(r['step_ms'])} ms at a peak of {num(r['peak_gb'])} GB, against torch's default variant's "
                        f"{num(torch_row['step_ms'])} ms and {num(torch_row['peak_gb'])} GB{apart}")
@@ -402,11 +401,11 @@ def train_step(res, out: Output) -> dict[str, Any]:
     gain = {s: list(g.values()) for s, g in gains.items()}
     most_gain = {s: case_name(max(g, key=g.get)) if g else DASH for s, g in gains.items()}
     runs = sorted({r["run"] for t, o in bests for r in (t, o)})
-    commits = sorted({r.get("env", {}).get("commit", "?")[:7] for t, o in bests for r in (t, o)})
+    commits = sorted({row_commit(r) for t, o in bests for r in (t, o)})
 
     # The slower variants' rows may come from other commits than the compared ones: say which.
     def provenance(r: dict[str, Any]) -> tuple[str, str]:
-        return r.get("env", {}).get("commit", "?")[:7], r.get("env", {}).get("date", "")[:10]
+        return row_commit(r), r.get("env", {}).get("date", "")[:10]
 
     compared = {provenance(r) for t, o in bests for r in (t, o)}
     older_slower = sorted({provenance(r) for c in both.values() for r in c.values()} - compared,
