@@ -24,7 +24,7 @@ WRITEUP = Path(__file__).resolve().parents[1] / "writeup"
 if str(WRITEUP) not in sys.path:
     sys.path.insert(0, str(WRITEUP))  # the writeup's `pipeline` package
 
-from pipeline import parallelism as par  # noqa: E402
+from pipeline import parallelism as par
 
 BYTES = 2  # every element travels in fp16
 LAYERS = [(48, 12, 36), (12, 24, 60)]  # (B, D, D_FF): every ratio of the two differs
@@ -391,7 +391,8 @@ W = Fraction(5)  # any bandwidth: the times scale as 1 / W
 def test_the_layer_alone(b, d, d_ff):
     cl = run_dp(make_layer(b, d, d_ff), 1)
     assert cl.flops(0, "forward") == exact(par.ffn_forward_flops, b, d, d_ff)
-    assert cl.flops(0, "backward") == exact(par.ffn_backward_flops, b, d, d_ff) == 2 * exact(par.ffn_forward_flops, b, d, d_ff)
+    forward = exact(par.ffn_forward_flops, b, d, d_ff)
+    assert cl.flops(0, "backward") == exact(par.ffn_backward_flops, b, d, d_ff) == 2 * forward
     assert len(cl.matmuls[("backward", 0)]) == 6
     assert exact(par.ffn_weight_bytes, d, d_ff) == sum(w.size for w in make_layer(b, d, d_ff).w) * BYTES
 
@@ -464,8 +465,10 @@ def test_fsdp_tp_calcs(b, d, d_ff, n_tp, n_fsdp):
 
 def test_fsdp_tp_on_one_axis_is_fsdp_or_tp():
     b, d, d_ff, n = Fraction(48), 12, 36, 4
-    assert exact(par.fsdp_tp_forward_comm_time_shared, b, d, d_ff, 1, n, W) == exact(par.fsdp_forward_comm_time, d, d_ff, n, W)
-    assert exact(par.fsdp_tp_forward_comm_time_shared, b, d, d_ff, n, 1, W) == exact(par.tp_forward_comm_time, b, d, n, W)
+    fsdp_only = exact(par.fsdp_tp_forward_comm_time_shared, b, d, d_ff, 1, n, W)
+    tp_only = exact(par.fsdp_tp_forward_comm_time_shared, b, d, d_ff, n, 1, W)
+    assert fsdp_only == exact(par.fsdp_forward_comm_time, d, d_ff, n, W)
+    assert tp_only == exact(par.tp_forward_comm_time, b, d, n, W)
 
 
 def test_the_checks_against_the_reference_can_fail():
@@ -571,21 +574,21 @@ def test_the_largest_shared_grid(b, d_ff, c, w):
         assert best.n == (3 * w * b * d_ff + 3 * c * d_ff + 2 * c * b) ** 2 / (24 * c**2 * b * d_ff)
         assert exact(par.fsdp_tp_best_grid_shared, best.n, b, d_ff) == best  # the split of least communication
     # Every real split on a fine grid, each axis as large as the other allows: none has more devices.
-    for step in range(0, 401):
+    for step in range(401):
         n_fsdp = 1 + Fraction(step, 400) / a  # from 1 to 1 + 1 / a, where the FSDP axis alone uses up the compute
         n_tp = 1 + (1 - a * (n_fsdp - 1)) / g
         assert shared_slack(par.Grid(n_tp, n_fsdp), b, d_ff, c, w) == 0 and n_tp * n_fsdp <= best.n
     # Integer grids (each axis within its bound alone): none that fits is larger; a little more TP does not fit.
     grids = [par.Grid(t, f) for t in range(1, math.floor(1 + 1 / g) + 2) for f in range(1, math.floor(1 + 1 / a) + 2)]
     fitting = [grid for grid in grids if shared_slack(grid, b, d_ff, c, w) >= 0]
-    assert max(grid.n for grid in fitting) <= best.n
+    assert max(grid.n for grid in fitting) == exact(par.fsdp_tp_max_integer_grid_shared, b, d_ff, c, w).n <= best.n
     assert shared_slack(par.Grid(best.n_tp + Fraction(1, 1000), best.n_fsdp), b, d_ff, c, w) < 0
 
 
 @pytest.mark.parametrize("n", [1, 4, 9, 16, 36, 100])
 def test_the_shared_split_of_a_given_n_minimises_the_sum(n):
     """B = 6, D_FF = 4: ``n_fsdp = sqrt(2 B n / (3 D_FF)) = sqrt(n)``; no rational split sends less."""
-    b, d_ff, c, w = Fraction(6), 4, Fraction(5), Fraction(2)
+    b, d_ff, w = Fraction(6), 4, Fraction(2)
     best = exact(par.fsdp_tp_best_grid_shared, n, b, d_ff)
     assert best == par.Grid(math.isqrt(n), math.isqrt(n))
     least = exact(par.fsdp_tp_forward_comm_time_shared, b, D, d_ff, best.n_tp, best.n_fsdp, w)
@@ -598,3 +601,52 @@ def test_the_grid_functions_take_floats():
     assert grid.n == pytest.approx((3 * 450e9 * 16384 * 28672 + 3 * 989e12 * 28672 + 2 * 989e12 * 16384) ** 2
                                    / (24 * 989e12**2 * 16384 * 28672))
     assert par.fsdp_tp_best_grid_shared(grid.n, 16384, 28672).n_fsdp == pytest.approx(grid.n_fsdp)
+
+
+# ---------------------------------------------------------------------------------------------
+# The writeup's numbers
+# ---------------------------------------------------------------------------------------------
+
+
+def numbers_in(text: str) -> list[float]:
+    """``'20 × 8 = 160'`` -> ``[20.0, 8.0, 160.0]``; ``'8.45'`` -> ``[8.45]``."""
+    return [float(part.replace(",", "")) for part in text.replace("×", " ").replace("=", " ").split()]
+
+
+def test_the_writeup_section_prints_the_functions_values():
+    from pipeline.sections import SECTIONS
+
+    b, d, d_ff = par.EXAMPLE_LAYER["b"], par.EXAMPLE_LAYER["d"], par.EXAMPLE_LAYER["d_ff"]
+    data = {name: SECTIONS[name](None, None)["n"] for name in
+            ("alternate_ring_all_reduce", "data_parallel_calcs", "fsdp_calcs", "tp_calcs", "fsdp_tp_calcs")}
+    ring = data["alternate_ring_all_reduce"]
+    s = par.ffn_weight_bytes(d, d_ff)
+    def ms(seconds):
+        return [pytest.approx(1e3 * seconds, abs=0.05)]
+
+    assert numbers_in(ring["alternate_ms"]) == ms(par.alternate_ring_all_reduce_time(s, 8, par.H100.w))
+    assert numbers_in(ring["ring_ms"]) == ms(par.all_reduce_time(s, 8, par.H100.w))
+    for key, dev in (("h100", par.H100), ("b200", par.B200)):
+        dp_limit = par.dp_max_devices(b, dev.c, dev.w)
+        dp = data["data_parallel_calcs"][key]
+        assert numbers_in(dp["real"]) == [pytest.approx(dp_limit, abs=0.005)] and dp["int"] == str(math.floor(dp_limit))
+        n = math.floor(dp_limit)
+        backward = par.compute_time(par.dp_backward_flops(b, d, d_ff, n), dev.c)
+        assert numbers_in(dp["compute_ms"]) == ms(backward)
+        assert numbers_in(dp["comm_ms"]) == ms(par.dp_backward_comm_time(d, d_ff, n, dev.w))
+        fsdp = data["fsdp_calcs"][key]
+        assert fsdp["forward"]["int"] == fsdp["backward"]["int"] == str(math.floor(par.fsdp_max_devices_forward(
+            b, dev.c, dev.w)))
+        tp = data["tp_calcs"][key]
+        assert numbers_in(tp["forward"]["real"]) == [pytest.approx(par.tp_max_devices_forward(d_ff, dev.c, dev.w),
+                                                                   abs=0.005)]
+        assert tp["backward"]["int"] == str(math.floor(par.tp_max_devices_backward(d_ff, dev.c, dev.w)))
+        grids = data["fsdp_tp_calcs"][key]
+        for text, grid in ((grids["overlapped"], par.fsdp_tp_max_grid_overlapped(b, d_ff, dev.c, dev.w)),
+                           (grids["shared"], par.fsdp_tp_max_grid_shared(b, d_ff, dev.c, dev.w)),
+                           (grids["shared_int"], par.fsdp_tp_max_integer_grid_shared(b, d_ff, dev.c, dev.w))):
+            assert numbers_in(text) == [pytest.approx(x, abs=0.005) for x in (grid.n_tp, grid.n_fsdp, grid.n)]
+    # The example's shared grid: fewer devices than the overlapped one, more than either axis alone.
+    h100 = data["fsdp_tp_calcs"]["h100"]
+    assert numbers_in(h100["shared"])[2] < numbers_in(h100["overlapped"])[2]
+    assert numbers_in(h100["shared"])[2] > par.tp_max_devices_forward(d_ff, par.H100.c, par.H100.w)

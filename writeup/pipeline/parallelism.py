@@ -294,6 +294,18 @@ def fsdp_tp_max_grid_shared(b: Any, d_ff: Any, c: Any, w: Any) -> Grid:
     return Grid(k / (2 * g), k / (2 * a))
 
 
+def fsdp_tp_max_integer_grid_shared(b: Any, d_ff: Any, c: Any, w: Any) -> Grid:
+    """The largest integer grid whose forward is not communication-bound when the axes share the network (ties:
+    more TP): each axis is at most its bound alone (the other at one device), so the search is finite."""
+    def fits(grid: Grid) -> bool:
+        comm = fsdp_tp_forward_comm_time_shared(b, 1, d_ff, grid.n_tp, grid.n_fsdp, w)
+        return comm <= compute_time(fsdp_tp_forward_flops(b, 1, d_ff, grid.n_tp, grid.n_fsdp), c)
+
+    grids = [Grid(n_tp, n_fsdp) for n_tp in range(1, math.floor(tp_max_devices_forward(d_ff, c, w)) + 1)
+             for n_fsdp in range(1, math.floor(fsdp_max_devices_forward(b, c, w)) + 1)]
+    return max((g for g in grids if fits(g)), key=lambda g: (g.n, g.n_tp))
+
+
 # ---------------------------------------------------------------------------------------------
 # Datasheet numbers for the examples
 # ---------------------------------------------------------------------------------------------
