@@ -249,10 +249,10 @@ def fsdp_tp_max_grid_overlapped(b: Any, d_ff: Any, c: Any, w: Any) -> Grid:
     """The largest grid whose forward is not communication-bound, each axis on its own links.
 
     Against the compute ``6 b d d_ff / (N c)`` the two axes' conditions separate: the FSDP axis needs
-    ``n_fsdp <= 1 + b w / c`` (FSDP's bound: a device's weight shards and tokens both shrink by ``n_tp``), the TP
-    axis ``n_tp <= 1 + 3 w d_ff / (2 c)`` (TP's forward bound: its tokens and compute both shrink by ``n_fsdp``).
-    Each condition holds for one axis whatever the other, so the largest ``N`` is the product of the two integer
-    bounds."""
+    ``n_fsdp <= 1 + b w / c`` (FSDP's bound: the weight shards it gathers and the compute both shrink by ``n_tp``),
+    the TP axis ``n_tp <= 1 + 3 w d_ff / (2 c)`` (TP's forward bound: the ``y`` it all-reduces and the compute both
+    shrink by ``n_fsdp``). Each condition involves its own axis only, so the largest ``N`` is the product of the
+    two integer bounds."""
     return Grid(math.floor(tp_max_devices_forward(d_ff, c, w)), math.floor(fsdp_max_devices_forward(b, c, w)))
 
 
