@@ -9,6 +9,7 @@ from pipeline.sections import (  # noqa: F401  (they register sections)
     flash,
     leaderboard_2026,
     op_overhead,
+    parallelism,
     sharding,
     single_gpu,
     train_step,
