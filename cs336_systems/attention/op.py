@@ -10,18 +10,20 @@ absolute indices), ``d`` in 16, 32, 64, 128, and for the portable kernels and th
 score or output), dtype float16, bfloat16 or float32. Inputs may be non-contiguous; a copy is made only when the
 last dimension is strided.
 
-Backends. Each is a module of ``backends/`` with the same interface: ``supports(device, dtype, head_dim)`` (why it
-cannot run such inputs, or None), ``kernel_head_dims(part)`` (the head dims it runs the forward or the backward at
-unpadded), ``forward(Q, K, V, is_causal, sm_scale) -> (O, L)`` and
-``backward(Q, K, V, O, L, dO, is_causal, sm_scale) -> (dQ, dK, dV)``.
+Backends. Each is a module of ``backends/`` that is a :class:`~cs336_systems.attention.backends.common.Backend`:
+``supports(device, dtype, head_dim)`` (why it cannot run such inputs, or None), ``kernel_head_dims(part)`` (the
+head dims it runs the forward or the backward at unpadded), ``programs(part, Q, K)``,
+``forward(Q, K, V, is_causal, sm_scale) -> (O, L)`` and ``backward(Q, K, V, O, L, dO, is_causal, sm_scale) ->
+(dQ, dK, dV)``. A call goes op -> backend -> ``Kernel.launch`` -> kernel, and returns.
 
 * ``backends/triton.py``: the portable Triton kernels (any CUDA GPU, every dtype, the CPU interpreter);
 * ``backends/hopper.py``: the Gluon kernels for Hopper GPUs (float16/bfloat16), run when
   :data:`cs336_systems.attention.config.FLASH_CONFIG` says so (by default, where they can run, for calls of at
-  least ``hopper_min_programs`` programs, except the forward at a head dim the Hopper forward pads and the
-  portable one does not: see :func:`portable_runs_faster`).
+  least ``hopper_min_programs`` programs, as ``hopper.programs`` counts them, except the forward at a head dim the
+  Hopper forward pads and the portable one does not: see :func:`portable_runs_faster`).
 
-The choice is resolved once per (configuration, device, dtype, head dim, part, shape class) and cached.
+The choice is resolved once per (configuration, device, dtype, head dim, part, shape class) and cached
+(:func:`route`).
 
 Host cost. Input checks run once, in the Function's forward. Eager calls go from the Function straight to the
 backend (no operator dispatch). Under ``torch.compile`` (or a dispatch mode such as selective checkpointing) the
@@ -33,7 +35,6 @@ from __future__ import annotations
 
 import functools
 import math
-from types import ModuleType
 
 import torch
 from jaxtyping import Float
@@ -41,7 +42,9 @@ from torch import Tensor
 
 from cs336_systems.attention.backends import hopper
 from cs336_systems.attention.backends import triton as portable
+from cs336_systems.attention.backends.common import Backend
 from cs336_systems.attention.config import FLASH_CONFIG, FlashConfig
+from cs336_systems.kernels.compat import dispatch_mode_active
 from cs336_systems.kernels.launch import FLOAT_DTYPES, define_operator, unit_last_stride
 
 SUPPORTED_HEAD_DIMS = tuple(d for d in portable.HEAD_DIMS if d in hopper.HEAD_DIMS)
@@ -121,13 +124,15 @@ def check_inputs(Q: Tensor, K: Tensor, V: Tensor, is_causal: bool) -> None:
 # The choice of backend
 # ---------------------------------------------------------------------------------------------------
 
+ROUTE_CACHE_SIZE = 256
+"""Choices of backend kept: one per (configuration, device, dtype, head dim, part, shape class) seen."""
 
-@functools.cache
+
 def choose_backend(config: FlashConfig, device: torch.device, dtype: torch.dtype, head_dim: int, part: str,
-                   hopper_by_default: bool) -> ModuleType:
-    """The backend that runs ``part`` ("forward" or "backward") under ``config``; ``hopper_by_default`` (the shape
-    class): the Hopper kernels would launch at least ``config.hopper_min_programs`` programs and the portable ones
-    do not run the call faster (:func:`portable_runs_faster`). Raises where
+                   hopper_by_default: bool) -> Backend:
+    """The backend that runs ``part`` ("forward" or "backward") under ``config`` at ``head_dim`` (one every backend
+    runs); ``hopper_by_default`` (the shape class): the Hopper kernels would start at least
+    ``config.hopper_min_programs`` programs and the portable ones do not run the call faster. Raises where
     ``config`` asks for the Hopper kernels and they cannot run, and where no backend can."""
     if config.kernels != "triton":
         reason = hopper.supports(device, dtype, head_dim)
@@ -143,24 +148,29 @@ def choose_backend(config: FlashConfig, device: torch.device, dtype: torch.dtype
 
 def portable_runs_faster(head_dim: int, part: str) -> bool:
     """Whether, by default, the portable kernels run ``part`` where the Hopper ones could: the forward at the head
-    dims the portable kernels hold in two column parts and the Hopper forward pads to 128 (one H100, d = 80: 0.28
-    against 0.58 ms at (4, 32, 2048, 80), 0.92 against 1.15 ms at (1, 32, 8192, 80)). The Hopper backward holds
-    them in two parts too, and runs faster than the portable one."""
+    dims the portable kernels hold in two column parts and the Hopper forward pads to 128 (optimisation log:
+    hopper-backward-two-column-parts). The Hopper backward holds them in two parts too, and runs faster."""
     return part == "forward" and head_dim not in SUPPORTED_HEAD_DIMS and head_dim in portable.HEAD_DIMS
 
 
-def _backend(part: str, Q: Tensor, K: Tensor) -> ModuleType:
-    """The backend for ``part`` of a call on these (checked) inputs: the one chosen for their head dim rounded up to
-    :data:`SUPPORTED_HEAD_DIMS` (which every backend runs), so that d = 80 goes where d = 128 goes;
-    :func:`_kernel_head_dim` then says whether, and to what, it pads."""
+@functools.lru_cache(maxsize=ROUTE_CACHE_SIZE)
+def route(config: FlashConfig, device: torch.device, dtype: torch.dtype, head_dim: int, part: str,
+          hopper_programs: bool) -> tuple[Backend, int]:
+    """The backend that runs ``part`` of inputs of ``head_dim`` and the head dim its kernels run it at (``head_dim``
+    itself, or the width it is zero-padded to). The backend is chosen at the head dim rounded up to
+    :data:`SUPPORTED_HEAD_DIMS`, so that d = 80 goes where d = 128 goes; ``hopper_programs``: the Hopper kernels
+    would start at least ``config.hopper_min_programs`` programs."""
+    padded = min(d for d in SUPPORTED_HEAD_DIMS if d >= head_dim)
+    backend = choose_backend(config, device, dtype, padded, part,
+                             hopper_programs and not portable_runs_faster(head_dim, part))
+    return backend, min(d for d in backend.kernel_head_dims(part) if d >= head_dim)
+
+
+def _route(part: str, Q: Tensor, K: Tensor) -> tuple[Backend, int]:
+    """:func:`route` for a call on these (checked) inputs under the current configuration."""
     config = FLASH_CONFIG.get()
-    shape = Q.shape
-    batch_heads = shape[0] * shape[1] if len(shape) == 4 else shape[0]
-    # The Hopper kernels' tiles: batch * heads times the tiles of their rows (queries forward, keys backward).
-    rows = shape[-2] if part == "forward" else K.shape[-2]
-    enough = batch_heads * -(-rows // hopper.ROWS_PER_PROGRAM) >= config.hopper_min_programs
-    hopper_by_default = enough and not portable_runs_faster(shape[-1], part)
-    return choose_backend(config, Q.device, Q.dtype, _padded_head_dim(shape[-1]), part, hopper_by_default)
+    enough = hopper.programs(part, Q, K) >= config.hopper_min_programs
+    return route(config, Q.device, Q.dtype, Q.shape[-1], part, enough)
 
 
 def chosen_backends(Q: Tensor, K: Tensor) -> dict[str, str]:
@@ -169,26 +179,14 @@ def chosen_backends(Q: Tensor, K: Tensor) -> dict[str, str]:
     it beside their times)."""
     chosen = {}
     for part in ("forward", "backward"):
-        backend = _backend(part, Q, K)
-        chosen[part] = f"{backend.__name__.rsplit('.', 1)[-1]}, d {_kernel_head_dim(backend, Q.shape[-1], part)}"
+        backend, head_dim = _route(part, Q, K)
+        chosen[part] = f"{backend.NAME}, d {head_dim}"
     return chosen
 
 
 # ---------------------------------------------------------------------------------------------------
 # Forward and backward on checked inputs of any strides and any supported d
 # ---------------------------------------------------------------------------------------------------
-
-
-@functools.cache
-def _padded_head_dim(head_dim: int) -> int:
-    return min(d for d in SUPPORTED_HEAD_DIMS if d >= head_dim)
-
-
-@functools.cache
-def _kernel_head_dim(backend: ModuleType, head_dim: int, part: str) -> int:
-    """The head dim ``backend`` runs ``part`` of inputs of ``head_dim`` at: the least of its
-    ``kernel_head_dims(part)`` from ``head_dim`` on (``head_dim`` itself, or the width it is zero-padded to)."""
-    return min(d for d in backend.kernel_head_dims(part) if d >= head_dim)
 
 
 def _pad(x: Tensor, head_dim: int) -> Tensor:
@@ -203,8 +201,7 @@ def attention_forward(
     """``O`` (Q's shape and dtype, contiguous) and the natural-log logsumexp ``L`` (float32)."""
     head_dim = Q.shape[-1]
     sm_scale = 1.0 / math.sqrt(head_dim)
-    backend = _backend("forward", Q, K)
-    padded = _kernel_head_dim(backend, head_dim, "forward")
+    backend, padded = _route("forward", Q, K)
     if padded == head_dim:
         Q, K, V = unit_last_stride(Q), unit_last_stride(K), unit_last_stride(V)
         return backend.forward(Q, K, V, is_causal, sm_scale)
@@ -222,8 +219,7 @@ def attention_backward(
     dO = unit_last_stride(dO if dO.dtype == O.dtype else dO.to(O.dtype))  # o.sum().backward() sends stride 0
     head_dim = Q.shape[-1]
     sm_scale = 1.0 / math.sqrt(head_dim)
-    backend = _backend("backward", Q, K)
-    padded = _kernel_head_dim(backend, head_dim, "backward")
+    backend, padded = _route("backward", Q, K)
     if padded == head_dim:
         Q, K, V = unit_last_stride(Q), unit_last_stride(K), unit_last_stride(V)
         return backend.backward(Q, K, V, O, L, dO, is_causal, sm_scale)
@@ -257,7 +253,7 @@ define_operator("cs336_systems::flash_attention_backward", attention_backward, t
 def _through_operators() -> bool:
     """Whether to call the operators instead of the backends: while torch.compile traces, and under a dispatch mode
     (selective checkpointing keeps the forward operator's outputs by name)."""
-    return torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
+    return torch.compiler.is_compiling() or dispatch_mode_active()
 
 
 class FlashAttention2Triton(torch.autograd.Function):

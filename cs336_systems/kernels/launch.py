@@ -2,34 +2,35 @@
 weighted sum), in one place:
 
 * where kernels run: :func:`interpreting` (the one reading of whether Triton's CPU interpreter is on),
-  :func:`unsupported_device` and :func:`check_device`;
+  :func:`unsupported_device`, :func:`check_device` and :func:`multiprocessors`;
 * explicit configuration (:class:`CurrentConfig`), the dtypes the kernels take, output allocation (poisoned on
   request) and stride helpers;
-* :class:`Launcher`, which launches a compiled kernel with the least host work;
-* :class:`ConfigCache` and :class:`Kernel`: a kernel's launch configuration chosen once per key (a fixed rule, or
-  the autotuner's pick) and its launch, eager (through the :class:`Launcher`) or traced (through ``wrap_triton``,
-  inside an operator that ``torch.compile`` traces);
+* :class:`Kernel`: one bounded cache entry per launch signature (configuration, compiled kernel, trailing
+  arguments), a launch eager (the compiled kernel straight through its C launcher) or traced (through
+  ``wrap_triton``, inside an operator that ``torch.compile`` traces);
 * :func:`define_operator`: the one way our kernels become ``torch.library`` operators.
 
-Why a launcher of our own. ``kernel[grid](*args)`` makes Triton bind every argument to the signature, compute
-its specialisation (dtype, 16-byte divisibility, equality to 1), hash that into a cache key and look the
+Why launch a compiled kernel ourselves. ``kernel[grid](*args)`` makes Triton bind every argument to the signature,
+compute its specialisation (dtype, 16-byte divisibility, equality to 1), hash that into a cache key and look the
 compiled kernel up, on every call: tens of microseconds for a kernel of forty arguments, several times what a
 cuDNN call costs the host. The callers here know what determines the compilation (the dtype, the constexprs,
-the strides, the pointers' alignment) and have usually computed it already to choose the launch; a
-:class:`Launcher` keeps the compiled kernel under that key and, from the second call on, hands the arguments
-straight to the compiled kernel's C launcher.
+the strides, the pointers' alignment) and have usually computed it already to choose the launch; a :class:`Kernel`
+keeps the compiled kernel under that key and, from the second call on, hands the arguments straight to it
+(``compat.launch_compiled``).
 
-Traced versus eager. An eager call (the autograd Function's own) looks its configuration up by key, may autotune
-(once per key), and launches through the :class:`Launcher`. While ``torch.compile`` traces, the same launch code
-runs inside a ``triton_op`` on fake tensors (no data, no addresses): it takes the fixed configuration and launches
-through ``wrap_triton``, so that Inductor emits the kernel launch into its own code. An autotuned kernel inside a
-compiled graph would re-run its benchmarks on every call.
+Traced versus eager. An eager call (the autograd Function's own) looks its entry up by key, may autotune (once per
+key), and launches the compiled kernel. While ``torch.compile`` traces, the same launch code runs inside a
+``triton_op`` on fake tensors (no data, no addresses): it takes the fixed configuration and launches through
+``wrap_triton``, so that Inductor emits the kernel launch into its own code. An autotuned kernel inside a compiled
+graph would re-run its benchmarks on every call.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Callable, Hashable, Iterator
 from typing import Any, Generic, NamedTuple, TypeVar
 
@@ -37,7 +38,8 @@ import torch
 import triton
 from torch import Tensor
 from torch.library import wrap_triton
-from triton.knobs import HookChain
+
+from cs336_systems.kernels import compat
 
 # ---------------------------------------------------------------------------------------------------
 # Where kernels run
@@ -73,6 +75,16 @@ def check_device(x: Tensor, what: str, module: str, *, reads_host_addresses: boo
     reason = unsupported_device(x.device, what, module, reads_host_addresses=reads_host_addresses)
     if reason is not None:
         raise ValueError(reason)
+
+
+@functools.lru_cache(maxsize=16)
+def multiprocessors(device: torch.device) -> int:
+    """The streaming multiprocessors of a CUDA ``device``; elsewhere (the interpreter, one program at a time, or
+    kernels compiled ahead of time on the CPU) 2, which keeps grids small and every path of a persistent kernel
+    exercised."""
+    if device.type != "cuda":
+        return 2
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -146,7 +158,7 @@ def aligned(*tensors: Tensor) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Launcher: a compiled kernel under a key, launched without Triton's argument binding
+# Launches: one bounded cache entry per launch signature
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -161,113 +173,74 @@ class DescriptorArg(NamedTuple):
     padding: str = "zero"
 
 
-class Launcher:
-    """Launches the jit kernel ``fn`` (Triton or Gluon) under a key that the caller computes from everything that
-    determines its compilation for these arguments: the dtypes, the constexprs and launch options, and the
-    arguments Triton specialises on (integers not in ``do_not_specialize`` by value; pointers by alignment).
-
-    The first call of a key compiles (or finds in Triton's caches) through ``fn[grid](...)``; later calls pass the
-    arguments straight to the compiled kernel. A key that leaves out something the compilation depends on would
-    launch a kernel compiled for other arguments: put in the key whatever the kernel specialises on.
-    Under the interpreter every call runs ``fn[grid](...)``.
-    """
-
-    def __init__(self, fn):
-        self.fn = fn
-        self._compiled: dict[Any, tuple[Any, tuple]] = {}
-
-    def compiled(self, key) -> bool:
-        """Whether ``key`` has a compiled kernel on the current device (its calls take the short path)."""
-        return not _INTERPRETING and (torch._C._cuda_getDevice(), key) in self._compiled
-
-    def __call__(self, key, grid: tuple[int, ...], args: tuple, constexprs: dict[str, Any], **options) -> None:
-        """``fn[grid](*args, **constexprs, **options)``; ``args`` are the leading parameters in order, ``constexprs``
-        the trailing ones (the kernel's last parameters), ``options`` launch options such as ``num_warps``."""
-        if not self.launch_compiled(key, grid, args):
-            self._compile_and_launch(key, grid, args, constexprs, options)
-
-    def launch_compiled(self, key, grid: tuple[int, ...], args: tuple) -> bool:
-        """Launch the kernel compiled for ``key`` on the current device, if there is one (True); else do nothing
-        (False). The constexprs and options are the ones of the key's first call."""
-        if _INTERPRETING:
-            return False
-        device = torch._C._cuda_getDevice()  # a compiled kernel is loaded on one device
-        entry = self._compiled.get((device, key))
-        if entry is None:
-            return False
-        kernel, tail = entry
-        stream = torch._C._cuda_getCurrentRawStream(device)
-        grid_y = grid[1] if len(grid) > 1 else 1
-        grid_z = grid[2] if len(grid) > 2 else 1
-        hooks = triton.knobs.runtime
-        enter = hooks.launch_enter_hook  # a chain of hooks, usually empty (a profiler adds one)
-        listened = enter.calls if isinstance(enter, HookChain) else enter is not None
-        metadata = kernel.launch_metadata(grid, stream, *args, *tail) if listened else None
-        kernel.run(grid[0], grid_y, grid_z, stream, kernel.function, kernel.packed_metadata, metadata,
-                   enter, hooks.launch_exit_hook, *args, *tail)
-        return True
-
-    def _compile_and_launch(self, key, grid: tuple[int, ...], args: tuple, constexprs: dict[str, Any],
-                            options: dict[str, Any]) -> None:
-        kernel = self.fn[grid](*args, **constexprs, **options)
-        if _INTERPRETING:
-            return
-        names = self.fn.arg_names
-        if set(names[len(args):]) != set(constexprs):
-            raise TypeError(f"{self.fn.__name__}: the keyword arguments must be its trailing parameters")
-        tail = tuple(constexprs[name] for name in names[len(args):])
-        self._compiled[(torch._C._cuda_getDevice(), key)] = (kernel, tail)
-
-
-# ---------------------------------------------------------------------------------------------------
-# Launch configurations: chosen once per key, by a rule or by the autotuner
-# ---------------------------------------------------------------------------------------------------
-
 Grid = Callable[[dict[str, Any]], tuple[int, ...]]
 """The grid of a launch as a function of the configuration's tile sizes (``config.kwargs``; the autotuner passes
 all keyword arguments, which include them)."""
 
+LAUNCH_CACHE_SIZE = 64
+"""Launch signatures a kernel keeps (the least recently used goes first): a training run uses a few, a benchmark
+sweep a few dozen."""
 
-class ConfigCache(dict[Hashable, triton.Config]):
-    """Launch configurations by key, each chosen once and then reused: by a rule (the fixed configuration for the
-    key) or by the autotuner (its pick at the key's first call). A key holds everything the choice depends on.
-    A dict, so that the look-up of every launch is ``get``, in C."""
 
-    def __init__(self):
-        super().__init__()
-        self.autotuned = 0
-        """Autotuner runs so far (tests)."""
+class LaunchPlan(NamedTuple):
+    """What a new launch signature fixes, computed once: the grid (of the tiles), the kernel's trailing parameters by
+    name (everything after the call's own arguments: sizes, strides, scales and constexprs, without the tiles), the
+    configuration when not autotuning, what else the call's arguments are built from (``extra``), and whether to
+    keep the entry (not while a CUDA graph is captured, where ``extra`` lives in the graph's memory)."""
 
-    def fixed(self, key: Hashable, rule: Callable[[], triton.Config]) -> triton.Config:
-        """The configuration of ``key``, from ``rule()`` the first time."""
-        config = self.get(key)
-        if config is None:
-            config = self[key] = rule()
-        return config
+    grid: Grid
+    named: dict[str, Any]
+    fixed: triton.Config | None
+    extra: Any = None
+    keep: bool = True
 
-    def autotune(self, key: Hashable, autotuner, grid: Grid, args: tuple, constexprs: dict[str, Any]) -> None:
-        """Run ``autotuner`` (``triton.autotune`` of the kernel) on these arguments, which benchmarks its candidates
-        and launches the fastest, and keep its pick for ``key``."""
-        autotuner[grid](*args, **constexprs)
-        self[key] = autotuner.best_config
-        self.autotuned += 1
+
+class LaunchEntry(NamedTuple):
+    """Everything the next call of a signature needs: its configuration, grid, trailing arguments (by name for
+    compiling, in the kernel's order for launching), the compiled kernel (None until the first launch has compiled
+    it, and under the interpreter), and the plan's ``extra``."""
+
+    config: triton.Config
+    grid: tuple[int, ...]
+    kwargs: dict[str, Any]
+    tail: tuple
+    kernel: Any
+    extra: Any
+
+
+def in_order(fn, named: dict[str, Any], first: int) -> tuple:
+    """``named`` (parameters of the jit function ``fn`` from its ``first`` on) as the values in ``fn``'s order; a
+    ``KeyError`` names a parameter missing from ``named``."""
+    return tuple(named[name] for name in fn.arg_names[first:first + len(named)])
+
+
+Build = Callable[[Any, tuple, bool], tuple]
+"""``build(extra, args, compiled)``: the arguments before the trailing ones, from the call's and the entry's
+``extra`` (``compiled``: the entry has a compiled kernel; else Triton compiles from these arguments)."""
 
 
 class Kernel:
-    """A jit kernel as our launch code sees it: its configurations (:class:`ConfigCache`), its :class:`Launcher`,
-    and optionally an autotuner over ``autotune_configs`` (``triton.autotune``'s ``key`` and ``prune``).
+    """A jit kernel (Triton or Gluon) as our launch code sees it: one :class:`LaunchEntry` per launch signature in
+    a bounded least-recently-used cache, and optionally an autotuner over ``autotune_configs``
+    (``triton.autotune``'s ``key`` and ``prune``).
 
-    ``kernel(key, grid, args, constexprs, fixed)`` launches ``fn[grid](*args, **constexprs, **config.kwargs)``
-    with ``config`` the configuration chosen for ``key``. The key must determine everything the launch
-    configuration and the compilation depend on: the constexprs, the dtypes, and the arguments Triton specialises
-    on (see :class:`Launcher`). ``fixed()`` is the fixed configuration, read only when a key is first seen.
+    ``kernel(key, args, plan, *plan_args)`` launches ``fn`` on ``args`` (its leading parameters) and the entry of
+    ``key`` on the current device. ``key`` is the launch signature: everything the configuration, the trailing
+    arguments and the compilation depend on (the dtypes, the constexprs, the strides, the arguments Triton
+    specialises on: integers by value unless ``do_not_specialize``, pointers by their 16-byte alignment). The first
+    call of a key makes its entry from ``plan(*plan_args)`` (a :class:`LaunchPlan`); it compiles through
+    ``fn[grid](...)`` (or finds the kernel in Triton's caches); later calls hand the arguments straight to the
+    compiled kernel (:func:`compat.launch_compiled`). Under the interpreter every call runs ``fn[grid](...)``.
     """
 
     def __init__(self, fn, autotune_configs: list[triton.Config] | None = None, autotune_key: list[str] | None = None,
-                 prune: Callable | None = None):
+                 prune: Callable | None = None, cache_size: int = LAUNCH_CACHE_SIZE):
         self.fn = fn
-        self.configs = ConfigCache()
-        self._launcher = Launcher(fn)
+        self.entries: collections.OrderedDict[Hashable, LaunchEntry] = collections.OrderedDict()
+        """The launch entries by (device, key), least recently used first."""
+        self.cache_size = cache_size
+        self.autotuned = 0
+        """Autotuner runs so far (tests)."""
         self.autotuner = None
         """``triton.autotune`` of ``fn`` over its candidates, or None (tools that compile every candidate read its
         ``configs`` and ``early_config_prune``)."""
@@ -275,27 +248,76 @@ class Kernel:
             self.autotuner = triton.autotune(autotune_configs, key=autotune_key or [],
                                               prune_configs_by={"early_config_prune": prune} if prune else None)(fn)
 
+    def launch(self, key: Hashable, args: tuple, plan: Callable[..., LaunchPlan], *plan_args,
+               build: Build | None = None, autotune: bool = False) -> None:
+        """Launch ``fn`` on ``args`` (or ``build(entry.extra, args, compiled)``) and the entry of ``key``, made at the
+        key's first call from ``plan(*plan_args)``: with the autotuner's pick when ``autotune`` (it runs at that
+        call, and launches), else the plan's fixed configuration."""
+        tuned = autotune and self.autotuner is not None and not _INTERPRETING
+        device = -1 if _INTERPRETING else compat.current_device()  # a compiled kernel is loaded on one device
+        slot = (device, tuned, key)
+        entry = self.entries.get(slot)
+        if entry is not None and entry.kernel is not None:  # the common case
+            self.entries.move_to_end(slot)
+            compat.launch_compiled(entry.kernel, device, entry.grid,
+                                   args if build is None else build(entry.extra, args, True), entry.tail)
+            return
+        if entry is None:
+            plan = plan(*plan_args)
+            entry = self._new_entry(slot, args if build is None else build(plan.extra, args, False), plan, tuned)
+        if entry is not None:
+            self._compile_and_launch(slot, entry, entry.grid, args if build is None else build(entry.extra, args, False))
+
     def __call__(self, key: Hashable, grid: Grid, args: tuple, constexprs: dict[str, Any],
                  fixed: Callable[[], triton.Config], *, traced: bool = False, autotune: bool = False) -> None:
-        """Launch ``fn``. Eager (``traced=False``): with the autotuner's pick for ``key`` when ``autotune`` (it runs at
-        the key's first call, and launches), else the fixed configuration, through the :class:`Launcher`.
-        ``traced=True``: from an operator's body, which ``torch.compile`` traces on fake tensors (``key`` unused):
-        the fixed configuration, launched through ``wrap_triton`` so that the graph holds the launch."""
+        """Launch ``fn[grid(tiles)](*args, **constexprs, **tiles)`` where the grid may change between calls of one
+        ``key`` (``constexprs``: the trailing parameters; ``fixed()``: the configuration when not autotuning, asked
+        at a key's first call). ``traced=True``: from an operator's body, which ``torch.compile`` traces on fake
+        tensors (``key`` unused): the fixed configuration, through ``wrap_triton``, so that the graph holds the
+        launch."""
         if traced:
             self._launch_traced(grid, args, constexprs, fixed())
             return
         tuned = autotune and self.autotuner is not None and not _INTERPRETING
-        config_key = (tuned, key)
-        config = self.configs.get(config_key)
-        if config is None:
-            if tuned:
-                self.configs.autotune(config_key, self.autotuner, grid, args, constexprs)
-                return
-            config = self.configs.fixed(config_key, fixed)
-        elif self._launcher.launch_compiled(config_key, grid(config.kwargs), args):
-            return  # the common case: no keyword arguments to gather
-        self._launcher(config_key, grid(config.kwargs), args, {**constexprs, **config.kwargs},
-                       num_warps=config.num_warps, num_stages=config.num_stages)
+        device = -1 if _INTERPRETING else compat.current_device()
+        slot = (device, tuned, key)
+        entry = self.entries.get(slot)
+        if entry is not None and entry.kernel is not None:  # the common case
+            self.entries.move_to_end(slot)
+            compat.launch_compiled(entry.kernel, device, grid(entry.config.kwargs), args, entry.tail)
+            return
+        if entry is None:
+            entry = self._new_entry(slot, args, LaunchPlan(grid, constexprs, None if tuned else fixed()), tuned)
+        if entry is not None:
+            self._compile_and_launch(slot, entry, grid(entry.config.kwargs), args)
+
+    def _new_entry(self, slot: tuple, args: tuple, plan: LaunchPlan, tuned: bool) -> LaunchEntry | None:
+        """The entry of a new signature, kept unless the plan says not to; None when autotuning, which launched (the
+        entry, kept, has no compiled kernel yet)."""
+        if tuned:
+            self.autotuner[plan.grid](*args, **plan.named)
+            compat.trim_autotuner_cache(self.autotuner, self.cache_size)
+            self.autotuned += 1
+        config = self.autotuner.best_config if tuned else plan.fixed
+        kwargs = {**plan.named, **config.kwargs}
+        names = self.fn.arg_names[len(args):]
+        if set(names) != set(kwargs):
+            raise TypeError(f"{self.fn.__name__}: the named arguments must be its parameters after the first "
+                            f"{len(args)}: missing {sorted(set(names) - set(kwargs))}, "
+                            f"unknown {sorted(set(kwargs) - set(names))}")
+        entry = LaunchEntry(config, plan.grid(config.kwargs), kwargs, tuple(kwargs[name] for name in names), None,
+                            plan.extra)
+        if plan.keep:
+            self.entries[slot] = entry
+            if len(self.entries) > self.cache_size:
+                self.entries.popitem(last=False)
+        return None if tuned else entry
+
+    def _compile_and_launch(self, slot: tuple, entry: LaunchEntry, grid: tuple[int, ...], args: tuple) -> None:
+        compiled = self.fn[grid](*args, **entry.kwargs, num_warps=entry.config.num_warps,
+                                 num_stages=entry.config.num_stages)
+        if slot in self.entries and not _INTERPRETING:
+            self.entries[slot] = entry._replace(kernel=compiled)
 
     def _launch_traced(self, grid: Grid, args: tuple, constexprs: dict[str, Any], config: triton.Config) -> None:
         # The interpreter's kernels are not jit functions, which wrap_triton refuses: their operators are opaque

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cs336_systems.attention.backends.triton import batch_head_strides
+from cs336_systems.attention.backends.common import batch_head_strides
 from cs336_systems.attention.op import FlashAttention2Triton
 from cs336_systems.kernels.launch import interpreting, poisoned_outputs
 from tests._flash_checks import (
@@ -187,7 +187,7 @@ def test_hopper_backward_helpers_zero_and_convert(d):
     also zeroes the float32 dQ buffer, and the conversion scales and casts it into dQ (strided, 4-D); at a power of
     two and at a head dim of two column parts (80 = 64 + 16)."""
     from cs336_systems.attention.backends import triton_kernels as kernels
-    from cs336_systems.attention.backends.triton import head_dim_parts
+    from cs336_systems.attention.backends.common import head_dim_parts
 
     batch, heads, n = 2, 3, 70
     O, dO = torch.randn(batch, heads, n, d), torch.randn(batch, heads, n, d)

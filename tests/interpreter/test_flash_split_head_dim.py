@@ -7,12 +7,15 @@ small unequal tiles (``INTERPRETER_CONFIGS``) make these lengths cover full, rag
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 from cs336_systems.attention import op
 from cs336_systems.attention.backends import hopper
 from cs336_systems.attention.backends import triton as portable
+from cs336_systems.attention.backends.common import head_dim_parts
 from tests._flash_checks import QUANTITIES, make_qkv, relative_error, run_function, run_reference
 from tests.interpreter.test_attention import TOLERANCE, _poison_outputs, check_matches_float64_reference  # noqa: F401
 
@@ -21,10 +24,10 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the int
 
 def test_split_head_dims_are_two_powers_of_two_of_at_least_16():
     assert [d for d in range(8, 129, 8) if d in portable.HEAD_DIMS] == [16, 32, 48, 64, 80, 96, 128]
-    assert {d: portable.head_dim_parts(d) for d in (16, 48, 64, 80, 96, 128)} == {
+    assert {d: head_dim_parts(d) for d in (16, 48, 64, 80, 96, 128)} == {
         16: (16, 0), 48: (32, 16), 64: (64, 0), 80: (64, 16), 96: (64, 32), 128: (128, 0)}
     for d in portable.HEAD_DIMS:
-        first, second = portable.head_dim_parts(d)
+        first, second = head_dim_parts(d)
         assert first + second == d and first >= 16 and (second == 0 or 16 <= second < first)
         assert all(part & (part - 1) == 0 for part in (first, second))
 
@@ -104,7 +107,9 @@ def test_hopper_forward_pads_split_head_dims_and_the_hopper_backward_does_not(mo
 
     monkeypatch.setattr(hopper, "forward", hopper_forward)
     monkeypatch.setattr(hopper, "backward", hopper_backward)
-    monkeypatch.setattr(op, "_backend", lambda part, Q, K: hopper)
+    monkeypatch.setattr(op, "choose_backend", lambda *args: hopper)
+    # a cache of its own, so that the choices made here are not kept past the test
+    monkeypatch.setattr(op, "route", functools.lru_cache(maxsize=8)(op.route.__wrapped__))
     Q, K, V = (torch.randn(1, 2, 21, 80) for _ in range(3))
     O, L = op.attention_forward(Q, K, V, True)
     assert seen == [(128, 128, 128, 80 ** -0.5)] and widths == [128] * 3 and O.shape == (1, 2, 21, 80)

@@ -1,9 +1,8 @@
 """The Hopper backend: the host side of the Gluon kernels of ``hopper_kernels.py`` (H100/H200, float16/bfloat16,
-head dims 16, 32, 64, 128; the backward also 48, 80, 96 in two column parts, :data:`SPLIT_HEAD_DIMS`). Same
-interface as every backend: :func:`supports`, :func:`kernel_head_dims`, :func:`forward`, :func:`backward`; the
-operator weighs a call's tiles (``batch * heads`` times the tiles of ``ROWS_PER_PROGRAM`` queries forward, keys
-backward: the backward's programs; the persistent forward runs them in at most one program per multiprocessor)
-against ``FlashConfig.hopper_min_programs``.
+head dims 16, 32, 64, 128; the backward also 48, 80, 96 in two column parts, :data:`SPLIT_HEAD_DIMS`). A
+:class:`~cs336_systems.attention.backends.common.Backend`; its programs are ``batch * heads`` times the tiles of
+``ROWS_PER_PROGRAM`` queries (forward) or keys (backward): the backward's programs, the tiles the persistent
+forward deals to at most one program per multiprocessor.
 
 Tensor views. TMA descriptors need a unit stride along ``d`` and 16-byte aligned other strides. A 4-D tensor
 ``(batch, heads, seq, d)`` is seen as 3-D in one of two ways, without copying: ``(batch * heads, seq, d)`` when
@@ -11,21 +10,18 @@ the batch stride is ``heads`` head strides (contiguous tensors), or ``(batch, se
 stride is ``d`` (a ``(batch, seq, heads, d)`` tensor transposed, as attention layers make them); anything else is
 copied (:func:`tma_view`).
 
-Launch plans. A call's launch is planned once per (device, dtype, shapes, strides, alignment, causal): per
-descriptor the tensor it views, whether that tensor must be copied, and the view's shape and strides; the grid and
-the kernel's constexprs; for the persistent forward, its schedule of tiles (:func:`forward_schedule`), on the GPU.
-The first call of a key builds full ``TensorDescriptor`` objects from its plan (Triton compiles from them); later
-calls build only what holds the tensors' addresses (``DescriptorArg``) and launch the compiled kernel directly
-(:class:`cs336_systems.kernels.launch.Launcher`).
+Launches. Each kernel is a :class:`cs336_systems.kernels.launch.Kernel` with one entry per (device, dtype, shapes,
+strides, alignment, causal, scale): per descriptor the tensor it views, whether that tensor must be copied, and the
+view's shape and strides; the grid, sizes and constexprs; for the persistent forward, its schedule of tiles
+(:func:`forward_schedule`), on the GPU. The first call of a key builds full ``TensorDescriptor`` objects (Triton
+compiles from them); later calls build only what holds the tensors' addresses (``DescriptorArg``).
 """
 
 from __future__ import annotations
 
-import functools
 import heapq
 import itertools
-import math
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 import triton
@@ -35,16 +31,33 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from cs336_systems.attention.backends import triton_kernels
+from cs336_systems.attention.backends.common import (
+    LOG2_E,
+    POWER_OF_TWO_HEAD_DIMS,
+    TWO_PART_HEAD_DIMS,
+    head_dim_parts,
+    launch_delta,
+    named_strides,
+    sizes,
+)
 from cs336_systems.attention.backends.hopper_kernels import attn_bwd_hopper_kernel, attn_fwd_hopper_kernel
-from cs336_systems.attention.backends.triton import HEAD_DIMS as PORTABLE_HEAD_DIMS
-from cs336_systems.attention.backends.triton import batch_head_strides, head_dim_parts, launch_delta
-from cs336_systems.kernels.launch import DescriptorArg, Launcher, aligned, interpreting, new_output
+from cs336_systems.kernels.launch import (
+    DescriptorArg,
+    Kernel,
+    LaunchPlan,
+    aligned,
+    in_order,
+    interpreting,
+    multiprocessors,
+    new_output,
+)
 
-HEAD_DIMS = (16, 32, 64, 128)
+NAME = "hopper"
+HEAD_DIMS = POWER_OF_TWO_HEAD_DIMS
 """Head dims both kernels run without padding."""
-SPLIT_HEAD_DIMS = tuple(d for d in PORTABLE_HEAD_DIMS if head_dim_parts(d)[1])
+SPLIT_HEAD_DIMS = TWO_PART_HEAD_DIMS
 """Head dims the backward also runs without padding (48, 80, 96), in two power-of-two column parts (80 = 64 + 16,
-see ``triton.head_dim_parts``); the forward pads them to 128."""
+``common.head_dim_parts``); the forward pads them to 128."""
 BLOCK_N = 128  # keys held per backward program (64 per consumer warpgroup), keys per forward step
 FORWARD_ROWS = 64  # queries per forward consumer warpgroup (two per program)
 BACKWARD_ROWS = 64
@@ -53,9 +66,8 @@ S^T and dP^T alone would take 128 of them at d = 64)."""
 STAGES = 2
 """Depth of the K/V and Q/dO rings (3 measured no faster at d = 64; at d = 128 it does not fit in shared memory)."""
 ROWS_PER_PROGRAM = 2 * FORWARD_ROWS  # queries per forward program; BLOCK_N keys per backward program
-DELTA_ROWS = 64  # queries per program of the Delta and dQ conversion kernels
+DELTA_ROWS = 64  # queries per program of the dQ conversion kernel
 
-_LOG2_E = math.log2(math.e)
 _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}
 
 
@@ -85,6 +97,12 @@ def supports(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | N
 def kernel_head_dims(part: str) -> tuple[int, ...]:
     """The head dims the kernels run ``part`` ("forward" or "backward") at without padding."""
     return HEAD_DIMS + SPLIT_HEAD_DIMS if part == "backward" else HEAD_DIMS
+
+
+def programs(part: str, Q: Tensor, K: Tensor) -> int:
+    """``batch * heads`` times the tiles of ``ROWS_PER_PROGRAM`` queries (forward) or keys (backward)."""
+    batch_heads = Q.shape[0] * Q.shape[1] if Q.dim() == 4 else Q.shape[0]
+    return batch_heads * -(-(Q.shape[-2] if part == "forward" else K.shape[-2]) // ROWS_PER_PROGRAM)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -151,118 +169,9 @@ def _output_plan(shape: tuple[int, ...], rows: int, columns: int = 0) -> Descrip
     return DescriptorPlan(False, shape, (shape[1] * shape[2], shape[2], 1), rows, columns)
 
 
-class Plan(NamedTuple):
-    """A planned launch: the grid, one :class:`DescriptorPlan` per descriptor argument (in the kernel's order), the
-    other arguments fixed by the call's key (sizes and scales; the forward's schedule first), the kernel's
-    constexprs and its warps."""
-
-    grid: tuple[int, int]
-    descriptors: tuple[DescriptorPlan, ...]
-    scalars: tuple
-    constexprs: dict[str, Any]
-    num_warps: int
-
-    def descriptor_args(self, tensors: tuple[Tensor, ...]) -> tuple[DescriptorArg, ...]:
-        """What the compiled kernel's launcher reads of each descriptor on ``tensors`` (in the plan's order; where
-        the plan has two descriptors per tensor, one per column part, the second ones follow all the first)."""
-        return tuple(DescriptorArg(source, p.shape, p.strides)
-                     for p, source in zip(self.descriptors, self._sources(tensors), strict=True))
-
-    def full_descriptors(self, tensors: tuple[Tensor, ...]) -> tuple[TensorDescriptor, ...]:
-        """The descriptors on ``tensors`` that Triton compiles the kernel from (in :meth:`descriptor_args`' order)."""
-        return tuple(p.full_descriptor(source) for p, source in zip(self.descriptors, self._sources(tensors),
-                                                                     strict=True))
-
-    def _sources(self, tensors: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
-        """Each tensor, or its aligned copy where its plan says so (one copy per tensor, whatever its descriptors),
-        once per descriptor."""
-        sources = tuple(_aligned_copy(x) if p.copied else x for p, x in zip(self.descriptors, tensors))
-        return sources * (len(self.descriptors) // len(tensors))
-
-
-class ForwardArgs(NamedTuple):
-    """The arguments of ``attn_fwd_hopper_kernel`` before its constexprs."""
-
-    q_desc: Any
-    k_desc: Any
-    v_desc: Any
-    o_desc: Any
-    L: Tensor
-    schedule: Tensor
-    n_heads: int
-    n_queries: int
-    n_keys: int
-    qk_scale: float
-
-
-class BackwardArgs(NamedTuple):
-    """The arguments of ``attn_bwd_hopper_kernel`` before its constexprs."""
-
-    q_desc: Any
-    k_desc: Any
-    v_desc: Any
-    do_desc: Any
-    dk_desc: Any
-    dv_desc: Any
-    dq_desc: Any
-    L: Tensor
-    Delta: Tensor
-    n_heads: int
-    n_queries: int
-    n_keys: int
-    sm_scale: float
-    qk_scale: float
-    q_desc_b: Any  # the second column part's descriptors at a head dim of two parts, else None
-    k_desc_b: Any
-    v_desc_b: Any
-    do_desc_b: Any
-    dk_desc_b: Any
-    dv_desc_b: Any
-    dq_desc_b: Any
-
-
-class DqConvertArgs(NamedTuple):
-    """The arguments of ``attn_bwd_dq_convert_kernel`` before its constexprs."""
-
-    DQ_acc: Tensor
-    dQ: Tensor
-    stride_dqb: int
-    stride_dqh: int
-    stride_dqm: int
-    n_heads: int
-    n_queries: int
-    sm_scale: float
-
-
-def _sizes(Q: Tensor, K: Tensor) -> tuple[int, int, int, int, int]:
-    """(heads, batch * heads, n_queries, n_keys, d)."""
-    n_heads = Q.shape[1] if Q.dim() == 4 else 1
-    return n_heads, Q.shape[0] * n_heads, Q.shape[-2], K.shape[-2], Q.shape[-1]
-
-
-class Launch(NamedTuple):
-    """One launch ``kernel[grid](*args, **kwargs)``, for compiling it ahead of time (``scripts/flash_hopper_sass.py``,
-    the tests)."""
-
-    kernel: Any
-    grid: tuple[int, int]
-    args: tuple
-    kwargs: dict[str, Any]
-
 
 def _layout_key(x: Tensor) -> tuple:
     return x.shape, x.stride(), aligned(x)
-
-
-_plans: dict[tuple, Plan] = {}
-"""The backend's cache: the launch plan per ("forward" | "backward", device, dtype, causal, scale, layouts)."""
-
-
-# ---------------------------------------------------------------------------------------------------
-# Forward
-# ---------------------------------------------------------------------------------------------------
-
-_FORWARD = Launcher(attn_fwd_hopper_kernel)
 
 
 TILE_COST = 1
@@ -272,9 +181,8 @@ BALANCE_TOLERANCE = 1.02
 :func:`forward_schedule`)."""
 L2_BUDGET = 32 * 2**20
 """The most bytes of K and V the balanced schedule may have in flight (heads that programs work on at once, times
-a head's K and V). An H100's L2 holds 50 MB; measured on one (forward, causal): the balanced schedule ran faster
-with 24 and 32 MB in flight ((4, 25, 2048, 64) 0.150 against 0.157 ms, (1, 25, 8192, 64) 0.498 against 0.516),
-slower with 48 and 80 ((4, 32, 2048, 128) 0.329 against 0.303, (1, 32, 8192, 128) 1.09 against 0.98)."""
+a head's K and V): of an H100's 50 MB of L2, what the balanced schedule was faster with (optimisation log:
+persistent-hopper-forward)."""
 
 
 def _deal(tiles: list[tuple[int, int, int]], programs: int) -> tuple[list[list[tuple[int, int, int]]], int]:
@@ -327,13 +235,6 @@ def forward_schedule(batch_heads: int, n_queries: int, n_keys: int, is_causal: b
     return offsets + [bh * query_tiles + i for program in dealt for bh, i, _ in program]
 
 
-@functools.cache
-def _multiprocessors(device: torch.device) -> int:
-    """The GPU's streaming multiprocessors: the forward's persistent programs (one each). Elsewhere (launches
-    compiled ahead of time on the CPU) an H100's 132."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-
-
 def _schedule_tensor(schedule: list[int], device: torch.device) -> Tensor:
     """``schedule`` as an int32 tensor on ``device``: copied before this returns (so that a launch on any stream
     finds it there), or, while a CUDA graph is being captured, copied by the graph from page-locked memory at each
@@ -350,18 +251,12 @@ _captured_sources: list[Tensor] = []
 """The page-locked sources of the schedules that captured graphs copy (a few kilobytes per captured call)."""
 
 
-def _forward_plan(Q: Tensor, K: Tensor, V: Tensor, is_causal: bool, sm_scale: float) -> Plan:
-    """The plan of the forward on inputs laid out as these (Q, K, V, then the contiguous output O)."""
-    n_heads, batch_heads, n_queries, n_keys, head_dim = _sizes(Q, K)
-    (q, q_columns), (k, k_columns), (v, v_columns) = (
-        DescriptorPlan.of(x, rows) for x, rows in ((Q, FORWARD_ROWS), (K, BLOCK_N), (V, BLOCK_N)))
-    o = _output_plan((batch_heads, n_queries, head_dim), FORWARD_ROWS)
-    constexprs = dict(HEAD_DIM=head_dim, IS_CAUSAL=is_causal, ROWS=FORWARD_ROWS, BLOCK_N=BLOCK_N, STAGES=STAGES,
-                      Q_COLUMNS=q_columns, K_COLUMNS=k_columns, V_COLUMNS=v_columns)
-    schedule = forward_schedule(batch_heads, n_queries, n_keys, is_causal, _multiprocessors(Q.device),
-                                2 * n_keys * head_dim * Q.element_size())
-    return Plan((schedule[0] - 1, 1), (q, k, v, o),
-                (_schedule_tensor(schedule, Q.device), n_heads, n_queries, n_keys, sm_scale * _LOG2_E), constexprs, 4)
+
+# ---------------------------------------------------------------------------------------------------
+# Forward
+# ---------------------------------------------------------------------------------------------------
+
+FORWARD = Kernel(attn_fwd_hopper_kernel)
 
 
 def forward(
@@ -371,61 +266,55 @@ def forward(
     """``O`` (contiguous, Q's shape and dtype) and the natural-log logsumexp ``L`` (contiguous, float32)."""
     O = new_output(Q.shape, Q.dtype, Q.device)
     L = new_output(Q.shape[:-1], torch.float32, Q.device)
-    key = ("forward", Q.device.index, Q.dtype, is_causal, sm_scale, _layout_key(Q), _layout_key(K), _layout_key(V),
-           aligned(L))
-    plan = _plans.get(key)
-    if plan is not None and _FORWARD.compiled(key):  # the short path: only what holds the tensors' addresses
-        _FORWARD(key, plan.grid, ForwardArgs(*plan.descriptor_args((Q, K, V, O)), L, *plan.scalars), {})
-    else:
-        plan = _forward_plan(Q, K, V, is_causal, sm_scale)
-        # A plan made during a capture is not kept: its schedule lives in the graph's memory, copied at replays.
-        if not (Q.is_cuda and torch.cuda.is_current_stream_capturing()):
-            _plans[key] = plan
-        _FORWARD(key, plan.grid, ForwardArgs(*plan.full_descriptors((Q, K, V, O)), L, *plan.scalars),
-                 plan.constexprs, num_warps=plan.num_warps)
+    key = (Q.device.index, Q.dtype, is_causal, sm_scale, _layout_key(Q), _layout_key(K), _layout_key(V), aligned(L))
+    FORWARD.launch(key, (Q, K, V, O, L), _forward_plan, Q, K, V, is_causal, sm_scale, build=_descriptor_args)
     return O, L
 
 
-def forward_launch(Q: Tensor, K: Tensor, V: Tensor, O: Tensor, L: Tensor, is_causal: bool, sm_scale: float) -> Launch:
-    """The forward's launch on these tensors (``O`` contiguous), without running it."""
-    plan = _forward_plan(Q, K, V, is_causal, sm_scale)
-    return Launch(attn_fwd_hopper_kernel, plan.grid, ForwardArgs(*plan.full_descriptors((Q, K, V, O)), L, *plan.scalars),
-                  dict(plan.constexprs, num_warps=plan.num_warps))
+def _forward_plan(Q: Tensor, K: Tensor, V: Tensor, is_causal: bool, sm_scale: float) -> LaunchPlan:
+    """The plan of the forward on inputs laid out as these (Q, K, V, then the contiguous output O)."""
+    n_heads, batch_heads, n_queries, n_keys, head_dim = sizes(Q, K)
+    (q, q_columns), (k, k_columns), (v, v_columns) = (
+        DescriptorPlan.of(x, rows) for x, rows in ((Q, FORWARD_ROWS), (K, BLOCK_N), (V, BLOCK_N)))
+    o = _output_plan((batch_heads, n_queries, head_dim), FORWARD_ROWS)
+    schedule = forward_schedule(batch_heads, n_queries, n_keys, is_causal, multiprocessors(Q.device),
+                                2 * n_keys * head_dim * Q.element_size())
+    capturing = Q.is_cuda and torch.cuda.is_current_stream_capturing()
+    # A plan made during a capture is not kept: its schedule lives in the graph's memory, copied at replays.
+    return LaunchPlan(lambda tiles: (schedule[0] - 1, 1),
+                      dict(schedule=_schedule_tensor(schedule, Q.device), n_heads=n_heads, n_queries=n_queries,
+                           n_keys=n_keys, qk_scale=sm_scale * LOG2_E, HEAD_DIM=head_dim, IS_CAUSAL=is_causal,
+                           ROWS=FORWARD_ROWS, BLOCK_N=BLOCK_N, STAGES=STAGES, Q_COLUMNS=q_columns, K_COLUMNS=k_columns,
+                           V_COLUMNS=v_columns),
+                      triton.Config({}, num_warps=4), (q, k, v, o), keep=not capturing)
+
+
+def _descriptor_args(descriptors: tuple[DescriptorPlan, ...], tensors: tuple[Tensor, ...], compiled: bool) -> tuple:
+    """The forward's arguments before its trailing ones: a descriptor on each of Q, K, V, O (``DescriptorArg`` once
+    compiled), then L."""
+    *viewed, L = tensors
+    return (*_descriptors(descriptors, viewed, compiled), L)
+
+
+def _descriptors(descriptors: tuple[DescriptorPlan, ...], tensors: list[Tensor], compiled: bool) -> tuple:
+    """The descriptors on ``tensors`` (each, or its aligned copy where its plan says so; one copy per tensor
+    whatever its descriptors; where there are two descriptors per tensor, one per column part, the second ones
+    follow all the first): what Triton compiles the kernel from, or once ``compiled`` only what its launcher
+    reads."""
+    sources = tuple(_aligned_copy(x) if p.copied else x for p, x in zip(descriptors, tensors))
+    sources *= len(descriptors) // len(tensors)
+    if compiled:
+        return tuple(DescriptorArg(source, p.shape, p.strides) for p, source in zip(descriptors, sources, strict=True))
+    return tuple(p.full_descriptor(source) for p, source in zip(descriptors, sources, strict=True))
 
 
 # ---------------------------------------------------------------------------------------------------
 # Backward: Delta (and DQ_acc zeroed) by a Triton kernel, the Gluon kernel, then dQ = DQ_acc / sqrt(d)
 # ---------------------------------------------------------------------------------------------------
 
-_BACKWARD = Launcher(attn_bwd_hopper_kernel)
-_DQ_CONVERT = Launcher(triton_kernels.attn_bwd_dq_convert_kernel)
-_NO_SECOND_PART = (None,) * 7
-
-
-def _backward_plan(Q: Tensor, K: Tensor, V: Tensor, dO: Tensor, is_causal: bool, sm_scale: float) -> Plan:
-    """The plan of the Gluon backward on inputs laid out as these (Q, K, V, dO, then the contiguous dK, dV and the
-    float32 dQ accumulator): one descriptor per tensor, and at a head dim of two column parts (:data:`SPLIT_HEAD_DIMS`)
-    a second one per tensor, over its second part, after them."""
-    n_heads, batch_heads, n_queries, n_keys, head_dim = _sizes(Q, K)
-    part_a, part_b = head_dim_parts(head_dim)
-    descriptors = []
-    for columns in (part_a, part_b) if part_b else (0,):  # 0: the whole head dim
-        inputs = [DescriptorPlan.of(x, rows, columns) for x, rows in
-                  ((Q, BACKWARD_ROWS), (K, BLOCK_N), (V, BLOCK_N), (dO, BACKWARD_ROWS))]
-        (q, q_columns), (k, k_columns), (v, v_columns), (do, do_columns) = inputs
-        dk = dv = _output_plan((batch_heads, n_keys, head_dim), BLOCK_N, columns)
-        dq = _output_plan((batch_heads, n_queries, head_dim), BACKWARD_ROWS, columns)
-        descriptors += [q, k, v, do, dk, dv, dq]
-    constexprs = dict(HEAD_DIM=head_dim, IS_CAUSAL=is_causal, BLOCK_M=BACKWARD_ROWS, BLOCK_N=BLOCK_N, STAGES=STAGES,
-                      Q_COLUMNS=q_columns, K_COLUMNS=k_columns, V_COLUMNS=v_columns, DO_COLUMNS=do_columns,
-                      HEAD_DIM_B=part_b)
-    return Plan((triton.cdiv(n_keys, BLOCK_N), batch_heads), tuple(descriptors),
-                (n_heads, n_queries, n_keys, sm_scale, sm_scale * _LOG2_E), constexprs, 8)
-
-
-def _backward_args(descriptors: tuple, L: Tensor, Delta: Tensor, scalars: tuple) -> BackwardArgs:
-    """The kernel's arguments from a plan's descriptors (one or two per tensor) and the other values."""
-    return BackwardArgs(*descriptors[:7], L, Delta, *scalars, *(descriptors[7:] or _NO_SECOND_PART))
+BACKWARD = Kernel(attn_bwd_hopper_kernel)
+DQ_CONVERT = Kernel(triton_kernels.attn_bwd_dq_convert_kernel)
+DQ_CONVERT_CONFIG = triton.Config({"BLOCK_M": DELTA_ROWS}, num_warps=4)
 
 
 def backward(
@@ -435,32 +324,58 @@ def backward(
 ) -> tuple[Float[Tensor, "batch *heads q d"], Float[Tensor, "batch *heads k d"], Float[Tensor, "batch *heads k d"]]:
     """``dQ, dK, dV`` (contiguous, the inputs' dtype) from the forward's ``O`` and ``L`` and the output gradient
     ``dO`` (unit stride along ``d``, O's dtype)."""
-    n_heads, batch_heads, n_queries, _, head_dim = _sizes(Q, K)
+    _, batch_heads, n_queries, _, head_dim = sizes(Q, K)
     # The Gluon kernel adds dS K over key tiles into a float32 buffer, which the Delta kernel zeroes.
     DQ_acc = torch.empty((batch_heads, n_queries, head_dim), dtype=torch.float32, device=Q.device)
     Delta = launch_delta(O, dO, DQ_acc)
     dQ = new_output(Q.shape, Q.dtype, Q.device)
     dK = new_output(K.shape, K.dtype, K.device)
     dV = new_output(V.shape, V.dtype, V.device)
-    key = ("backward", Q.device.index, Q.dtype, is_causal, sm_scale, _layout_key(Q), _layout_key(K), _layout_key(V),
+    key = (Q.device.index, Q.dtype, is_causal, sm_scale, _layout_key(Q), _layout_key(K), _layout_key(V),
            _layout_key(dO), aligned(L, Delta))
-    plan = _plans.get(key)
-    tensors = (Q, K, V, dO, dK, dV, DQ_acc)
-    if plan is not None and _BACKWARD.compiled(key):
-        _BACKWARD(key, plan.grid, _backward_args(plan.descriptor_args(tensors), L, Delta, plan.scalars), {})
-    else:
-        plan = _plans[key] = _backward_plan(Q, K, V, dO, is_causal, sm_scale)
-        _BACKWARD(key, plan.grid, _backward_args(plan.full_descriptors(tensors), L, Delta, plan.scalars),
-                  plan.constexprs, num_warps=plan.num_warps)
-    _DQ_CONVERT((dQ.dtype, dQ.shape), (triton.cdiv(n_queries, DELTA_ROWS), batch_heads),
-                DqConvertArgs(DQ_acc, dQ, *batch_head_strides(dQ), n_heads, n_queries, sm_scale),
-                dict(HEAD_DIM=head_dim, HEAD_DIM_B=plan.constexprs["HEAD_DIM_B"], BLOCK_M=DELTA_ROWS), num_warps=4)
+    BACKWARD.launch(key, (Q, K, V, dO, dK, dV, DQ_acc, L, Delta), _backward_plan, Q, K, V, dO, is_causal, sm_scale,
+                    build=_backward_args)
+    DQ_CONVERT.launch((dQ.dtype, dQ.shape, sm_scale), (DQ_acc, dQ), _dq_convert_plan, dQ, sm_scale)
     return dQ, dK, dV
 
 
-def backward_launch(Q: Tensor, K: Tensor, V: Tensor, dO: Tensor, L: Tensor, Delta: Tensor, dK: Tensor, dV: Tensor,
-                    DQ_acc: Tensor, is_causal: bool, sm_scale: float) -> Launch:
-    """The Gluon backward's launch on these tensors (``dK``, ``dV``, ``DQ_acc`` contiguous), without running it."""
-    plan = _backward_plan(Q, K, V, dO, is_causal, sm_scale)
-    args = _backward_args(plan.full_descriptors((Q, K, V, dO, dK, dV, DQ_acc)), L, Delta, plan.scalars)
-    return Launch(attn_bwd_hopper_kernel, plan.grid, args, dict(plan.constexprs, num_warps=plan.num_warps))
+def _backward_plan(Q: Tensor, K: Tensor, V: Tensor, dO: Tensor, is_causal: bool, sm_scale: float) -> LaunchPlan:
+    """The plan of the Gluon backward on inputs laid out as these (Q, K, V, dO, then the contiguous dK, dV and the
+    float32 dQ accumulator): one descriptor per tensor, and at a head dim of two column parts (:data:`SPLIT_HEAD_DIMS`)
+    a second one per tensor, over its second part, after them."""
+    n_heads, batch_heads, n_queries, n_keys, head_dim = sizes(Q, K)
+    part_a, part_b = head_dim_parts(head_dim)
+    descriptors = []
+    for columns in (part_a, part_b) if part_b else (0,):  # 0: the whole head dim
+        inputs = [DescriptorPlan.of(x, rows, columns) for x, rows in
+                  ((Q, BACKWARD_ROWS), (K, BLOCK_N), (V, BLOCK_N), (dO, BACKWARD_ROWS))]
+        (q, q_columns), (k, k_columns), (v, v_columns), (do, do_columns) = inputs
+        dk = dv = _output_plan((batch_heads, n_keys, head_dim), BLOCK_N, columns)
+        dq = _output_plan((batch_heads, n_queries, head_dim), BACKWARD_ROWS, columns)
+        descriptors += [q, k, v, do, dk, dv, dq]
+    scalars = in_order(BACKWARD.fn, dict(n_heads=n_heads, n_queries=n_queries, n_keys=n_keys, sm_scale=sm_scale,
+                                         qk_scale=sm_scale * LOG2_E), first=9)
+    return LaunchPlan(lambda tiles: (triton.cdiv(n_keys, BLOCK_N), batch_heads),
+                      dict(HEAD_DIM=head_dim, IS_CAUSAL=is_causal, BLOCK_M=BACKWARD_ROWS, BLOCK_N=BLOCK_N,
+                           STAGES=STAGES, Q_COLUMNS=q_columns, K_COLUMNS=k_columns, V_COLUMNS=v_columns,
+                           DO_COLUMNS=do_columns, HEAD_DIM_B=part_b),
+                      triton.Config({}, num_warps=8), (tuple(descriptors), scalars))
+
+
+_NO_SECOND_PART = (None,) * 7
+
+
+def _backward_args(plan: tuple, tensors: tuple[Tensor, ...], compiled: bool) -> tuple:
+    """The backward's arguments before its constexprs: the descriptors of Q, K, V, dO, dK, dV and the dQ
+    accumulator, L, Delta, the sizes and scales, then the second column part's descriptors (None without one)."""
+    descriptors, scalars = plan
+    *viewed, L, Delta = tensors
+    built = _descriptors(descriptors, viewed, compiled)
+    return (*built[:7], L, Delta, *scalars, *(built[7:] or _NO_SECOND_PART))
+
+
+def _dq_convert_plan(dQ: Tensor, sm_scale: float) -> LaunchPlan:
+    n_heads, batch_heads, n_queries, _, head_dim = sizes(dQ, dQ)
+    return LaunchPlan(lambda tiles: (triton.cdiv(n_queries, tiles["BLOCK_M"]), batch_heads),
+                      dict(**named_strides(dqm=dQ), n_heads=n_heads, n_queries=n_queries, sm_scale=sm_scale,
+                           HEAD_DIM=head_dim, HEAD_DIM_B=head_dim_parts(head_dim)[1]), DQ_CONVERT_CONFIG)

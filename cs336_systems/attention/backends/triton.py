@@ -1,7 +1,6 @@
 """The portable Triton backend: FlashAttention-2's launch code for the kernels of ``triton_kernels.py`` (any CUDA
-GPU; float16, bfloat16, float32; head dims 16, 32, 64, 128, and 48, 80, 96 as two column parts (see
-:func:`head_dim_parts`); the CPU under ``TRITON_INTERPRET=1``). Same interface
-as every backend: :func:`supports`, :func:`kernel_head_dims`, :func:`forward`, :func:`backward`.
+GPU; float16, bfloat16, float32; head dims 16, 32, 64, 128, and 48, 80, 96 in two column parts; the CPU under
+``TRITON_INTERPRET=1``). A :class:`~cs336_systems.attention.backends.common.Backend`.
 
 The forward is one launch; the backward two: Delta = rowsum(O * dO), then one kernel whose program ``i`` computes
 dK and dV of key tile ``i`` and dQ of query tile ``i``, recomputing P for each (no atomics, deterministic).
@@ -10,25 +9,19 @@ each query tile's keys over programs, the parts combined by their logsumexp (:fu
 :func:`key_splits` says when), the backward each program's sweeps into partial sums added in order
 (:func:`split_backward`, five launches; :func:`sweep_splits`).
 
-Launch parameters: on a GPU, fixed tiles per dtype and head dim (:func:`fixed_config`, from autotuner timings),
-compiled once per (dtype, head dim, causal) whatever the lengths; ``FlashConfig.autotune`` lets
-``triton.autotune`` pick them per length bucket instead (its key and pruning below). Under ``TRITON_INTERPRET=1``
-(CPU), one small configuration with unequal tiles, so that the tests exercise every masking path at small sizes in
-seconds; the interpreter's ``tl.dot`` is wrong on bfloat16, so bfloat16 inputs run there in float32 (rounded back
-at the end).
-
-Host cost. A call's launch plan (the arguments after the tensors, the grid, the constexprs) is kept per signature
-(dtype, shapes, strides, alignment, constexprs) and scale; the kernels launch as
-:class:`cs336_systems.kernels.launch.Kernel` objects, which choose a configuration once per signature and launch
-the compiled kernel without Triton's per-call argument binding. Float32 matmuls use TF32 exactly when PyTorch's
-may (``torch.backends.cuda.matmul.allow_tf32 = True`` or ``torch.set_float32_matmul_precision("high")``).
+Launch parameters: on a GPU, fixed tiles per dtype, float32 products and head dim (:data:`FIXED_TILES`), compiled
+once per launch signature whatever the lengths; ``FlashConfig.autotune`` lets ``triton.autotune`` pick them per
+length bucket instead (its key and pruning below). Under ``TRITON_INTERPRET=1`` (CPU), one small configuration with
+unequal tiles, so that the tests exercise every masking path at small sizes in seconds; the interpreter's
+``tl.dot`` is wrong on bfloat16, so bfloat16 inputs run there in float32 (rounded back at the end). Each kernel is a
+:class:`cs336_systems.kernels.launch.Kernel`: one entry per launch signature (dtype, shapes, strides, alignment,
+causal, products), made once from a plan that names the kernel's arguments. Float32 matmuls use TF32 exactly when
+PyTorch's may (``torch.backends.cuda.matmul.allow_tf32 = True`` or ``torch.set_float32_matmul_precision("high")``).
 """
 
 from __future__ import annotations
 
 import functools
-import math
-from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -37,30 +30,31 @@ from jaxtyping import Float
 from torch import Tensor
 
 from cs336_systems.attention.backends import triton_kernels
+from cs336_systems.attention.backends.common import (
+    LOG2_E,
+    POWER_OF_TWO_HEAD_DIMS,
+    TWO_PART_HEAD_DIMS,
+    head_dim_parts,
+    launch_delta,
+    named_strides,
+    sizes,
+)
 from cs336_systems.attention.config import FLASH_CONFIG
 from cs336_systems.kernels.launch import (
     FLOAT_DTYPES,
-    Grid,
+    LAUNCH_CACHE_SIZE,
     Kernel,
+    LaunchPlan,
     aligned,
     interpreting,
+    multiprocessors,
     new_output,
     unsupported_device,
 )
 
-HEAD_DIMS = (16, 32, 48, 64, 80, 96, 128)
-"""Head dims the kernels run without padding: a power of two from 16, or (48, 80, 96) the sum of two unequal ones,
-each at least 16 (``tl.dot``'s narrowest inner dimension)."""
-_LOG2_E = math.log2(math.e)
-
-
-def head_dim_parts(head_dim: int) -> tuple[int, int]:
-    """The two column parts ``(HEAD_DIM_A, HEAD_DIM_B)`` the kernels hold a head dim of :data:`HEAD_DIMS` in:
-    ``(head_dim, 0)`` for a power of two, else the largest power of two below it and the rest (``80 = 64 + 16``).
-    ``tl.arange`` and ``tl.dot`` take power-of-two widths: each part is one, and QK^T is the sum of the parts'
-    products, so that d = 80 does 80 columns of work where padding to 128 did 128."""
-    first = 1 << (head_dim.bit_length() - 1)
-    return first, head_dim - first
+NAME = "triton"
+HEAD_DIMS = tuple(sorted(POWER_OF_TWO_HEAD_DIMS + TWO_PART_HEAD_DIMS))
+"""Head dims the kernels run without padding."""
 
 
 def supports(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
@@ -77,6 +71,15 @@ def kernel_head_dims(part: str) -> tuple[int, ...]:
     return HEAD_DIMS
 
 
+def programs(part: str, Q: Tensor, K: Tensor) -> int:
+    """The programs ``part`` of a call on these inputs starts at the fixed tiles (unsplit): one per query tile
+    (forward) or per tile of the longer sequence (backward), per batch and head."""
+    _, batch_heads, n_queries, n_keys, head_dim = sizes(Q, K)
+    kernel, rows = ("fwd", n_queries) if part == "forward" else ("bwd", max(n_queries, n_keys))
+    tiles = fixed_config(kernel, Q.dtype, head_dim, _dot_precision(Q.dtype), _capability(Q.device)).kwargs
+    return batch_heads * -(-rows // tiles["BLOCK_M" if part == "forward" else "TILE"])
+
+
 # ---------------------------------------------------------------------------------------------------
 # Launch parameters of the Triton kernels
 # ---------------------------------------------------------------------------------------------------
@@ -90,7 +93,6 @@ def _config(block_m: int, block_n: int, num_warps: int, num_stages: int) -> trit
 def _bwd_config(tile: int, slice_: int, num_warps: int, num_stages: int) -> triton.Config:
     """A backward configuration: TILE keys (then queries) held, SLICE queries (then keys) per step."""
     return triton.Config({"TILE": tile, "SLICE": slice_}, num_warps=num_warps, num_stages=num_stages)
-
 
 # The forward holds a query tile and sweeps key tiles. The backward holds a large tile (keys for dK/dV, then
 # queries for dQ) and sweeps small slices, which keeps its two float32 accumulators in registers. Float32 gets
@@ -109,10 +111,7 @@ AUTOTUNE_CONFIGS = {
         "32-bit": [_bwd_config(32, 16, 4, 1), _bwd_config(32, 16, 8, 1), _bwd_config(32, 32, 8, 1)],
     },
 }
-HOPPER = 90
-"""The compute capability the fixed tiles were timed on (H100)."""
 INTERPRETER_CONFIGS = {"fwd": _config(32, 16, 4, 1), "bwd": _bwd_config(32, 16, 4, 1)}
-DELTA_CONFIG = triton.Config({"BLOCK_M": 64}, num_warps=4, num_stages=1)  # also the dQ conversion's
 
 SHARED_MEMORY_BUDGET = 200 * 1024  # bytes; an H100 has 227 KiB per block, leave room for the compiler's own
 
@@ -154,45 +153,61 @@ KERNELS = {
 }
 """The forward and the backward as launched: a configuration per key (fixed, or the autotuner's pick; the autotuner
 itself keeps one pick per autotune key, so a new shape in a tuned length bucket only looks it up)."""
-DELTA_KERNEL = Kernel(triton_kernels.attn_bwd_delta_kernel)
-"""Delta = rowsum(O * dO) (and the Hopper backward's float32 dQ accumulator zeroed), at :data:`DELTA_CONFIG`."""
+
+
+class FixedTiles(NamedTuple):
+    """The tiles a (dtype size, float32 products, head dim) runs at when not autotuning, and why (the results or
+    the optimisation-log step, ``writeup/results/flash_optimisation_log.jsonl``, that chose them)."""
+
+    forward: triton.Config
+    backward: triton.Config
+    why: str
+
+
+_TILE_ROWS = [  # (bits, products, head dims, forward, backward, why)
+    (16, "any", (16, 32, 48, 64), _config(128, 64, 8, 3), _bwd_config(128, 64, 8, 3),
+     "the autotuner's fastest without spills on an H100, bf16 causal 16384 tokens (log: fixed-tiles)"),
+    (16, "any", (96, 128), _config(128, 64, 8, 3), _bwd_config(128, 32, 8, 3),
+     "as above; the backward's slices halved to fit the wider accumulators (log: fixed-tiles)"),
+    (16, "any", (80,), _config(128, 64, 4, 3), _bwd_config(64, 64, 4, 3),
+     "the autotuner's pick on an H100 at (4, 32, 2048, 80) and (1, 32, 8192, 80) (log: fixed-tiles)"),
+    (32, "ieee", (16, 32, 48, 64), _config(32, 16, 4, 2), _bwd_config(32, 16, 4, 1),
+     "products on the FMA units: the tiles that do not spill (log: fixed-tiles)"),
+    (32, "ieee", (80, 96, 128), _config(32, 16, 8, 2), _bwd_config(32, 16, 8, 1),
+     "as above, 8 warps for the wider accumulators (log: fixed-tiles)"),
+    (32, "tf32x3", (16, 32, 64), _config(128, 32, 8, 2), _bwd_config(32, 32, 4, 1),
+     "the largest tiles ptxas fits in the registers for sm_90 (log: fixed-tiles)"),
+    (32, "tf32x3", (48,), _config(128, 32, 8, 2), _bwd_config(32, 16, 8, 1),
+     "forward as 64's; the backward's tiles that spill least (log: fixed-tiles)"),
+    (32, "tf32x3", (80, 96), _config(32, 16, 8, 2), _bwd_config(32, 16, 8, 1),
+     "two column parts: the tiles that spill least (log: fixed-tiles)"),
+    (32, "tf32x3", (128,), _config(64, 32, 4, 2), _bwd_config(32, 32, 4, 1),
+     "the fastest of a sweep on one H100, though they spill (log: fixed-tiles)"),
+]
+FIXED_TILES = {(bits, products, head_dim): FixedTiles(forward, backward, why)
+               for bits, products, head_dims, forward, backward, why in _TILE_ROWS for head_dim in head_dims}
+"""The fixed tiles by (bits of the dtype, float32 products: "ieee" (also TF32's), "tf32x3", or "any" for 16 bits,
+head dim), timed or compiled for an H100."""
+HOPPER = 90
+"""The compute capability the fixed tiles were chosen on (H100)."""
+OTHER_GPU_FORWARD = {(16, "any", 80): _config(128, 64, 8, 3)}
+"""Forward tiles that differ off Hopper: at 4 warps the d = 80 forward spills 8 bytes for sm_100 (log: fixed-tiles)."""
 
 
 def fixed_config(kernel: str, dtype: torch.dtype, head_dim: int, precision: str = "ieee",
                  capability: int = HOPPER) -> triton.Config:
-    """The configuration of ``kernel`` ("fwd" or "bwd") when not autotuning: the fastest in the autotuner's H100
-    timings at 16384 tokens (bf16, causal) among those with no register spills at any head dim (checked with
-    ptxas for sm_90). Float32 with ``precision`` "tf32x3" (three products on the tensor cores, each operand split in
-    two) takes, up to head dim 64, the largest tiles ptxas for sm_90 fits in the registers (none spill); at 128 the
-    fastest of a sweep on one H100 (1 x 16384 x 128, causal: forward 64 x 32 tiles 2.73 ms against 5.60 at
-    32 x 16, which spill least; backward 32 x 32 keys x queries at 4 warps 7.71 ms against 18.35 at 32 x 16), though
-    they spill 256 and 472 bytes.
-
-    Head dim 80 (64 + 16 columns) takes in 16 bits the tiles the autotuner picked on an H100 (``capability`` 90) at
-    4 x 32 heads x 2048 x 80 and 1 x 32 x 8192 x 80 (causal): forward 128 x 64 at 4 warps (0.280 ms against 0.346 at
-    128's tiles, which run 8 warps), backward 64 x 64 at 4 warps (1.009 against 1.179 ms); for other GPUs the forward
-    keeps 8 warps (at 4 it spills 8 bytes for sm_100). 48 and 96 keep the tiles of 64 and 128 (at 96 that forward
-    would spill 48 bytes). In IEEE float32 the split head dims take the tiles of the next power of two, whose
-    accumulators are as wide or wider; with tf32x3 they keep the 32 x 16 tiles that spill least (the
-    backward at 48 spills 224 bytes at 64's tiles and 8 at these; at 80 and 96 152 and 488 bytes; not timed against
-    padding to 128)."""
+    """The configuration of ``kernel`` ("fwd" or "bwd") when not autotuning: :data:`FIXED_TILES` for a GPU of
+    ``capability``, or the interpreter's."""
     if interpreting():
         return INTERPRETER_CONFIGS[kernel]
-    if dtype == torch.float32 and precision == "tf32x3":
-        if kernel == "fwd" and head_dim <= 64:
-            return _config(128, 32, 8, 2)
-        if head_dim_parts(head_dim)[1]:  # 80 and 96 (and 48's backward): the tiles that spill least
-            return _config(32, 16, 8, 2) if kernel == "fwd" else _bwd_config(32, 16, 8, 1)
-        return _config(64, 32, 4, 2) if kernel == "fwd" else _bwd_config(32, 32, 4, 1)
     if dtype == torch.float32:
-        num_warps = 4 if head_dim <= 64 else 8
-        return _config(32, 16, num_warps, 2) if kernel == "fwd" else _bwd_config(32, 16, num_warps, 1)
-    if head_dim_parts(head_dim) == (64, 16):  # 80: the autotuner's pick on an H100
-        forward_warps = 4 if capability == HOPPER else 8  # 4 warps spill 8 bytes for sm_100
-        return _config(128, 64, forward_warps, 3) if kernel == "fwd" else _bwd_config(64, 64, 4, 3)
-    if kernel == "fwd":
-        return _config(128, 64, 8, 3)
-    return _bwd_config(128, 64, 8, 3) if head_dim <= 64 else _bwd_config(128, 32, 8, 3)
+        key = (32, "tf32x3" if precision == "tf32x3" else "ieee", head_dim)
+    else:
+        key = (16, "any", head_dim)
+    if kernel == "fwd" and capability != HOPPER and key in OTHER_GPU_FORWARD:
+        return OTHER_GPU_FORWARD[key]
+    tiles = FIXED_TILES[key]
+    return tiles.forward if kernel == "fwd" else tiles.backward
 
 
 def _capability(device: torch.device) -> int:
@@ -201,32 +216,6 @@ def _capability(device: torch.device) -> int:
         return HOPPER
     major, minor = torch.cuda.get_device_capability(device)
     return 10 * major + minor
-
-
-def _delta_config() -> triton.Config:
-    return DELTA_CONFIG
-
-
-class LaunchPlan(NamedTuple):
-    """A launch as fixed by the call's signature (dtype, shapes, strides, alignment, constexprs) and scale: the
-    arguments after the tensors (strides, sizes, coarsened lengths, scales), ``(batch * heads, the rows the grid's
-    first dimension covers)``, the grid as a function of the tiles, the constexprs, and the rule of the fixed
-    configuration (see :class:`cs336_systems.kernels.launch.Kernel`)."""
-
-    tail: tuple
-    rows: tuple[int, int]
-    grid: Grid
-    constexprs: dict
-    fixed: Callable[[], triton.Config]
-
-
-_plans: dict[tuple, LaunchPlan] = {}
-"""The launch plans, per ("fwd" | "bwd", signature, scale) and ("delta", signature)."""
-
-
-def _tiled_grid(batch_heads: int, n_rows: int, tile: str) -> Grid:
-    """The grid ``(cdiv(n_rows, tiles[tile]), batch * heads)``."""
-    return lambda tiles: (-(-n_rows // tiles[tile]), batch_heads)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -251,109 +240,9 @@ def _length_key(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def batch_head_strides(x: Tensor) -> tuple[int, int, int]:
-    """(batch, head, sequence) strides, with head stride 0 for 3-D tensors."""
-    if x.dim() == 3:
-        return x.stride(0), 0, x.stride(1)
-    return x.stride(0), x.stride(1), x.stride(2)
-
-
-def _sizes(Q: Tensor, K: Tensor) -> tuple[int, int, int, int, int]:
-    """(heads, batch * heads, n_queries, n_keys, d)."""
-    n_heads = Q.shape[1] if Q.dim() == 4 else 1
-    return n_heads, Q.shape[0] * n_heads, Q.shape[-2], K.shape[-2], Q.shape[-1]
-
-
-# ---------------------------------------------------------------------------------------------------
-# The kernels' arguments before their constexprs, by name
-# ---------------------------------------------------------------------------------------------------
-
-
-class ForwardArgs(NamedTuple):
-    """``attn_fwd_kernel``'s arguments; strides are (batch, head, sequence) (:func:`batch_head_strides`)."""
-
-    Q: Tensor
-    K: Tensor
-    V: Tensor
-    O: Tensor
-    L: Tensor
-    stride_qb: int
-    stride_qh: int
-    stride_qm: int
-    stride_kb: int
-    stride_kh: int
-    stride_kn: int
-    stride_vb: int
-    stride_vh: int
-    stride_vn: int
-    stride_ob: int
-    stride_oh: int
-    stride_om: int
-    n_heads: int
-    n_queries: int
-    n_keys: int
-    n_queries_key: int  # coarsened lengths: the autotuner's key
-    n_keys_key: int
-    qk_scale: float
-
-
-class BackwardArgs(NamedTuple):
-    """``attn_bwd_kernel``'s arguments; strides are (batch, head, sequence) (:func:`batch_head_strides`)."""
-
-    Q: Tensor
-    K: Tensor
-    V: Tensor
-    dO: Tensor
-    L: Tensor
-    Delta: Tensor
-    dQ: Tensor
-    dK: Tensor
-    dV: Tensor
-    stride_qb: int
-    stride_qh: int
-    stride_qm: int
-    stride_kb: int
-    stride_kh: int
-    stride_kn: int
-    stride_vb: int
-    stride_vh: int
-    stride_vn: int
-    stride_dob: int
-    stride_doh: int
-    stride_dom: int
-    stride_dqb: int
-    stride_dqh: int
-    stride_dqm: int
-    stride_dkb: int
-    stride_dkh: int
-    stride_dkn: int
-    stride_dvb: int
-    stride_dvh: int
-    stride_dvn: int
-    n_heads: int
-    n_queries: int
-    n_keys: int
-    n_queries_key: int
-    n_keys_key: int
-    sm_scale: float
-    qk_scale: float
-
-
-class DeltaArgs(NamedTuple):
-    """``attn_bwd_delta_kernel``'s arguments."""
-
-    O: Tensor
-    dO: Tensor
-    Delta: Tensor
-    stride_ob: int
-    stride_oh: int
-    stride_om: int
-    stride_dob: int
-    stride_doh: int
-    stride_dom: int
-    n_heads: int
-    n_queries: int
-    DQ_acc: Tensor
+def _tiled_grid(batch_heads: int, n_rows: int, tile: str, *more: int):
+    """The grid ``(cdiv(n_rows, tiles[tile]), batch * heads, *more)``."""
+    return lambda tiles: (-(-n_rows // tiles[tile]), batch_heads, *more)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -376,19 +265,76 @@ def forward(
     L = new_output(Q.shape[:-1], torch.float32, Q.device)
     # What the compilation depends on: Triton specialises the strides and the pointers' alignment; O's strides
     # follow from Q's shape.
-    signature = (Q.dtype, Q.shape, K.shape, Q.stride(), K.stride(), V.stride(), aligned(Q, K, V), is_causal,
-                 _dot_precision(Q.dtype))
-    plan = _plans.get(("fwd", signature, sm_scale))
-    if plan is None:
-        plan = _plans[("fwd", signature, sm_scale)] = _forward_plan(Q, K, V, O, is_causal, sm_scale)
-    KERNELS["fwd"](signature, plan.grid, ForwardArgs(Q, K, V, O, L, *plan.tail), plan.constexprs, plan.fixed,
-                   autotune=FLASH_CONFIG.get().autotune)
+    key = (Q.dtype, Q.shape, K.shape, Q.stride(), K.stride(), V.stride(), aligned(Q, K, V), is_causal,
+           _dot_precision(Q.dtype), sm_scale)
+    KERNELS["fwd"].launch(key, (Q, K, V, O, L), _forward_plan, Q, K, V, O, is_causal, sm_scale,
+                          autotune=FLASH_CONFIG.get().autotune)
     return O, L
 
+
+def _forward_plan(Q: Tensor, K: Tensor, V: Tensor, O: Tensor, is_causal: bool, sm_scale: float) -> LaunchPlan:
+    n_heads, batch_heads, n_queries, n_keys, head_dim = sizes(Q, K)
+    precision = _dot_precision(Q.dtype)
+    return LaunchPlan(
+        _tiled_grid(batch_heads, n_queries, "BLOCK_M"),
+        dict(**named_strides(qm=Q, kn=K, vn=V, om=O), n_heads=n_heads, n_queries=n_queries, n_keys=n_keys,
+             n_queries_key=_length_key(n_queries), n_keys_key=_length_key(n_keys), qk_scale=sm_scale * LOG2_E,
+             HEAD_DIM=head_dim, HEAD_DIM_B=head_dim_parts(head_dim)[1], IS_CAUSAL=is_causal, DOT_PRECISION=precision),
+        fixed_config("fwd", Q.dtype, head_dim, precision, _capability(Q.device)))
+
+
+def backward(
+    Q: Float[Tensor, "batch *heads q d"], K: Float[Tensor, "batch *heads k d"], V: Float[Tensor, "batch *heads k d"],
+    O: Float[Tensor, "batch *heads q d"], L: Float[Tensor, "batch *heads q"], dO: Float[Tensor, "batch *heads q d"],
+    is_causal: bool, sm_scale: float,
+) -> tuple[Float[Tensor, "batch *heads q d"], Float[Tensor, "batch *heads k d"], Float[Tensor, "batch *heads k d"]]:
+    """``dQ, dK, dV`` (in the inputs' dtype, contiguous) from the forward's ``O`` (contiguous) and ``L`` and the
+    output gradient ``dO`` (unit stride along ``d``, O's dtype)."""
+    if interpreting() and Q.dtype == torch.bfloat16:
+        grads = backward(*(x.float() for x in (Q, K, V, O)), L, dO.float(), is_causal, sm_scale)
+        return tuple(g.to(torch.bfloat16) for g in grads)
+    n_parts = backward_splits(Q, K)
+    if n_parts > 1:
+        return split_backward(Q, K, V, O, L, dO, is_causal, sm_scale, n_parts)
+    Delta = launch_delta(O, dO)
+    dQ = new_output(Q.shape, Q.dtype, Q.device)
+    dK = new_output(K.shape, K.dtype, K.device)
+    dV = new_output(V.shape, V.dtype, V.device)
+    key = (Q.dtype, Q.shape, K.shape, Q.stride(), K.stride(), V.stride(), dO.stride(), aligned(Q, K, V, dO),
+           is_causal, _dot_precision(Q.dtype), sm_scale)
+    KERNELS["bwd"].launch(key, (Q, K, V, dO, L, Delta, dQ, dK, dV), _backward_plan, Q, K, V, dO, dQ, dK, dV,
+                          is_causal, sm_scale, autotune=FLASH_CONFIG.get().autotune)
+    return dQ, dK, dV
+
+
+def _backward_plan(Q: Tensor, K: Tensor, V: Tensor, dO: Tensor, dQ: Tensor, dK: Tensor, dV: Tensor, is_causal: bool,
+                   sm_scale: float) -> LaunchPlan:
+    n_heads, batch_heads, n_queries, n_keys, head_dim = sizes(Q, K)
+    precision = _dot_precision(Q.dtype)
+    return LaunchPlan(
+        _tiled_grid(batch_heads, max(n_queries, n_keys), "TILE"),  # program i: key tile i, then query tile i
+        dict(**named_strides(qm=Q, kn=K, vn=V, dom=dO, dqm=dQ, dkn=dK, dvn=dV), n_heads=n_heads,
+             n_queries=n_queries, n_keys=n_keys, n_queries_key=_length_key(n_queries), n_keys_key=_length_key(n_keys),
+             sm_scale=sm_scale, qk_scale=sm_scale * LOG2_E, HEAD_DIM=head_dim,
+             HEAD_DIM_B=head_dim_parts(head_dim)[1], IS_CAUSAL=is_causal, DOT_PRECISION=precision),
+        fixed_config("bwd", Q.dtype, head_dim, precision, _capability(Q.device)))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Float32 calls of few programs: sweeps split over more programs
+# ---------------------------------------------------------------------------------------------------
 
 MIN_KEYS_PER_SPLIT = 512
 """The forward split over keys gives each part at least this many keys (fewer keys per part: the combination's
 extra pass costs more than the shorter sweep saves)."""
+RESIDENT_PROGRAMS_PER_SM = 2
+"""Backward programs of the float32 tiles one multiprocessor holds at once (255 registers a thread, 4 warps: 32K of
+its 64K registers each)."""
+COMBINE_CONFIG = triton.Config({"BLOCK_M": 32}, num_warps=4)
+"""The launch of the split forward's combination (and of the split backward's sums): an elementwise pass."""
+SPLIT_KERNELS = {name: Kernel(kernel) for name, kernel in (
+    ("fwd", triton_kernels.attn_fwd_split_kernel), ("combine", triton_kernels.attn_fwd_combine_kernel),
+    ("bwd", triton_kernels.attn_bwd_split_kernel), ("sum", triton_kernels.attn_bwd_sum_parts_kernel))}
 
 
 def key_splits(n_queries: int, n_keys: int, batch_heads: int, block_m: int, is_causal: bool,
@@ -409,17 +355,18 @@ def key_splits(n_queries: int, n_keys: int, batch_heads: int, block_m: int, is_c
     return max(1, min(parts, n_keys // MIN_KEYS_PER_SPLIT))
 
 
+def sweep_splits(programs: int, swept: int, slots: int) -> int:
+    """Parts that bring ``programs`` up to the ``slots`` the GPU runs at once, each sweeping at least
+    :data:`MIN_KEYS_PER_SPLIT` of the ``swept`` rows; 1 when the programs fill half the slots already."""
+    if 2 * programs > slots:
+        return 1
+    return max(1, min(slots // programs, swept // MIN_KEYS_PER_SPLIT))
+
+
 def _may_split(Q: Tensor) -> bool:
     """Whether a call's sweeps may be split over more programs: float32 on a GPU at a power-of-two head dim (the
     single-head sweeps of ``flash_benchmarking``, where a one-head call gives a few dozen programs)."""
     return Q.dtype == torch.float32 and Q.device.type == "cuda" and not head_dim_parts(Q.shape[-1])[1]
-
-
-def _check_split(what: str, head_dim: int, count_name: str, count: int) -> None:
-    if head_dim_parts(head_dim)[1]:
-        raise ValueError(f"{what} takes power-of-two head dims, not {head_dim}")
-    if count < 1:
-        raise ValueError(f"{count_name} must be at least 1, got {count}")
 
 
 def forward_key_splits(Q: Tensor, K: Tensor, is_causal: bool) -> int:
@@ -427,123 +374,16 @@ def forward_key_splits(Q: Tensor, K: Tensor, is_causal: bool) -> int:
     1."""
     if not _may_split(Q):
         return 1
-    _, batch_heads, n_queries, n_keys, head_dim = _sizes(Q, K)
+    _, batch_heads, n_queries, n_keys, head_dim = sizes(Q, K)
     return _forward_key_splits(batch_heads, n_queries, n_keys, head_dim, is_causal, _dot_precision(Q.dtype),
                                Q.device)
 
 
-@functools.cache
+@functools.lru_cache(maxsize=LAUNCH_CACHE_SIZE)
 def _forward_key_splits(batch_heads: int, n_queries: int, n_keys: int, head_dim: int, is_causal: bool,
                         precision: str, device: torch.device) -> int:
     block_m = fixed_config("fwd", torch.float32, head_dim, precision, _capability(device)).kwargs["BLOCK_M"]
-    multiprocessors = torch.cuda.get_device_properties(device).multi_processor_count
-    return key_splits(n_queries, n_keys, batch_heads, block_m, is_causal, multiprocessors)
-
-
-COMBINE_CONFIG = triton.Config({"BLOCK_M": 32}, num_warps=4)
-"""The launch of the split forward's combination (and of the split backward's sums): an elementwise pass."""
-SPLIT_KERNELS = {name: Kernel(kernel) for name, kernel in (
-    ("fwd", triton_kernels.attn_fwd_split_kernel), ("combine", triton_kernels.attn_fwd_combine_kernel),
-    ("bwd", triton_kernels.attn_bwd_split_kernel), ("sum", triton_kernels.attn_bwd_sum_parts_kernel))}
-"""The split kernels as launched: compiled once per key, then through the short path (Triton's own launch, which
-binds and specialises every argument on every call, costs 50-100 us a launch on an H100 host: more than these
-kernels run at a few thousand tokens)."""
-
-
-def split_forward(
-    Q: Float[Tensor, "batch *heads q d"], K: Float[Tensor, "batch *heads k d"], V: Float[Tensor, "batch *heads k d"],
-    is_causal: bool, sm_scale: float, n_splits: int,
-) -> tuple[Float[Tensor, "batch *heads q d"], Float[Tensor, "batch *heads q"]]:
-    """:func:`forward`'s ``O`` and ``L`` with each query tile's keys split into ``n_splits`` parts, each part swept
-    by a program of its own (``attn_fwd_split_kernel``), then combined by their logsumexp
-    (``attn_fwd_combine_kernel``); at the fixed tiles, power-of-two head dims only."""
-    n_heads, batch_heads, n_queries, n_keys, head_dim = _sizes(Q, K)
-    _check_split("the forward split over keys", head_dim, "n_splits", n_splits)
-    precision = _dot_precision(Q.dtype)
-    # What the compilation depends on: the inputs' dtype, strides and alignment, and the sizes (the parts and the
-    # outputs are fresh and contiguous, so their strides follow from the sizes).
-    key = (Q.dtype, Q.shape, K.shape, Q.stride(), K.stride(), V.stride(), aligned(Q, K, V), is_causal, precision,
-           n_splits)
-    O_part = new_output((n_splits, batch_heads, n_queries, head_dim), torch.float32, Q.device)
-    LSE_part = new_output((n_splits, batch_heads, n_queries), torch.float32, Q.device)
-    SPLIT_KERNELS["fwd"](
-        key, lambda tiles: (-(-n_queries // tiles["BLOCK_M"]), batch_heads, n_splits),
-        (Q, K, V, O_part, LSE_part, *batch_head_strides(Q), *batch_head_strides(K), *batch_head_strides(V),
-         n_heads, n_queries, n_keys, n_splits, sm_scale * _LOG2_E),
-        dict(HEAD_DIM=head_dim, IS_CAUSAL=is_causal, DOT_PRECISION=precision),
-        lambda: fixed_config("fwd", Q.dtype, head_dim, precision, _capability(Q.device)))
-    O = new_output(Q.shape, Q.dtype, Q.device)
-    L = new_output(Q.shape[:-1], torch.float32, Q.device)
-    SPLIT_KERNELS["combine"](
-        key, lambda tiles: (-(-n_queries // tiles["BLOCK_M"]), batch_heads),
-        (O_part, LSE_part, O, L, *batch_head_strides(O), n_heads, n_queries, n_splits), dict(HEAD_DIM=head_dim),
-        lambda: COMBINE_CONFIG)
-    return O, L
-
-
-def _forward_plan(Q: Tensor, K: Tensor, V: Tensor, O: Tensor, is_causal: bool, sm_scale: float) -> LaunchPlan:
-    n_heads, batch_heads, n_queries, n_keys, head_dim = _sizes(Q, K)
-    tail = (*batch_head_strides(Q), *batch_head_strides(K), *batch_head_strides(V), *batch_head_strides(O),
-            n_heads, n_queries, n_keys, _length_key(n_queries), _length_key(n_keys), sm_scale * _LOG2_E)
-    constexprs = dict(HEAD_DIM=head_dim, HEAD_DIM_B=head_dim_parts(head_dim)[1], IS_CAUSAL=is_causal,
-                      DOT_PRECISION=_dot_precision(Q.dtype))
-    return LaunchPlan(tail, (batch_heads, n_queries), _tiled_grid(batch_heads, n_queries, "BLOCK_M"), constexprs,
-                      functools.partial(fixed_config, "fwd", Q.dtype, head_dim, constexprs["DOT_PRECISION"],
-                                        _capability(Q.device)))
-
-
-def launch_delta(O: Float[Tensor, "batch *heads q d"], dO: Float[Tensor, "batch *heads q d"],
-                 DQ_acc: Float[Tensor, "batch_heads q d"] | None = None) -> Float[Tensor, "batch_heads q"]:
-    """Delta = rowsum(O * dO), float32; also zeroes the float32 ``DQ_acc`` when given (the Hopper backward's)."""
-    zero_dq_acc = DQ_acc is not None
-    signature = (O.dtype, O.shape, O.stride(), dO.stride(), aligned(O, dO), zero_dq_acc)
-    plan = _plans.get(("delta", signature))
-    if plan is None:
-        plan = _plans[("delta", signature)] = _delta_plan(O, dO, zero_dq_acc)
-    Delta = new_output(plan.rows, torch.float32, O.device)
-    args = DeltaArgs(O, dO, Delta, *plan.tail, DQ_acc if zero_dq_acc else Delta)
-    DELTA_KERNEL(signature, plan.grid, args, plan.constexprs, plan.fixed)
-    return Delta
-
-
-def _delta_plan(O: Tensor, dO: Tensor, zero_dq_acc: bool) -> LaunchPlan:
-    n_heads, batch_heads, n_queries, _, head_dim = _sizes(O, O)
-    tail = (*batch_head_strides(O), *batch_head_strides(dO), n_heads, n_queries)
-    return LaunchPlan(tail, (batch_heads, n_queries), _tiled_grid(batch_heads, n_queries, "BLOCK_M"),
-                      dict(HEAD_DIM=head_dim, HEAD_DIM_B=head_dim_parts(head_dim)[1], ZERO_DQ_ACC=zero_dq_acc),
-                      _delta_config)
-
-
-def backward(
-    Q: Float[Tensor, "batch *heads q d"], K: Float[Tensor, "batch *heads k d"], V: Float[Tensor, "batch *heads k d"],
-    O: Float[Tensor, "batch *heads q d"], L: Float[Tensor, "batch *heads q"], dO: Float[Tensor, "batch *heads q d"],
-    is_causal: bool, sm_scale: float,
-) -> tuple[Float[Tensor, "batch *heads q d"], Float[Tensor, "batch *heads k d"], Float[Tensor, "batch *heads k d"]]:
-    """``dQ, dK, dV`` (in the inputs' dtype, contiguous) from the forward's ``O`` (contiguous) and ``L`` and the
-    output gradient ``dO`` (unit stride along ``d``, O's dtype)."""
-    if interpreting() and Q.dtype == torch.bfloat16:
-        grads = backward(*(x.float() for x in (Q, K, V, O)), L, dO.float(), is_causal, sm_scale)
-        return tuple(g.to(torch.bfloat16) for g in grads)
-    n_parts = backward_splits(Q, K)
-    if n_parts > 1:
-        return split_backward(Q, K, V, O, L, dO, is_causal, sm_scale, n_parts)
-    Delta = launch_delta(O, dO)
-    dQ = new_output(Q.shape, Q.dtype, Q.device)
-    dK = new_output(K.shape, K.dtype, K.device)
-    dV = new_output(V.shape, V.dtype, V.device)
-    signature = (Q.dtype, Q.shape, K.shape, Q.stride(), K.stride(), V.stride(), dO.stride(), aligned(Q, K, V, dO),
-                 is_causal, _dot_precision(Q.dtype))
-    plan = _plans.get(("bwd", signature, sm_scale))
-    if plan is None:
-        plan = _plans[("bwd", signature, sm_scale)] = _backward_plan(Q, K, V, dO, dQ, dK, dV, is_causal, sm_scale)
-    KERNELS["bwd"](signature, plan.grid, BackwardArgs(Q, K, V, dO, L, Delta, dQ, dK, dV, *plan.tail),
-                   plan.constexprs, plan.fixed, autotune=FLASH_CONFIG.get().autotune)
-    return dQ, dK, dV
-
-
-RESIDENT_PROGRAMS_PER_SM = 2
-"""Backward programs of the float32 tiles one multiprocessor holds at once (255 registers a thread, 4 warps: 32K of
-its 64K registers each)."""
+    return key_splits(n_queries, n_keys, batch_heads, block_m, is_causal, multiprocessors(device))
 
 
 def backward_splits(Q: Tensor, K: Tensor) -> int:
@@ -553,25 +393,68 @@ def backward_splits(Q: Tensor, K: Tensor) -> int:
     rows (:func:`sweep_splits`). Else 1."""
     if not _may_split(Q):
         return 1
-    _, batch_heads, n_queries, n_keys, head_dim = _sizes(Q, K)
+    _, batch_heads, n_queries, n_keys, head_dim = sizes(Q, K)
     return _backward_splits(batch_heads, n_queries, n_keys, head_dim, _dot_precision(Q.dtype), Q.device)
 
 
-@functools.cache
+@functools.lru_cache(maxsize=LAUNCH_CACHE_SIZE)
 def _backward_splits(batch_heads: int, n_queries: int, n_keys: int, head_dim: int, precision: str,
                      device: torch.device) -> int:
     tile = fixed_config("bwd", torch.float32, head_dim, precision, _capability(device)).kwargs["TILE"]
-    multiprocessors = torch.cuda.get_device_properties(device).multi_processor_count
     return sweep_splits(batch_heads * -(-max(n_queries, n_keys) // tile), min(n_queries, n_keys),
-                        RESIDENT_PROGRAMS_PER_SM * multiprocessors)
+                        RESIDENT_PROGRAMS_PER_SM * multiprocessors(device))
 
 
-def sweep_splits(programs: int, swept: int, slots: int) -> int:
-    """Parts that bring ``programs`` up to the ``slots`` the GPU runs at once, each sweeping at least
-    :data:`MIN_KEYS_PER_SPLIT` of the ``swept`` rows; 1 when the programs fill half the slots already."""
-    if 2 * programs > slots:
-        return 1
-    return max(1, min(slots // programs, swept // MIN_KEYS_PER_SPLIT))
+def _check_split(what: str, head_dim: int, count_name: str, count: int) -> None:
+    if head_dim_parts(head_dim)[1]:
+        raise ValueError(f"{what} takes power-of-two head dims, not {head_dim}")
+    if count < 1:
+        raise ValueError(f"{count_name} must be at least 1, got {count}")
+
+
+def split_forward(
+    Q: Float[Tensor, "batch *heads q d"], K: Float[Tensor, "batch *heads k d"], V: Float[Tensor, "batch *heads k d"],
+    is_causal: bool, sm_scale: float, n_splits: int,
+) -> tuple[Float[Tensor, "batch *heads q d"], Float[Tensor, "batch *heads q"]]:
+    """:func:`forward`'s ``O`` and ``L`` with each query tile's keys split into ``n_splits`` parts, each part swept
+    by a program of its own (``attn_fwd_split_kernel``), then combined by their logsumexp
+    (``attn_fwd_combine_kernel``); at the fixed tiles, power-of-two head dims only."""
+    _check_split("the forward split over keys", Q.shape[-1], "n_splits", n_splits)
+    _, batch_heads, n_queries, _, head_dim = sizes(Q, K)
+    # What the compilation depends on: the inputs' dtype, strides and alignment, and the sizes (the parts and the
+    # outputs are fresh and contiguous, so their strides follow from the sizes).
+    key = (Q.dtype, Q.shape, K.shape, Q.stride(), K.stride(), V.stride(), aligned(Q, K, V), is_causal,
+           _dot_precision(Q.dtype), n_splits, sm_scale)
+    O_part = new_output((n_splits, batch_heads, n_queries, head_dim), torch.float32, Q.device)
+    LSE_part = new_output((n_splits, batch_heads, n_queries), torch.float32, Q.device)
+    SPLIT_KERNELS["fwd"].launch(key, (Q, K, V, O_part, LSE_part), _split_forward_plan, Q, K, V, is_causal, sm_scale,
+                                n_splits)
+    O = new_output(Q.shape, Q.dtype, Q.device)
+    L = new_output(Q.shape[:-1], torch.float32, Q.device)
+    SPLIT_KERNELS["combine"].launch(key, (O_part, LSE_part, O, L), _parts_plan, O, n_splits, "n_queries",
+                                    "n_splits")
+    return O, L
+
+
+def _split_forward_plan(Q: Tensor, K: Tensor, V: Tensor, is_causal: bool, sm_scale: float,
+                        n_splits: int) -> LaunchPlan:
+    n_heads, batch_heads, n_queries, n_keys, head_dim = sizes(Q, K)
+    precision = _dot_precision(Q.dtype)
+    return LaunchPlan(
+        _tiled_grid(batch_heads, n_queries, "BLOCK_M", n_splits),
+        dict(**named_strides(qm=Q, kn=K, vn=V), n_heads=n_heads, n_queries=n_queries, n_keys=n_keys,
+             n_splits=n_splits, qk_scale=sm_scale * LOG2_E, HEAD_DIM=head_dim, IS_CAUSAL=is_causal,
+             DOT_PRECISION=precision),
+        fixed_config("fwd", Q.dtype, head_dim, precision, _capability(Q.device)))
+
+
+def _parts_plan(out: Tensor, n_parts: int, rows: str, parts: str) -> LaunchPlan:
+    """The plan of an elementwise pass over ``n_parts`` float32 parts into ``out`` (the split forward's combination,
+    or the split backward's sum of one gradient), whose kernel calls its sizes ``rows`` and ``parts``."""
+    n_heads, batch_heads, n_rows, _, head_dim = sizes(out, out)
+    return LaunchPlan(_tiled_grid(batch_heads, n_rows, "BLOCK_M"),
+                      {**named_strides(om=out), "n_heads": n_heads, rows: n_rows, parts: n_parts, "HEAD_DIM": head_dim},
+                      COMBINE_CONFIG)
 
 
 def split_backward(
@@ -582,42 +465,31 @@ def split_backward(
     """:func:`backward`'s ``dQ, dK, dV`` with each program's sweeps split into ``n_parts`` pieces, each swept by a
     program of its own into float32 partial sums (``attn_bwd_split_kernel``), then added in order
     (``attn_bwd_sum_parts_kernel``); at the fixed tiles, power-of-two head dims only."""
-    n_heads, batch_heads, n_queries, n_keys, head_dim = _sizes(Q, K)
-    _check_split("the backward split", head_dim, "n_parts", n_parts)
-    precision = _dot_precision(Q.dtype)
+    _check_split("the backward split", Q.shape[-1], "n_parts", n_parts)
+    _, batch_heads, n_queries, n_keys, head_dim = sizes(Q, K)
     key = (Q.dtype, Q.shape, K.shape, Q.stride(), K.stride(), V.stride(), dO.stride(), aligned(Q, K, V, dO),
-           is_causal, precision, n_parts)
+           is_causal, _dot_precision(Q.dtype), n_parts, sm_scale)
     Delta = launch_delta(O, dO)
     dQ_part, dK_part, dV_part = (new_output((n_parts, batch_heads, n, head_dim), torch.float32, Q.device)
                                  for n in (n_queries, n_keys, n_keys))
-    n_rows = max(n_queries, n_keys)
-    SPLIT_KERNELS["bwd"](
-        key, lambda tiles: (-(-n_rows // tiles["TILE"]), batch_heads, n_parts),
-        (Q, K, V, dO, L, Delta, dQ_part, dK_part, dV_part,
-         *(stride for x in (Q, K, V, dO) for stride in batch_head_strides(x)),
-         n_heads, n_queries, n_keys, n_parts, sm_scale, sm_scale * _LOG2_E),
-        dict(HEAD_DIM=head_dim, IS_CAUSAL=is_causal, DOT_PRECISION=precision),
-        lambda: fixed_config("bwd", Q.dtype, head_dim, precision, _capability(Q.device)))
+    SPLIT_KERNELS["bwd"].launch(key, (Q, K, V, dO, L, Delta, dQ_part, dK_part, dV_part), _split_backward_plan,
+                                Q, K, V, dO, is_causal, sm_scale, n_parts)
     grads = []
     for part, like in ((dQ_part, Q), (dK_part, K), (dV_part, V)):
         grad = new_output(like.shape, like.dtype, like.device)
-        rows = like.shape[-2]
-        SPLIT_KERNELS["sum"](
-            (like.dtype, like.shape, n_parts), lambda tiles, rows=rows: (-(-rows // tiles["BLOCK_M"]), batch_heads),
-            (part, grad, *batch_head_strides(grad), n_heads, rows, n_parts), dict(HEAD_DIM=head_dim),
-            lambda: COMBINE_CONFIG)
+        SPLIT_KERNELS["sum"].launch((like.dtype, like.shape, n_parts), (part, grad), _parts_plan, grad, n_parts,
+                                    "n_rows", "n_parts")
         grads.append(grad)
     return tuple(grads)
 
 
-def _backward_plan(Q: Tensor, K: Tensor, V: Tensor, dO: Tensor, dQ: Tensor, dK: Tensor, dV: Tensor, is_causal: bool,
-                   sm_scale: float) -> LaunchPlan:
-    n_heads, batch_heads, n_queries, n_keys, head_dim = _sizes(Q, K)
-    tail = (*(stride for x in (Q, K, V, dO, dQ, dK, dV) for stride in batch_head_strides(x)),
-            n_heads, n_queries, n_keys, _length_key(n_queries), _length_key(n_keys), sm_scale, sm_scale * _LOG2_E)
-    n_rows = max(n_queries, n_keys)  # program i: key tile i, then query tile i
-    constexprs = dict(HEAD_DIM=head_dim, HEAD_DIM_B=head_dim_parts(head_dim)[1], IS_CAUSAL=is_causal,
-                      DOT_PRECISION=_dot_precision(Q.dtype))
-    return LaunchPlan(tail, (batch_heads, n_rows), _tiled_grid(batch_heads, n_rows, "TILE"), constexprs,
-                      functools.partial(fixed_config, "bwd", Q.dtype, head_dim, constexprs["DOT_PRECISION"],
-                                        _capability(Q.device)))
+def _split_backward_plan(Q: Tensor, K: Tensor, V: Tensor, dO: Tensor, is_causal: bool, sm_scale: float,
+                         n_parts: int) -> LaunchPlan:
+    n_heads, batch_heads, n_queries, n_keys, head_dim = sizes(Q, K)
+    precision = _dot_precision(Q.dtype)
+    return LaunchPlan(
+        _tiled_grid(batch_heads, max(n_queries, n_keys), "TILE", n_parts),
+        dict(**named_strides(qm=Q, kn=K, vn=V, dom=dO), n_heads=n_heads, n_queries=n_queries, n_keys=n_keys,
+             n_parts=n_parts, sm_scale=sm_scale, qk_scale=sm_scale * LOG2_E, HEAD_DIM=head_dim, IS_CAUSAL=is_causal,
+             DOT_PRECISION=precision),
+        fixed_config("bwd", Q.dtype, head_dim, precision, _capability(Q.device)))
