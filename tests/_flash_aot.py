@@ -9,11 +9,15 @@ Triton 3.6 internals (the argument binder of ``JITFunction``), the pinned versio
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
+from unittest import mock
 
 import torch
 import triton
@@ -69,37 +73,63 @@ def compile_for_gpu(jit_function, args: tuple, kwargs: dict, capability: int = 9
     return triton.compile(ASTSource(jit_function, signature, constexprs, attrs), target=target, options=options.__dict__)
 
 
-def captured_attention_launches(monkeypatch, dtype: torch.dtype, head_dim: int, is_causal: bool) -> list[tuple]:
-    """``(kernel function, args, constexprs, name)`` of every Triton launch of one forward and backward of the
-    portable backend on ``(2, 3, 200, head_dim)`` inputs, recorded instead of run; names "fwd", "delta", "bwd"."""
+class Launch(NamedTuple):
+    """A launch ``kernel[grid](*args, **kwargs)`` as a :class:`~cs336_systems.kernels.launch.Kernel` would compile
+    it (``kwargs``: the trailing arguments by name, the tiles, warps and stages)."""
+
+    kernel: object
+    grid: tuple[int, ...]
+    args: tuple
+    kwargs: dict
+
+
+@contextlib.contextmanager
+def recorded_launches() -> Iterator[list[Launch]]:
+    """Within the block, every launch of our kernels that would compile is recorded instead (nothing compiles or
+    runs), so that calls on CPU tensors with the kernels compiled (``TRITON_INTERPRET=0``) show what a GPU would
+    compile."""
+    from cs336_systems.kernels import compat
+    from cs336_systems.kernels.launch import Kernel
+
+    launches: list[Launch] = []
+
+    def record(kernel, slot, entry, grid, args):
+        options = dict(num_warps=entry.config.num_warps, num_stages=entry.config.num_stages)
+        launches.append(Launch(kernel.fn, tuple(grid), tuple(args), {**entry.kwargs, **options}))
+
+    with mock.patch.object(Kernel, "_compile_and_launch", record), \
+            mock.patch.object(compat, "current_device", lambda: 0):
+        yield launches
+
+
+def portable_launches(dtype: torch.dtype, head_dim: int, is_causal: bool) -> dict[str, Launch]:
+    """The portable backend's launches of one forward and backward on ``(2, 3, 200, head_dim)`` inputs, by kernel:
+    "fwd", "delta", "bwd"."""
     from cs336_systems.attention.backends import triton as triton_backend
 
-    launches = []
-
-    def recorder(name, kernel):  # stands for a Kernel: records its launch
-        def launch(key, grid, args, constexprs, fixed, **options):
-            launches.append((kernel.fn, args, constexprs, name))
-
-        return launch
-
-    for name in ("fwd", "bwd"):
-        monkeypatch.setitem(triton_backend.KERNELS, name, recorder(name, triton_backend.KERNELS[name]))
-    monkeypatch.setattr(triton_backend, "DELTA_KERNEL", recorder("delta", triton_backend.DELTA_KERNEL))
     q, k, v = (torch.randn(2, 3, 200, head_dim).to(dtype) for _ in range(3))
-    O, L = triton_backend.forward(q, k, v, is_causal, head_dim ** -0.5)
-    triton_backend.backward(q, k, v, O, L, torch.randn_like(O), is_causal, head_dim ** -0.5)
-    assert [launch[3] for launch in launches] == ["fwd", "delta", "bwd"]
-    return launches
+    with recorded_launches() as launches:
+        O, L = triton_backend.forward(q, k, v, is_causal, head_dim ** -0.5)
+        triton_backend.backward(q, k, v, torch.randn_like(q), L, torch.randn_like(q), is_causal, head_dim ** -0.5)
+    assert [launch.kernel.__name__ for launch in launches] == ["attn_fwd_kernel", "attn_bwd_delta_kernel",
+                                                                 "attn_bwd_kernel"]
+    return dict(zip(("fwd", "delta", "bwd"), launches))
 
 
-def fixed_launch_config(name: str, dtype: torch.dtype, head_dim: int, precision: str = "ieee", capability: int = 90):
-    """The configuration the portable backend launches kernel ``name`` ("fwd", "delta", "bwd") at on a GPU of
-    ``capability``, not autotuning (``precision``: its float32 products)."""
-    from cs336_systems.attention.backends import triton as triton_backend
+def hopper_launches(dtype: torch.dtype, head_dim: int, is_causal: bool, forward: bool = True) -> dict[str, Launch]:
+    """The Hopper backend's launches of one forward (at head dims it runs) and backward, on ``(2, 3, 1000,
+    head_dim)`` queries and 777 keys, by kernel: "fwd", "delta", "bwd", "dq_convert"."""
+    from cs336_systems.attention.backends import hopper
 
-    if name == "delta":
-        return triton_backend.DELTA_CONFIG
-    return triton_backend.fixed_config(name, dtype, head_dim, precision, capability)
+    Q, dO, O = (torch.randn(2, 3, 1000, head_dim).to(dtype) for _ in range(3))
+    K, V = (torch.randn(2, 3, 777, head_dim).to(dtype) for _ in range(2))
+    names = []
+    with recorded_launches() as launches:
+        if forward:
+            hopper.forward(Q, K, V, is_causal, head_dim ** -0.5)
+            names.append("fwd")
+        hopper.backward(Q, K, V, O, torch.randn(2, 3, 1000), dO, is_causal, head_dim ** -0.5)
+    return dict(zip([*names, "delta", "bwd", "dq_convert"], launches, strict=True))
 
 
 def cuobjdump(compiled, flag: str) -> str:

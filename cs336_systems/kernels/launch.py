@@ -79,10 +79,10 @@ def check_device(x: Tensor, what: str, module: str, *, reads_host_addresses: boo
 
 @functools.lru_cache(maxsize=16)
 def multiprocessors(device: torch.device) -> int:
-    """The streaming multiprocessors of a CUDA ``device``; elsewhere (the interpreter, one program at a time, or
-    kernels compiled ahead of time on the CPU) 2, which keeps grids small and every path of a persistent kernel
+    """The streaming multiprocessors of a CUDA ``device``; under the interpreter (one program at a time) or for
+    kernels compiled ahead of time on the CPU, 2, which keeps grids small and every path of a persistent kernel
     exercised."""
-    if device.type != "cuda":
+    if _INTERPRETING or device.type != "cuda":
         return 2
     return torch.cuda.get_device_properties(device).multi_processor_count
 

@@ -58,7 +58,6 @@ model's blocks on them.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -76,6 +75,7 @@ from cs336_systems.kernels.launch import (
     check_device,
     define_operator,
     interpreting,
+    multiprocessors,
     new_output,
     unit_last_stride,
 )
@@ -443,13 +443,6 @@ def _reduce_config() -> triton.Config:
     return triton.Config({"BLOCK_P": REDUCE_BLOCK_P, "BLOCK_C": REDUCE_BLOCK_C}, num_warps=REDUCE_NUM_WARPS)
 
 
-@functools.cache
-def _multiprocessor_count(device_index: int | None) -> int:
-    if interpreting():
-        return 2  # the interpreter runs programs one by one; few programs keep every path exercised
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _rows_key(n: int) -> int:
     return min(triton.next_power_of_2(max(n, 1)), 1 << 16)
 
@@ -492,7 +485,7 @@ def launch_rmsnorm_forward(
     add = residual is not None
     residual, s = (residual, s) if add else (x, y)  # never touched without ADD_RESIDUAL
     block_n, single_tile = _block_n(n_cols)
-    multiprocessors = _multiprocessor_count(x.device.index)
+    multiprocessors = multiprocessors(x.device)
     rows_key = _rows_key(triton.cdiv(n_rows, multiprocessors * FWD_PROGRAMS_PER_SM))
     args = (x, weight, y, rstd, x.stride(0), y.stride(0), n_rows, n_cols, rows_key, eps, residual, s,
             residual.stride(0), s.stride(0))
@@ -521,7 +514,7 @@ def rmsnorm_backward(
     block_n, single_tile = _block_n(n_cols)
     # A fixed grid, whatever BLOCK_M the autotuner picks: the partial buffer is allocated before the launch. A
     # program left without a tile (BLOCK_M > 1 and few rows) writes a partial row of zeros.
-    n_programs = min(_multiprocessor_count(x.device.index) * BWD_PROGRAMS_PER_SM, n_rows)
+    n_programs = min(multiprocessors(x.device) * BWD_PROGRAMS_PER_SM, n_rows)
     dw_partial = new_output((n_programs, n_cols), torch.float32, x.device) if compute_dw else rstd
     coef = torch.empty((n_rows,), dtype=torch.float32, device=x.device) if compute_dx and not single_tile else rstd
     dx_arg = dx if compute_dx else x  # never written when COMPUTE_DX is off
