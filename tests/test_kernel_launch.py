@@ -1,7 +1,7 @@
 """The launch scaffold every kernel module uses (``cs336_systems.kernels.launch``), on the CPU without a GPU: the
-configuration cache (a fixed configuration per key; autotuning once per key), the eager and traced launches of a
-:class:`Kernel` (with the jit function, the autotuner and the :class:`Launcher` replaced by recorders), the device
-check's messages, operator registration, and the interpreter decision read in one place."""
+launch entries (a fixed configuration per key, or the autotuner's, once; bounded), the eager, planned and traced
+launches of a :class:`Kernel` (with the jit function, the autotuner and the compiled kernel's launch replaced by
+recorders), the device check's messages, operator registration, and the interpreter decision read in one place."""
 
 from __future__ import annotations
 
@@ -13,39 +13,32 @@ import torch
 import triton
 from jaxtyping import Float
 
-from cs336_systems.kernels import launch
-from cs336_systems.kernels.launch import ConfigCache, Kernel, check_device, define_operator, unsupported_device
+from cs336_systems.kernels import compat, launch
+from cs336_systems.kernels.launch import Kernel, LaunchPlan, check_device, define_operator, unsupported_device
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 class Recorder:
-    """Stands for a jit function, an autotuner or a Launcher: records each launch ``fn[grid](*args, **kwargs)`` (or a
-    Launcher's call) and, as an autotuner, picks ``best_config``."""
+    """Stands for a jit function or an autotuner: records each launch ``fn[grid](*args, **kwargs)``, returns a
+    stand-in compiled kernel, keeps an autotuner's ``cache`` of picks and, as an autotuner, picks ``best_config``."""
 
     def __init__(self, best_config: triton.Config | None = None):
         self.launches: list[tuple] = []
         self.best_config = best_config
         self.arg_names = ["X", "n", "BLOCK", "FLAG"]
-        self.compiled_keys: set = set()
-        self.short_launches: list[tuple] = []
+        self.__name__ = "recorder"
+        self.cache: dict = {}
 
     def __getitem__(self, grid):
         def launch_(*args, **kwargs):
             # An autotuner calls the grid with its pick's tile sizes among the keyword arguments.
             meta = {**kwargs, **self.best_config.kwargs} if self.best_config else kwargs
             self.launches.append((grid(meta) if callable(grid) else grid, args, kwargs))
+            self.cache[len(self.launches)] = self.best_config
+            return f"compiled {len(self.launches)}"
 
         return launch_
-
-    def __call__(self, key, grid, args, constexprs, **options):  # as a Launcher: compiles for key, and launches
-        self.launches.append((key, grid, args, {**constexprs, **options}))
-        self.compiled_keys.add(key)
-
-    def launch_compiled(self, key, grid, args) -> bool:  # as a Launcher: the short path of a compiled key
-        if key in self.compiled_keys:
-            self.short_launches.append((key, grid, args))
-        return key in self.compiled_keys
 
 
 def fixed_rule(calls: list, block: int = 16):
@@ -56,14 +49,18 @@ def fixed_rule(calls: list, block: int = 16):
     return rule
 
 
-def recorded_kernel(monkeypatch, best: triton.Config | None = None) -> tuple[Kernel, Recorder, Recorder, Recorder]:
-    """A Kernel whose jit function, autotuner and Launcher are recorders (nothing compiles or runs)."""
-    fn, autotuner, launcher = Recorder(), Recorder(best), Recorder()
+def recorded_kernel(monkeypatch, best: triton.Config | None = None) -> tuple[Kernel, Recorder, Recorder, list]:
+    """A Kernel whose jit function and autotuner are recorders, and the list of its launches of compiled kernels
+    (nothing compiles or runs)."""
+    fn, autotuner, short = Recorder(), Recorder(best), []
     kernel = Kernel(fn)
-    kernel.autotuner, kernel._launcher = autotuner, launcher
+    kernel.autotuner = autotuner
     monkeypatch.setattr(launch, "wrap_triton", lambda f: f)  # traced launches call the recorder itself
     monkeypatch.setattr(launch, "_INTERPRETING", False)  # as on a GPU, whatever this process runs under
-    return kernel, fn, autotuner, launcher
+    monkeypatch.setattr(compat, "current_device", lambda: 0)
+    monkeypatch.setattr(compat, "launch_compiled",
+                        lambda compiled, device, grid_, args, tail: short.append((compiled, grid_, args, tail)))
+    return kernel, fn, autotuner, short
 
 
 def grid(tiles) -> tuple[int]:
@@ -71,83 +68,107 @@ def grid(tiles) -> tuple[int]:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Configuration cache
-# ---------------------------------------------------------------------------------------------------
-
-
-def test_config_cache_applies_the_rule_once_per_key():
-    cache, calls = ConfigCache(), []
-    first = cache.fixed(("fp32", 768), fixed_rule(calls, 16))
-    assert cache.fixed(("fp32", 768), fixed_rule(calls, 32)) is first  # kept: the second rule never runs
-    assert calls == [16] and cache.get(("fp32", 768)) is first
-    other = cache.fixed(("bf16", 768), fixed_rule(calls, 32))
-    assert other.kwargs == {"BLOCK": 32} and calls == [16, 32]
-    assert cache.get(("fp16", 768)) is None
-    cache.clear()
-    assert cache.get(("fp32", 768)) is None
-
-
-def test_config_cache_keeps_the_autotuners_pick():
-    best = triton.Config({"BLOCK": 8}, num_warps=4)
-    cache, autotuner = ConfigCache(), Recorder(best)
-    cache.autotune("key", autotuner, grid, ("x", 5), {"FLAG": True})
-    assert cache.get("key") is best and cache.autotuned == 1
-    assert autotuner.launches == [((8,), ("x", 5), {"FLAG": True})]  # grid from the autotuner's keyword arguments
-
-
-# ---------------------------------------------------------------------------------------------------
-# Kernel: eager and traced launches
+# Kernel: one entry per launch signature; eager and traced launches
 # ---------------------------------------------------------------------------------------------------
 
 
 def test_autotuned_key_tunes_once_then_launches_its_pick(monkeypatch):
     best = triton.Config({"BLOCK": 8}, num_warps=4, num_stages=2)
-    kernel, fn, autotuner, launcher = recorded_kernel(monkeypatch, best)
+    kernel, fn, autotuner, short = recorded_kernel(monkeypatch, best)
     calls = []
     for _ in range(3):
         kernel("k1", grid, ("x", 5), {"FLAG": True}, fixed_rule(calls), autotune=True)
-    assert len(autotuner.launches) == 1 and kernel.configs.autotuned == 1  # the first call tuned, and launched
+    assert len(autotuner.launches) == 1 and kernel.autotuned == 1  # the first call tuned, and launched
     # The second compiled the pick, the third took the short path.
-    assert launcher.launches == [((True, "k1"), (8,), ("x", 5), {"FLAG": True, "BLOCK": 8, "num_warps": 4,
-                                                                   "num_stages": 2})]
-    assert launcher.short_launches == [((True, "k1"), (8,), ("x", 5))]
-    assert calls == [] and fn.launches == []
+    assert fn.launches == [((8,), ("x", 5), {"FLAG": True, "BLOCK": 8, "num_warps": 4, "num_stages": 2})]
+    assert short == [("compiled 1", (8,), ("x", 5), (8, True))]
+    assert calls == []
     kernel("k2", grid, ("y", 6), {"FLAG": False}, fixed_rule(calls), autotune=True)
-    assert len(autotuner.launches) == 2 and kernel.configs.autotuned == 2  # a new key tunes again
+    assert len(autotuner.launches) == 2 and kernel.autotuned == 2  # a new key tunes again
 
 
 def test_fixed_configuration_is_chosen_once_per_key(monkeypatch):
-    kernel, fn, autotuner, launcher = recorded_kernel(monkeypatch)
+    kernel, fn, autotuner, short = recorded_kernel(monkeypatch)
     calls = []
     for _ in range(2):
         kernel("k1", grid, ("x", 5), {"FLAG": True}, fixed_rule(calls, 16))
     kernel("k2", grid, ("x", 5), {"FLAG": True}, fixed_rule(calls, 32))
-    assert calls == [16, 32] and autotuner.launches == [] and fn.launches == []
-    assert [(key, grid_) for key, grid_, _, _ in launcher.launches] == [((False, "k1"), (4,)), ((False, "k2"), (2,))]
-    assert launcher.launches[0][3] == {"FLAG": True, "BLOCK": 16, "num_warps": 2, "num_stages": 1}
-    assert launcher.short_launches == [((False, "k1"), (4,), ("x", 5))]
+    assert calls == [16, 32] and autotuner.launches == []
+    assert [launched[0] for launched in fn.launches] == [(4,), (2,)]
+    assert fn.launches[0][2] == {"FLAG": True, "BLOCK": 16, "num_warps": 2, "num_stages": 1}
+    assert short == [("compiled 1", (4,), ("x", 5), (16, True))]
+    assert list(kernel.entries) == [(0, False, "k1"), (0, False, "k2")]
 
 
 def test_autotuning_off_and_autotuning_on_keep_separate_choices(monkeypatch):
-    kernel, _, autotuner, launcher = recorded_kernel(monkeypatch, triton.Config({"BLOCK": 8}, num_warps=4))
+    kernel, fn, autotuner, _ = recorded_kernel(monkeypatch, triton.Config({"BLOCK": 8}, num_warps=4))
     calls = []
-    kernel("k", grid, ("x",), {}, fixed_rule(calls, 16), autotune=False)
-    kernel("k", grid, ("x",), {}, fixed_rule(calls, 16), autotune=True)
-    kernel("k", grid, ("x",), {}, fixed_rule(calls, 16), autotune=True)
+    kernel("k", grid, ("x", 5), {"FLAG": True}, fixed_rule(calls, 16), autotune=False)
+    kernel("k", grid, ("x", 5), {"FLAG": True}, fixed_rule(calls, 16), autotune=True)
+    kernel("k", grid, ("x", 5), {"FLAG": True}, fixed_rule(calls, 16), autotune=True)
     assert calls == [16] and len(autotuner.launches) == 1
-    assert [launched[1] for launched in launcher.launches] == [(4,), (8,)]
+    assert [launched[0] for launched in fn.launches] == [(4,), (8,)]
 
 
 def test_a_kernel_without_candidates_never_autotunes(monkeypatch):
-    kernel, _, _, launcher = recorded_kernel(monkeypatch)
+    kernel, fn, _, _ = recorded_kernel(monkeypatch)
     kernel.autotuner = None
     calls = []
-    kernel("k", grid, ("x",), {}, fixed_rule(calls), autotune=True)
-    assert calls == [16] and launcher.launches[0][0] == (False, "k")
+    kernel("k", grid, ("x", 5), {"FLAG": True}, fixed_rule(calls), autotune=True)
+    assert calls == [16] and fn.launches[0][0] == (4,) and list(kernel.entries) == [(0, False, "k")]
+
+
+def test_entries_are_bounded_least_recently_used_first(monkeypatch):
+    kernel, fn, _, short = recorded_kernel(monkeypatch)
+    kernel.cache_size = 2
+    for key in ("a", "b", "a", "c"):  # "a" used again: "b" is the least recently used when "c" comes
+        kernel(key, grid, ("x", 5), {"FLAG": True}, fixed_rule([], 16))
+    assert [key for _, _, key in kernel.entries] == ["a", "c"] and len(fn.launches) == 3 and len(short) == 1
+
+
+def test_autotuners_picks_are_bounded(monkeypatch):
+    kernel, _, autotuner, _ = recorded_kernel(monkeypatch, triton.Config({"BLOCK": 8}, num_warps=4))
+    kernel.cache_size = 2
+    for key in range(4):
+        kernel(key, grid, ("x", 5), {"FLAG": True}, fixed_rule([]), autotune=True)
+    assert len(autotuner.launches) == 4 and list(autotuner.cache) == [3, 4]
+
+
+def _plan(extra: str) -> LaunchPlan:
+    return LaunchPlan(grid, {"n": 5, "FLAG": True}, triton.Config({"BLOCK": 16}, num_warps=2), extra)
+
+
+def test_planned_launch_names_its_trailing_arguments_once(monkeypatch):
+    """``Kernel.launch``: the plan (asked at a key's first call only) names every parameter after the call's own;
+    the first launch compiles with them by name, later ones pass them in the kernel's order after what ``build``
+    makes of the call's arguments and the plan's ``extra``."""
+    kernel, fn, _, short = recorded_kernel(monkeypatch)
+    plans, built = [], []
+
+    def plan(extra):
+        plans.append(extra)
+        return _plan(extra)
+
+    def build(extra, args, compiled):
+        built.append((extra, compiled))
+        return args
+
+    for tensor in ("x", "y"):
+        kernel.launch("k", (tensor,), plan, "extra", build=build)
+    assert plans == ["extra"] and built == [("extra", False), ("extra", False), ("extra", True)]
+    assert fn.launches == [((4,), ("x",), {"n": 5, "FLAG": True, "BLOCK": 16, "num_warps": 2, "num_stages": 3})]
+    assert short == [("compiled 1", (4,), ("y",), (5, 16, True))]
+
+
+def test_planned_launch_refuses_names_that_are_not_the_trailing_parameters(monkeypatch):
+    kernel, fn, _, _ = recorded_kernel(monkeypatch)
+    with pytest.raises(TypeError, match=r"after the first 1: missing \['n'\], unknown \['m'\]"):
+        kernel.launch("k", ("x",), lambda: LaunchPlan(grid, {"m": 5, "FLAG": True}, triton.Config({"BLOCK": 16})))
+    assert fn.launches == [] and not kernel.entries
 
 
 def test_traced_launch_takes_the_fixed_configuration_through_wrap_triton(monkeypatch):
-    kernel, fn, autotuner, launcher = recorded_kernel(monkeypatch, triton.Config({"BLOCK": 8}, num_warps=4))
+    kernel, fn, autotuner, short = recorded_kernel(monkeypatch, triton.Config({"BLOCK": 8}, num_warps=4))
     wrapped = []
     monkeypatch.setattr(launch, "wrap_triton", lambda f: wrapped.append(f) or f)
     calls = []
@@ -155,18 +176,20 @@ def test_traced_launch_takes_the_fixed_configuration_through_wrap_triton(monkeyp
         kernel(None, grid, ("x", 5), {"FLAG": True}, fixed_rule(calls, 16), traced=True, autotune=True)
     assert calls == [16, 16] and wrapped == [fn, fn]
     assert fn.launches == 2 * [((4,), ("x", 5), {"FLAG": True, "BLOCK": 16, "num_warps": 2, "num_stages": 1})]
-    assert autotuner.launches == [] and launcher.launches == []
+    assert autotuner.launches == [] and short == [] and not kernel.entries
 
 
 def test_interpreter_takes_the_fixed_configuration_and_never_wraps(monkeypatch):
-    kernel, fn, autotuner, launcher = recorded_kernel(monkeypatch, triton.Config({"BLOCK": 8}, num_warps=4))
+    kernel, fn, autotuner, short = recorded_kernel(monkeypatch, triton.Config({"BLOCK": 8}, num_warps=4))
     monkeypatch.setattr(launch, "_INTERPRETING", True)
     monkeypatch.setattr(launch, "wrap_triton", lambda f: pytest.fail("interpreted kernels cannot be wrapped"))
+    monkeypatch.setattr(compat, "current_device", lambda: pytest.fail("the interpreter has no CUDA device"))
     calls = []
-    kernel("k", grid, ("x",), {}, fixed_rule(calls, 16), autotune=True)
-    kernel(None, grid, ("x",), {}, fixed_rule(calls, 16), traced=True)
-    assert calls == [16, 16] and autotuner.launches == []
-    assert launcher.launches[0][:2] == ((False, "k"), (4,)) and fn.launches[0][0] == (4,)
+    for _ in range(2):
+        kernel("k", grid, ("x", 5), {"FLAG": True}, fixed_rule(calls, 16), autotune=True)
+    kernel(None, grid, ("x", 5), {"FLAG": True}, fixed_rule(calls, 16), traced=True)
+    assert calls == [16, 16] and autotuner.launches == [] and short == []  # every interpreted call runs fn
+    assert [launched[0] for launched in fn.launches] == [(4,)] * 3
 
 
 def test_kernel_builds_an_autotuner_over_its_candidates():
