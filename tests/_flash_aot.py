@@ -24,8 +24,22 @@ import triton
 
 SHARED_MEMORY_PER_BLOCK = {90: 227 * 1024, 100: 227 * 1024}
 """Bytes of shared memory one block may use (232448), by compute capability: H100/H200 (9.0), B200 (10.0)."""
+SPILL_CEILINGS = {
+    ("bwd", "tf32x3", 32, 90): 16, ("bwd", "tf32x3", 48, 90): 16, ("bwd", "tf32x3", 80, 90): 152,
+    ("bwd", "tf32x3", 96, 90): 488, ("fwd", "tf32x3", 128, 90): 312, ("bwd", "tf32x3", 128, 90): 472,
+    ("fwd_split", "tf32x3", 128, 90): 256, ("bwd_split", "tf32x3", 128, 90): 472,
+    ("fwd_split", "tf32x3", 128, 100): 1136, ("bwd_split", "tf32x3", 128, 100): 416,
+}
+"""Bytes per thread ptxas may spill compiling a kernel ("fwd", "bwd", "delta", "fwd_split", "bwd_split", ...) at the
+fixed tiles of (float32 products, head dim) for a compute capability: float32 with tf32x3 products keeps the tiles
+that ran fastest or spill least, though they spill (optimisation log: fixed-tiles). Nothing else may spill."""
 TENSOR_MEMORY_COLUMNS = {100: 512}
 """Columns of tensor memory per SM (128 lanes of 32 bits each), where Blackwell's ``tcgen05.mma`` accumulates."""
+
+
+def spill_ceiling(kernel: str, products: str, head_dim: int, capability: int = 90) -> int:
+    """The most bytes :data:`SPILL_CEILINGS` lets ``kernel`` spill (0 where it lists none)."""
+    return SPILL_CEILINGS.get((kernel, products, head_dim, capability), 0)
 
 
 def nvidia_toolchain_available() -> bool:
@@ -97,9 +111,35 @@ def recorded_launches() -> Iterator[list[Launch]]:
         options = dict(num_warps=entry.config.num_warps, num_stages=entry.config.num_stages)
         launches.append(Launch(kernel.fn, tuple(grid), tuple(args), {**entry.kwargs, **options}))
 
+    device = object()  # a device of its own: no entry made before (or after) the block is used
     with mock.patch.object(Kernel, "_compile_and_launch", record), \
-            mock.patch.object(compat, "current_device", lambda: 0):
+            mock.patch.object(compat, "current_device", lambda: device):
         yield launches
+
+
+@contextlib.contextmanager
+def compiled_and_short_launches() -> Iterator[tuple[list, list]]:
+    """Within the block, launches are recorded and none runs: a key's first launch "compiles" (recorded as
+    ``(kernel function, grid, args, entry)``; the entry then holds the function as its compiled kernel), later ones
+    take the short path (recorded as ``(kernel function, grid, args, tail)``)."""
+    from cs336_systems.kernels import compat
+    from cs336_systems.kernels.launch import Kernel
+
+    compiled, short = [], []
+    device = object()  # a device of its own: no entry made before (or after) the block is used
+
+    def compile_and_launch(kernel, slot, entry, grid, args):
+        compiled.append((kernel.fn, grid, args, entry))
+        if slot in kernel.entries:
+            kernel.entries[slot] = entry._replace(kernel=kernel.fn)
+
+    def launch_compiled(kernel, device, grid, args, tail):
+        short.append((kernel, grid, args, tail))
+
+    with mock.patch.object(Kernel, "_compile_and_launch", compile_and_launch), \
+            mock.patch.object(compat, "launch_compiled", launch_compiled), \
+            mock.patch.object(compat, "current_device", lambda: device):
+        yield compiled, short
 
 
 def portable_launches(dtype: torch.dtype, head_dim: int, is_causal: bool) -> dict[str, Launch]:

@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -22,10 +24,9 @@ from cs336_systems.kernels import launch
 from tests._flash_aot import (
     SHARED_MEMORY_PER_BLOCK,
     TENSOR_MEMORY_COLUMNS,
-    captured_attention_launches,
     compile_for_gpu,
-    fixed_launch_config,
     nvidia_toolchain_available,
+    portable_launches,
     resource_usage,
 )
 
@@ -43,11 +44,11 @@ BLACKWELL = 100
 def test_triton_kernels_compile_for_sm100(monkeypatch, dtype, head_dim):
     if not nvidia_toolchain_available():
         pytest.skip("this Triton has no NVIDIA backend or ptxas")
-    for kernel, args, meta, name in captured_attention_launches(monkeypatch, dtype, head_dim, is_causal=True):
-        config = fixed_launch_config(name, dtype, head_dim, capability=BLACKWELL)
-        compiled = compile_for_gpu(kernel, args, {**meta, **config.all_kwargs()}, capability=BLACKWELL)
+    monkeypatch.setattr(triton_backend, "_capability", lambda device: BLACKWELL)  # the tiles chosen for a B200
+    for name, launch_ in portable_launches(dtype, head_dim, is_causal=True).items():
+        compiled = compile_for_gpu(launch_.kernel, launch_.args, launch_.kwargs, capability=BLACKWELL)
         usage = resource_usage(compiled)
-        where = f"{name} {config}: {usage}"
+        where = f"{name}: {usage}"
         assert compiled.metadata.target.arch == BLACKWELL, where
         assert usage.spill_bytes == 0, where
         assert 0 < usage.shared_bytes <= SHARED_MEMORY_PER_BLOCK[BLACKWELL], where
@@ -70,16 +71,15 @@ def test_gluon_kernels_are_refused_for_sm100():
 @pytest.fixture
 def faked_capability(monkeypatch):
     """``set(major, minor)`` makes every CUDA device report that compute capability, with the kernels compiled (as
-    on a GPU) so that only the capability decides; the operator's cached choices are dropped before and after."""
+    on a GPU) so that only the capability decides; the operator's choices are made in a cache of their own."""
     monkeypatch.setattr(launch, "_INTERPRETING", False)
     monkeypatch.setattr(hopper, "interpreting", lambda: False)
 
     def set_capability(major: int, minor: int) -> None:
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (major, minor))
 
-    op.choose_backend.cache_clear()
+    monkeypatch.setattr(op, "route", functools.lru_cache(maxsize=8)(op.route.__wrapped__))
     yield set_capability
-    op.choose_backend.cache_clear()
 
 
 @pytest.mark.parametrize("capability, chosen", [((10, 0), triton_backend), ((8, 0), triton_backend),

@@ -16,6 +16,7 @@ How the tests are split:
 
 from __future__ import annotations
 
+import collections
 import subprocess
 import sys
 
@@ -30,7 +31,12 @@ from cs336_systems.attention.op import FlashAttention2Triton, flash_attention
 from cs336_systems.kernels import launch
 from cs336_systems.kernels.launch import Kernel, poisoned_outputs
 from tests import adapters
-from tests._flash_aot import SHARED_MEMORY_PER_BLOCK, captured_attention_launches, fixed_launch_config
+from tests._flash_aot import (
+    SHARED_MEMORY_PER_BLOCK,
+    compiled_and_short_launches,
+    portable_launches,
+    spill_ceiling,
+)
 from tests._flash_checks import (
     QUANTITIES,
     assert_lm_matches_naive,
@@ -174,63 +180,62 @@ def test_tf32x3_products_take_their_own_fixed_tiles(monkeypatch):
 
 @pytest.mark.compiled_kernels
 @pytest.mark.slow
-@pytest.mark.parametrize("head_dim, most_spilled", [(64, 0), (128, 472), (48, 8), (80, 152)])
-def test_tf32x3_kernels_run_their_products_on_the_tensor_cores_for_h100(monkeypatch, head_dim, most_spilled):
+@pytest.mark.parametrize("head_dim", [64, 128, 48, 80])
+def test_tf32x3_kernels_run_their_products_on_the_tensor_cores_for_h100(head_dim):
     """Float32 with tf32x3: the forward's and backward's products compile for sm_90 to TF32 tensor-core
-    instructions (wgmma or mma.sync on .tf32 operands) at the fixed tiles, spilling at most what ptxas was seen to
-    spill there (none at head dim 64; at 128 the tiles that ran fastest on an H100 spill, 256 bytes forward and 472
-    backward; the backward of two column parts spills too)."""
+    instructions (wgmma or mma.sync on .tf32 operands) at the table's tiles, within their spill ceilings."""
     from tests._flash_aot import compile_for_gpu, nvidia_toolchain_available, resource_usage
 
     if not nvidia_toolchain_available():
         pytest.skip("this Triton has no NVIDIA backend or ptxas")
     with FLASH_CONFIG.use(FlashConfig(fp32_products="tf32x3")):
-        launches = captured_attention_launches(monkeypatch, torch.float32, head_dim, True)
-    for kernel, args, meta, name in launches:
-        if name == "delta":
-            continue
-        assert meta["DOT_PRECISION"] == "tf32x3"
-        config = fixed_launch_config(name, torch.float32, head_dim, "tf32x3")
-        compiled = compile_for_gpu(kernel, args, {**meta, **config.all_kwargs()})
+        launches = portable_launches(torch.float32, head_dim, True)
+    for name in ("fwd", "bwd"):
+        launch_ = launches[name]
+        assert launch_.kwargs["DOT_PRECISION"] == "tf32x3"
+        compiled = compile_for_gpu(launch_.kernel, launch_.args, launch_.kwargs)
         usage, ptx = resource_usage(compiled), compiled.asm["ptx"]
-        assert ".tf32" in ptx and ("wgmma" in ptx or "mma.sync" in ptx), f"{name} {config}"
-        assert usage.spill_bytes <= most_spilled, f"{name} {config}: {usage}"
-        assert usage.shared_bytes <= SHARED_MEMORY_PER_BLOCK[90], f"{name} {config}: {usage}"
+        assert ".tf32" in ptx and ("wgmma" in ptx or "mma.sync" in ptx), name
+        assert usage.spill_bytes <= spill_ceiling(name, "tf32x3", head_dim), f"{name}: {usage}"
+        assert usage.shared_bytes <= SHARED_MEMORY_PER_BLOCK[90], f"{name}: {usage}"
 
 
-class _RecordingLauncher:
-    """Stands for a Kernel's Launcher: records the launches that compile and those that take the short path."""
-
-    def __init__(self):
-        self.compiled, self.short = [], []
-
-    def __call__(self, key, grid, args, constexprs, **options):
-        self.compiled.append((key, grid, {**constexprs, **options}))
-
-    def launch_compiled(self, key, grid, args) -> bool:
-        found = any(key == compiled[0] for compiled in self.compiled)
-        if found:
-            self.short.append((key, grid))
-        return found
-
-
-def test_forward_launches_through_its_kernel_once_per_signature(monkeypatch):
-    """The forward's Kernel takes the fixed configuration of the dtype and head dim, compiles once per signature
+def test_forward_launches_the_tables_tiles_once_per_signature(monkeypatch):
+    """The forward takes the fixed tiles of its dtype and head dim from the table, compiles once per signature
     (dtype, shapes, strides, alignment, causal) and launches later calls on the short path."""
-    monkeypatch.setattr(launch, "_INTERPRETING", False)  # as on a GPU, with the launcher recording
-    kernel = Kernel(triton_backend.KERNELS["fwd"].fn)
-    kernel._launcher = launcher = _RecordingLauncher()
-    monkeypatch.setitem(triton_backend.KERNELS, "fwd", kernel)
-    monkeypatch.setattr(triton_backend, "_plans", {})
+    monkeypatch.setattr(launch, "_INTERPRETING", False)  # as on a GPU, with the launches recorded
+    monkeypatch.setattr(triton_backend.KERNELS["fwd"], "entries", collections.OrderedDict())
     q, k, v = (torch.randn(2, 3, 200, 64, dtype=torch.bfloat16) for _ in range(3))
-    for _ in range(3):
-        triton_backend.forward(q, k, v, True, 0.125)
-    triton_backend.forward(*(x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v)), True, 0.125)
-    (key, grid, options), (other_key, _, _) = launcher.compiled
-    assert grid == (2, 6) and key != other_key and launcher.short == [(key, grid)] * 2
-    assert options == dict(HEAD_DIM=64, HEAD_DIM_B=0, IS_CAUSAL=True, DOT_PRECISION="tf32", BLOCK_M=128, BLOCK_N=64,
-                           num_warps=8, num_stages=3)
-    assert list(kernel.configs.values()) == 2 * [triton_backend.fixed_config("fwd", torch.bfloat16, 64)]
+    with compiled_and_short_launches() as (compiled, short):
+        for _ in range(3):
+            triton_backend.forward(q, k, v, True, 0.125)
+        triton_backend.forward(*(x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v)), True, 0.125)
+    (_, grid, _, entry), (_, _, _, other) = compiled
+    tiles = triton_backend.FIXED_TILES[(16, "any", 64)].forward
+    assert entry.config is other.config is tiles  # the table's entry, whatever the strides
+    assert grid == (-(-200 // tiles.kwargs["BLOCK_M"]), 6) and [launched[1] for launched in short] == [grid] * 2
+    assert entry.kwargs["HEAD_DIM"] == 64 and entry.kwargs["IS_CAUSAL"] and entry.kwargs["DOT_PRECISION"] == "tf32"
+    assert entry.kwargs["stride_qm"] == 64 and other.kwargs["stride_qm"] == 3 * 64
+
+
+def test_fixed_tiles_cover_every_head_dim_and_precision(monkeypatch):
+    """Every head dim the kernels run has a row of tiles per dtype size and float32 products, each with its reason,
+    which ``fixed_config`` returns (TF32 takes the IEEE row); off Hopper only the listed forwards differ."""
+    monkeypatch.setattr(launch, "_INTERPRETING", False)
+    rows = triton_backend.FIXED_TILES
+    for head_dim in triton_backend.HEAD_DIMS:
+        for dtype, precision, row in [(torch.bfloat16, "tf32", rows[(16, "any", head_dim)]),
+                                      (torch.float16, "tf32", rows[(16, "any", head_dim)]),
+                                      (torch.float32, "ieee", rows[(32, "ieee", head_dim)]),
+                                      (torch.float32, "tf32", rows[(32, "ieee", head_dim)]),
+                                      (torch.float32, "tf32x3", rows[(32, "tf32x3", head_dim)])]:
+            assert "(log: " in row.why
+            assert triton_backend.fixed_config("fwd", dtype, head_dim, precision) is row.forward
+            assert triton_backend.fixed_config("bwd", dtype, head_dim, precision) is row.backward
+            off_hopper = triton_backend.OTHER_GPU_FORWARD.get((16 if dtype != torch.float32 else 32,
+                                                               "any" if dtype != torch.float32 else precision,
+                                                               head_dim), row.forward)
+            assert triton_backend.fixed_config("fwd", dtype, head_dim, precision, capability=100) is off_hopper
 
 
 H100_SHARED_MEMORY = SHARED_MEMORY_PER_BLOCK[90]
@@ -259,7 +264,7 @@ def test_flash_config_is_explicit_and_checked():
      pytest.param(torch.float16, 96, False, marks=pytest.mark.slow),
      pytest.param(torch.float32, 48, True, marks=pytest.mark.slow)],
 )
-def test_fixed_configs_compile_for_h100_without_spills(monkeypatch, dtype, head_dim, is_causal):
+def test_fixed_configs_compile_for_h100_within_their_spill_ceilings(dtype, head_dim, is_causal):
     from tests._flash_aot import (
         compile_for_gpu,
         nvidia_toolchain_available,
@@ -271,15 +276,15 @@ def test_fixed_configs_compile_for_h100_without_spills(monkeypatch, dtype, head_
         pytest.skip("this Triton has no NVIDIA backend or ptxas")
     # float32 with IEEE products; the tf32x3 tiles (the default) have their own test, spills included
     with FLASH_CONFIG.use(FlashConfig(fp32_products="ieee")):
-        launches = captured_attention_launches(monkeypatch, dtype, head_dim, is_causal)
-    for kernel, args, meta, name in launches:
-        config = fixed_launch_config(name, dtype, head_dim)
-        compiled = compile_for_gpu(kernel, args, {**meta, **config.all_kwargs()})
+        launches = portable_launches(dtype, head_dim, is_causal)
+    for name, launch_ in launches.items():
+        compiled = compile_for_gpu(launch_.kernel, launch_.args, launch_.kwargs)
         usage = resource_usage(compiled)
-        assert usage.spill_bytes == 0, f"{name} {config}: {usage}"
-        assert usage.shared_bytes <= H100_SHARED_MEMORY, f"{name} {config}: {usage}"
+        products = "ieee" if dtype == torch.float32 else "any"
+        assert usage.spill_bytes <= spill_ceiling(name, products, head_dim), f"{name}: {usage}"
+        assert usage.shared_bytes <= H100_SHARED_MEMORY, f"{name}: {usage}"
         if name == "fwd":
-            assert serialized_wgmma(compiled) is None, f"{name} {config}"
+            assert serialized_wgmma(compiled) is None, name
 
 
 @pytest.mark.slow
@@ -288,19 +293,18 @@ def test_fixed_configs_compile_for_h100_without_spills(monkeypatch, dtype, head_
                    "sweeps carry the dK/dV and dQ accumulators from loop to loop. One masked sweep each fixes it, but "
                    "lost its measurement (H100, d = 64 backward 4-10 % slower); on Hopper the Gluon "
                    "kernels run 16-bit attention instead")
-def test_backward_wgmma_are_not_serialized_on_h100(monkeypatch):
+def test_backward_wgmma_are_not_serialized_on_h100():
     from tests._flash_aot import compile_for_gpu, nvidia_toolchain_available, serialized_wgmma
 
     if not nvidia_toolchain_available():
         pytest.skip("this Triton has no NVIDIA backend or ptxas")
-    kernel, args, meta, name = captured_attention_launches(monkeypatch, torch.bfloat16, 64, True)[2]
-    config = triton_backend.fixed_config(name, torch.bfloat16, 64)
-    assert serialized_wgmma(compile_for_gpu(kernel, args, {**meta, **config.all_kwargs()})) is None
+    backward = portable_launches(torch.bfloat16, 64, True)["bwd"]
+    assert serialized_wgmma(compile_for_gpu(backward.kernel, backward.args, backward.kwargs)) is None
 
 
 @pytest.mark.compiled_kernels
 @pytest.mark.slow
-def test_autotune_configs_compile_for_h100(monkeypatch):
+def test_autotune_configs_compile_for_h100():
     """Every configuration the autotuner may try on the leaderboard's dtype and head dim compiles and
     fits in shared memory (spilling ones are allowed: the autotuner just finds them slow)."""
     from tests._flash_aot import (
@@ -312,12 +316,13 @@ def test_autotune_configs_compile_for_h100(monkeypatch):
     if not nvidia_toolchain_available():
         pytest.skip("this Triton has no NVIDIA backend or ptxas")
     autotuners = {name: kernel.autotuner for name, kernel in triton_backend.KERNELS.items()}
-    for kernel, args, meta, name in captured_attention_launches(monkeypatch, torch.bfloat16, 64, True):
+    for name, launch_ in portable_launches(torch.bfloat16, 64, True).items():
         if name == "delta":
             continue
         autotuner = autotuners[name]
-        for config in autotuner.early_config_prune(autotuner.configs, {"Q": args[0]}, **meta):
-            compiled = compile_for_gpu(kernel, args, {**meta, **config.all_kwargs()})
+        meta = {key: value for key, value in launch_.kwargs.items() if key in launch_.kernel.arg_names}
+        for config in autotuner.early_config_prune(autotuner.configs, {"Q": launch_.args[0]}, **meta):
+            compiled = compile_for_gpu(launch_.kernel, launch_.args, {**meta, **config.all_kwargs()})
             assert resource_usage(compiled).shared_bytes <= H100_SHARED_MEMORY, f"{name} {config}"
 
 
@@ -591,59 +596,30 @@ def test_error_grid_bounds():
     assert failures(fp16) == ["O: not within the grader's rtol = atol = 1e-2 of float64"]
 
 
-def test_error_grid_cases_are_those_of_the_committed_errors_file():
-    """``scripts/flash_error_grid.py`` measures the cases the committed errors file (the writeup's input) holds, in
-    its order: the grid with the default kernels, its 16-bit cases with the Hopper kernels, the awkward ones with
-    the Triton kernels; then three notes."""
-    import json
-    from pathlib import Path
-
-    from tests._flash_error_grid import ERRORS_FILE_NAME, GROUPS
-
-    path = Path(__file__).parents[1] / "writeup" / "results" / "h100-hopper-backward" / "tests" / ERRORS_FILE_NAME
-    records = json.loads(path.read_text())["records"]
-    cases = [tuple(case) for group in GROUPS.values() for case in group()]
-    fields = ("precision", "batch", "heads", "n_queries", "n_keys", "d", "is_causal")
-    assert [tuple(record[field] for field in fields) for record in records if "note" not in record] == cases
-    assert [record["note"] for record in records if "note" in record] == [
-        "autotuned", "autotuned", "leaderboard shape (16, 16384, 64), causal, vs fp32 SDPA"]
-    assert {key for record in records if "note" not in record for key in record} == {
-        *fields, "errors", "torch_errors", "max_abs_errors"}
-
-
 @pytest.mark.compiled_kernels
 @pytest.mark.parametrize("capability", [90, 100])
-def test_split_kernels_compile_at_the_plain_kernels_tiles(capability):
+def test_split_kernels_compile_at_the_plain_kernels_tiles(monkeypatch, capability):
     """The forward split over keys and its combination, the backward split and its sums, float32 at head dim 128
-    with tf32x3 products and the fixed tiles: they compile for an H100 and a B200, each split kernel spilling no more
-    than the plain kernel at those tiles (forward 256 bytes for sm_90, 1136 for sm_100, where these float32 tiles
-    were never tuned), the combination and the sums not at all."""
-    from tests._flash_aot import compile_for_gpu, nvidia_toolchain_available, resource_usage
+    with tf32x3 products and the table's tiles, as the backend launches them: they compile for an H100 and a B200
+    within their spill ceilings (the combination and the sums spill nothing)."""
+    from tests._flash_aot import compile_for_gpu, nvidia_toolchain_available, recorded_launches, resource_usage
 
     if not nvidia_toolchain_available():
         pytest.skip("this Triton has no NVIDIA backend or ptxas")
-    d, n = 128, 4096
-    q = torch.empty(1, 1, n, d)
-    parts = torch.empty(2, 1, n, d)
-    lse = torch.empty(2, 1, n)
-    config = triton_backend.fixed_config("fwd", torch.float32, d, "tf32x3", capability)
-    strides = (n * d, n * d, d)
-    split = compile_for_gpu(
-        triton_kernels.attn_fwd_split_kernel,
-        (q, q, q, parts, lse, *strides, *strides, *strides, 1, n, n, 2, 0.1),
-        dict(HEAD_DIM=d, IS_CAUSAL=True, DOT_PRECISION="tf32x3", **config.all_kwargs()), capability=capability)
-    elementwise = dict(HEAD_DIM=d, **triton_backend.COMBINE_CONFIG.all_kwargs())
-    combine = compile_for_gpu(triton_kernels.attn_fwd_combine_kernel, (parts, lse, q, lse, *strides, 1, n, 2),
-                              elementwise, capability=capability)
-    assert resource_usage(split).spill_bytes <= {90: 256, 100: 1136}[capability], resource_usage(split)
-    assert resource_usage(combine).spill_bytes == 0, resource_usage(combine)
-    bwd = triton_backend.fixed_config("bwd", torch.float32, d, "tf32x3", capability)
-    split_bwd = compile_for_gpu(
-        triton_kernels.attn_bwd_split_kernel,
-        (q, q, q, q, lse, lse, parts, parts, parts, *strides, *strides, *strides, *strides, 1, n, n, 2, 0.1, 0.1),
-        dict(HEAD_DIM=d, IS_CAUSAL=True, DOT_PRECISION="tf32x3", **bwd.all_kwargs()), capability=capability)
-    sums = compile_for_gpu(triton_kernels.attn_bwd_sum_parts_kernel, (parts, q, *strides, 1, n, 2), elementwise,
-                           capability=capability)
-    # the plain backward at these tiles spills 472 bytes for sm_90 and 416 for sm_100
-    assert resource_usage(split_bwd).spill_bytes <= {90: 472, 100: 416}[capability], resource_usage(split_bwd)
-    assert resource_usage(sums).spill_bytes == 0, resource_usage(sums)
+    monkeypatch.setattr(triton_backend, "_capability", lambda device: capability)
+    q = torch.randn(1, 1, 4096, 128)
+    with FLASH_CONFIG.use(FlashConfig(fp32_products="tf32x3")), recorded_launches() as launches:
+        O, L = triton_backend.split_forward(q, q, q, True, 128 ** -0.5, 2)
+        triton_backend.split_backward(q, q, q, O, L, q, True, 128 ** -0.5, 2)
+    names = ["fwd_split", "combine", "delta", "bwd_split", "sum", "sum", "sum"]
+    assert [launch_.kernel.__name__ for launch_ in launches] == [
+        "attn_fwd_split_kernel", "attn_fwd_combine_kernel", "attn_bwd_delta_kernel", "attn_bwd_split_kernel",
+        *["attn_bwd_sum_parts_kernel"] * 3]
+    tiles = triton_backend.FIXED_TILES[(32, "tf32x3", 128)]
+    assert launches[0].kwargs["BLOCK_M"] == tiles.forward.kwargs["BLOCK_M"]  # the plain kernels' tiles
+    assert launches[3].kwargs["TILE"] == tiles.backward.kwargs["TILE"]
+    compiled = dict(zip(names, launches))  # one of the three sums
+    del compiled["delta"]
+    for name, launch_ in compiled.items():
+        usage = resource_usage(compile_for_gpu(launch_.kernel, launch_.args, launch_.kwargs, capability=capability))
+        assert usage.spill_bytes <= spill_ceiling(name, "tf32x3", 128, capability), f"{name}: {usage}"

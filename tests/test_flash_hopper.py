@@ -13,11 +13,9 @@ Hopper, and by ``test_hopper_and_triton_kernels_agree_gpu`` below.
 from __future__ import annotations
 
 import collections
-import contextlib
 import functools
 import math
 from pathlib import Path
-from unittest import mock
 
 import pytest
 import torch
@@ -28,9 +26,9 @@ from cs336_systems.attention.backends import hopper
 from cs336_systems.attention.backends import triton as triton_backend
 from cs336_systems.attention.config import FLASH_CONFIG, FlashConfig
 from cs336_systems.attention.backends.common import Backend, head_dim_parts
-from cs336_systems.kernels import compat
-from cs336_systems.kernels.launch import DescriptorArg, Kernel, interpreting, poisoned_outputs
+from cs336_systems.kernels.launch import DescriptorArg, interpreting, poisoned_outputs
 from tests._flash_aot import (
+    compiled_and_short_launches,
     compile_for_gpu,
     hopper_launches,
     nvidia_toolchain_available,
@@ -350,26 +348,6 @@ def test_hopper_and_triton_kernels_agree_gpu(d, layout):
             assert error < 1e-2, f"{kernels}: {name} relative error {error:.2e}"
 
 
-@contextlib.contextmanager
-def _compiled_and_short_launches():
-    """Launches recorded, none run: a key's first launch "compiles" (its entry then holds the kernel's function), the
-    later ones take the short path."""
-    compiled, short = [], []
-
-    def compile_and_launch(kernel, slot, entry, grid, args):
-        compiled.append((kernel.fn, grid, args, entry))
-        if slot in kernel.entries:
-            kernel.entries[slot] = entry._replace(kernel=kernel.fn)
-
-    def launch_compiled(kernel, device, grid, args, tail):
-        short.append((kernel, grid, args, tail))
-
-    with mock.patch.object(Kernel, "_compile_and_launch", compile_and_launch), \
-            mock.patch.object(compat, "launch_compiled", launch_compiled), \
-            mock.patch.object(compat, "current_device", lambda: 0):
-        yield compiled, short
-
-
 def _inputs(layout: str, batch: int, heads: int, seq: int, d: int) -> torch.Tensor:
     if layout == "transposed":
         return torch.randn(batch, seq, heads, d, dtype=torch.bfloat16).transpose(1, 2)
@@ -389,7 +367,7 @@ def test_short_path_launches_what_the_first_launch_compiled(monkeypatch, part, d
     batch, heads, seq = 2, 3, 200
     Q, K, V, dO = (_inputs(layout, batch, heads, seq, d) for _ in range(4))
     O, L = torch.randn(batch, heads, seq, d, dtype=torch.bfloat16), torch.randn(batch, heads, seq)
-    with _compiled_and_short_launches() as (compiled, short):
+    with compiled_and_short_launches() as (compiled, short):
         for _ in range(2):
             if part == "forward":
                 hopper.forward(Q, K, V, True, 0.125)
