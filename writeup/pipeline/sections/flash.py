@@ -152,6 +152,14 @@ def where_ours_loses(index: dict, ours: str, other: str, lengths: list[int], hea
     return "; ".join(slower_words), "; ".join(tie_words)
 
 
+def commit_words(row: dict[str, Any]) -> str:
+    """The commit a row ran at, as a reader can look it up: a tool records uncommitted changes as ``<commit>+<name>``,
+    which the text gives as ``<commit> with uncommitted changes``."""
+    commit = str(row.get("env", {}).get("commit", "?"))
+    base, plus, _ = commit.partition("+")
+    return f"{base[:7]} with uncommitted changes" if plus else commit[:7]
+
+
 def shown_runs(index: dict, providers: list[str], lengths: list[int], heads: list[int], dtype: str) -> str:
     """Where the cells a table shows come from, per provider: "ours: 2 runs of 2026-11-26 (commits a and b,
     do_bench rep 100 ms); naive: 1 run of 2026-11-22 (commit c, rep 40 ms)", or "all rows from one run (...)"."""
@@ -161,7 +169,7 @@ def shown_runs(index: dict, providers: list[str], lengths: list[int], heads: lis
     def where(rows: list[dict[str, Any]]) -> str:
         rows = sorted(rows, key=measured_when)
         dates = sorted({r.get("env", {}).get("date", "")[:10] or "?" for r in rows})
-        commits = list(dict.fromkeys(str(r.get("env", {}).get("commit", "?")) for r in rows))
+        commits = list(dict.fromkeys(commit_words(r) for r in rows))
         reps = sorted({r["rep_ms"] for r in rows if r.get("rep_ms") is not None})
         runs = len({r.get("run") for r in rows})
         return (f"{runs if runs > 1 else 'one'} run{'s' if runs > 1 else ''} of {' to '.join(dict.fromkeys([dates[0], dates[-1]]))} "

@@ -415,7 +415,8 @@ def memory_peak_table(peaks: list[dict], size: str, batch: int) -> dict[str, Any
                  "of a freshly built model (weights included). Inference: the forward pass under "
                  "torch.inference_mode (no autograd graph); forward: the forward pass with autograd recording, as in "
                  "training; training step: forward, loss, backward and AdamW. bf16 means autocast with fp32 "
-                 "parameters; a dash: not measured yet.", size=8)
+                 "parameters" + ("; a dash: not measured." if any(DASH in c for r in body for c in r) else "."),
+                 size=8)
 
 
 def largest_allocations_table(row: dict[str, Any], sizes: dict[int, str]) -> dict[str, Any]:
