@@ -171,8 +171,8 @@ def distributed_communication_single_node(res, out: Output) -> dict[str, Any]:
     nccl_small = [r["busbw"] for r in rows if r["backend"] == "nccl" and r["size_mb"] == smallest]
     measured = [f for f in fits if f["measured"]]
     nccl_hosts = list(dict.fromkeys(f["device"] for f in measured if f["backend"] == "nccl"))
-    nccl_where = "the " + join_words([
-        f"{short_device(device)} ("
+    nccl_where = join_words([
+        f"the {short_device(device)} ("
         + " and ".join(str(f["world_size"]) for f in measured if f["backend"] == "nccl" and f["device"] == device)
         + " processes)" for device in nccl_hosts])
     n = {

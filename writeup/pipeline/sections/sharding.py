@@ -261,8 +261,8 @@ def sharding_summary(rows: list[dict[str, Any]], history: list[dict[str, Any]] =
         if shown is not None and same_launch(base, shown):
             return text
         other_bases.append(f"{OPTIMIZER_SHORT[r['kind']]} {r.get('dtype')} against {OPTIMIZER_SHORT[kind]}'s "
-                           f"launch at {measured_at(base)} ({num(base['step_ms'])} ms, {base.get('steps')} timed "
-                           f"steps{', as many as its own' if base.get('steps') == r.get('steps') else ''})")
+                           f"launch at {measured_at(base)} ({num(base['step_ms'])} ms over {base.get('steps')} "
+                           "timed steps)")
         return text + " ‡"
 
     summary = [[OPTIMIZER_LABEL[r["kind"]] + (" †" if r in elsewhere else ""), r.get("dtype", DASH)]
@@ -273,11 +273,11 @@ def sharding_summary(rows: list[dict[str, Any]], history: list[dict[str, Any]] =
     steps = " or ".join(str(s) for s in sorted({r["steps"] for r in rows if r.get("steps") is not None}))
     commits = f"Unmarked rows at {commits_phrase([r for r in rows if r not in elsewhere])}"
     if elsewhere:
-        commits += (f"; † at another commit than AdamW's of its dtype ({commits_phrase(elsewhere)}): each ratio "
-                    "divides by the launch of its own commit where one exists, else by the nearest launch with as "
-                    "many timed steps; either way two launches (every case runs on its own ranks)")
+        commits += (f"; † at another commit than AdamW's of its dtype ({commits_phrase(elsewhere)}): each of its "
+                    "ratios divides by the launch of its own commit where one exists, else by the launch nearest in "
+                    "time with as many timed steps")
     if other_bases:
-        commits += "; ‡ not the table's row: " + "; ".join(other_bases)
+        commits += "; ‡ a ratio whose divisor is not the table's row: " + "; ".join(other_bases)
     return table(["optimizer", "dtype", "step (ms)", "vs AdamW", "vs ZeRO", "peak (GB)", "optimizer state (GB)"],
                  summary,
                  f"{size} model on {world} GPUs ({first.get('device', DASH)}) under our bucketed DDP "
