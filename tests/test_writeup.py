@@ -240,6 +240,47 @@ def test_shares_in_prose_are_the_tables(fixture_data):
     assert "comm_share" not in typst
 
 
+def test_softmax_flop_ratio_in_prose_is_the_tables(fixture_data):
+    """nsys (e) quotes the FLOP column of its own table (its range, which depends on the head dimension), not a
+    summary of it that no row shows."""
+    section = fixture_data["nsys_profile"]
+    column = [_cell_number(r[5]) for r in section["tables"]["attention"]["rows"] if r[5] != "–"]
+    assert column
+    expected = f"{min(column):.3f}×" if min(column) == max(column) else f"{min(column):.3f}× to {max(column):.3f}×"
+    assert section["n"]["softmax_flops"] == expected
+    for cell in {r[5] for r in section["tables"]["attention"]["rows"]}:
+        assert cell in section["n"]["softmax_flops_by_head_dim"]
+
+
+def test_the_overhead_models_fit_is_a_row_of_the_fits_table(fixture_data):
+    """The DDP overhead model's w and o are the NCCL fit of the DDP rows' machine and world size, shown (with that
+    machine) in the all-reduce fits table."""
+    bucketed = fixture_data["ddp_bucketed_benchmarking"]["n"]
+    fits = fixture_data["distributed_communication_single_node"]["tables"]["fits"]["rows"]
+    assert ["nccl", bucketed["world"], bucketed["fit_where"], bucketed["o_us"], bucketed["w_gbs"]] in [
+        r[:3] + [r[3], r[4]] for r in fits]
+
+
+def test_nccl_against_gloo_compares_one_host(tmp_path):
+    """A later host's faster NCCL rows at 2 processes join the table beside the first host's; NCCL over gloo
+    divides rows of the host that ran both (the gloo rows' host), never one host's NCCL by another's gloo."""
+    def edit(rows):
+        later = [{**in_run(r, "20261126T120000Z-abcdef", "2026-11-26T12:00:00Z", "8f2ed70abcde"),
+                  "device": "4x NVIDIA H100 80GB HBM3", "time_ms": r["time_ms"] / 2}
+                 for r in rows if r["backend"] == "nccl" and r["world_size"] == 2]
+        return rows + later
+
+    section = section_built(tmp_path, "distributed_communication_single_node",
+                            distributed_communication_single_node=edit)
+    gloo_ms, nccl_ms = 1e3 * (1e-3 + 1e9 / 2e9), 1e3 * (2e-5 + 1e9 / 200e9)  # the fixture's 1,000 MB times
+    assert section["n"]["compare_where"] == "H200 host of 2"
+    assert section["n"]["nccl_over_gloo"] == f"{gloo_ms / nccl_ms:.0f}×"  # not gloo_ms / (nccl_ms / 2)
+    shown = {(r[0], r[1], r[2]) for r in section["tables"]["main"]["rows"] if r[3] == "1,000"}
+    assert {("gloo", "2", "CPU, H200 host of 2"), ("nccl", "2", "H200 host of 2"), ("nccl", "2", "H100 host of 4")} <= shown
+    where = {(r[0], r[1], r[2]) for r in section["tables"]["fits"]["rows"]}
+    assert {("nccl", "2", "H200 host of 2"), ("nccl", "2", "H100 host of 4")} <= where
+
+
 def test_memory_figure_captions_quote_the_peak_table(fixture_data):
     section = fixture_data["memory_profiling"]
     peaks = {r[0]: r[1:] for r in section["tables"]["peaks"]["rows"]}

@@ -487,7 +487,7 @@ def _probe_summary(texts: list[tuple[str, str]], board: list[dict[str, Any]]) ->
     summary = (f"{len(steps)} probe steps were recorded as the plain text of scripts/flash_probe.py "
                "(writeup/results/flash_probe/): "
                "each times our kernel and the previous version (baseline) against SDPA's cuDNN and FlashAttention-2 "
-               "backends on several shapes (the ratio in brackets is against cuDNN), the host overhead of one small "
+               "backends on several shapes, the host overhead of one small "
                "call and, in the first steps, a profile of the host side. "
                + (f"After the last step, ours takes {num(last['ours'], 3)} ms on the leaderboard shape against "
                   f"{num(last['baseline'], 3)} ms for the baseline. " if last.get("ours") else "") + final)
