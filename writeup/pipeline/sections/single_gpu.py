@@ -283,6 +283,12 @@ def nsys_profile(res, out: Output) -> dict[str, Any]:
     backward_kernels = [r["backward"].get("kernel_launches", 0) for r in ok]
     ratios = [float(t.rstrip("×").replace(",", "")) for t in time_ratio if t != DASH]
     flop_ratios = [float(a[5].rstrip("×").replace(",", "")) for a in attention if a[5] != DASH]
+    # The table's FLOP column per head dimension (softmax's FLOPs per score are fixed, the matmuls' grow with d).
+    by_head_dim: dict[int, set[str]] = {}
+    for row, cells in zip(ok, attention):
+        hp = MODEL_SIZES.get(row["size"])
+        if hp and cells[5] != DASH:
+            by_head_dim.setdefault(hp["d_model"] // hp["num_heads"], set()).add(cells[5])
     n = {
         "close": f"{len(close)} of {len(big_ctx)}",
         "python_over_gpu_small_ctx": times(statistics.median(r["forward_python_ms"] / r["forward"]["gpu_ms"]
@@ -293,7 +299,8 @@ def nsys_profile(res, out: Output) -> dict[str, Any]:
         "step_share_lo": pct(min(step_share)), "step_share_hi": pct(max(step_share)),
         "softmax_time_lo": times(min(ratios), 2) if ratios else DASH,
         "softmax_time_hi": times(max(ratios), 2) if ratios else DASH,
-        "softmax_flops": times(statistics.median(flop_ratios), 3) if flop_ratios else DASH,
+        # The FLOP ratio falls with the head dimension (the matmuls' FLOPs per score grow with it): the table's range.
+        "softmax_flops": spread(min(flop_ratios), max(flop_ratios), fmt=lambda x: times(x, 3)) if flop_ratios else DASH,
         "backward_broken": bool(backward_kernels) and max(backward_kernels) <= 1,
         "same_top": f"{sum(k[4] == 'same' for k in kernels)} of {len(kernels)}",
         "top_family": join_words(sorted({" ".join(describe_kernel(k["name"]).split()[:3]) for k in top_forward if k})),
@@ -306,6 +313,8 @@ def nsys_profile(res, out: Output) -> dict[str, Any]:
         "fwd_share": spread(min(fwd_share), max(fwd_share), fmt=pct) if fwd_share else DASH,
         "step_share": spread(min(step_share), max(step_share), fmt=pct) if step_share else DASH,
         "softmax_time": spread(min(ratios), max(ratios)) if ratios else DASH,
+        "softmax_flops_by_head_dim": join_words([f"{' or '.join(sorted(v))} at head dimension {d}"
+                                                 for d, v in sorted(by_head_dim.items())]),
         "non_matmul": join_words(list(dict.fromkeys(r[0].split(": ")[-1] for r in non_matmul))),
         "other_tops": join_words(sorted({k[4] for k in kernels if k[4] not in ('same', DASH)})) or "none",
         "other_top_family": join_words(sorted({" ".join(k[4].split()[:3]) for k in kernels if k[4] not in ('same', DASH)})) or "none",
@@ -406,7 +415,8 @@ def memory_peak_table(peaks: list[dict], size: str, batch: int) -> dict[str, Any
                  "of a freshly built model (weights included). Inference: the forward pass under "
                  "torch.inference_mode (no autograd graph); forward: the forward pass with autograd recording, as in "
                  "training; training step: forward, loss, backward and AdamW. bf16 means autocast with fp32 "
-                 "parameters; a dash: not measured yet.", size=8)
+                 "parameters" + ("; a dash: not measured." if any(DASH in c for r in body for c in r) else "."),
+                 size=8)
 
 
 def largest_allocations_table(row: dict[str, Any], sizes: dict[int, str]) -> dict[str, Any]:
