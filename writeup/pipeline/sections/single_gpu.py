@@ -104,11 +104,9 @@ def benchmarking_script(res, out: Output) -> dict[str, Any]:
     }
     study_table, study_figure, study_n = warmup_study(study, out)
     result = {"tables": {"main": main, "study": study_table}, "figures": {"warmup": study_figure}, "n": n | study_n}
-    asked = editions.SIZES[editions.current()]
-    unmeasured = [size_name(size) for size in asked if not any(row["size"] == size for row in tried)]
-    if unmeasured:  # (b) asks for every size of the handout's table
-        result["missing_parts"] = {"b": f"writeup/results/benchmarking_script.jsonl (no fp32 rows of "
-                                        f"{join_words(unmeasured)}, a size the {editions.current()} handout lists)"}
+    if editions.current() == "2026" and not any(row["size"] == "10B" for row in tried):  # (b) asks for every size
+        result["missing_parts"] = {"b": "writeup/results/benchmarking_script.jsonl (no fp32 rows of the 10B model, "
+                                        "measured or out of memory)"}
     return result
 
 
