@@ -20,7 +20,7 @@ from pipeline.sections import SECTIONS, Output
 
 HAS_PARALLELISM = (WRITEUP / "typ" / "parallelism.typ").exists()
 
-# Every problem and part each handout asks (the 2026 handout: /work's digest of its deliverables, section by section).
+# Every problem and part each handout asks, section by section.
 PARTS_2025 = {
     "benchmarking_script": "abc", "nsys_profile": "abcde", "mixed_precision_accumulation": "",
     "benchmarking_mixed_precision": "abc", "memory_profiling": "abcde", "pytorch_attention": "", "torch_compile": "ab",

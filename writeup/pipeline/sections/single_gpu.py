@@ -141,7 +141,8 @@ def warmup_study(study: list[dict], out: Output) -> tuple[dict, dict, dict]:
     tab = table(header, body, "Forward + backward step (fp32), mean ± std over 10 timed steps (ms), for "
                 f"{join_words([str(w) for w in warmups])} warm-up steps; each warm-up count ran in one fresh process "
                 f"that measured the sizes in this order. {warmed}: not a cold start, since the same process had "
-                f"already run the sizes above (only the {size_name(first_size)} model's first step pays the process's one-off "
+                f"already run the sizes above (only the {size_name(first_size)} model's first step pays the "
+                "process's one-off "
                 "costs).")
     fig, axes = figures.new(7.0, 2.3, ncols=len(sizes))
     for ax, size in zip(axes, sizes):
@@ -420,7 +421,8 @@ def memory_peak_table(peaks: list[dict], size: str, batch: int) -> dict[str, Any
         body.append(cells)
     header = [["", *[span(d, len(PEAK_COLUMNS)) for d in dtypes]],
               ["context", *[label for _, label in PEAK_COLUMNS] * len(dtypes)]]
-    return table(header, body, f"Peak allocated memory (GB) of the {size_name(size)} model, batch {batch}, over three steps "
+    return table(header, body, f"Peak allocated memory (GB) of the {size_name(size)} model, batch {batch}, "
+                 "over three steps "
                  "of a freshly built model (weights included). Inference: the forward pass under "
                  "torch.inference_mode (no autograd graph); forward: the forward pass with autograd recording, as in "
                  "training; training step: forward, loss, backward and AdamW. bf16 means autocast with fp32 "
