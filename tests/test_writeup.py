@@ -36,8 +36,12 @@ from pipeline.snapshot_reports import parse_snapshot_reports
 
 
 def run_build(tmp_path: Path, results: Path, *extra: str) -> int:
+    """The build of the 2025 edition (``--edition 2026`` in ``extra``: the 2026 one; tests/test_writeup_editions.py
+    builds both)."""
+    edition = [] if "--edition" in extra else ["--edition", "2025"]
     return build.main(["--results-dir", str(results), "--figures-dir", str(tmp_path / "figures"),
-                       "--build-dir", str(tmp_path / "build"), "--output", str(tmp_path / "writeup.pdf"), *extra])
+                       "--build-dir", str(tmp_path / "build"), "--output", str(tmp_path / "writeup.pdf"),
+                       *edition, *extra])
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ from typing import Any
 from cs336_basics.model import MODEL_SIZES
 from cs336_systems.bench.fsdp_accounting import CHECK_LR, CHECK_TOLERANCE, weight_tolerance
 from pipeline import accounting
+from pipeline.editions import size_name
 from pipeline.markup import DASH, num, span, spread, table, times
 from pipeline.results import Missing, config_of, measured_at, measured_when, read_jsonl, row_commit, row_date
 from pipeline.sections.registry import Output, problem
@@ -159,7 +160,7 @@ def optimizer_state_sharding_accounting(res, out: Output) -> dict[str, Any]:
                 "flat_no_worse": flat["step_ms"] <= zero["step_ms"] and flat["peak_gb"] <= zero["peak_gb"]}
 
     n = {
-        "size": size, "world": str(world), "params": f"{params / 1e9:.3f}",
+        "size": size_name(size), "world": str(world), "params": f"{params / 1e9:.3f}",
         "weights": gb(expected["weights"]), "state": gb(expected["state"]), "state_sharded": gb(expected["state_sharded"]),
         "total": gb(expected["total"]), "total_sharded": gb(expected["total_sharded"]),
         "saving": gb(expected["total"] - expected["total_sharded"]),
@@ -538,8 +539,11 @@ def fsdp_accounting(res, out: Output) -> dict[str, Any]:
     reports = parse_snapshot_reports(res.text(FSDP_MEMORY_LOG))
     memory = fsdp_memory(settings, reports, hp)
     n = {
-        "size": size, "params": f"{params / 1e9:.3f}", "world": str(world),
+        "size": size_name(size), "params": f"{params / 1e9:.3f}", "world": str(world),
         "total": num(expected["total"] / 1e9, 1), "fsdp_total": num(expected["fsdp_total"] / 1e9, 1),
+        # Against optimizer-state sharding, which keeps the full fp32 weights and gradients on every rank.
+        "sharded_optimizer_total": num(expected["total_sharded"] / 1e9, 1),
+        "saving_over_sharded_optimizer": num((expected["total_sharded"] - expected["fsdp_total"]) / 1e9, 1),
         "expected_saving": num((expected["total"] - expected["fsdp_total"]) / 1e9, 1),
         "gathered_mb": num(3 * block_params * compute_bytes / 1e6, 0),
         "dtype": str(steps[0].get("dtype")), "bf16_weights_gb": num(2 * params / 1e9, 1),
