@@ -11,7 +11,7 @@ from cs336_basics.model import MODEL_SIZES
 from pipeline import accounting, editions, figures
 from pipeline.editions import size_name
 from pipeline.markup import DASH, gb, join_words, num, pct, pm, short_kernel, span, spread, table, times
-from pipeline.results import Missing, measured_at
+from pipeline.results import Missing, main_device, measured_at
 from pipeline.sections.registry import Output, problem
 
 SIZES = list(MODEL_SIZES)  # small ... 2.7B, the order every table uses
@@ -716,7 +716,13 @@ CHECKPOINTING_SIZE = {"2025": "xl", "2026": "2.7B"}
 
 def load_gradient_checkpointing(res) -> list[dict[str, Any]]:
     size = CHECKPOINTING_SIZE[editions.current()]
-    return res.rows("gradient_checkpointing", keep=lambda rows: [r for r in rows if r.get("size") == size])
+
+    def of_size_on_one_device(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        rows = [r for r in rows if r.get("size") == size]  # each model was measured on its own machine
+        device = main_device(rows) if rows else None
+        return [r for r in rows if r.get("device", "") == device]
+
+    return res.rows("gradient_checkpointing", one_device=False, keep=of_size_on_one_device)
 
 
 @problem("gradient_checkpointing")
