@@ -175,15 +175,15 @@ def test_timeline_starts_from_the_memory_alive_before_the_recording():
     assert timeline.times_ms == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
     assert timeline.peak_gb == pytest.approx(1232 * MIB / 1e9) and timeline.before_gb == pytest.approx(1024 * MIB / 1e9)
     bands = {name: [round(v * 1e9 / MIB) for v in values] for name, values in timeline.bands.items()}
-    assert list(bands) == [memory.BEFORE, "attention: scores, mask", "feed-forward (SwiGLU)", memory.OTHER]
-    assert bands[memory.BEFORE] == [1024, 1024, 1024, 1024, 1016, 1016]
+    assert list(bands) == [memory.PREEXISTING, "attention: scores, mask", "feed-forward (SwiGLU)", memory.OTHER]
+    assert bands[memory.PREEXISTING] == [1024, 1024, 1024, 1024, 1016, 1016]
     assert bands["attention: scores, mask"] == [128, 128, 0, 128, 128, 128]
     assert bands["feed-forward (SwiGLU)"] == [0, 80, 80, 80, 80, 80]
     assert bands[memory.OTHER] == [0, 0, 0, 0, 0, 1]
     # The bands add up to the total at every event.
     assert all(sum(b[i] for b in bands.values()) == mib[i] for i in range(len(mib)))
     at_peak = {name: round(gb * 1e9 / MIB) for name, gb in timeline.at_peak().items()}
-    assert at_peak == {memory.BEFORE: 1024, "attention: scores, mask": 128, "feed-forward (SwiGLU)": 80}
+    assert at_peak == {memory.PREEXISTING: 1024, "attention: scores, mask": 128, "feed-forward (SwiGLU)": 80}
 
 
 def test_timeline_of_a_training_step_separates_weights_gradients_backward_temporaries_and_optimizer_state():

@@ -149,7 +149,6 @@ def largest_allocations(snapshot: dict, top: int = 10, device: int = 0) -> list[
 
 MODEL_ROOT = "cs336_basics"
 MODEL_FILE = "cs336_basics/model.py"
-BEFORE = "allocated before the recording"
 WEIGHTS = "weights"
 OPTIMIZER_STATE = "optimizer state (AdamW)"
 GRADIENTS = "gradients (parameters')"
@@ -175,7 +174,7 @@ FUNCTION_CATEGORY = {
 ``__init__`` of the model makes weights (and the RoPE tables); ``Linear.forward`` is left out on purpose."""
 # Bottom to top in the timeline, with one colour each.
 CATEGORY_COLOURS = {
-    BEFORE: "#bdbdbd",
+    PREEXISTING: "#bdbdbd",
     WEIGHTS: "#636363",
     OPTIMIZER_STATE: "#9e9ac8",
     GRADIENTS: "#54278f",
@@ -326,7 +325,7 @@ def active_memory_timeline(snapshot: dict, device: int = 0) -> MemoryTimeline:
         return MemoryTimeline(before_gb=base / 1e9)
     sizes = gradient_sizes(snapshot, device)
     live = dict.fromkeys(CATEGORY_COLOURS, 0)
-    live[BEFORE] = base
+    live[PREEXISTING] = base
     category_of: dict[int, str] = {}  # address of a live allocation -> its category
     series: dict[str, list[float]] = {name: [] for name in CATEGORY_COLOURS}
     times, totals = [], []
@@ -336,7 +335,7 @@ def active_memory_timeline(snapshot: dict, device: int = 0) -> MemoryTimeline:
             category = allocation_category(event.get("frames", []), event["size"], sizes)
             category_of[event["addr"]] = category
         else:  # a free whose allocation is not in the trace returns memory alive before it
-            category = category_of.pop(event["addr"], BEFORE)
+            category = category_of.pop(event["addr"], PREEXISTING)
         live[category] += _signed(event)
         times.append((event["time_us"] - t0) / 1e3)
         totals.append(sum(live.values()) / 1e9)
