@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from cs336_systems.bench.common import cli, result_store, timing
-from cs336_systems.bench.common.lm import DTYPES, SIZES, LMConfig, build_model, make_optimizer, make_step, random_batch
+from cs336_systems.bench.common.lm import DTYPES, LMConfig, build_model, make_optimizer, make_step, random_batch
 from cs336_systems.bench.common.memory import largest_allocations, load_snapshot, record_snapshot, render_snapshot
 
 PROBLEM = "memory_profiling"
@@ -45,14 +45,15 @@ MODE_TITLE = {"inference": "forward (inference)", "forward": "forward (autograd 
 
 def parser():
     p = cli.base_parser(__doc__)
-    p.add_argument("--size", default=None, choices=list(SIZES), help="model size (default 2.7B)")
-    p.add_argument("--contexts", nargs="+", type=int, default=None, help="context lengths (default 128 256 512)")
+    cli.add_model_size(p, multiple=False, default="the 2.7B model: 2025's 2.7B, 2026's xl")
+    p.add_argument("--contexts", nargs="+", type=cli.positive_int, default=None,
+                   help="context lengths (default 128 256 512)")
     p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=list(DTYPES))
-    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--batch-size", type=cli.positive_int, default=4)
     p.add_argument("--snapshot-dir", type=Path, default=Path("snapshots"), help="where snapshot pickles go")
     cli.add_figures_dir(p)
     p.add_argument("--no-timelines", action="store_true", help="peaks only, no snapshots or pictures")
-    p.add_argument("--render", nargs="+", type=Path, default=None, metavar="PICKLE",
+    p.add_argument("--render", nargs="+", type=cli.existing_file, default=None, metavar="PICKLE",
                    help="draw these snapshot pickles' timelines into --figures-dir and print their largest "
                         "allocations; measures nothing")
     return p
@@ -179,7 +180,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     size = args.size or ("tiny" if tiny else "2.7B")
     contexts = args.contexts or ([16] if tiny else [128, 256, 512])
-    store = result_store.ResultStore(PROBLEM, args.results_dir, args.force)
+    store = result_store.ResultStore(PROBLEM, args.results_dir, args.force, edition=args.edition)
     cases = [dict(size=size, context_length=c, batch_size=args.batch_size, mode=m, dtype=d, kind="peak")
              for c in contexts for m in PEAK_MODES for d in args.dtypes]
     for case in cli.progress(store.pending(cases), PROBLEM):
