@@ -79,6 +79,24 @@ def environment() -> dict[str, Any]:
     }
 
 
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    """The rows of a results file (none if it does not exist); a line that is not JSON is a ValueError naming the
+    file and the line."""
+    if not path.exists():
+        return []
+    rows = []
+    with path.open() as file:
+        for number, line in enumerate(file, start=1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{path}, line {number}: not a JSON row ({error.msg} at column {error.colno}); "
+                                 "repair or delete that line") from None
+    return rows
+
+
 def _matches(row: dict[str, Any], config: dict[str, Any]) -> bool:
     """Whether ``row`` was measured for exactly ``config`` (same configuration keys, same values)."""
     return set(row.get("config_keys", ())) == set(config) and all(row.get(k) == v for k, v in config.items())
@@ -106,10 +124,7 @@ class ResultStore:
 
     def rows(self) -> list[dict[str, Any]]:
         """Every row in the file (all devices, all runs)."""
-        if not self.path.exists():
-            return []
-        with self.path.open() as file:
-            return [json.loads(line) for line in file if line.strip()]
+        return read_rows(self.path)
 
     def done(self, config: dict[str, Any]) -> bool:
         """Whether ``config`` was already measured on this device (always False with ``force``)."""
