@@ -81,13 +81,15 @@ class BenchmarkParser(argparse.ArgumentParser):
     """Parses a tool's options, then points ``results_dir`` (and ``figures_dir``, where the tool has one) at
     the git-ignored scratch folder when none was given and the run is a smoke run (``--quick``) or has no
     GPU: committed results come only from deliberate GPU runs. Where the tool takes ``--edition``, the size
-    names of ``--size``/``--sizes`` become canonical keys (an unknown name exits with status 2)."""
+    names of ``--size``/``--sizes`` become canonical keys (an unknown name exits with status 2).
+    ``results_dir_given`` says afterwards whether the command line named ``--results-dir``."""
 
     def parse_known_args(self, args=None, namespace=None):
         parsed, rest = super().parse_known_args(args, namespace)
         if hasattr(parsed, "edition"):
             self._resolve_sizes(parsed)
         scratch = getattr(parsed, "quick", False) or not torch.cuda.is_available()
+        self.results_dir_given = getattr(parsed, "results_dir", None) is not None
         if getattr(parsed, "results_dir", "absent") is None:
             parsed.results_dir = SCRATCH_DIR / "results" if scratch else RESULTS_DIR
         if getattr(parsed, "figures_dir", "absent") is None:
