@@ -89,8 +89,8 @@ def run_sweep(args, device: torch.device) -> list[dict[str, Any]]:
             lambda: {} if args.stack else {"model": build_model(config, device, args.attention)})
         model = built.pop("model", None)
         for case in size_cases:
-            if built["oom"]:
-                result = dict(built)
+            if built["oom"]:  # each mode's own estimate where there is one: it says what that mode needs
+                result = model_sizes.estimated_oom(size, case["mode"], device) or dict(built)
             elif args.stack:
                 result = result_store.measure_or_oom(lambda: measure_stack(
                     config, args.stack, case["dtype"], args.warmup, args.steps, device))
