@@ -269,8 +269,6 @@ def case_of(args, stack: str, config: dict[str, int], world_size: int) -> dict[s
 
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
-    if args.per_rank_batch < 1:
-        raise SystemExit(f"--per-rank-batch must be >= 1, got {args.per_rank_batch}")
     world_size = int(os.environ["WORLD_SIZE"]) if dl.under_torchrun() else args.world_size
     backend, reason = dl.choose_backend(world_size)
     on_gpu = backend == "nccl"
