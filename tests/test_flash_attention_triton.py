@@ -82,6 +82,7 @@ def _valid(**overrides):
         (_valid(dtype=torch.float64), TypeError, "unsupported dtype"),
         (_valid(q=(2, 3, 20, 20), k=(2, 3, 24, 20), v=(2, 3, 24, 20)), ValueError, r"16, 32, 64, 128"),
         (_valid(q=(2, 3, 20, 136), k=(2, 3, 24, 136), v=(2, 3, 24, 136)), ValueError, r"multiples of 8 up to 128"),
+        (_valid(q=(2, 3, 20, 0), k=(2, 3, 24, 0), v=(2, 3, 24, 0)), ValueError, "head dimension d must be positive"),
         (_valid(q=(3, 3, 20, 32)), ValueError, "batch"),
         (_valid(q=(2, 4, 20, 32)), ValueError, "batch"),
         (_valid(k=(2, 3, 24, 16)), ValueError, "head dimension"),
@@ -106,6 +107,11 @@ def test_rejects_mixed_dtypes_and_devices():
         FlashAttention2Triton.apply(q, k.half(), v, False)
     with pytest.raises(ValueError, match="one device"):
         FlashAttention2Triton.apply(q, k.to("meta"), v, False)
+
+
+def test_rejects_meta_tensors():
+    with pytest.raises(ValueError, match="meta tensors, which hold no data"):
+        FlashAttention2Triton.apply(*(x.to("meta") for x in _valid()), False)
 
 
 @pytest.mark.compiled_kernels

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from cs336_systems.bench.common import block_memory, cli, result_store, timing
-from cs336_systems.bench.common.lm import DTYPES, SIZES, LMConfig, build_model, make_optimizer, make_step, random_batch
+from cs336_systems.bench.common.lm import DTYPES, LMConfig, build_model, make_optimizer, make_step, random_batch
 from cs336_systems.bench.common.memory import (
     VIEWER_LIMIT_BYTES,
     active_memory_timeline,
@@ -69,16 +69,17 @@ BLOCK_WINDOW = 4  # consecutive blocks run forward and backward for the residual
 
 def parser():
     p = cli.base_parser(__doc__)
-    p.add_argument("--size", default=None, choices=list(SIZES), help="model size (default 2.7B)")
-    p.add_argument("--contexts", nargs="+", type=int, default=None, help="context lengths (default 128 2048)")
+    cli.add_model_size(p, multiple=False, default="the 2.7B model: 2025's 2.7B, 2026's xl")
+    p.add_argument("--contexts", nargs="+", type=cli.positive_int, default=None,
+                   help="context lengths (default 128 2048)")
     p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=list(DTYPES))
-    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--batch-size", type=cli.positive_int, default=4)
     p.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS, help="what to measure (default all)")
     p.add_argument("--snapshot-dir", type=Path, default=Path("snapshots"), help="where snapshot pickles go")
     cli.add_figures_dir(p, "PNGs and viewer pages")
     p.add_argument("--html-limit-mib", type=float, default=4.0,
                    help="write a viewer page only up to this size (0: always)")
-    p.add_argument("--render", nargs="+", type=Path, default=None, metavar="PICKLE",
+    p.add_argument("--render", nargs="+", type=cli.existing_file, default=None, metavar="PICKLE",
                    help="draw these snapshot pickles' timelines and viewer pages into --figures-dir and print their "
                         "largest allocations; measures nothing")
     return p
@@ -273,7 +274,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     size = args.size or ("tiny" if tiny else "2.7B")
     args.contexts = args.contexts or ([16] if tiny else [128, 2048])
-    store = result_store.ResultStore(PROBLEM, args.results_dir, args.force)
+    store = result_store.ResultStore(PROBLEM, args.results_dir, args.force, edition=args.edition)
     if "peaks" in args.parts:
         record_peaks(args, store, size, device)
     if "residuals" in args.parts:
