@@ -50,7 +50,13 @@ def cv(row: dict[str, Any]) -> float:
 
 
 def load_benchmarking_script(res) -> tuple[list[dict], list[dict]]:
-    rows = [row for row in res.rows("benchmarking_script") if not row.get("compile") and row.get("attention", "naive") == "naive"]
+    rows = [row for row in res.rows("benchmarking_script", one_device=False)
+            if not row.get("compile") and row.get("attention", "naive") == "naive"]
+    device = main_device(rows)
+    on_main = {row["size"] for row in rows if row.get("device") == device}
+    # A size the main GPU has no rows of (10B: its fp32 weights and gradients alone exceed an H100's 80 GB) comes
+    # from the GPU that measured it, and its table row names that GPU.
+    rows = [row for row in rows if row.get("device") == device or row["size"] not in on_main]
     sweep = [row for row in rows if row.get("tag", "sweep") == "sweep" and row.get("warmup") == 5]
     study = [row for row in rows if row.get("tag") == "warmup_study"]
     return sweep, study
@@ -63,10 +69,15 @@ def benchmarking_script(res, out: Output) -> dict[str, Any]:
     sizes = sorted({row["size"] for row in fp32}, key=size_order)
     tried = [row for row in sweep if row.get("dtype") == "fp32"]  # out-of-memory rows too
     body = []
+    main_gpu = main_device(tried) if tried else ""
+    elsewhere = {}  # size -> the GPU of its rows, where it is not the table's
     for size in sorted({row["size"] for row in tried}, key=size_order):
         fwd, fb, step = (one(tried, size=size, mode=m) for m in ("forward", "forward_backward", "train_step"))
+        gpu = next(row.get("device", "") for row in tried if row["size"] == size)
+        if gpu != main_gpu:
+            elsewhere[size] = gpu
         body.append([
-            size_name(size),
+            size_name(size) + ("†" if size in elsewhere else ""),
             oom_or(fwd, pm(fwd and fwd.get("mean_ms"), fwd and fwd.get("std_ms"))),
             oom_or(fb, pm(fb and fb.get("backward_mean_ms"), fb and fb.get("backward_std_ms"))),
             oom_or(fb, pm(fb and fb.get("mean_ms"), fb and fb.get("std_ms"))),
@@ -77,7 +88,9 @@ def benchmarking_script(res, out: Output) -> dict[str, Any]:
     caption = (f"End-to-end timings, fp32, batch {first.get('batch_size')}, context {first.get('context_length')}, "
                f"{first.get('warmup')} warm-up and {first.get('steps')} timed steps: mean ± standard deviation (ms). "
                "Backward is timed inside the forward + backward step; MFU of the training step is against the "
-               "bf16 matmul rate measured in the same run." + oom_note(tried))
+               "bf16 matmul rate measured in the same run." + oom_note(tried)
+               + "".join(f" † Measured on {gpu} (the other sizes on {main_gpu})." for gpu in
+                         dict.fromkeys(elsewhere.values())))
     main = table(["size", "forward", "backward", "forward + backward", "training step", "MFU"], body, caption)
 
     # Variability: which (size, mode) cases have a standard deviation above 5 % of the mean.
