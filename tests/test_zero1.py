@@ -20,7 +20,7 @@ from cs336_systems.parallel.distributed import one_rank_group
 from cs336_systems.parallel.zero1 import FlatShardedOptimizer
 from tests._ddp_toy_models import assert_same_tensors
 from tests._distributed import assert_all_passed, gpu_world_size, run_checks
-from tests.test_sharded_optimizer import assert_same_state_dicts, hyperparameters, resumed_from
+from tests.test_optimizer_state_sharding import assert_same_state_dicts, hyperparameters, resumed_from
 
 STEPS = 8
 STEP_ADDING_A_GROUP = 3
