@@ -198,6 +198,8 @@ def test_lower_precision_parameters_step_a_float32_master(one_rank):
 def test_bad_input_is_refused_naming_the_fix(one_rank):
     with pytest.raises(TypeError, match="optimizer class such as torch.optim.AdamW, got 'AdamW'"):
         FlatShardedOptimizer(nn.Linear(2, 2).parameters(), "AdamW", lr=0.1)
+    with pytest.raises(ValueError, match="empty parameter list"):
+        FlatShardedOptimizer([], torch.optim.AdamW, lr=0.1)
     with pytest.raises(ValueError, match="dense floating-point parameters, got a torch.complex64 tensor"):
         FlatShardedOptimizer([nn.Parameter(torch.ones(3, dtype=torch.complex64))], torch.optim.SGD, lr=0.1)
     flat = FlatShardedOptimizer(nn.Linear(2, 2).parameters(), torch.optim.AdamW, lr=0.1)
