@@ -30,8 +30,8 @@ for part in ${PART:-tests}; do
 case "$part" in
 tests)
     capped 260 python3 -m pytest -q -p no:cacheprovider -m gpu -k "nccl or compiled_blocks" \
-        tests/test_ddp.py tests/test_fsdp.py tests/test_sharded_optimizer.py tests/test_zero1.py \
-        tests/test_leaderboard_2026.py
+        tests/test_ddp_wrappers.py tests/test_fsdp_wrapper.py tests/test_optimizer_state_sharding.py \
+        tests/test_zero1.py tests/test_leaderboard_2026.py
     capped 150 python3 -m cs336_systems.bench.leaderboard_2026 --check
     for dtype in fp32 bf16; do
         capped 200 python3 -m cs336_systems.bench.optimizer_state_sharding_accounting --edition 2025 \
@@ -102,7 +102,7 @@ pairs)  # the deciding pair in alternating launches (three each); every launch's
     ;;
 nccl_tests)  # the NCCL tests alone (4 ranks where the host has 4 GPUs, else 2)
     capped 240 python3 -m pytest -q -p no:cacheprovider -m gpu -k nccl \
-        tests/test_ddp.py tests/test_fsdp.py tests/test_sharded_optimizer.py tests/test_zero1.py
+        tests/test_ddp_wrappers.py tests/test_fsdp_wrapper.py tests/test_optimizer_state_sharding.py tests/test_zero1.py
     ;;
 fsdp)  # FSDP against FSDP2 at $WORLD ranks, with and without checkpointing
     capped 300 python3 -m cs336_systems.bench.fsdp_accounting --edition 2025 --impls fsdp2 ours --checkpointing 0 1 \

@@ -3,8 +3,8 @@ against a float64 reference, the grader's contract, input errors, and that the k
 
 How the tests are split:
 
-* CPU: input errors, and (``compiled_kernels``, see ``tests/conftest.py``) an ahead-of-time compile for sm_90 with
-  Triton's own ptxas (catches what only the compiler sees: non-constexpr globals, shared memory,
+* CPU: input errors, and (``compiled_kernels``, see ``tests/_pytest_plugin.py``) an ahead-of-time compile for sm_90
+  with Triton's own ptxas (catches what only the compiler sees: non-constexpr globals, shared memory,
   register spills), no GPU needed.
 * CPU, through the Triton interpreter (``tests/interpreter/test_attention.py``), float32 and float16 (and bfloat16,
   which the operator computes in float32 there).

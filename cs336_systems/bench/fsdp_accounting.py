@@ -399,7 +399,7 @@ CHECK_TOLERANCE = {"fp32": 1e-6, "bf16": 1e-4}
 """On the first step's gradients, and on the weights after the AdamW steps (see :func:`weight_tolerance`)."""
 ADAMW_STEP_SHARE = 0.02
 """fp32 weights after AdamW steps on more than two ranks: within this share of one step (``lr``), as
-``tests/test_fsdp.py``'s ``ADAMW_TOL`` at its own lr."""
+``tests/test_fsdp_wrapper.py``'s ``ADAMW_TOL`` at its own lr."""
 
 
 def weight_tolerance(dtype: str, world_size: int, lr: float = CHECK_LR) -> float:
