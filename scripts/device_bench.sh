@@ -29,7 +29,8 @@ residual_steps() {  # our xl step, separate and fused in alternating launches (-
         for (( round = 1; round <= ${RESIDUAL_ROUNDS:-2}; round++ )); do
             for choice in separate fused; do
                 # shellcheck disable=SC2086
-                capped 180 python3 -m cs336_systems.bench.train_step --sizes xl --shapes "$shape" --stacks ours \
+                capped 180 python3 -m cs336_systems.bench.train_step --edition 2025 --sizes xl --shapes "$shape" \
+                    --stacks ours \
                     --variants ${RESIDUAL_VARIANTS:-default} --residual-norm "$choice" --force
             done
         done

@@ -30,11 +30,11 @@ for part in ${PART:-tests}; do
 case "$part" in
 tests)
     capped 260 python3 -m pytest -q -p no:cacheprovider -m gpu -k "nccl or compiled_blocks" \
-        tests/test_ddp.py tests/test_fsdp.py tests/test_sharded_optimizer.py tests/test_zero1.py \
-        tests/test_leaderboard_2026.py
+        tests/test_ddp_wrappers.py tests/test_fsdp_wrapper.py tests/test_optimizer_state_sharding.py \
+        tests/test_zero1.py tests/test_leaderboard_2026.py
     capped 150 python3 -m cs336_systems.bench.leaderboard_2026 --check
     for dtype in fp32 bf16; do
-        capped 200 python3 -m cs336_systems.bench.optimizer_state_sharding_accounting \
+        capped 200 python3 -m cs336_systems.bench.optimizer_state_sharding_accounting --edition 2025 \
             --dtype "$dtype" --optimizers adamw sharded zero_redundancy zero1_flat
     done
     ;;
@@ -67,13 +67,14 @@ split)  # one warm-up and one profiled step of each stack at 34 layers (plan $PL
 zero1)  # the flat ZeRO-1 again (its NCCL test, rows with --force), e.g. after a change to it
     capped 90 python3 -m pytest -q -p no:cacheprovider -m gpu -k nccl tests/test_zero1.py
     for dtype in fp32 bf16; do
-        capped 100 python3 -m cs336_systems.bench.optimizer_state_sharding_accounting --force \
+        capped 100 python3 -m cs336_systems.bench.optimizer_state_sharding_accounting --edition 2025 --force \
             --dtype "$dtype" --optimizers zero1_flat
     done
     ;;
 optimizers)  # the four sharded-optimizer variants again in $DTYPES (--force), over $STEPS timed steps
     for dtype in ${DTYPES:-bf16}; do
-        capped 150 python3 -m cs336_systems.bench.optimizer_state_sharding_accounting --force --steps "${STEPS:-20}" \
+        capped 150 python3 -m cs336_systems.bench.optimizer_state_sharding_accounting --edition 2025 --force \
+            --steps "${STEPS:-20}" \
             --world-size "${WORLD:-2}" --dtype "$dtype" --optimizers adamw sharded zero_redundancy zero1_flat
     done
     ;;
@@ -84,15 +85,16 @@ allreduce)  # the handout's grid of sizes on NCCL at every world size the GPUs a
         --world-sizes "${sizes[@]}"
     ;;
 ddp)  # bf16 first, over $STEPS timed steps (bf16 steps vary by 10-20 % between launches)
-    capped 280 python3 -m cs336_systems.bench.ddp_benchmarking --world-size "${WORLD:-2}" --dtypes bf16 \
+    capped 280 python3 -m cs336_systems.bench.ddp_benchmarking --edition 2025 --world-size "${WORLD:-2}" --dtypes bf16 \
         --steps "${STEPS:-10}"
-    capped 280 python3 -m cs336_systems.bench.ddp_benchmarking --world-size "${WORLD:-2}" --dtypes fp32 \
+    capped 280 python3 -m cs336_systems.bench.ddp_benchmarking --edition 2025 --world-size "${WORLD:-2}" --dtypes fp32 \
         --steps "${STEPS:-10}"
     ;;
 pairs)  # the deciding pair in alternating launches (three each); every launch's rows carry their own run id
     for round in 1 2 3; do
         for variant in torch_ddp "${BEST:-bucketed_100mb}"; do
-            capped 90 python3 -m cs336_systems.bench.ddp_benchmarking --world-size "${WORLD:-2}" --force \
+            capped 90 python3 -m cs336_systems.bench.ddp_benchmarking --edition 2025 --world-size "${WORLD:-2}" \
+                --force \
                 --dtypes "${PAIR_DTYPE:-bf16}" --variants "$variant" --steps "${STEPS:-10}"
         done
     done
@@ -100,16 +102,17 @@ pairs)  # the deciding pair in alternating launches (three each); every launch's
     ;;
 nccl_tests)  # the NCCL tests alone (4 ranks where the host has 4 GPUs, else 2)
     capped 240 python3 -m pytest -q -p no:cacheprovider -m gpu -k nccl \
-        tests/test_ddp.py tests/test_fsdp.py tests/test_sharded_optimizer.py tests/test_zero1.py
+        tests/test_ddp_wrappers.py tests/test_fsdp_wrapper.py tests/test_optimizer_state_sharding.py tests/test_zero1.py
     ;;
 fsdp)  # FSDP against FSDP2 at $WORLD ranks, with and without checkpointing
-    capped 300 python3 -m cs336_systems.bench.fsdp_accounting --impls fsdp2 ours --checkpointing 0 1 \
+    capped 300 python3 -m cs336_systems.bench.fsdp_accounting --edition 2025 --impls fsdp2 ours --checkpointing 0 1 \
         --world-size "${WORLD:-2}" --steps "${STEPS:-10}"
     ;;
 ddp_trace)  # one traced step of each of $VARIANTS (default the naive and the per-parameter overlapped DDP) in
             # $DTYPE (default fp32) on 2 ranks, traces kept
     variants=(${VARIANTS:-naive overlap})
-    capped 200 python3 -m cs336_systems.bench.ddp_benchmarking --world-size 2 --dtypes "${DTYPE:-fp32}" --force \
+    capped 200 python3 -m cs336_systems.bench.ddp_benchmarking --edition 2025 --world-size 2 --dtypes "${DTYPE:-fp32}" \
+        --force \
         --variants "${variants[@]}" --trace --trace-variants "${variants[@]}" --trace-dir "$OUT/ddp_traces" \
         --steps "${STEPS:-10}"
     for trace in "$OUT"/ddp_traces/*/*.json "$OUT"/ddp_traces/*.json; do [[ -f $trace ]] && gzip "$trace"; done
@@ -117,7 +120,8 @@ ddp_trace)  # one traced step of each of $VARIANTS (default the naive and the pe
     ;;
 fsdp_memory)  # ours and FSDP2 (xl, no checkpointing) with each AdamW, one step's allocator history each, reported
     for optimizer in ${OPTIMIZERS:-torch basics}; do
-        capped 200 python3 -m cs336_systems.bench.fsdp_accounting --force --impls fsdp2 ours --checkpointing 0 \
+        capped 200 python3 -m cs336_systems.bench.fsdp_accounting --edition 2025 --force --impls fsdp2 ours \
+            --checkpointing 0 \
             --world-size "${WORLD:-2}" --optimizer "$optimizer" --memory-snapshot snapshots --warmup 2 --steps "${STEPS:-5}"
     done
     shopt -s nullglob

@@ -4,9 +4,11 @@
 # stacks, then the GPU tests named in $TESTS. Everything under $OUT.
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
-timeout 120 python3 -m cs336_systems.bench.op_overhead --ops attention rmsnorm cross_entropy --profile ours --calls 200 2> "$OUT/profile_ours.txt" >/dev/null
+timeout 120 python3 -m cs336_systems.bench.op_overhead --edition 2025 --ops attention rmsnorm cross_entropy \
+    --profile ours --calls 200 2> "$OUT/profile_ours.txt" >/dev/null
 cp writeup/results/train_step.jsonl "$OUT/train_step.jsonl"
-timeout 200 python3 -m cs336_systems.bench.train_step --results-dir "$OUT" --sizes xl --shapes 512:4 --stacks ours 2>"$OUT/train_step.err" | tee "$OUT/train_step.txt"
+timeout 200 python3 -m cs336_systems.bench.train_step --results-dir "$OUT" --edition 2025 --sizes xl --shapes 512:4 \
+    --stacks ours 2>"$OUT/train_step.err" | tee "$OUT/train_step.txt"
 for stack in ours torch; do
     timeout 90 python3 scripts/train_step_profile.py --size xl --context 512 --batch 4 --stack $stack --top 25 > "$OUT/profile_step_$stack.txt" 2>&1
 done

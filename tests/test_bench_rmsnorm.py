@@ -25,12 +25,13 @@ def test_byte_count_and_cases():
     assert bench.moved_bytes("fwd", 10, 8, 2, 4) == 2 * 10 * 8 * 2 + 8 * 4
     assert bench.moved_bytes("fwd_bwd", 10, 8, 2, 4) == 5 * 10 * 8 * 2 + 3 * 8 * 4
     assert bench.moved_bytes("copy", 10, 8, 2, 0) == 2 * 10 * 8 * 2
-    args = bench.parser().parse_args(["--sizes", "small", "xl"])
-    cases = bench.model_cases(args)
-    keys = [(c["size"], c["norm"], c["attention"], c["compile"]) for c in cases]
-    assert len(keys) == len(set(keys)) == 2 * 2 * 3 + 3
-    assert {("xl", "fused", "triton", True), ("xl", "fused_autocast", "triton", True), ("xl", "plain", "sdpa", True)} \
-        <= set(keys)
+    for edition, xl in (("2025", "xl"), ("2026", "2.7B")):  # the edition's xl gets the attention cases
+        args = bench.parser().parse_args(["--edition", edition, "--sizes", "small", "xl"])
+        cases = bench.model_cases(args)
+        keys = [(c["size"], c["norm"], c["attention"], c["compile"]) for c in cases]
+        assert len(keys) == len(set(keys)) == 2 * 2 * 3 + 3
+        assert {(xl, "fused", "triton", True), (xl, "fused_autocast", "triton", True), (xl, "plain", "sdpa", True)} \
+            <= set(keys)
     assert all(c["dtype"] == "bf16" and c["mode"] == "train_step" and c["batch_size"] == 4 for c in cases)
     args = bench.parser().parse_args(["--rows", "8", "--cols", "16", "32", "--dtypes", "bf16"])
     kernel = bench.kernel_cases(args)

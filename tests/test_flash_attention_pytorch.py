@@ -90,6 +90,8 @@ def test_rejects_invalid_inputs():
         FlashAttention2PyTorch.apply(Q, K.double(), V, False)
     with pytest.raises(ValueError, match="at least 16"):
         flash_attention_forward_tiled(Q, K, V, False, 8, 16)
+    with pytest.raises(ValueError, match="head dimension d must be positive"):
+        FlashAttention2PyTorch.apply(Q[..., :0], K[..., :0], V[..., :0], False)
 
 
 @pytest.mark.parametrize("value", ["no", 1, None, torch.tensor(True), np.bool_(True)])

@@ -3,8 +3,8 @@ against a float64 reference, the grader's contract, input errors, and that the k
 
 How the tests are split:
 
-* CPU: input errors, and (``compiled_kernels``, see ``tests/conftest.py``) an ahead-of-time compile for sm_90 with
-  Triton's own ptxas (catches what only the compiler sees: non-constexpr globals, shared memory,
+* CPU: input errors, and (``compiled_kernels``, see ``tests/_pytest_plugin.py``) an ahead-of-time compile for sm_90
+  with Triton's own ptxas (catches what only the compiler sees: non-constexpr globals, shared memory,
   register spills), no GPU needed.
 * CPU, through the Triton interpreter (``tests/interpreter/test_attention.py``), float32 and float16 (and bfloat16,
   which the operator computes in float32 there).
@@ -88,6 +88,7 @@ def _valid(**overrides):
         (_valid(dtype=torch.float64), TypeError, "unsupported dtype"),
         (_valid(q=(2, 3, 20, 20), k=(2, 3, 24, 20), v=(2, 3, 24, 20)), ValueError, r"16, 32, 64, 128"),
         (_valid(q=(2, 3, 20, 136), k=(2, 3, 24, 136), v=(2, 3, 24, 136)), ValueError, r"multiples of 8 up to 128"),
+        (_valid(q=(2, 3, 20, 0), k=(2, 3, 24, 0), v=(2, 3, 24, 0)), ValueError, "head dimension d must be positive"),
         (_valid(q=(3, 3, 20, 32)), ValueError, "batch"),
         (_valid(q=(2, 4, 20, 32)), ValueError, "batch"),
         (_valid(k=(2, 3, 24, 16)), ValueError, "head dimension"),
@@ -112,6 +113,11 @@ def test_rejects_mixed_dtypes_and_devices():
         FlashAttention2Triton.apply(q, k.half(), v, False)
     with pytest.raises(ValueError, match="one device"):
         FlashAttention2Triton.apply(q, k.to("meta"), v, False)
+
+
+def test_rejects_meta_tensors():
+    with pytest.raises(ValueError, match="meta tensors, which hold no data"):
+        FlashAttention2Triton.apply(*(x.to("meta") for x in _valid()), False)
 
 
 @pytest.mark.compiled_kernels

@@ -177,6 +177,56 @@ def test_forward_before_finish_raises_and_evaluation_leaves_nothing_gathered():
     fsdp.finish_gradient_synchronization()
 
 
+def test_a_second_backward_through_one_forward_raises_instead_of_reading_freed_weights():
+    """The first backward frees every gathered buffer (the root's last); a second one through the retained graph
+    would read them. Whichever unit it reaches first, it raises naming the problem."""
+    torch.manual_seed(0)
+    for reads_the_root_first in (True, False):
+        model = Chain()
+        fsdp, _ = wrap(model)
+        if not reads_the_root_first:  # without the root's gain: c's weight is the first one read
+            model.forward = lambda x, model=model: model.c(torch.tanh(model.b(torch.tanh(model.a(x)))))
+        loss = fsdp(torch.randn(5, 4)).square().sum()
+        loss.backward(retain_graph=True)
+        with pytest.raises(RuntimeError, match="second backward through the same FSDP forward is not supported"):
+            loss.backward()
+        fsdp.finish_gradient_synchronization()
+        assert fsdp.gathered_units() == [] and fsdp._step.phase is Phase.IDLE
+
+
+def test_finishing_twice_changes_nothing():
+    torch.manual_seed(0)
+    fsdp, transport = wrap(Chain())
+    x = torch.randn(5, 4)
+    fsdp(x).square().sum().backward()
+    fsdp.finish_gradient_synchronization()
+    grads = {name: grad.clone() for name, grad in fsdp.gather_full_grads().items()}
+    calls = len(transport.log)
+    fsdp.finish_gradient_synchronization()
+    assert len(transport.log) == calls
+    for name, grad in fsdp.gather_full_grads().items():
+        assert torch.equal(grad, grads[name]), name
+
+
+def test_an_optimizer_built_before_wrapping_raises_at_its_first_step():
+    """Its parameters are the module's originals, which FSDP replaced: it would silently train nothing."""
+    torch.manual_seed(0)
+    model = Chain()
+    early = torch.optim.SGD(model.parameters(), lr=0.1)
+    fsdp, _ = wrap(model)
+    fsdp(torch.randn(5, 4)).square().sum().backward()
+    fsdp.finish_gradient_synchronization()
+    with pytest.raises(RuntimeError, match="SGD holds parameters of a module that FSDP has since wrapped"):
+        early.step()
+    torch.optim.SGD(fsdp.parameters(), lr=0.1).step()  # built after wrapping: it steps the shards
+    torch.optim.SGD(Chain().parameters(), lr=0.1).step()  # an optimizer of another module is left alone
+
+
+def test_a_module_without_parameters_is_refused():
+    with pytest.raises(ValueError, match="the module has no parameters to shard"):
+        FSDP(nn.ReLU(), transport=RecordingTransport())
+
+
 def test_an_unused_prefetch_is_dropped():
     """A forward that stops before the predicted unit: its gather was issued, never waited for, then dropped."""
     torch.manual_seed(0)

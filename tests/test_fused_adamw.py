@@ -290,7 +290,7 @@ def test_cpu_tensor_without_interpreter():
     p = torch.zeros(3)
     p.grad = torch.ones(3)
     optimizer = adamw.FusedAdamW([p])
-    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+    with pytest.raises(ValueError, match="the kernels of FusedAdamW need CUDA tensors, .*TRITON_INTERPRET=1"):
         optimizer.step()
     assert torch.equal(p, torch.zeros(3)) and optimizer.state[p]["step"] == 0
 

@@ -70,26 +70,33 @@ def test_smoke_and_cpu_runs_write_to_the_scratch_folder(monkeypatch, tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("zip") is None or shutil.which("unzip") is None, reason="needs zip and unzip")
-def test_submission_zip_holds_code_and_writeup_pdf_without_scratch_results_and_caches(tmp_path):
-    """``test_and_make_submission.sh --skip-tests`` on a small tree: code and the writeup PDF in, smoke-run results,
-    the writeup's staging directory and caches out."""
+@pytest.mark.parametrize("argv, edition, pdf", [([], "2026", "writeup/writeup_2026.pdf"),
+                                                (["--edition", "2025"], "2025", "writeup/writeup.pdf")])
+def test_submission_zip_holds_code_and_writeup_pdf_without_scratch_results_and_caches(tmp_path, argv, edition, pdf):
+    """``test_and_make_submission.sh --skip-tests`` on a small tree: code in, the edition's writeup PDF as
+    writeup.pdf at the top; smoke-run results, the writeup's staging directory, caches, .txt and .json files out."""
     shutil.copy(ROOT / "test_and_make_submission.sh", tmp_path)
-    for name in ("cs336_systems/a.py", "writeup/results/x.jsonl", "writeup/writeup.pdf", "writeup/build/x.typ",
-                 ".scratch/results/x.jsonl", "a/__pycache__/b.pyc"):
+    for name in ("cs336_systems/a.py", "writeup/results/x.jsonl", "writeup/writeup.pdf", "writeup/writeup_2026.pdf",
+                 "writeup/build/x.typ", ".scratch/results/x.jsonl", "a/__pycache__/b.pyc", "writeup/results/x.txt",
+                 "writeup/results/x.json"):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / name).write_text("x\n")
-    done = subprocess.run(["bash", "test_and_make_submission.sh", "--skip-tests"], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=60)
+        (tmp_path / name).write_text(f"{name}\n")
+    done = subprocess.run(["bash", "test_and_make_submission.sh", "--skip-tests", *argv], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert "Tests skipped" in done.stdout and "status" not in done.stdout
-    listing = subprocess.run(["unzip", "-Z1", "cs336-spring2025-assignment-2-submission.zip"], cwd=tmp_path,
-                             capture_output=True, text=True, check=True).stdout.split()
+    archive = f"cs336-spring{edition}-assignment-2-submission.zip"
+    listing = subprocess.run(["unzip", "-Z1", archive], cwd=tmp_path, capture_output=True, text=True,
+                             check=True).stdout.split()
     files = sorted(name for name in listing if not name.endswith("/"))
-    assert files == ["cs336_systems/a.py", "test_and_make_submission.sh", "writeup/results/x.jsonl",
-                     "writeup/writeup.pdf"]
+    assert files == ["cs336_systems/a.py", "test_and_make_submission.sh", "writeup.pdf", "writeup/results/x.jsonl"]
+    packed = subprocess.run(["unzip", "-p", archive, "writeup.pdf"], cwd=tmp_path, capture_output=True, text=True,
+                            check=True).stdout
+    assert packed == f"{pdf}\n"
 
 
-@pytest.mark.parametrize("argv, status", [(["--help"], 0), (["-h"], 0), (["--skip-test"], 2), (["tests"], 2)])
+@pytest.mark.parametrize("argv, status", [(["--help"], 0), (["-h"], 0), (["--skip-test"], 2), (["tests"], 2),
+                                          (["--edition", "2024"], 2), (["--edition"], 2)])
 def test_submission_script_answers_help_and_refuses_unknown_arguments(tmp_path, argv, status):
     """Neither ``--help`` nor a mistyped option starts the test suite or writes a zip."""
     shutil.copy(ROOT / "test_and_make_submission.sh", tmp_path)

@@ -50,8 +50,9 @@ def test_one_gpu_proxy_case():
     assert (case["world_size"], case["batch_size"], case["num_layers"], case["official"]) == (1, 1, 4, False)
     official = leaderboard_2026.parser().parse_args([])
     assert leaderboard_2026.case_of(official, "torch", leaderboard_2026.model_config(official, on_gpu=True), 2)["official"]
-    with pytest.raises(SystemExit, match="per-rank-batch"):
+    with pytest.raises(SystemExit) as exited:
         leaderboard_2026.main(["--per-rank-batch", "0"])
+    assert exited.value.code == 2  # argparse: "argument --per-rank-batch: 0 must be at least 1"
 
 
 def test_sharded_parts_are_checked():

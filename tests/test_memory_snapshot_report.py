@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import inspect
 import pickle
 import runpy
 import subprocess
 import sys
 from pathlib import Path
+
+from cs336_basics.model import Linear
 
 SCRIPT = Path(__file__).parents[1] / "scripts" / "memory_snapshot_report.py"
 report = runpy.run_path(str(SCRIPT))
@@ -60,3 +63,22 @@ def test_command_line_prints_the_groups(tmp_path):
     assert "peak of the recorded step 3.00 GB in 2 blocks" in out
     lines = out.splitlines()[2:]
     assert lines[0].split()[:2] == ["2.000", "1"] and lines[0].endswith("cs336_basics/model.py:44 forward")
+
+
+def test_grouped_by_what_the_memory_holds(tmp_path):
+    """The same replay grouped by category: a block made in a model ``__init__`` holds weights, the backward's
+    frameless blocks of a weight's size are gradients, other frameless ones temporaries, torch's own code other."""
+    _, first = inspect.getsourcelines(Linear.__init__)
+    weight = [{"filename": "/x/cs336_basics/model.py", "line": first + 3, "name": "__init__"}]
+    trace = [alloc(1, 64, weight), alloc(2, 64, []), alloc(3, 16, []), alloc(4, 8, OPTIM)]
+    peak, blocks = report["live_at_peak"](snapshot(trace, [64, 64, 16, 8]), by="category")
+    assert peak == 152
+    assert sorted(blocks) == [(8, "other"), (16, "backward: activation gradients, temporaries"),
+                              (64, "gradients (parameters')"), (64, "weights")]
+    path = tmp_path / "snapshot.pickle"
+    with open(path, "wb") as f:
+        pickle.dump(snapshot(trace, [64, 64, 16, 8]), f)
+    out = subprocess.run([sys.executable, str(SCRIPT), str(path), "--by", "category"], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.splitlines()[1].split() == ["GB", "blocks", "holds"]
+    assert out.splitlines()[2].split()[1:] in (["1", "weights"], ["1", "gradients", "(parameters')"])

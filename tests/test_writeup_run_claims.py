@@ -79,7 +79,9 @@ def two_gpu_history() -> list[dict[str, Any]]:
 def test_sharding_ratios_come_from_one_commit_per_dtype_and_name_the_others(tmp_path):
     """bf16's newest rows mix two commits (AdamW f6153c0, the rest fdb6874): AdamW, ours and ZeRO are taken
     from the newest commit where all three ran (e615cb1), where the newest rows gave 414.4 / 350.8 = 1.18x; the
-    flat ZeRO-1 keeps its newest row, marked, and its ratio to ZeRO names both commits."""
+    flat ZeRO-1 keeps its newest row, marked, and its ratios divide by ZeRO's launch of its own commit (fdb6874) and
+    by the AdamW launch nearest in time with as many timed steps (f6153c0), both named; fp32's flat row, whose
+    commit ran nothing else, divides by the table's rows of as many steps and names both commits."""
     def edit(rows):
         four = [r for r in rows if r["world_size"] == 4]
         return two_gpu_history() + four
@@ -91,10 +93,16 @@ def test_sharding_ratios_come_from_one_commit_per_dtype_and_name_the_others(tmp_
     assert (n["fp32"]["step_plain"], n["fp32"]["commits"]) == ("839.5", "")
     assert n["commits"] == "commit e615cb1, 2026-11-25"
     assert n["fp32"]["flat_vs_zero"] == "0.976×; flat at commit 4d6bc0b, ZeroRedundancyOptimizer at commit e615cb1"
-    assert n["bf16"]["flat_vs_zero"] == "0.880×; flat at commit fdb6874, ZeroRedundancyOptimizer at commit e615cb1"
+    assert n["bf16"]["flat_vs_zero"] == f"{355.0 / 389.4:.3f}×; both at commit fdb6874"
+    assert n["bf16"]["flat_zero_ms"] == "389.4"
     table = section["tables"]["summary"]
     labels = {(r[0], r[1]): r for r in table["rows"]}
-    assert labels[("ours, ZeRO-1 flat (FlatShardedOptimizer) †", "bf16")][2] == "355.0"
+    flat_bf16 = labels[("ours, ZeRO-1 flat (FlatShardedOptimizer) †", "bf16")]
+    assert flat_bf16[2:5] == ["355.0", f"{355.0 / 350.8:.3f}× ‡", f"{355.0 / 389.4:.3f}× ‡"]
+    flat_fp32 = labels[("ours, ZeRO-1 flat (FlatShardedOptimizer) †", "fp32")]
+    assert flat_fp32[2:5] == ["820.2", f"{820.2 / 839.5:.3f}×", f"{820.2 / 840.7:.3f}×"]  # the table's rows
+    assert "flat ZeRO-1 bf16 against AdamW's launch at commit f6153c0, 2026-11-25 (350.8 ms" in table["caption"]
+    assert "flat ZeRO-1 bf16 against ZeroRedundancyOptimizer's launch at commit fdb6874" in table["caption"]
     assert ("AdamW", "bf16") in labels and ("ours (ShardedOptimizer)", "bf16") in labels
     assert "Unmarked rows at commit e615cb1, 2026-11-25; † at another commit" in table["caption"]
     assert "fdb6874, 2026-11-25 (flat ZeRO-1 bf16)" in table["caption"]

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from cs336_systems.attention.config import FlashConfig
 from tests._writeup_fixture import flash_log_step, row
 from tests._writeup_fixture import leaderboard as fixture_leaderboard
@@ -36,11 +38,39 @@ def test_leaderboard_divides_by_ours_only_rows_of_ours_run(tmp_path):
             if r["provider"] == "sdpa_flash" else r for r in rows]
     built = section("leaderboard", tmp_path, leaderboard=rows)
     table = built["tables"]["main"]
-    ratio = {r[0]: r[3] for r in table["rows"]}
+    ratio = {r[0]: r[4] for r in table["rows"]}
     assert ratio["SDPA, FlashAttention backend †"] == DASH
     assert ratio["SDPA, cuDNN backend"] == "0.80×" and ratio["ours (FlashAttention-2 operator)"] == "1.00×"
     assert "† in another run of the same protocol (2026-11-20)" in table["caption"]
     assert (built["n"]["best"], built["n"]["best_ms"]) == ("SDPA, cuDNN backend", "8.00")
+
+
+def leaderboard_with_spread(ours_ms: float, cudnn_ms: float, half_width: float) -> list[dict]:
+    """The fixture's leaderboard run with ours and cuDNN at the given means, each call's 20th and 80th percentile
+    ``half_width`` ms either side of its mean."""
+    means = {"ours": ours_ms, "sdpa_cudnn": cudnn_ms}
+    rows = []
+    for r in fixture_leaderboard():
+        ms = means.get(r["provider"], r["fwd_bwd_ms"])
+        rows.append({**r, "fwd_bwd_ms": ms, "fwd_bwd_p20_ms": ms - half_width, "fwd_bwd_p80_ms": ms + half_width})
+    return rows
+
+
+@pytest.mark.parametrize("half_width, tie", [(0.04, True), (0.02, False)])
+def test_leaderboard_calls_a_difference_within_the_call_spread_a_tie(tmp_path, half_width, tie):
+    """Ours 4.607 ms against cuDNN 4.671 ms: a tie when the two 20th-80th percentile ranges overlap (their means are
+    0.064 ms apart), a win otherwise; the table shows each range."""
+    built = section("leaderboard", tmp_path, leaderboard=leaderboard_with_spread(4.607, 4.671, half_width))
+    n = built["n"]
+    assert n["tie"] is tie and n["faster"] and n["difference"] == f"{100 * (4.671 / 4.607 - 1):.1f} %"
+    ranges = {r[0]: r[2] for r in built["tables"]["main"]["rows"]}
+    assert ranges["SDPA, cuDNN backend"] == f"{4.671 - half_width:.3f} to {4.671 + half_width:.3f}"
+    assert n["ours_range"] == f"{4.607 - half_width:.3f} to {4.607 + half_width:.3f}"
+
+
+def test_leaderboard_without_percentiles_claims_no_tie(tmp_path):
+    n = section("leaderboard", tmp_path, leaderboard=fixture_leaderboard())["n"]
+    assert not n["tie"] and n["ours_range"] == DASH
 
 
 OURS_RUN = ("20261126T030000Z-aaaaaa", "2026-11-26T03:00:00Z", "aaaaaaa")

@@ -20,7 +20,7 @@ from cs336_systems.parallel.distributed import one_rank_group
 from cs336_systems.parallel.zero1 import FlatShardedOptimizer
 from tests._ddp_toy_models import assert_same_tensors
 from tests._distributed import assert_all_passed, gpu_world_size, run_checks
-from tests.test_sharded_optimizer import assert_same_state_dicts, hyperparameters, resumed_from
+from tests.test_optimizer_state_sharding import assert_same_state_dicts, hyperparameters, resumed_from
 
 STEPS = 8
 STEP_ADDING_A_GROUP = 3
@@ -198,6 +198,8 @@ def test_lower_precision_parameters_step_a_float32_master(one_rank):
 def test_bad_input_is_refused_naming_the_fix(one_rank):
     with pytest.raises(TypeError, match="optimizer class such as torch.optim.AdamW, got 'AdamW'"):
         FlatShardedOptimizer(nn.Linear(2, 2).parameters(), "AdamW", lr=0.1)
+    with pytest.raises(ValueError, match="empty parameter list"):
+        FlatShardedOptimizer([], torch.optim.AdamW, lr=0.1)
     with pytest.raises(ValueError, match="dense floating-point parameters, got a torch.complex64 tensor"):
         FlatShardedOptimizer([nn.Parameter(torch.ones(3, dtype=torch.complex64))], torch.optim.SGD, lr=0.1)
     flat = FlatShardedOptimizer(nn.Linear(2, 2).parameters(), torch.optim.AdamW, lr=0.1)

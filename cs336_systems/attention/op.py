@@ -73,7 +73,7 @@ def check_attention_inputs(Q: Tensor, K: Tensor, V: Tensor) -> None:
     """Raise a ``TypeError``/``ValueError`` naming the problem unless ``Q``, ``K``, ``V`` are valid inputs
     for the FlashAttention functions: tensors of shape ``(batch, seq, d)`` or ``(batch, heads, seq, d)``,
     on one device, of one floating dtype, with matching batch/head dims and ``d``, ``K``/``V`` of one
-    length, and no empty sequence."""
+    length, and no empty sequence or head dimension."""
     for name, tensor in (("Q", Q), ("K", K), ("V", V)):
         if not isinstance(tensor, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
@@ -100,12 +100,17 @@ def check_attention_inputs(Q: Tensor, K: Tensor, V: Tensor) -> None:
         raise ValueError(f"K and V must have the same length, got {K.shape[-2]} and {V.shape[-2]}")
     if Q.shape[-2] == 0 or K.shape[-2] == 0:
         raise ValueError(f"sequence lengths must be positive, got n_queries={Q.shape[-2]}, n_keys={K.shape[-2]}")
+    if Q.shape[-1] == 0:
+        raise ValueError("the head dimension d must be positive, got 0 (scores are scaled by 1/sqrt(d))")
 
 
 def check_inputs(Q: Tensor, K: Tensor, V: Tensor, is_causal: bool) -> None:
     """Raise a clear error for inputs our operator does not take."""
     check_is_causal(is_causal)
     check_attention_inputs(Q, K, V)
+    if Q.device.type == "meta":
+        raise ValueError("Q, K, V are meta tensors, which hold no data: the attention kernels run on CUDA tensors "
+                         "(CPU tensors under TRITON_INTERPRET=1)")
     if Q.dtype not in FLOAT_DTYPES:
         raise TypeError(f"unsupported dtype {Q.dtype}: the kernels take float16, bfloat16 or float32")
     if Q.shape[-1] > max(SUPPORTED_HEAD_DIMS) or Q.shape[-1] % 8:

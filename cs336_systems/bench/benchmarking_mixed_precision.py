@@ -67,6 +67,7 @@ def parser() -> cli.BenchmarkParser:
     p = cli.base_parser(__doc__)
     p.add_argument("--timings", action="store_true", help="also the fp32 vs bf16 sweep of benchmarking_script "
                    "(other options go to it)")
+    cli.add_edition(p)
     return p
 
 
@@ -82,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
         for name, value in dtypes.items():
             print(f"  {name:18s} {value}")
     if args.timings:
-        forwarded = ["--dtypes", "fp32", "bf16", *rest]
+        forwarded = ["--edition", args.edition, "--dtypes", "fp32", "bf16", *rest]
         if args.quick:
             forwarded.append("--quick")
         if args.results_dir:

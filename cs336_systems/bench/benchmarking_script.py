@@ -26,11 +26,11 @@ from typing import Any
 
 import torch
 
-from cs336_systems.bench.common import cli, result_store, timing
+from cs336_systems.attention import ATTENTION_NAMES
+from cs336_systems.bench.common import cli, model_sizes, result_store, timing
 from cs336_systems.bench.common.lm import (
     DTYPES,
     MODES,
-    SIZES,
     LMConfig,
     add_flops,
     build_model,
@@ -48,14 +48,14 @@ WARMUP_STUDY = (0, 1, 2, 5)
 
 def parser():
     p = cli.base_parser(__doc__)
-    p.add_argument("--sizes", nargs="+", default=None, choices=list(SIZES), help="model sizes (default: all five)")
-    p.add_argument("--context-length", type=int, default=None, help="tokens per sequence (default 512)")
-    p.add_argument("--batch-size", type=int, default=4)
+    cli.add_model_size(p, multiple=True, default="the edition's every size")
+    p.add_argument("--context-length", type=cli.positive_int, default=None, help="tokens per sequence (default 512)")
+    p.add_argument("--batch-size", type=cli.positive_int, default=4)
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=list(DTYPES))
-    p.add_argument("--warmup", type=int, default=5, help="untimed steps before timing")
-    p.add_argument("--steps", type=int, default=10, help="timed steps")
-    p.add_argument("--attention", default="naive", help="attention implementation (cs336_systems.attention names)")
+    p.add_argument("--warmup", type=cli.non_negative_int, default=5, help="untimed steps before timing")
+    p.add_argument("--steps", type=cli.positive_int, default=10, help="timed steps")
+    p.add_argument("--attention", default="naive", choices=ATTENTION_NAMES, help="attention implementation")
     p.add_argument("--compile", action="store_true", help="torch.compile the whole model")
     p.add_argument("--stack", choices=["ours", "torch"], default=None,
                    help="time the training step of a stack of cs336_systems.train instead (implies --modes train_step; "
@@ -67,12 +67,8 @@ def parser():
     return p
 
 
-
-
-
-
 def run_sweep(args, device: torch.device) -> list[dict[str, Any]]:
-    store = result_store.ResultStore(PROBLEM, args.results_dir, args.force)
+    store = result_store.ResultStore(PROBLEM, args.results_dir, args.force, edition=args.edition)
     cases = [
         dict(size=size, context_length=args.context_length, batch_size=args.batch_size, mode=mode, dtype=dtype,
              attention=args.attention, compile=args.compile, warmup=args.warmup, steps=args.steps, tag=args.tag,
@@ -88,11 +84,13 @@ def run_sweep(args, device: torch.device) -> list[dict[str, Any]]:
     bar = cli.progress(pending, PROBLEM)
     for size, size_cases in by_size.items():
         config = LMConfig(size, args.context_length, args.batch_size)
-        built = result_store.measure_or_oom(lambda: {} if args.stack else {"model": build_model(config, device, args.attention)})
+        too_large = None if args.stack else model_sizes.estimated_oom(size, "forward", device)
+        built = too_large or result_store.measure_or_oom(
+            lambda: {} if args.stack else {"model": build_model(config, device, args.attention)})
         model = built.pop("model", None)
         for case in size_cases:
-            if built["oom"]:
-                result = dict(built)
+            if built["oom"]:  # each mode's own estimate where there is one: it says what that mode needs
+                result = model_sizes.estimated_oom(size, case["mode"], device) or dict(built)
             elif args.stack:
                 result = result_store.measure_or_oom(lambda: measure_stack(
                     config, args.stack, case["dtype"], args.warmup, args.steps, device))
@@ -115,7 +113,8 @@ def run_warmup_study(args) -> None:
     """One fresh process per warm-up count, so the 0-warm-up steps include every first-call cost."""
     for warmup in WARMUP_STUDY:
         command = [
-            sys.executable, "-m", "cs336_systems.bench.benchmarking_script", "--sizes", *args.sizes,
+            sys.executable, "-m", "cs336_systems.bench.benchmarking_script", "--edition", args.edition,
+            "--sizes", *(model_sizes.size_label(size, args.edition) for size in args.sizes),
             "--modes", *args.modes, "--dtypes", *args.dtypes, "--warmup", str(warmup), "--steps", str(args.steps),
             "--context-length", str(args.context_length), "--batch-size", str(args.batch_size),
             "--tag", "warmup_study",
@@ -158,7 +157,7 @@ def profiler_activities(device: torch.device) -> list:
 def main(argv: list[str] | None = None) -> None:
     args, device, tiny = cli.start(parser(), argv)
     if args.sizes is None:
-        args.sizes = ["tiny"] if tiny else ["small", "medium", "large", "xl", "2.7B"]
+        args.sizes = ["tiny"] if tiny else model_sizes.edition_sizes(args.edition)
     if args.context_length is None:
         args.context_length = 32 if tiny else 512
     if tiny:

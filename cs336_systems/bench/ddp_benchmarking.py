@@ -51,7 +51,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cs336_systems.bench.common import cli, result_store, timeline, timing
+from cs336_systems.attention import ATTENTION_NAMES
+from cs336_systems.bench.common import cli, model_sizes, result_store, timeline, timing
 from cs336_systems.bench.common import distributed_launch as dl
 from cs336_systems.bench.common.ddp_step import (
     LOCAL,
@@ -63,7 +64,7 @@ from cs336_systems.bench.common.ddp_step import (
     variant_name,
     wrap,
 )
-from cs336_systems.bench.common.lm import DTYPES, SIZES, LMConfig, build_model, make_optimizer, random_batch
+from cs336_systems.bench.common.lm import DTYPES, LMConfig, build_model, make_optimizer, random_batch
 from cs336_systems.parallel.ddp import bucket_size_mb
 
 PROBLEM = "ddp_benchmarking"
@@ -79,19 +80,20 @@ def parser():
                    help=f"default: all ({' '.join(QUICK['variants'])} with --quick)")
     p.add_argument("--dtypes", nargs="+", default=None, choices=["fp32", "bf16"], help="default: fp32 bf16 (fp32 "
                    "with --quick)")
-    p.add_argument("--size", default=None, choices=list(SIZES), help="model size (default xl; tiny on CPU)")
-    p.add_argument("--context-length", type=int, default=None, help="default 512 (32 on CPU)")
-    p.add_argument("--batch-size", type=int, default=None, help="sequences per rank (default 4; 2 on CPU)")
-    p.add_argument("--attention", default="naive")
-    p.add_argument("--world-size", type=int, default=2, help="ranks when not under torchrun (default 2)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps per variant and dtype (default 3)")
-    p.add_argument("--steps", type=int, default=10, help="timed steps per variant and dtype (default 10)")
+    cli.add_model_size(p, multiple=False, default="xl; tiny on CPU")
+    p.add_argument("--context-length", type=cli.positive_int, default=None, help="default 512 (32 on CPU)")
+    p.add_argument("--batch-size", type=cli.positive_int, default=None, help="sequences per rank (default 4; 2 on CPU)")
+    p.add_argument("--attention", default="naive", choices=ATTENTION_NAMES)
+    p.add_argument("--world-size", type=cli.positive_int, default=2, help="ranks when not under torchrun (default 2)")
+    p.add_argument("--warmup", type=cli.non_negative_int, default=3,
+                   help="untimed steps per variant and dtype (default 3)")
+    p.add_argument("--steps", type=cli.positive_int, default=10, help="timed steps per variant and dtype (default 10)")
     p.add_argument("--trace", action="store_true", help="profile one step of each --trace-variants and draw it")
     p.add_argument("--trace-variants", nargs="+", type=variant_name, default=TRACE_VARIANTS,
                    help=f"default {' '.join(TRACE_VARIANTS)}")
     p.add_argument("--trace-dir", type=Path, default=DEFAULT_TRACE_DIR, help=f"raw traces (default {DEFAULT_TRACE_DIR})")
     cli.add_figures_dir(p)
-    p.add_argument("--timeout-s", type=float, default=3600.0, help="give up if the run hangs this long")
+    p.add_argument("--timeout-s", type=cli.positive_float, default=3600.0, help="give up if the run hangs this long")
     return p
 
 
@@ -181,10 +183,16 @@ def wanted_cases(args, world_size: int) -> list[dict[str, Any]]:
 
 def _worker(rank: int, world_size: int, args) -> None:
     device = dl.rank_device()
-    store = result_store.ResultStore(PROBLEM, args.results_dir, args.force, quiet=True) if rank == 0 else None
+    store = (result_store.ResultStore(PROBLEM, args.results_dir, args.force, quiet=True, edition=args.edition)
+             if rank == 0 else None)
     pending = dl.from_rank0(store.pending(wanted_cases(args, world_size)) if rank == 0 else None)
     todo = [c for c in pending if c["variant"] != LOCAL]
     if not pending:
+        return
+    too_large = model_sizes.estimated_oom(args.size, "train_step", device)  # every rank holds all of it
+    if too_large:
+        for config in pending if rank == 0 else []:
+            store.add(config, dict(too_large))
         return
     dtypes = [d for d in args.dtypes if any(c["dtype"] == d for c in pending)]
     variants = [LOCAL, *dict.fromkeys(c["variant"] for c in todo)]

@@ -25,7 +25,6 @@ directly to the measured exposed times gives the ``o`` and ``w`` that the step b
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from dataclasses import dataclass
@@ -84,13 +83,6 @@ def fit_overhead_model(n_buckets: list[float], total_bytes: list[float], overhea
         coefficients[column] = c
     o, inverse_w = coefficients
     return OverheadModel(float(o), math.inf if inverse_w == 0 else float(1 / inverse_w))
-
-
-def read_rows(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    with path.open() as file:
-        return [json.loads(line) for line in file if line.strip()]
 
 
 def _latest(rows: list[dict[str, Any]], key) -> list[dict[str, Any]]:
@@ -189,7 +181,7 @@ def compare_files(results_dir: Path | None = None, dtypes: tuple[str, ...] = ("f
     results_dir = Path(results_dir or result_store.RESULTS_DIR)
     problems = ("distributed_communication_single_node", "ddp_benchmarking")
     paths = [results_dir / f"{problem}.jsonl" for problem in problems]
-    allreduce, ddp = (read_rows(path) for path in paths)
+    allreduce, ddp = (result_store.read_rows(path) for path in paths)
     for path, rows in zip(paths, (allreduce, ddp)):
         devices = sorted({row.get("device", "?") for row in rows})
         print(f"# reading {path}: {len(rows)} rows ({', '.join(devices) or 'none'})", file=sys.stderr)

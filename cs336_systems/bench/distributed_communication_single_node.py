@@ -50,18 +50,18 @@ def parser():
     p = cli.base_parser(__doc__)
     p.add_argument("--backends", nargs="+", choices=BACKENDS, default=BACKENDS,
                    help="nccl is skipped for world sizes with too few GPUs (default: both)")
-    p.add_argument("--world-sizes", nargs="+", type=int, default=None, help=f"default {WORLD_SIZES}")
-    p.add_argument("--sizes-mb", nargs="+", type=float, default=None, help=f"tensor sizes in MB (default {SIZES_MB})")
-    p.add_argument("--warmup", type=int, default=5, help="warm-up calls, fewer when one call is slow (default 5)")
-    p.add_argument("--iters", type=int, default=20, help="timed calls at most (default 20)")
-    p.add_argument("--min-iters", type=int, default=3, help="timed calls at least (default 3)")
-    p.add_argument("--budget-s", type=float, default=3.0,
+    p.add_argument("--world-sizes", nargs="+", type=cli.positive_int, default=None, help=f"default {WORLD_SIZES}")
+    p.add_argument("--sizes-mb", nargs="+", type=cli.positive_float, default=None,
+                   help=f"tensor sizes in MB (default {SIZES_MB})")
+    p.add_argument("--warmup", type=cli.non_negative_int, default=5,
+                   help="warm-up calls, fewer when one call is slow (default 5)")
+    p.add_argument("--iters", type=cli.positive_int, default=20, help="timed calls at most (default 20)")
+    p.add_argument("--min-iters", type=cli.positive_int, default=3, help="timed calls at least (default 3)")
+    p.add_argument("--budget-s", type=cli.positive_float, default=3.0,
                    help="timed calls per case are cut to about this many seconds (within the bounds above)")
     cli.add_figures_dir(p, "plots")
-    p.add_argument("--timeout-s", type=float, default=1200.0, help="give up if a group hangs this long")
+    p.add_argument("--timeout-s", type=cli.positive_float, default=1200.0, help="give up if a group hangs this long")
     return p
-
-
 
 
 # ---------------------------------------------------------------------------------------------
@@ -171,8 +171,9 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     ax_bw.set_ylabel("bus bandwidth (GB/s)")
     ax_bw.legend(fontsize=8)
     gpu = rows[-1].get("env", {}).get("gpu_name") if rows else None
-    fig.suptitle(f"All-reduce on one node ({gpu or 'no GPU'}; gloo on CPU processes, NCCL one GPU per rank)",
-                 fontsize=10)
+    how = {"gloo": "gloo on CPU processes", "nccl": "NCCL one GPU per rank"}
+    backends = "; ".join(how[backend] for backend in sorted({backend for backend, _ in lines}))
+    fig.suptitle(f"All-reduce on one node ({gpu or 'no GPU'}; {backends or 'no rows'})", fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=130)
@@ -236,6 +237,9 @@ def report(args) -> None:
          for (b, n), f in fits.items()],
         ["backend", "world_size", "alpha_us", "beta_gbps"],
     )
+    for backend, world_size in sorted({(r["backend"], r["world_size"]) for r in shown} - set(fits)):
+        print(f"# {backend}, {world_size} ranks: no fit: it needs times at two or more sizes that grow with the "
+              "size (tiny tensors, as --quick's, may take the same time at every size)")
     path = (args.figures_dir or result_store.FIGURES_DIR) / f"{PROBLEM}.png"
     plot(rows, path)
     print(f"# plot: {path}", file=sys.stderr)

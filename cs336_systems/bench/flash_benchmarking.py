@@ -58,14 +58,14 @@ def parser():
     p = cli.base_parser(__doc__)
     p.add_argument("--providers", nargs="+", type=fp.provider_name, choices=list(fp.PROVIDERS), default=None,
                    help=f"default: {' '.join(GPU_PROVIDERS)} on a GPU, {' '.join(CPU_PROVIDERS)} on a CPU")
-    p.add_argument("--seq-lens", nargs="+", type=int, default=None)
-    p.add_argument("--head-dims", nargs="+", type=int, default=None)
+    p.add_argument("--seq-lens", nargs="+", type=cli.positive_int, default=None)
+    p.add_argument("--head-dims", nargs="+", type=cli.positive_int, default=None)
     p.add_argument("--dtypes", nargs="+", choices=list(fp.DTYPES), default=None)
-    p.add_argument("--rep", type=float, default=100, help="do_bench repetition time per phase, ms")
-    p.add_argument("--warmup", type=float, default=25, help="do_bench warm-up time per phase, ms")
-    p.add_argument("--flash-pytorch-max-seq", type=int, default=1024,
+    p.add_argument("--rep", type=cli.positive_float, default=100, help="do_bench repetition time per phase, ms")
+    p.add_argument("--warmup", type=cli.positive_float, default=25, help="do_bench warm-up time per phase, ms")
+    p.add_argument("--flash-pytorch-max-seq", type=cli.positive_int, default=1024,
                    help="longest length for flash_pytorch (its Python tile loop makes ~seq^2/2048 calls)")
-    p.add_argument("--naive-max-seq", type=int, default=None,
+    p.add_argument("--naive-max-seq", type=cli.positive_int, default=None,
                    help="longest length for naive and naive_compiled (default: all; out-of-memory becomes a row)")
     p.add_argument("--fixed-tiles", action="store_true", help="our kernels with fixed tiles (the default)")
     p.add_argument("--autotune", action="store_true", help="autotune our kernels' tiles per length bucket instead")

@@ -45,7 +45,10 @@ def point(text: str) -> tuple[int, int]:
     try:
         seq_len, d_head = (int(part) for part in text.lower().split("x"))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"a point is LENGTHxHEAD_DIM, e.g. 16384x64; got {text!r}") from None
+        seq_len = d_head = 0
+    if seq_len < 1 or d_head < 1:
+        raise argparse.ArgumentTypeError(f"a point is LENGTHxHEAD_DIM of positive whole numbers, e.g. 16384x64; "
+                                         f"got {text!r}")
     return seq_len, d_head
 
 
@@ -56,12 +59,15 @@ def parser():
     p.add_argument("--decision", choices=DECISIONS, default="pending")
     p.add_argument("--note", default="", help="anything else: what the profile showed, why it was dropped")
     p.add_argument("--set-decision", action="store_true", help="only record --decision (and --note) for --step")
-    p.add_argument("--show", action="store_true", help="print the log as a markdown table and exit")
-    p.add_argument("--rep", type=float, default=2000, help="do_bench repetition time at the leaderboard shape, ms")
-    p.add_argument("--warmup", type=float, default=200, help="do_bench warm-up time at the leaderboard shape, ms")
+    p.add_argument("--show", action="store_true", help=f"print the log as a markdown table and exit (the committed "
+                   f"{result_store.RESULTS_DIR.name}/{PROBLEM}.jsonl unless --results-dir names another folder)")
+    p.add_argument("--rep", type=cli.positive_float, default=2000,
+                   help="do_bench repetition time at the leaderboard shape, ms")
+    p.add_argument("--warmup", type=cli.positive_float, default=200,
+                   help="do_bench warm-up time at the leaderboard shape, ms")
     p.add_argument("--points", nargs="*", type=point, default=POINTS, help="sweep points, e.g. 16384x64")
-    p.add_argument("--point-rep", type=float, default=100, help="do_bench repetition time at each point, ms")
-    p.add_argument("--point-warmup", type=float, default=25)
+    p.add_argument("--point-rep", type=cli.positive_float, default=100, help="do_bench repetition time at each point, ms")
+    p.add_argument("--point-warmup", type=cli.positive_float, default=25)
     return p
 
 
@@ -154,13 +160,16 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parser().parse_args(argv)
-    store = result_store.ResultStore(PROBLEM, args.results_dir, force=True)  # a log: every call appends
-    if args.show or not args.step:  # with no step to measure, the log so far
-        print(f"# the optimisation log in {store.path} ({len(store.rows())} rows); --step NAME measures a step",
+    options = parser()
+    args = options.parse_args(argv)
+    if args.show or not args.step:  # with no step to measure, the log so far: the committed one unless told
+        shown = result_store.ResultStore(PROBLEM, args.results_dir if options.results_dir_given else None,
+                                         quiet=True)
+        print(f"# the optimisation log in {shown.path} ({len(shown.rows())} rows); --step NAME measures a step",
               file=sys.stderr)
-        print(markdown(store.rows()))
+        print(markdown(shown.rows()))
         return
+    store = result_store.ResultStore(PROBLEM, args.results_dir, force=True)  # a log: every call appends
     if args.set_decision:
         store.add({"step": args.step}, {"decision": args.decision, "note": args.note})
         print(f"# {args.step}: {args.decision}")

@@ -56,10 +56,9 @@ from torch.autograd.profiler import record_function
 
 from cs336_basics.nn_utils import cross_entropy
 from cs336_basics.optimizer import AdamW
-from cs336_systems.bench.common import cli, memory, result_store, timeline, timing
+from cs336_systems.bench.common import cli, memory, model_sizes, result_store, timeline, timing
 from cs336_systems.bench.common.lm import (
     DTYPES,
-    SIZES,
     VOCAB_SIZE,
     LMConfig,
     autocast,
@@ -83,15 +82,16 @@ STATE_BYTES_PER_PARAM = 12  # between steps: the weight and the moments (zero_gr
 def parser():
     p = cli.base_parser(__doc__)
     p.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS))
-    p.add_argument("--size", default=None, choices=list(SIZES), help="model size (default xl; tiny on a CPU)")
-    p.add_argument("--context-length", type=int, default=None, help="default 512 (32 on a CPU)")
-    p.add_argument("--batch-per-rank", type=int, default=4, help="sequences per rank (default 4)")
+    cli.add_model_size(p, multiple=False, default="xl; tiny on a CPU")
+    p.add_argument("--context-length", type=cli.positive_int, default=None, help="default 512 (32 on a CPU)")
+    p.add_argument("--batch-per-rank", type=cli.positive_int, default=4, help="sequences per rank (default 4)")
     p.add_argument("--dtype", default="bf16", choices=[d for d in DTYPES if d != "fp32"] + ["fp32"])
-    p.add_argument("--checkpointing", nargs="+", type=int, default=[0, 1], metavar="G",
+    p.add_argument("--checkpointing", nargs="+", type=cli.non_negative_int, default=[0, 1], metavar="G",
                    help="activation checkpointing in groups of G blocks, 0 for none (default: 0 1, both)")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--world-size", type=int, default=None, help="ranks when not under torchrun (default: GPUs, or 2)")
+    p.add_argument("--warmup", type=cli.non_negative_int, default=3)
+    p.add_argument("--steps", type=cli.positive_int, default=10)
+    p.add_argument("--world-size", type=cli.positive_int, default=None,
+                   help="ranks when not under torchrun (default: GPUs, or 2)")
     p.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto",
                    help="auto: NCCL with one GPU per rank when there are GPUs, else gloo ranks on the CPU")
     p.add_argument("--trace", default=None, metavar="DIR", help="also trace one step of ours into DIR and draw it")
@@ -104,7 +104,8 @@ def parser():
     p.add_argument("--memory-snapshot", default=None, metavar="DIR",
                    help="also record rank 0's allocator history over one step after the timed ones, into "
                         "DIR/fsdp_<impl>_<optimizer>.pickle (open it at pytorch.org/memory_viz)")
-    p.add_argument("--timeout-s", type=float, default=580.0, help="give up if the spawned ranks hang this long")
+    p.add_argument("--timeout-s", type=cli.positive_float, default=580.0,
+                   help="give up if the spawned ranks hang this long")
     return p
 
 
@@ -253,7 +254,8 @@ def step_cases(args, world_size: int) -> list[dict[str, Any]]:
 def run_measurements(rank: int, world_size: int, device: torch.device, args) -> None:
     config = LMConfig(args.size, args.context_length, args.batch_per_rank)
     dtype = DTYPES[args.dtype]
-    store = result_store.ResultStore(PROBLEM, args.results_dir, args.force, quiet=True) if rank == 0 else None
+    store = (result_store.ResultStore(PROBLEM, args.results_dir, args.force, quiet=True, edition=args.edition)
+             if rank == 0 else None)
     pending = [store.pending(step_cases(args, world_size)) if rank == 0 else None]
     dist.broadcast_object_list(pending, src=0)
     for case in pending[0]:
@@ -337,7 +339,7 @@ def run_trace(rank: int, world_size: int, device: torch.device, args) -> None:
              f"compute, {world_size}x {name}: one training step on rank 0")
     timeline.render_gathers(analysis, args.figure, title)
     print(f"# trace: {path}; timeline: {args.figure}", file=sys.stderr)
-    store = result_store.ResultStore(PROBLEM, args.results_dir, force=True)
+    store = result_store.ResultStore(PROBLEM, args.results_dir, force=True, edition=args.edition)
     case = dict(measure="timeline", impl="ours", size=args.size, context_length=args.context_length,
                 batch_per_rank=args.batch_per_rank, world_size=world_size, dtype=args.dtype)
     row = store.add(case, {**analysis["summary"], "figure": os.path.relpath(args.figure, result_store.REPO_ROOT)})
@@ -397,7 +399,7 @@ CHECK_TOLERANCE = {"fp32": 1e-6, "bf16": 1e-4}
 """On the first step's gradients, and on the weights after the AdamW steps (see :func:`weight_tolerance`)."""
 ADAMW_STEP_SHARE = 0.02
 """fp32 weights after AdamW steps on more than two ranks: within this share of one step (``lr``), as
-``tests/test_fsdp.py``'s ``ADAMW_TOL`` at its own lr."""
+``tests/test_fsdp_wrapper.py``'s ``ADAMW_TOL`` at its own lr."""
 
 
 def weight_tolerance(dtype: str, world_size: int, lr: float = CHECK_LR) -> float:
@@ -412,7 +414,8 @@ def weight_tolerance(dtype: str, world_size: int, lr: float = CHECK_LR) -> float
 
 
 def run_check(rank: int, world_size: int, device: torch.device, args) -> None:
-    store = result_store.ResultStore(PROBLEM, args.results_dir, force=True) if rank == 0 else None
+    store = (result_store.ResultStore(PROBLEM, args.results_dir, force=True, edition=args.edition)
+             if rank == 0 else None)
     failures = []
     for name in ("fp32", "bf16"):
         result = check_against_one_process(rank, world_size, device, DTYPES[name])
@@ -463,7 +466,7 @@ def worker(rank: int, world_size: int, args) -> None:
 def resolve(args, on_gpu: bool) -> None:
     """Fill in the defaults that depend on the machine."""
     tiny = args.quick or not on_gpu
-    args.size = args.size or ("tiny" if tiny else "xl")
+    args.size = args.size or ("tiny" if tiny else model_sizes.canonical_size("xl", args.edition))
     args.context_length = args.context_length or (32 if tiny else 512)
     if tiny:
         args.batch_per_rank = min(args.batch_per_rank, 2)

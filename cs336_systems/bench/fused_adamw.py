@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from cs336_systems.bench.common import cli, result_store, timing
-from cs336_systems.bench.common.lm import SIZES, LMConfig, build_model
+from cs336_systems.bench.common import cli, model_sizes, result_store, timing
+from cs336_systems.bench.common.lm import LMConfig, build_model
 from cs336_systems.train import make_optimizer
 
 PROBLEM = "fused_adamw"
@@ -34,10 +34,10 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 def parser():
     p = cli.base_parser(__doc__)
-    p.add_argument("--size", default=None, choices=list(SIZES), help="whose parameter shapes (default xl)")
+    cli.add_model_size(p, multiple=False, default="xl: whose parameter shapes")
     p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
     p.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=list(PROVIDERS))
-    p.add_argument("--rep", type=float, default=500, help="do_bench repetition time, ms")
+    p.add_argument("--rep", type=cli.positive_float, default=500, help="do_bench repetition time, ms")
     return p
 
 
@@ -82,11 +82,11 @@ def measure(provider: str, shapes: list[torch.Size], dtype: torch.dtype, device:
 
 def main(argv: list[str] | None = None) -> None:
     args, device, tiny = cli.start(parser(), argv)
-    args.size = args.size or ("tiny" if tiny else "xl")
+    args.size = args.size or ("tiny" if tiny else model_sizes.canonical_size("xl", args.edition))
     if device.type == "cpu" and "ours" in args.providers:
         print("# no GPU: our Triton AdamW is skipped (the interpreter is far too slow to time)", file=sys.stderr)
         args.providers = [p for p in args.providers if p not in ("ours", "torch_fused")]
-    store = result_store.ResultStore(PROBLEM, args.results_dir, args.force)
+    store = result_store.ResultStore(PROBLEM, args.results_dir, args.force, edition=args.edition)
     cases = [dict(size=args.size, dtype=dtype, provider=provider) for dtype in args.dtypes for provider in args.providers]
     pending = store.pending(cases)
     shapes = parameter_shapes(args.size)

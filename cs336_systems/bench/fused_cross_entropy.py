@@ -17,6 +17,7 @@ at context 2048, batch 4 (8,192 tokens, vocabulary 10,000, d 1600).
 
 from __future__ import annotations
 
+import argparse
 import sys
 from typing import Any
 
@@ -31,11 +32,14 @@ DEFAULT_SHAPES = ["32768:151936:4096", "8192:10000:1600"]
 
 
 def shape(text: str) -> tuple[int, int, int]:
-    """``tokens:vocab:d`` (argparse type)."""
+    """``tokens:vocab:d`` (argparse type), each at least 1."""
     try:
         tokens, vocab, d = (int(part) for part in text.split(":"))
     except ValueError:
-        raise ValueError(f"a shape is tokens:vocab:d, e.g. 8192:10000:1600, not {text!r}") from None
+        tokens = vocab = d = 0
+    if min(tokens, vocab, d) < 1:
+        raise argparse.ArgumentTypeError(f"a shape is tokens:vocab:d of positive whole numbers, e.g. 8192:10000:1600, "
+                                         f"not {text!r}")
     return tokens, vocab, d
 
 
@@ -43,7 +47,7 @@ def parser():
     p = cli.base_parser(__doc__)
     p.add_argument("--shapes", nargs="+", type=shape, default=None, help="tokens:vocab:d (default: leaderboard, xl)")
     p.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=PROVIDERS)
-    p.add_argument("--rep", type=float, default=300, help="do_bench repetition time, ms")
+    p.add_argument("--rep", type=cli.positive_float, default=300, help="do_bench repetition time, ms")
     return p
 
 

@@ -14,6 +14,7 @@ checkpointing and for each group size: peak memory and step time.
 Examples::
 
     python -m cs336_systems.bench.gradient_checkpointing                     # xl, batch 4, context 2048
+    python -m cs336_systems.bench.gradient_checkpointing --edition 2025      # 2025's xl (1600 wide)
     python -m cs336_systems.bench.gradient_checkpointing --group-sizes 1 2 4 --context-length 1024
 """
 
@@ -26,10 +27,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from cs336_systems.bench.common import cli, result_store, timing
+from cs336_systems.attention import ATTENTION_NAMES
+from cs336_systems.bench.common import cli, model_sizes, result_store, timing
 from cs336_systems.bench.common.lm import (
     DTYPES,
-    SIZES,
     LMConfig,
     autocast,
     build_model,
@@ -44,13 +45,14 @@ GROUP_SIZES = [1, 2, 3, 4, 6, 8, 12, 0]  # 0: no checkpointing (last: it is the 
 
 def parser():
     p = cli.base_parser(__doc__)
-    p.add_argument("--size", default=None, choices=list(SIZES), help="model size (default xl)")
-    p.add_argument("--context-length", type=int, default=None, help="default 2048")
-    p.add_argument("--batch-size", type=int, default=4)
+    cli.add_model_size(p, multiple=False, default="xl")
+    p.add_argument("--context-length", type=cli.positive_int, default=None, help="default 2048")
+    p.add_argument("--batch-size", type=cli.positive_int, default=4)
     p.add_argument("--dtype", default="fp32", choices=list(DTYPES))
-    p.add_argument("--attention", default="naive")
-    p.add_argument("--group-sizes", nargs="+", type=int, default=GROUP_SIZES, help="blocks per group (0: none)")
-    p.add_argument("--steps", type=int, default=3, help="timed training steps after one warm-up step")
+    p.add_argument("--attention", default="naive", choices=ATTENTION_NAMES)
+    p.add_argument("--group-sizes", nargs="+", type=cli.non_negative_int, default=GROUP_SIZES,
+                   help="blocks per group (0: none)")
+    p.add_argument("--steps", type=cli.positive_int, default=3, help="timed training steps after one warm-up step")
     return p
 
 
@@ -92,12 +94,12 @@ def measure_group(model, optimizer, config: LMConfig, group: int, dtype: str, st
 
 def main(argv: list[str] | None = None) -> None:
     args, device, tiny = cli.start(parser(), argv)
-    size = args.size or ("tiny" if tiny else "xl")
+    size = args.size or ("tiny" if tiny else model_sizes.canonical_size("xl", args.edition))
     context = args.context_length or (32 if tiny else 2048)
     if tiny:
         args.batch_size, args.steps = min(args.batch_size, 2), 1
     config = LMConfig(size, context, args.batch_size)
-    store = result_store.ResultStore(PROBLEM, args.results_dir, args.force)
+    store = result_store.ResultStore(PROBLEM, args.results_dir, args.force, edition=args.edition)
     base = dict(size=size, context_length=context, batch_size=args.batch_size, dtype=args.dtype,
                 attention=args.attention)
     cases = store.pending([{**base, "group_size": k} for k in args.group_sizes])

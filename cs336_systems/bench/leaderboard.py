@@ -51,11 +51,14 @@ CPU = dict(heads=2, seq_len=256, d_head=64, rep=50, warmup=10)
 def parser():
     p = cli.base_parser(__doc__, resumes=False)
     p.add_argument("--providers", nargs="+", choices=list(fp.LEADERBOARD_PROVIDERS), default=list(fp.LEADERBOARD_PROVIDERS))
-    p.add_argument("--rep", type=float, default=None, help=f"do_bench repetition time, ms (default {REP_MS})")
-    p.add_argument("--warmup", type=float, default=None, help=f"do_bench warm-up time, ms (default {WARMUP_MS})")
-    p.add_argument("--heads", type=int, default=fp.LEADERBOARD_HEADS, help="the leading dimension of q, k, v (heads)")
-    p.add_argument("--seq-len", type=int, default=fp.LEADERBOARD_SEQ_LEN)
-    p.add_argument("--d-head", type=int, default=fp.LEADERBOARD_D_HEAD)
+    p.add_argument("--rep", type=cli.positive_float, default=None,
+                   help=f"do_bench repetition time, ms (default {REP_MS})")
+    p.add_argument("--warmup", type=cli.positive_float, default=None,
+                   help=f"do_bench warm-up time, ms (default {WARMUP_MS})")
+    p.add_argument("--heads", type=cli.positive_int, default=fp.LEADERBOARD_HEADS,
+                   help="the leading dimension of q, k, v (heads)")
+    p.add_argument("--seq-len", type=cli.positive_int, default=fp.LEADERBOARD_SEQ_LEN)
+    p.add_argument("--d-head", type=cli.positive_int, default=fp.LEADERBOARD_D_HEAD)
     p.add_argument("--dtype", choices=list(fp.DTYPES), default=fp.LEADERBOARD_DTYPE)
     p.add_argument("--no-fwd", action="store_true", help="skip the forward-only timings")
     p.add_argument("--no-verify", action="store_true", help="skip the checks of the compiled wrapper")
@@ -113,7 +116,8 @@ def main(argv: list[str] | None = None) -> None:
     resolve_defaults(args, device)
     fp.choose_tiles(args.fixed_tiles, args.autotune)
     if device.type != "cuda":
-        print("# ours needs a GPU: on the CPU only the SDPA backends run (an error row for ours)", file=sys.stderr)
+        print("# no GPU: only SDPA's flash backend has a CPU kernel (error rows, not timed: ours, cuDNN, "
+              "memory-efficient)", file=sys.stderr)
     print(f"# q, k, v ({args.heads}, {args.seq_len}, {args.d_head}) {args.dtype}, causal; "
           f"do_bench(rep={args.rep:g}, warmup={args.warmup:g})", file=sys.stderr)
     rows = run(args, device)

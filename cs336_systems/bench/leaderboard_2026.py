@@ -94,16 +94,20 @@ def parser():
     p = cli.base_parser(__doc__)
     p.add_argument("--stacks", nargs="+", default=["torch", "ours"], choices=list(SHARDED_STACKS),
                    help="stacks of cs336_systems.train.SHARDED_STACKS (rows call torch's 'pytorch')")
-    p.add_argument("--rep-ms", type=float, default=OFFICIAL["rep_ms"], help="do_bench rep (official 30000)")
-    p.add_argument("--warmup-ms", type=float, default=OFFICIAL["warmup_ms"], help="do_bench warmup (official 10000)")
-    p.add_argument("--num-layers", type=int, default=None, help="fewer layers for a trial (official 34)")
-    p.add_argument("--context-length", type=int, default=None, help="shorter sequences for a trial (official 32768)")
+    p.add_argument("--rep-ms", type=cli.positive_float, default=OFFICIAL["rep_ms"],
+                   help="do_bench rep (official 30000)")
+    p.add_argument("--warmup-ms", type=cli.positive_float, default=OFFICIAL["warmup_ms"],
+                   help="do_bench warmup (official 10000)")
+    p.add_argument("--num-layers", type=cli.positive_int, default=None, help="fewer layers for a trial (official 34)")
+    p.add_argument("--context-length", type=cli.positive_int, default=None,
+                   help="shorter sequences for a trial (official 32768)")
     p.add_argument("--warm", action="store_true", help="keep the usual Triton/Inductor caches (default: fresh ones)")
     p.add_argument("--check", action="store_true", help="only the correctness check against one process")
-    p.add_argument("--world-size", type=int, default=2, help="ranks when not under torchrun (default 2)")
-    p.add_argument("--per-rank-batch", type=int, default=1,
+    p.add_argument("--world-size", type=cli.positive_int, default=2, help="ranks when not under torchrun (default 2)")
+    p.add_argument("--per-rank-batch", type=cli.positive_int, default=1,
                    help="sequences per rank (official 1: batch 2 on two ranks); with --world-size 1, one rank's work")
-    p.add_argument("--timeout-s", type=float, default=900.0, help="give up on a stack whose ranks hang this long")
+    p.add_argument("--timeout-s", type=cli.positive_float, default=900.0,
+                   help="give up on a stack whose ranks hang this long")
     p.add_argument("--checkpoint-plan", choices=CHECKPOINT_PLANS, default="auto",
                    help="what each block's backward recomputes, in both stacks: 'auto' (default) plans from the free "
                         "memory measured on the ranks (every block selective where that fits, then blocks kept "
@@ -265,8 +269,6 @@ def case_of(args, stack: str, config: dict[str, int], world_size: int) -> dict[s
 
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
-    if args.per_rank_batch < 1:
-        raise SystemExit(f"--per-rank-batch must be >= 1, got {args.per_rank_batch}")
     world_size = int(os.environ["WORLD_SIZE"]) if dl.under_torchrun() else args.world_size
     backend, reason = dl.choose_backend(world_size)
     on_gpu = backend == "nccl"

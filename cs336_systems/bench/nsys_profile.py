@@ -35,8 +35,8 @@ from typing import Any
 import torch
 
 from cs336_systems.attention.reference import nvtx_range
-from cs336_systems.bench.common import cli, result_store, timing
-from cs336_systems.bench.common.lm import SIZES, LMConfig, build_model, make_optimizer, make_step, random_batch
+from cs336_systems.bench.common import cli, model_sizes, result_store, timing
+from cs336_systems.bench.common.lm import LMConfig, build_model, make_optimizer, make_step, random_batch
 
 PROBLEM = "nsys_profile"
 PHASES = ("forward", "backward", "optimizer")
@@ -47,10 +47,11 @@ TOP = 8
 
 def parser():
     p = cli.base_parser(__doc__)
-    p.add_argument("--sizes", nargs="+", default=None, choices=list(SIZES))
-    p.add_argument("--contexts", nargs="+", type=int, default=None, help="context lengths (default 128 256 512 1024)")
-    p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--steps", type=int, default=2, help="profiled training steps (after 2 warm-up steps)")
+    cli.add_model_size(p, multiple=True, default="the edition's every size")
+    p.add_argument("--contexts", nargs="+", type=cli.positive_int, default=None,
+                   help="context lengths (default 128 256 512 1024)")
+    p.add_argument("--batch-size", type=cli.positive_int, default=4)
+    p.add_argument("--steps", type=cli.positive_int, default=2, help="profiled training steps (after 2 warm-up steps)")
     return p
 
 
@@ -155,16 +156,17 @@ def profile_case(config: LMConfig, steps: int, device: torch.device) -> dict[str
 
 def main(argv: list[str] | None = None) -> None:
     args, device, tiny = cli.start(parser(), argv)
-    sizes = args.sizes or (["tiny"] if tiny else ["small", "medium", "large", "xl", "2.7B"])
+    sizes = args.sizes or (["tiny"] if tiny else model_sizes.edition_sizes(args.edition))
     contexts = args.contexts or ([32] if tiny else [128, 256, 512, 1024])
     if tiny:
         args.batch_size, args.steps = min(args.batch_size, 2), 1
-    store = result_store.ResultStore(PROBLEM, args.results_dir, args.force)
+    store = result_store.ResultStore(PROBLEM, args.results_dir, args.force, edition=args.edition)
     cases = [dict(size=s, context_length=c, batch_size=args.batch_size, dtype="fp32", steps=args.steps)
              for s in sizes for c in contexts]
     for case in cli.progress(store.pending(cases), PROBLEM):
         config = LMConfig(case["size"], case["context_length"], case["batch_size"])
-        result = result_store.measure_or_oom(lambda: profile_case(config, args.steps, device))
+        result = (model_sizes.estimated_oom(config.size, "train_step", device)
+                  or result_store.measure_or_oom(lambda: profile_case(config, args.steps, device)))
         store.add(case, result)
         timing.free_memory()
     rows = store.asked_rows()

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from cs336_systems.bench.common import cli, result_store, timing
+from cs336_systems.bench.common import cli, model_sizes, result_store, timing
 from cs336_systems.bench.common.lm import SIZES, VOCAB_SIZE
 
 PROBLEM = "op_overhead"
@@ -56,11 +56,12 @@ PROVIDERS = {
 def parser():
     p = cli.base_parser(__doc__)
     p.add_argument("--ops", nargs="+", default=list(PROVIDERS), choices=list(PROVIDERS))
-    p.add_argument("--size", default="xl", choices=list(SIZES), help="model size whose shapes the non-attention ops take")
-    p.add_argument("--context", type=int, default=512, help="context length of the model shapes")
-    p.add_argument("--batch", type=int, default=4, help="batch size of the model shapes")
-    p.add_argument("--calls", type=int, default=100, help="calls per timed loop")
-    p.add_argument("--repeats", type=int, default=7, help="timed loops (median)")
+    cli.add_model_size(p, multiple=False, default="xl: whose shapes the non-attention ops take; the AdamW "
+                       "rows' shape is its canonical key")
+    p.add_argument("--context", type=cli.positive_int, default=512, help="context length of the model shapes")
+    p.add_argument("--batch", type=cli.positive_int, default=4, help="batch size of the model shapes")
+    p.add_argument("--calls", type=cli.positive_int, default=100, help="calls per timed loop")
+    p.add_argument("--repeats", type=cli.positive_int, default=7, help="timed loops (median)")
     p.add_argument("--profile", default=None, help="print a cProfile of this provider's issue loops; write no rows")
     return p
 
@@ -228,6 +229,7 @@ def cases_for(args, device: torch.device) -> list[dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> None:
     args, device, tiny = cli.start(parser(), argv)
+    args.size = args.size or model_sizes.canonical_size("xl", args.edition)
     if device.type != "cuda":
         print("# no GPU: PyTorch's providers only, tiny shapes (our kernels would need the interpreter)",
               file=sys.stderr)

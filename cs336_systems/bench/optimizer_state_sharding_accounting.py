@@ -46,10 +46,11 @@ from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from cs336_basics.optimizer import AdamW
+from cs336_systems.attention import ATTENTION_NAMES
 from cs336_systems.bench.common import cli, result_store, timing
 from cs336_systems.bench.common import distributed_launch as dl
 from cs336_systems.bench.common.ddp_step import LOCAL, Marker, make_train_step, time_steps, variant_name, wrap
-from cs336_systems.bench.common.lm import DTYPES, SIZES, LMConfig, build_model, random_batch
+from cs336_systems.bench.common.lm import DTYPES, LMConfig, build_model, random_batch
 from cs336_systems.parallel.sharded_optimizer import ShardedOptimizer
 from cs336_systems.parallel.zero1 import FlatShardedOptimizer
 from cs336_systems.train.step import ADAMW_HYPERPARAMETERS
@@ -67,14 +68,14 @@ def parser():
     p.add_argument("--ddp", type=variant_name, default="bucketed_100mb",
                    help="data-parallel wrapper, a ddp_benchmarking variant (default bucketed_100mb)")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
-    p.add_argument("--size", default=None, choices=list(SIZES), help="model size (default xl; tiny on CPU)")
-    p.add_argument("--context-length", type=int, default=None, help="default 512 (32 on CPU)")
-    p.add_argument("--batch-size", type=int, default=None, help="sequences per rank (default 4; 2 on CPU)")
-    p.add_argument("--attention", default="naive")
-    p.add_argument("--world-size", type=int, default=2, help="ranks when not under torchrun (default 2)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps (default 2)")
-    p.add_argument("--steps", type=int, default=5, help="timed steps (default 5)")
-    p.add_argument("--timeout-s", type=float, default=3600.0, help="give up if the run hangs this long")
+    cli.add_model_size(p, multiple=False, default="xl; tiny on CPU")
+    p.add_argument("--context-length", type=cli.positive_int, default=None, help="default 512 (32 on CPU)")
+    p.add_argument("--batch-size", type=cli.positive_int, default=None, help="sequences per rank (default 4; 2 on CPU)")
+    p.add_argument("--attention", default="naive", choices=ATTENTION_NAMES)
+    p.add_argument("--world-size", type=cli.positive_int, default=2, help="ranks when not under torchrun (default 2)")
+    p.add_argument("--warmup", type=cli.non_negative_int, default=2, help="untimed steps (default 2)")
+    p.add_argument("--steps", type=cli.positive_int, default=5, help="timed steps (default 5)")
+    p.add_argument("--timeout-s", type=cli.positive_float, default=3600.0, help="give up if the run hangs this long")
     return p
 
 
@@ -195,7 +196,8 @@ def wanted_cases(args, world_size: int) -> list[dict[str, Any]]:
 
 def _worker(rank: int, world_size: int, args) -> None:
     device = dl.rank_device()
-    store = result_store.ResultStore(PROBLEM, args.results_dir, args.force) if rank == 0 else None
+    store = (result_store.ResultStore(PROBLEM, args.results_dir, args.force, edition=args.edition)
+             if rank == 0 else None)
     cases = dl.from_rank0(store.pending(wanted_cases(args, world_size)) if rank == 0 else None)
     if not cases:
         return

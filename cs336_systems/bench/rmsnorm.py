@@ -61,8 +61,8 @@ import torch
 from torch import nn
 
 from cs336_basics.model import RMSNorm
-from cs336_systems.bench.common import cli, result_store, timing
-from cs336_systems.bench.common.lm import SIZES, LMConfig, build_model, measure_case
+from cs336_systems.bench.common import cli, model_sizes, result_store, timing
+from cs336_systems.bench.common.lm import LMConfig, build_model, measure_case
 
 PROBLEM = "rmsnorm"
 COLS = [768, 1024, 1280, 1600, 2560, 4096, 8192]
@@ -71,7 +71,6 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 PROVIDERS = ("ours", "eager", "compile", "liger", "quack")
 PASSES = ("fwd", "fwd_bwd")
 TIMERS = ("do_bench", "graph")
-MODEL_SIZES = ["small", "medium", "large", "xl", "2.7B"]
 NORMS = ("plain", "fused", "fused_autocast")
 EPS = 1e-5
 
@@ -79,8 +78,8 @@ EPS = 1e-5
 def parser():
     p = cli.base_parser(__doc__)
     p.add_argument("--part", choices=["kernel", "model", "both"], default="both")
-    p.add_argument("--cols", nargs="+", type=int, default=None, help=f"hidden sizes N (default {COLS})")
-    p.add_argument("--rows", nargs="+", type=int, default=None, help=f"row counts M (default {ROWS})")
+    p.add_argument("--cols", nargs="+", type=cli.positive_int, default=None, help=f"hidden sizes N (default {COLS})")
+    p.add_argument("--rows", nargs="+", type=cli.positive_int, default=None, help=f"row counts M (default {ROWS})")
     p.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES))
     p.add_argument("--providers", nargs="+", choices=PROVIDERS, default=list(PROVIDERS))
     p.add_argument("--passes", nargs="+", choices=PASSES, default=list(PASSES))
@@ -90,14 +89,15 @@ def parser():
                         "do_bench's interval may hold at small shapes); graph rows carry `timer: graph`")
     p.add_argument("--run-id", default=None,
                    help="kernel part: continue this run (its rows' `run`), measuring only the cases it lacks")
-    p.add_argument("--sizes", nargs="+", choices=list(SIZES), default=None, help="model part (default: all five)")
+    cli.add_model_size(p, multiple=True, default="model part: the edition's every size")
     p.add_argument("--norms", nargs="+", choices=NORMS, default=list(NORMS), help="model part: which RMSNorm")
     p.add_argument("--compile", nargs="+", choices=["off", "on"], default=["off", "on"], dest="compile_modes",
                    help="model part: eager, compiled or both")
-    p.add_argument("--context-length", type=int, default=512)
-    p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--warmup", type=int, default=5, help="untimed training steps (model part; compilation happens there)")
-    p.add_argument("--steps", type=int, default=10, help="timed training steps (model part)")
+    p.add_argument("--context-length", type=cli.positive_int, default=512)
+    p.add_argument("--batch-size", type=cli.positive_int, default=4)
+    p.add_argument("--warmup", type=cli.non_negative_int, default=5,
+                   help="untimed training steps (model part; compilation happens there)")
+    p.add_argument("--steps", type=cli.positive_int, default=10, help="timed training steps (model part)")
     return p
 
 
@@ -368,12 +368,13 @@ def print_kernel_summary(store: result_store.ResultStore, timer: str) -> None:
 
 
 def model_cases(args) -> list[dict[str, Any]]:
+    xl = model_sizes.canonical_size("xl", args.edition)
     base = dict(part="model", context_length=args.context_length, batch_size=args.batch_size, mode="train_step",
                 dtype="bf16")
     cases = [{**base, "size": size, "norm": norm, "attention": "naive", "compile": compiled == "on"}
              for size in args.sizes for compiled in args.compile_modes for norm in args.norms]
-    if "xl" in args.sizes and "on" in args.compile_modes:
-        cases += [{**base, "size": "xl", "norm": norm, "attention": "sdpa" if norm == "plain" else "triton",
+    if xl in args.sizes and "on" in args.compile_modes:
+        cases += [{**base, "size": xl, "norm": norm, "attention": "sdpa" if norm == "plain" else "triton",
                    "compile": True} for norm in args.norms]
     return cases
 
@@ -381,6 +382,9 @@ def model_cases(args) -> list[dict[str, Any]]:
 def measure_model_case(case: dict[str, Any], device: torch.device, warmup: int, steps: int) -> dict[str, Any]:
     from cs336_systems.kernels.rmsnorm import use_fused_rmsnorm
 
+    too_large = model_sizes.estimated_oom(case["size"], case["mode"], device)
+    if too_large:
+        return too_large
     config = LMConfig(case["size"], case["context_length"], case["batch_size"])
     model = build_model(config, device, case["attention"])
     if case["norm"] != "plain":
@@ -406,7 +410,8 @@ def run_models(args, device: torch.device, store: result_store.ResultStore) -> l
     return [row for row in store.asked_rows() if row.get("part") == "model"]
 
 
-def print_model_summary(rows: list[dict[str, Any]]) -> None:
+def print_model_summary(rows: list[dict[str, Any]], xl: str) -> None:
+    """The model part's table and step-time ratios; ``xl``: the canonical key of the edition's xl."""
     cli.print_table(rows, ["size", "norm", "attention", "compile", "median_ms", "mean_ms", "std_ms", "oom"])
     by_key = {(r["size"], r["norm"], r["attention"], r["compile"]): r.get("median_ms") for r in rows}
     for size in dict.fromkeys(r["size"] for r in rows):
@@ -416,9 +421,9 @@ def print_model_summary(rows: list[dict[str, Any]]) -> None:
                 fused = by_key.get((size, norm, "naive", compiled))
                 if plain and fused:
                     print(f"# {size} {'compiled' if compiled else 'eager'}: {norm} / plain step time = {fused / plain:.3f}")
-    plain = by_key.get(("xl", "plain", "sdpa", True))
+    plain = by_key.get((xl, "plain", "sdpa", True))
     for norm in NORMS[1:]:
-        ours = by_key.get(("xl", norm, "triton", True))
+        ours = by_key.get((xl, norm, "triton", True))
         if plain and ours:
             print(f"# xl, compiled: ({norm} RMSNorm + Triton attention) / (plain RMSNorm + SDPA) step time = "
                   f"{ours / plain:.3f}")
@@ -434,15 +439,16 @@ def main(argv: list[str] | None = None) -> None:
     elif args.quick:
         args.cols, args.rows = args.cols or [768, 2560], args.rows or [16384]
         args.sizes, args.steps = args.sizes or ["small"], min(args.steps, 3)
-    args.cols, args.rows, args.sizes = args.cols or COLS, args.rows or ROWS, args.sizes or MODEL_SIZES
+    args.cols, args.rows = args.cols or COLS, args.rows or ROWS
+    args.sizes = args.sizes or model_sizes.edition_sizes(args.edition)
     if args.quick:
         args.dtypes = args.dtypes[:1]
-    store = result_store.ResultStore(PROBLEM, args.results_dir, args.force)
+    store = result_store.ResultStore(PROBLEM, args.results_dir, args.force, edition=args.edition)
     if args.part in ("kernel", "both"):
         run_kernels(args, device, store)
         print_kernel_summary(store, args.timer)
     if args.part in ("model", "both"):
-        print_model_summary(run_models(args, device, store))
+        print_model_summary(run_models(args, device, store), model_sizes.canonical_size("xl", args.edition))
 
 
 if __name__ == "__main__":

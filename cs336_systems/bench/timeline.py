@@ -10,6 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from cs336_systems.bench.common import cli
 from cs336_systems.bench.common.timeline import (
     LANE_PHASES,
     load_trace,
@@ -21,7 +22,7 @@ from cs336_systems.bench.common.timeline import (
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("traces", nargs="*", type=Path,
+    p.add_argument("traces", nargs="*", type=cli.existing_file,
                    help="Chrome traces, one per rank, in rank order (ddp_benchmarking --trace writes them)")
     p.add_argument("-o", "--output", type=Path, default=None, help="the PNG to write (default: timeline.png beside "
                    "the first trace)")

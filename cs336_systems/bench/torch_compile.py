@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 
 from cs336_systems.bench.common import attention_grid as grid
-from cs336_systems.bench.common import cli, result_store, timing
-from cs336_systems.bench.common.lm import SIZES, LMConfig, add_flops, build_model, measure_case
+from cs336_systems.bench.common import cli, model_sizes, result_store, timing
+from cs336_systems.bench.common.lm import LMConfig, add_flops, build_model, measure_case
 
 PROBLEM = "torch_compile"
 
@@ -28,16 +28,16 @@ PROBLEM = "torch_compile"
 def parser():
     p = grid.add_arguments(cli.base_parser(__doc__))
     p.add_argument("--part", choices=["attention", "model", "both"], default="both")
-    p.add_argument("--sizes", nargs="+", default=None, choices=list(SIZES))
+    cli.add_model_size(p, multiple=True, default="the edition's every size")
     p.add_argument("--dtypes", nargs="+", default=["fp32"], choices=["fp32", "bf16"])
-    p.add_argument("--context-length", type=int, default=None)
-    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--context-length", type=cli.positive_int, default=None, help="model part (default 512)")
+    p.add_argument("--steps", type=cli.positive_int, default=10, help="model part: timed steps")
     p.add_argument("--compile-backend", default="inductor", help="torch.compile backend for the model part")
     return p
 
 
 def run_models(args, device: torch.device) -> list[dict]:
-    store = result_store.ResultStore(PROBLEM, args.results_dir, args.force)
+    store = result_store.ResultStore(PROBLEM, args.results_dir, args.force, edition=args.edition)
     cases = [
         dict(part="model", size=size, context_length=args.context_length, batch_size=4, mode=mode, dtype=dtype,
              compile=compiled and args.compile_backend, warmup=5, steps=args.steps)
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
     args, device, _ = cli.start(parser(), argv)
     grid.resolve_defaults(args, device)
     tiny = args.quick or device.type == "cpu"
-    args.sizes = args.sizes or (["tiny"] if tiny else ["small", "medium", "large", "xl", "2.7B"])
+    args.sizes = args.sizes or (["tiny"] if tiny else model_sizes.edition_sizes(args.edition))
     args.context_length = args.context_length or (32 if tiny else 512)
     if tiny:
         args.steps = min(args.steps, 2)

@@ -39,8 +39,8 @@ from typing import Any
 
 import torch
 
-from cs336_systems.bench.common import cli, flops, result_store, timing
-from cs336_systems.bench.common.lm import SIZES, VOCAB_SIZE, LMConfig, build_model, random_batch
+from cs336_systems.bench.common import cli, flops, model_sizes, result_store, timing
+from cs336_systems.bench.common.lm import VOCAB_SIZE, LMConfig, build_model, random_batch
 from cs336_systems.train import STACKS, build_training_step
 from cs336_systems.train.step import RESIDUAL_NORMS, Parts
 
@@ -51,17 +51,20 @@ DEFAULT_SHAPES = ["512:4", "2048:4", "8192:1"]
 
 
 def shape(text: str) -> tuple[int, int]:
-    """``context:batch`` (argparse type)."""
+    """``context:batch`` (argparse type), both at least 1."""
     try:
         context, batch = (int(part) for part in text.split(":"))
     except ValueError:
-        raise ValueError(f"a shape is context:batch, e.g. 512:4, not {text!r}") from None
+        context = batch = 0
+    if context < 1 or batch < 1:
+        raise argparse.ArgumentTypeError(f"a shape is context:batch of positive whole numbers, e.g. 512:4, "
+                                         f"not {text!r}")
     return context, batch
 
 
 def parser():
     p = cli.base_parser(__doc__)
-    p.add_argument("--sizes", nargs="+", default=None, choices=list(SIZES), help="model sizes (default: all five)")
+    cli.add_model_size(p, multiple=True, default="the edition's every size")
     p.add_argument("--shapes", nargs="+", type=shape, default=None, help="context:batch pairs (default 512:4 2048:4 8192:1)")
     p.add_argument("--stacks", nargs="+", default=["torch", "ours"], choices=list(STACKS))
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
@@ -69,9 +72,9 @@ def parser():
     p.add_argument("--override", nargs="*", default=[], help="part=value changes to every stack (e.g. compile=model)")
     p.add_argument("--residual-norm", choices=RESIDUAL_NORMS, default=None,
                    help="residual adds fused into our RMSNorm or separate (default: separate, rows without the key)")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--phase-steps", type=int, default=3)
+    p.add_argument("--warmup", type=cli.non_negative_int, default=3)
+    p.add_argument("--steps", type=cli.positive_int, default=8)
+    p.add_argument("--phase-steps", type=cli.non_negative_int, default=3)
     p.add_argument("--case", default=None, help=argparse.SUPPRESS)  # internal: measure one case (JSON), print its row
     return p
 
@@ -164,11 +167,11 @@ def main(argv: list[str] | None = None) -> None:
               file=sys.stderr)
         args.stacks, args.override = ["torch"], [*args.override, "compile=none", "optimizer=basics"]
         args.variants = ["default"]
-    args.sizes = args.sizes or (["tiny"] if tiny else ["small", "medium", "large", "xl", "2.7B"])
+    args.sizes = args.sizes or (["tiny"] if tiny else model_sizes.edition_sizes(args.edition))
     args.shapes = args.shapes or ([(32, 2)] if tiny else [shape(s) for s in DEFAULT_SHAPES])
     if tiny:
         args.warmup, args.steps, args.phase_steps = min(args.warmup, 1), min(args.steps, 2), min(args.phase_steps, 1)
-    store = result_store.ResultStore(PROBLEM, args.results_dir, args.force)
+    store = result_store.ResultStore(PROBLEM, args.results_dir, args.force, edition=args.edition)
     # The torch stack first, so that ours' rows find its rows of this run.
     stacks = sorted(args.stacks, key=lambda stack: stack != "torch")
     cases = [dict(size=size, context_length=context, batch_size=batch, stack=stack, variant=variant,
@@ -180,7 +183,7 @@ def main(argv: list[str] | None = None) -> None:
     timing.free_memory()  # the children get the whole GPU
     for case in cli.progress(pending, PROBLEM):
         config = LMConfig(case["size"], case["context_length"], case["batch_size"])
-        result = measure_in_fresh_process(case, args)
+        result = model_sizes.estimated_oom(case["size"], "train_step", device) or measure_in_fresh_process(case, args)
         h = config.hparams
         step_flops = 3 * flops.lm_forward_flops(VOCAB_SIZE, h["d_model"], h["d_ff"], h["num_layers"], config.batch_size,
                                                 config.context_length, causal_attention=True)

@@ -299,7 +299,7 @@ def fused_adamw_(
     if n == 0:
         return
     device, param_dtype, grad_dtype = params[0].device, params[0].dtype, grads[0].dtype
-    check_device(params[0], "the fused AdamW kernel", "cs336_systems.kernels.adamw", reads_host_addresses=True)
+    check_device(params[0], "the kernels of FusedAdamW", "cs336_systems.kernels.adamw", reads_host_addresses=True)
     for dtype, what in ((param_dtype, "parameter"), (grad_dtype, "gradient")):
         if dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"unsupported {what} dtype {dtype}: the fused AdamW takes float32, bfloat16 or float16")

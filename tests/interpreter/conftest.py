@@ -1,8 +1,8 @@
 """The Triton kernels through the Triton CPU interpreter, at small sizes: one check per test.
 
-``tests/conftest.py`` switches the interpreter on (``TRITON_INTERPRET=1``) on a machine without a CUDA GPU, before
-any kernel module is imported. Where the kernels are compiled instead (a GPU, or ``TRITON_INTERPRET=0``) these tests
-are skipped: the ``gpu`` tests beside the kernel test files check the same kernels on the GPU at full sizes.
+``tests/_pytest_plugin.py`` switches the interpreter on (``TRITON_INTERPRET=1``) on a machine without a CUDA GPU,
+before any kernel module is imported. Where the kernels are compiled instead (a GPU, or ``TRITON_INTERPRET=0``) these
+tests are skipped: the ``gpu`` tests beside the kernel test files check the same kernels on the GPU at full sizes.
 
 float32 and float16 where a kernel multiplies with ``tl.dot``: the interpreter's ``tl.dot`` on bfloat16 is wrong.
 The interpreter casts float32 to bfloat16 by truncation (a GPU rounds to nearest): bfloat16 tolerances here allow

@@ -22,8 +22,6 @@ from tests._flash_checks import (
     run_reference,
 )
 
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the interpreter warns by the hundred
-
 # float32 through the interpreter is NumPy float32, so its error is rounding only.
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 5e-3}
 

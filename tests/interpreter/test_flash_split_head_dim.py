@@ -19,8 +19,6 @@ from cs336_systems.attention.backends.common import head_dim_parts
 from tests._flash_checks import QUANTITIES, make_qkv, relative_error, run_function, run_reference
 from tests.interpreter.test_attention import TOLERANCE, _poison_outputs, check_matches_float64_reference  # noqa: F401
 
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the interpreter warns by the hundred
-
 
 def test_split_head_dims_are_two_powers_of_two_of_at_least_16():
     assert [d for d in range(8, 129, 8) if d in portable.HEAD_DIMS] == [16, 32, 48, 64, 80, 96, 128]

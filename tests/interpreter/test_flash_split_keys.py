@@ -13,8 +13,6 @@ from cs336_systems.attention.backends import triton as portable
 from cs336_systems.attention.reference import reference_attention
 from cs336_systems.kernels.launch import poisoned_outputs
 
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the interpreter warns by the hundred
-
 
 @pytest.mark.parametrize("n_splits", [2, 7])  # 7: parts past the end of short sweeps stay empty
 @pytest.mark.parametrize("shape, n_keys, is_causal", [

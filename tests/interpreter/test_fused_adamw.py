@@ -22,7 +22,6 @@ from tests.test_fused_adamw import (
 )
 
 pytestmark = [
-    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
     # eps = 0: the interpreter computes masked-off lanes too, as 0 / 0, and never stores them.
     pytest.mark.filterwarnings("ignore:invalid value encountered in divide:RuntimeWarning"),
 ]

@@ -15,8 +15,6 @@ from cs336_systems.kernels.launch import interpreting
 from tests import test_fused_cross_entropy
 from tests.test_fused_cross_entropy import check_against_float64, make_inputs
 
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the interpreter warns by the hundred
-
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 PYTORCH_ROWS_STEP = cross_entropy._rows_step_torch
 PYTORCH_BF16_FLOOR = test_fused_cross_entropy.ERROR_FLOOR[torch.bfloat16]

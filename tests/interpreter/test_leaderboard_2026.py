@@ -14,8 +14,6 @@ from cs336_basics.model import BasicsTransformerLM
 from cs336_systems.bench import leaderboard_2026
 from cs336_systems.train import STACKS, build_training_step
 
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the interpreter warns by the hundred
-
 
 @pytest.mark.slow
 def test_sharded_stacks_match_one_process(monkeypatch):

@@ -13,8 +13,6 @@ from cs336_systems.kernels import residual_rmsnorm, rmsnorm
 from tests.interpreter.test_rmsnorm import _poison_outputs_and_allow_truncation  # noqa: F401  (autouse)
 from tests.test_residual_rmsnorm import add_rms_norm_float64, check_against_float64, make_inputs
 
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the interpreter warns by the hundred
-
 # bfloat16 has no tl.dot here to go wrong; its casts truncate (see conftest.py), which the fixture allows for.
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 

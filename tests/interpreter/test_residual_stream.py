@@ -15,8 +15,6 @@ from cs336_systems.train import STACKS, Parts, build_training_step
 from cs336_systems.train.residual_stream import block_groups, hidden_states_with_fused_residual_norm
 from cs336_systems.train.step import apply_parts, checkpoint_options
 
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the interpreter warns by the hundred
-
 NUM_LAYERS = 3
 
 

@@ -14,8 +14,6 @@ from cs336_systems.kernels.launch import interpreting, poisoned_outputs
 from tests import test_rmsnorm
 from tests.test_rmsnorm import check_against_float64, make_inputs
 
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the interpreter warns by the hundred
-
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 

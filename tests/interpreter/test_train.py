@@ -11,8 +11,6 @@ import torch
 from cs336_basics.model import BasicsTransformerLM
 from cs336_systems.train import STACKS, build_training_step
 
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the interpreter warns by the hundred
-
 
 def train(stack: str, compile_mode: str, steps: int = 2) -> tuple[list[float], dict[str, torch.Tensor]]:
     torch.manual_seed(0)

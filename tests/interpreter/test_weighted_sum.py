@@ -7,8 +7,6 @@ import torch
 
 from tests.test_weighted_sum import check_against_torch
 
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the interpreter warns by the hundred
-
 
 @pytest.mark.parametrize(
     "shape, dtype",

@@ -14,6 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from pipeline import editions
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -86,13 +88,19 @@ class Results:
     def rows(self, problem: str, one_device: bool = True,
              keep: Callable[[list[dict[str, Any]]], list[dict[str, Any]]] | None = None,
              world_size: int | None = None) -> list[dict[str, Any]]:
-        """Latest row per configuration of ``<problem>.jsonl``; only rows of ``world_size`` ranks, if given; then
+        """Latest row per configuration of ``<problem>.jsonl``, of those the edition being built reads
+        (:mod:`pipeline.editions`); only rows of ``world_size`` ranks, if given; then
         only the main device's rows if ``one_device``; only those ``keep`` returns, if given (the rows a section
         leaves out stay out of its environment line).
 
-        Raises :class:`Missing` naming the file when it does not exist.
+        Raises :class:`Missing` naming the file when it does not exist or lacks the rows the edition needs.
         """
         rows = latest_per_config(self._read(f"{problem}.jsonl"))
+        rows = [row for row in rows if editions.keeps(problem, row)]  # those the edition's answers read
+        lacking = editions.lacking(problem, rows)
+        if lacking or not rows:
+            raise Missing(display_path(self.path(f"{problem}.jsonl")),
+                          f"{lacking or 'no rows'} (the {editions.current()} edition)")
         if world_size is not None:
             rows = [row for row in rows if row.get("world_size") == world_size]
             if not rows:

@@ -6,8 +6,9 @@ library, and no tool imports another (``tests/test_layout.py`` checks it).
 | ``result_store`` | the results file of a problem (resume, out-of-memory rows) and the environment every row carries |
 | ``timing`` | synchronisation, timed calls and their statistics, ``do_bench`` (also agreed across ranks), peak memory, the measured matmul rate |
 | ``flops`` | FLOP accounting of the language model (MFU) |
-| ``cli`` | the options every tool takes, the device announcement, progress bars, printed tables |
-| ``lm`` | the language model under benchmark: named sizes, random batches, one step in timed phases |
+| ``cli`` | every tool's options (edition and size names, checked counts), device announcement, bars, tables |
+| ``model_sizes`` | model sizes by canonical key, each edition's names for them, the memory of weights and AdamW state |
+| ``lm`` | the language model under benchmark: built by size, random batches, one step in timed phases |
 | ``memory`` | CUDA memory snapshots, the active-memory timeline, the largest allocations |
 | ``attention_grid`` | the naive-attention grid (``pytorch_attention``, ``torch_compile``) |
 | ``attention_providers`` | the attention implementations raced by name, their timing and checks, the leaderboard protocol |

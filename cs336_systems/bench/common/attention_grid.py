@@ -15,11 +15,11 @@ from cs336_systems.bench.common import cli, result_store, timing
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The grid's options."""
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--head-dims", nargs="+", type=int, default=None)
-    p.add_argument("--seq-lens", nargs="+", type=int, default=None)
-    p.add_argument("--passes", type=int, default=100, help="timed forwards, and timed backwards")
-    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--batch-size", type=cli.positive_int, default=8)
+    p.add_argument("--head-dims", nargs="+", type=cli.positive_int, default=None)
+    p.add_argument("--seq-lens", nargs="+", type=cli.positive_int, default=None)
+    p.add_argument("--passes", type=cli.positive_int, default=100, help="timed forwards, and timed backwards")
+    p.add_argument("--warmup", type=cli.non_negative_int, default=5)
     return p
 
 

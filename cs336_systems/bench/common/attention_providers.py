@@ -51,6 +51,10 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # ---------------------------------------------------------------------------------------------------
 
 
+# SDPA backends with CUDA kernels only (its flash backend has a CPU kernel too), by their readable names.
+SDPA_CUDA_ONLY = {"CUDNN_ATTENTION": "cuDNN", "EFFICIENT_ATTENTION": "memory-efficient"}
+
+
 @dataclass(frozen=True)
 class Provider:
     """One attention implementation: how to build it, and which ``sdpa_kernel`` backend (if any) it pins."""
@@ -73,6 +77,8 @@ class Provider:
         """Why this provider cannot run on ``device`` at all (None when it can)."""
         if self.triton and device.type != "cuda":
             return "our Triton kernels need a CUDA GPU to be timed (the Triton CPU interpreter is far too slow)"
+        if self.sdpa_backend in SDPA_CUDA_ONLY and device.type != "cuda":
+            return f"SDPA's {SDPA_CUDA_ONLY[self.sdpa_backend]} backend has no CPU kernel: skipped"
         return None
 
 

@@ -13,22 +13,101 @@ from typing import Any
 
 import torch
 
+from cs336_systems.bench.common import model_sizes
 from cs336_systems.bench.common.result_store import FIGURES_DIR, RESULTS_DIR, SCRATCH_DIR
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number of at least 1 (counts of steps, tokens, sequences, ranks, sizes)."""
+    return _int_at_least(text, 1)
+
+
+def non_negative_int(text: str) -> int:
+    """An argparse type: a whole number of at least 0 (warm-up steps, say)."""
+    return _int_at_least(text, 0)
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a number above 0 (megabytes, milliseconds, seconds)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:  # NaN fails too
+        raise argparse.ArgumentTypeError(f"{text} must be above 0")
+    return value
+
+
+def existing_file(text: str) -> Path:
+    """An argparse type: the path of a file that exists (a clear message, not a traceback, when it does not)."""
+    path = Path(text)
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"no such file: {text}")
+    return path
+
+
+def _int_at_least(text: str, least: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < least:
+        raise argparse.ArgumentTypeError(f"{value} must be at least {least}")
+    return value
+
+
+def add_edition(parser: argparse.ArgumentParser) -> None:
+    """The ``--edition`` option: which course edition's size names ``--size``/``--sizes`` take (rows keep the
+    canonical key in ``size`` and the edition's name in ``size_label``)."""
+    names = "; ".join(f"{edition}: {' '.join(names)}" for edition, names in model_sizes.EDITIONS.items())
+    parser.add_argument("--edition", choices=list(model_sizes.EDITIONS), default=model_sizes.DEFAULT_EDITION,
+                        help=f"the course edition whose model sizes to use (default {model_sizes.DEFAULT_EDITION}; "
+                             f"{names}; 2026's xl is 2025's 2.7B; tiny in both)")
+
+
+def add_model_size(parser: argparse.ArgumentParser, multiple: bool, default: str) -> None:
+    """``--edition`` and ``--sizes`` (``multiple``: one or more names) or ``--size`` (one name) in that edition's
+    names; ``default`` says in the help what the tool measures without it."""
+    add_edition(parser)
+    if multiple:
+        parser.add_argument("--sizes", nargs="+", default=None, metavar="SIZE",
+                            help=f"model sizes, named as in --edition (default {default})")
+    else:
+        parser.add_argument("--size", default=None, metavar="SIZE",
+                            help=f"model size, named as in --edition (default {default})")
 
 
 class BenchmarkParser(argparse.ArgumentParser):
     """Parses a tool's options, then points ``results_dir`` (and ``figures_dir``, where the tool has one) at
     the git-ignored scratch folder when none was given and the run is a smoke run (``--quick``) or has no
-    GPU: committed results come only from deliberate GPU runs."""
+    GPU: committed results come only from deliberate GPU runs. Where the tool takes ``--edition``, the size
+    names of ``--size``/``--sizes`` become canonical keys (an unknown name exits with status 2).
+    ``results_dir_given`` says afterwards whether the command line named ``--results-dir``."""
 
     def parse_known_args(self, args=None, namespace=None):
         parsed, rest = super().parse_known_args(args, namespace)
+        if hasattr(parsed, "edition"):
+            self._resolve_sizes(parsed)
         scratch = getattr(parsed, "quick", False) or not torch.cuda.is_available()
+        self.results_dir_given = getattr(parsed, "results_dir", None) is not None
         if getattr(parsed, "results_dir", "absent") is None:
             parsed.results_dir = SCRATCH_DIR / "results" if scratch else RESULTS_DIR
         if getattr(parsed, "figures_dir", "absent") is None:
             parsed.figures_dir = SCRATCH_DIR / "figures" if scratch else FIGURES_DIR
         return parsed, rest
+
+    def _resolve_sizes(self, parsed: argparse.Namespace) -> None:
+        for option in ("size", "sizes"):
+            names = getattr(parsed, option, None)
+            if names is None:
+                continue
+            try:
+                if isinstance(names, list):
+                    setattr(parsed, option, [model_sizes.canonical_size(n, parsed.edition) for n in names])
+                else:
+                    setattr(parsed, option, model_sizes.canonical_size(names, parsed.edition))
+            except ValueError as error:
+                self.error(f"argument --{option}: {error}")
 
 
 def base_parser(description: str, resumes: bool = True) -> argparse.ArgumentParser:
@@ -80,7 +159,8 @@ def progress(items: list, desc: str):
     # tqdm's default lock holds a multiprocessing semaphore, which a spawned rank never releases (Python warns of
     # "leaked semaphore objects" at exit); our bars live in one process each, so a thread lock does.
     tqdm.set_lock(threading.RLock())
-    return tqdm(items, desc=desc, file=sys.stderr, dynamic_ncols=True)
+    # Nothing to measure (all done, or nothing asked): no bar rather than an empty "0it" one.
+    return tqdm(items, desc=desc, file=sys.stderr, dynamic_ncols=True, disable=not len(items))
 
 
 def fmt(value: Any, digits: int = 2) -> str:

@@ -3,6 +3,7 @@ with the communication it exposes: shared by ``ddp_benchmarking`` and ``optimize
 
 from __future__ import annotations
 
+import argparse
 import timeit
 
 import torch
@@ -11,7 +12,7 @@ from torch import nn
 from cs336_basics.nn_utils import cross_entropy
 from cs336_systems.bench.common import timing
 from cs336_systems.bench.common.lm import autocast
-from cs336_systems.parallel.ddp import variant_type, wrap_ddp
+from cs336_systems.parallel.ddp import bucket_size_mb, variant_type, wrap_ddp
 
 LOCAL = "local"  # the model unwrapped: the compute-only reference
 # The variants measured by default (any DDP variant name is accepted: see cs336_systems.parallel.ddp.variants).
@@ -19,7 +20,14 @@ VARIANTS = ["naive", "flat", "overlap", "bucketed_1mb", "bucketed_10mb", "bucket
             "torch_ddp"]
 
 
-variant_name = variant_type(LOCAL)  # argparse type: ``local`` or a DDP variant's name
+_local_or_variant = variant_type(LOCAL)
+
+
+def variant_name(name: str) -> str:
+    """argparse type: ``local`` or a DDP variant's name, a bucketed one's cap above 0 MiB."""
+    if bucket_size_mb(name) == 0:
+        raise argparse.ArgumentTypeError(f"{name}: N of bucketed_<N>mb is the bucket cap in MiB and must be above 0")
+    return _local_or_variant(name)
 
 
 def wrap(variant: str, model: nn.Module) -> nn.Module:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cs336_systems.bench.common import result_store
+from cs336_systems.bench.common import model_sizes, result_store
 from cs336_systems.parallel.distributed import cleanup, init_from_env, spawn
 
 
@@ -116,11 +116,11 @@ def launch_lm_benchmark(problem: str, worker: Callable[..., None], args: Any,
                         wanted_cases: Callable[[Any, int], list[dict[str, Any]]],
                         isolate: Callable[[Any], list[Any]] | None = None) -> None:
     """The entry of a distributed language-model benchmark: choose the world size and backend, fill in the
-    model defaults (xl, context 512, 4 sequences per rank under NCCL; the tiny model otherwise), and launch
-    ``worker(args)`` on every rank unless every case of ``wanted_cases(args, world_size)`` is measured.
+    model defaults (the edition's xl, context 512, 4 sequences per rank under NCCL; the tiny model otherwise), and
+    launch ``worker(args)`` on every rank unless every case of ``wanted_cases(args, world_size)`` is measured.
 
-    ``args`` needs ``quick``, ``world_size``, ``size``, ``context_length``, ``batch_size``, ``warmup``,
-    ``steps``, ``results_dir``, ``force`` and ``timeout_s``.
+    ``args`` needs ``quick``, ``world_size``, ``edition``, ``size``, ``context_length``, ``batch_size``,
+    ``warmup``, ``steps``, ``results_dir``, ``force`` and ``timeout_s``.
 
     ``isolate(args)`` splits the work into parts (copies of ``args`` asking for one variant each) that are
     launched one after another, each on freshly spawned ranks, so that no variant measures memory or time
@@ -135,13 +135,14 @@ def launch_lm_benchmark(problem: str, worker: Callable[..., None], args: Any,
         print(f"# {world_size} ranks, {backend}: {reason}" + ("; tiny model" if tiny else ""), file=sys.stderr)
         if args.quick:
             print("# --quick: smoke-test configuration", file=sys.stderr)
-    args.size = args.size or ("tiny" if tiny else "xl")
+    args.size = args.size or ("tiny" if tiny else model_sizes.canonical_size("xl", args.edition))
     args.context_length = args.context_length or (32 if tiny else 512)
     args.batch_size = args.batch_size or (2 if tiny else 4)
     if args.quick:
         args.warmup, args.steps = 1, 2
     parts = isolate(args) if isolate is not None and not under_torchrun() else [args]
     for part in parts:
-        if not result_store.ResultStore(problem, part.results_dir, part.force).pending(wanted_cases(part, world_size)):
+        store = result_store.ResultStore(problem, part.results_dir, part.force, edition=part.edition)
+        if not store.pending(wanted_cases(part, world_size)):
             continue  # the store said so
         launch(worker, world_size, part, backend=backend, timeout_s=part.timeout_s)

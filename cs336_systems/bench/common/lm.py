@@ -15,17 +15,15 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from cs336_basics.model import MODEL_SIZES, BasicsTransformerLM
+from cs336_basics.model import BasicsTransformerLM
 from cs336_basics.nn_utils import cross_entropy
 from cs336_systems.attention import get_attention
 from cs336_systems.bench.common import flops, timing
+# The sizes' table lives in model_sizes; the tools import it from here too.
+from cs336_systems.bench.common.model_sizes import SIZES, TINY, VOCAB_SIZE, estimated_oom  # noqa: F401
 from cs336_systems.train import step as train_step
 from cs336_systems.train.step import phase_timer
 
-VOCAB_SIZE = 10_000
-# A model small enough for a CPU smoke test; not one of the assignment's sizes.
-TINY = dict(d_model=64, d_ff=256, num_layers=2, num_heads=4)
-SIZES: dict[str, dict[str, int]] = {**MODEL_SIZES, "tiny": TINY}
 MODES = ("forward", "forward_backward", "train_step")
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -124,8 +122,12 @@ def measure_case(
 ) -> dict[str, Any]:
     """Time one (size, mode, dtype) case: per-step and per-phase seconds, summarised in ms.
 
-    ``compile_model``: False for eager, True (inductor) or a ``torch.compile`` backend name.
+    ``compile_model``: False for eager, True (inductor) or a ``torch.compile`` backend name. A case whose weights
+    and optimizer state alone exceed the device's memory is an out-of-memory row without trying.
     """
+    too_large = estimated_oom(config.size, mode, device)
+    if too_large:
+        return too_large
     model = model if model is not None else build_model(config, device, attention)
     if compile_model:
         runner = torch.compile(model, backend="inductor" if compile_model is True else compile_model)
@@ -161,6 +163,10 @@ def measure_stack(
     """Time the training step of a named stack of :mod:`cs336_systems.train` (``ours`` or ``torch``) like
     :func:`measure_case` times a ``train_step``: per-step and per-phase seconds, summarised in ms."""
     from cs336_systems.train import build_training_step
+
+    too_large = estimated_oom(config.size, "train_step", device)
+    if too_large:
+        return too_large
 
     step = build_training_step(build_model(config, device), stack, autocast_dtype=DTYPES[dtype])
     x, y = random_batch(config, device)

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from cs336_systems.bench.common import model_sizes
 from cs336_systems.bench.common.timing import free_memory
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -78,6 +79,24 @@ def environment() -> dict[str, Any]:
     }
 
 
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    """The rows of a results file (none if it does not exist); a line that is not JSON is a ValueError naming the
+    file and the line."""
+    if not path.exists():
+        return []
+    rows = []
+    with path.open() as file:
+        for number, line in enumerate(file, start=1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{path}, line {number}: not a JSON row ({error.msg} at column {error.colno}); "
+                                 "repair or delete that line") from None
+    return rows
+
+
 def _matches(row: dict[str, Any], config: dict[str, Any]) -> bool:
     """Whether ``row`` was measured for exactly ``config`` (same configuration keys, same values)."""
     return set(row.get("config_keys", ())) == set(config) and all(row.get(k) == v for k, v in config.items())
@@ -86,9 +105,14 @@ def _matches(row: dict[str, Any], config: dict[str, Any]) -> bool:
 class ResultStore:
     """Rows of one problem in ``<results_dir>/<problem>.jsonl``, appended one line at a time."""
 
-    def __init__(self, problem: str, results_dir: Path | str | None = None, force: bool = False, quiet: bool = False):
-        """``quiet``: say nothing on stderr (where rows go, what is skipped), for a caller that reports itself."""
+    def __init__(self, problem: str, results_dir: Path | str | None = None, force: bool = False, quiet: bool = False,
+                 edition: str | None = None):
+        """``quiet``: say nothing on stderr (where rows go, what is skipped), for a caller that reports itself.
+        ``edition``: the course edition whose size names the tool took; each row with a ``size`` then also holds
+        ``edition`` and ``size_label`` (the size's name in it), beside the configuration, not in it: a row measured
+        for one edition is done for the other."""
         self.problem = problem
+        self.edition = edition
         self.path = Path(results_dir or RESULTS_DIR) / f"{problem}.jsonl"
         self.force = force
         self.run = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ") + "-" + secrets.token_hex(3)
@@ -100,10 +124,7 @@ class ResultStore:
 
     def rows(self) -> list[dict[str, Any]]:
         """Every row in the file (all devices, all runs)."""
-        if not self.path.exists():
-            return []
-        with self.path.open() as file:
-            return [json.loads(line) for line in file if line.strip()]
+        return read_rows(self.path)
 
     def done(self, config: dict[str, Any]) -> bool:
         """Whether ``config`` was already measured on this device (always False with ``force``)."""
@@ -118,6 +139,7 @@ class ResultStore:
             "run": self.run,
             "problem": self.problem,
             **config,
+            **self._labels(config),
             **measurements,
             "config_keys": sorted(config),
             "device": self.env["device"],
@@ -131,6 +153,11 @@ class ResultStore:
             file.write(json.dumps(row) + "\n")
         self._measured.append(row)
         return row
+
+    def _labels(self, config: dict[str, Any]) -> dict[str, Any]:
+        if self.edition is None or "size" not in config:
+            return {}
+        return {"edition": self.edition, "size_label": model_sizes.size_label(config["size"], self.edition)}
 
     def newest(self, config: dict[str, Any]) -> dict[str, Any] | None:
         """The newest row measured on this device whose fields include every item of ``config`` (None if none)."""

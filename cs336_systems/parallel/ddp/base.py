@@ -38,6 +38,13 @@ class DataParallelModule(nn.Module):
     Gradient accumulation: run the backward passes of all micro-batches but the last inside
     :meth:`no_sync` (gradients then only accumulate locally), the last one outside it, then call
     :meth:`finish_gradient_synchronization` once.
+
+    Calling :meth:`finish_gradient_synchronization` again with no backward in between is harmless: the
+    gradients are already averaged, equal on every rank, and averaging them again leaves them as they are
+    (exactly when the world size is a power of two, else to rounding). The overlapped wrapper then has
+    nothing to wait for and does nothing; the others all-reduce again, so every rank must repeat the call.
+    An optimizer built on the module's parameters before wrapping trains the wrapped model (the wrappers
+    keep the module's own parameter objects), and a module without parameters is wrapped as it is.
     """
 
     def __init__(self, module: nn.Module):

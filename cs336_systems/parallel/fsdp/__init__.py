@@ -17,7 +17,7 @@ Modules, in reading order:
 
 fp32 training matches one process only to float tolerance: the ranks sum their own tokens, then the collective
 sums the ranks' partial sums, while one process sums all tokens in one matmul (``python
-scripts/fsdp_equality_demo.py``; ``tests/test_fsdp.py`` compares to tolerance).
+scripts/fsdp_equality_demo.py``; ``tests/test_fsdp_wrapper.py`` compares to tolerance).
 """
 
 from cs336_systems.parallel.fsdp.state import Grads, IllegalTransition, Phase, Weights

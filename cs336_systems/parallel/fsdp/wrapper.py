@@ -46,6 +46,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.autograd.profiler import record_function
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from cs336_systems.parallel.distributed import require_process_group
 from cs336_systems.parallel.fsdp.state import Call, Grads, Phase, Step, Weights
@@ -110,7 +111,31 @@ def cast_floating(value: Any, dtype: torch.dtype) -> Any:
 
 
 def _unpack(tensor: Tensor) -> Tensor:
+    """A saved tensor, about to be read by backward. Only a view of a gathered buffer can have lost its storage: the
+    unit's gradients were reduced and its buffer freed, so this is a second backward through one forward."""
+    if tensor.numel() and not tensor.untyped_storage().nbytes():
+        raise RuntimeError(
+            "a second backward through the same FSDP forward is not supported: the gathered weights it needs were "
+            "freed after the first backward (backward(retain_graph=True) cannot be repeated); run the forward again"
+        )
     return tensor
+
+
+_REPLACED = "_replaced_by_fsdp"  # set on each parameter FSDP took out of a module (the module's shards train)
+
+
+def _refuse_replaced_parameters(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """An optimizer step pre-hook, registered for every optimizer once FSDP exists: stepping parameters that FSDP
+    replaced would silently train nothing (they get no gradient)."""
+    for group in optimizer.param_groups:
+        if any(getattr(param, _REPLACED, False) for param in group["params"]):
+            raise RuntimeError(
+                f"{type(optimizer).__name__} holds parameters of a module that FSDP has since wrapped: FSDP replaced "
+                "them with its shards. Build the optimizer after wrapping, from the FSDP module's parameters()"
+            )
+
+
+_step_hook: Any = None
 
 
 class FSDP(nn.Module):
@@ -126,10 +151,12 @@ class FSDP(nn.Module):
     memory holds the reduced gradient shards (``reduce_stream`` or ``compute_stream``; see
     :class:`~cs336_systems.parallel.fsdp.transport.CudaStreamTransport`).
 
-    Limits: every rank must call the same units in the same order; one forward per backward; call
-    :meth:`finish_gradient_synchronization` after every backward; move the module to its device before wrapping
-    (``.to()`` afterwards would break the shard/parameter aliasing); a unit's output must not be a view of its
-    parameters, and a trainable weight's saved uses must lead into its gradient (a ``weight.detach()`` saved for
+    Limits: every rank must call the same units in the same order; one backward per forward (a second one raises);
+    call :meth:`finish_gradient_synchronization` after every backward (a repeated call does nothing); build the
+    optimizer after wrapping, from this module's ``parameters()`` (an optimizer holding the module's original
+    parameters, which FSDP replaces with its shards, raises at its first step); move the module to its device before
+    wrapping (``.to()`` afterwards would break the shard/parameter aliasing); a unit's output must not be a view of
+    its parameters, and a trainable weight's saved uses must lead into its gradient (a ``weight.detach()`` saved for
     backward could outlive the buffer, which is freed once the unit's gradients are reduced).
 
     At construction every rank takes rank 0's parameters and buffers, then keeps its shards only.
@@ -146,7 +173,7 @@ class FSDP(nn.Module):
             raise ValueError(f"compute_dtype must be a floating-point dtype, got {compute_dtype}")
         params = list(module.parameters())
         if not params:
-            raise ValueError("the module has no parameters to shard")
+            raise ValueError("the module has no parameters to shard: FSDP needs at least one")
         self.device = params[0].device
         if any(p.device != self.device for p in params) or any(not p.is_floating_point() for p in params):
             raise ValueError("FSDP needs floating-point parameters, all on one device")
@@ -159,6 +186,7 @@ class FSDP(nn.Module):
         self._param_names = [name for name, _ in module.named_parameters()]
         layout = ShardLayout(self.world_size, self.rank, compute_dtype or torch.float32, self.device)
         self.units: list[Unit] = build_units(module, specs, layout)  # the root unit, if any, is last
+        _watch_for_replaced_parameters(params)
         self.root: Unit | None = next((u for u in self.units if not u.modules), None)
         self.shards, self.frozen_shards = nn.ParameterDict(), nn.ParameterDict()
         self._unit_of: dict[nn.Module, Unit] = {}
@@ -380,7 +408,8 @@ class FSDP(nn.Module):
             unit.state.finish_reduce()
 
     def finish_gradient_synchronization(self) -> None:
-        """Wait for every reduction in flight; afterwards each shard's ``.grad`` is fp32, averaged over ranks."""
+        """Wait for every reduction in flight; afterwards each shard's ``.grad`` is fp32, averaged over ranks. Called
+        again with no backward in between, it finds nothing in flight and does nothing."""
         for unit in self.units:  # a call whose output was not used: reduce what arrived
             if unit.state.pending_backward and unit.state.grads is Grads.ACCUMULATING:
                 unit.state.pending_backward = 0
@@ -415,6 +444,15 @@ class FSDP(nn.Module):
     def gathered_units(self) -> list[str]:
         """Names of the units whose flat buffer is gathered (or on its way) now: for tests and debugging."""
         return [unit.name for unit in self.units if unit.state.weights is not Weights.SHARDED]
+
+
+def _watch_for_replaced_parameters(params: list[nn.Parameter]) -> None:
+    """Mark ``params`` as replaced, and make every optimizer refuse to step them from now on."""
+    global _step_hook
+    for param in params:
+        setattr(param, _REPLACED, True)
+    if _step_hook is None:
+        _step_hook = register_optimizer_step_pre_hook(_refuse_replaced_parameters)
 
 
 def padded_grad(unit: Unit) -> Tensor | None:

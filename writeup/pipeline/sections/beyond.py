@@ -12,7 +12,7 @@ from cs336_systems.bench import flash_log
 from cs336_systems.bench import rmsnorm as rmsnorm_bench
 from pipeline import figures
 from pipeline.markup import DASH, num, pct, span, spread, table, times
-from pipeline.results import Missing, display_path, main_device, read_jsonl
+from pipeline.results import Missing, display_path, main_device, read_jsonl, row_date
 from pipeline.sections.registry import Output, problem
 
 PROVIDER_ORDER = ("ours", "eager", "compile", "liger", "quack")
@@ -448,6 +448,10 @@ def load_optimisation_log(res) -> tuple[list[dict[str, Any]], list[tuple[str, st
     return rows, texts, board
 
 
+PROVIDER_NAMES = {"sdpa_cudnn": "SDPA's cuDNN backend", "sdpa_flash": "its FlashAttention-2 backend",
+                  "sdpa_efficient": "its memory-efficient backend"}
+
+
 PROBE_LINE = re.compile(r"^leaderboard (\w+): ([\d.]+) ms")
 
 
@@ -466,20 +470,28 @@ def _probe_summary(texts: list[tuple[str, str]], board: list[dict[str, Any]]) ->
     ours = next((r for r in board if r.get("provider") == "ours"), None)
     others = sorted((r for r in board if r.get("provider") != "ours" and r.get("fwd_bwd_ms")),
                     key=lambda r: r["fwd_bwd_ms"])
-    final = (f"The final leaderboard run (H = {ours.get('heads')}, N = {ours.get('seq_len')}, d = {ours.get('d_head')}, "
+    # This run measured the kernels of its day, not today's: say which (the leaderboard section has today's).
+    hopper = any("hopper" in k for k in (ours or {}).get("our_kernels", []))
+    final = (f"The leaderboard run that closed this history ({row_date(ours)}, "
+             + ("with the Hopper kernels of that day" if hopper else
+                "with the portable Triton kernels only, before the Hopper kernels")
+             + f"; H = {ours.get('heads')}, N = {ours.get('seq_len')}, d = {ours.get('d_head')}, "
              f"{ours.get('dtype')}, causal) measured ours at {num(ours.get('fwd_bwd_ms'), 2)} ms forward + backward "
              f"({'verified against SDPA' if ours.get('verified') else 'not verified'}, "
              f"{ours.get('graph_breaks_after_first_call', ours.get('graph_breaks'))} graph breaks after the first call), "
-             "against " + ", ".join(f"{r['provider']} {num(r['fwd_bwd_ms'], 2)} ms" for r in others) + "."
+             "against " + ", ".join(f"{PROVIDER_NAMES.get(r['provider'], r['provider'])} {num(r['fwd_bwd_ms'], 2)} ms"
+                                    for r in others)
+             + "; the leaderboard section's time is that of the present kernels."
              ) if ours else "The leaderboard was not run."
     last = steps[-1] if steps else {}
-    summary = (f"{len(steps)} probe steps were recorded as the plain text of scripts/flash_probe.py (below, verbatim): "
+    summary = (f"{len(steps)} probe steps were recorded as the plain text of scripts/flash_probe.py "
+               "(writeup/results/flash_probe/): "
                "each times our kernel and the previous version (baseline) against SDPA's cuDNN and FlashAttention-2 "
-               "backends on several shapes (the ratio in brackets is against cuDNN), the host overhead of one small "
+               "backends on several shapes, the host overhead of one small "
                "call and, in the first steps, a profile of the host side. "
                + (f"After the last step, ours takes {num(last['ours'], 3)} ms on the leaderboard shape against "
                   f"{num(last['baseline'], 3)} ms for the baseline. " if last.get("ours") else "") + final)
-    return {"tables": {"main": tab}, "listings": [{"name": n, "text": t} for n, t in texts],
+    return {"tables": {"main": tab},
             "n": {"summary": summary, "steps": str(len(steps)),
                   "device": ((ours.get("env") or {}).get("gpu_name") or ours.get("device")) if ours else None}}
 
@@ -495,14 +507,30 @@ _TRACKER_REFERENCES = [(re.compile(r"\(issue \d+, ", re.IGNORECASE), "("),
                        (re.compile(r",? ?\bissue \d+\b", re.IGNORECASE), "")]
 
 
+# Words of the working log that the reader does not have (a stretch of work, a throwaway benchmark script), put as
+# what they measured: the pattern -> the reader's words.
+_WORKING_WORDS = [(re.compile(r"\bThe final state of this session: (\w)"), lambda m: m.group(1).upper()),
+                  (re.compile(r"scratch bench same session"), "a separate benchmark on the same machine"),
+                  (re.compile(r"\bin a scratch bench\b"), "in a separate benchmark"),
+                  (re.compile(r"\bunlike the scratch bench\b"), "unlike that separate benchmark"),
+                  (re.compile(r" but lost to the device tool's file limit"), " but its output file was not kept"),
+                  (re.compile(r" \(no device time left to take one\)"), "")]
+
+
 def plain_words(note: str) -> str:
-    """A note of the log as the reader needs it: renamed result folders under their current names, and
-    references to the project's task tracker left out."""
+    """A note of the log as the reader needs it: renamed result folders under their current names, references to
+    the project's task tracker left out, and the working log's own words put as what they measured."""
     for old, new in RENAMED_FOLDERS.items():
         note = note.replace(old, new)
-    for pattern, replacement in _TRACKER_REFERENCES:
+    for pattern, replacement in _TRACKER_REFERENCES + _WORKING_WORDS:
         note = pattern.sub(replacement, note)
     return note
+
+
+def step_name(step: str) -> str:
+    """A log step's name without the working log's numbering of stretches of work (``session6-triton-baseline``
+    -> ``triton-baseline``)."""
+    return re.sub(r"^session\d+-", "", step)
 
 
 def _point_name(point: tuple[int, int]) -> str:
@@ -518,6 +546,7 @@ def _log_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The log (``flash_log``'s rows): one table line per measured step in file order with its latest decision
     (``flash_log.latest_decisions``: a ``--set-decision`` row overrides), the hypothesis and notes of each step,
     and the first and last step compared."""
+    rows = [dict(r, step=step_name(r["step"])) for r in rows]
     decisions = flash_log.latest_decisions(rows)
     measured = [r for r in rows if "leaderboard" in r]
     points = list(dict.fromkeys((p["seq_len"], p["d_head"]) for r in measured for p in r["points"]))
@@ -564,7 +593,7 @@ def _log_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
             if r.get(key) and r[key] not in step[key]:
                 step[key].append(r[key])
         if "leaderboard" in r and r.get("commit"):
-            where = r["commit"] + (" with uncommitted changes" if r.get("dirty") else "")
+            where = r["commit"].partition("+")[0] + (" with uncommitted changes" if r.get("dirty") else "")
             if where not in step["commits"]:
                 step["commits"].append(where)
     def sentences(texts: list[str]) -> str:
@@ -627,7 +656,6 @@ def flash_optimisation_log(res, out: Output) -> dict[str, Any]:
     rows, texts, board = load_optimisation_log(res)
     tables: dict[str, Any] = {}
     n: dict[str, Any] = {"has_log": bool(rows), "has_history": bool(texts)}
-    listings: list[dict[str, str]] = []
     if rows:
         log = _log_summary(rows)
         tables["log"] = log.pop("table")
@@ -635,11 +663,11 @@ def flash_optimisation_log(res, out: Output) -> dict[str, Any]:
     if texts:
         history = _probe_summary(texts, board)
         tables["history"] = history["tables"]["main"]
-        listings = history["listings"]
         n.update({f"history_{key}": value for key, value in history["n"].items()})
         device = history["n"]["device"]
-        n["history_intro"] = (("The earlier history, before this log: the kernel was tuned" if rows
-                               else "The kernel was tuned") + " in earlier sessions"
-                              + (f" on the {device}, the GPU of the final leaderboard run quoted below" if device else "")
+        n["history_intro"] = (("The earlier history, before this log: the kernel was first tuned" if rows
+                               else "The kernel was tuned")
+                              + (f" on the {device}, the GPU of the leaderboard run that closed this history, quoted "
+                                 "below" if device else "")
                               + ", each step timed by scripts/flash_probe.py, which printed plain text.")
-    return {"tables": tables, "listings": listings, "n": n}
+    return {"tables": tables, "n": n}

@@ -10,7 +10,7 @@ from typing import Any
 from cs336_basics.model import MODEL_SIZES
 from cs336_systems.bench.ddp_overhead_model import fit_overhead_model
 from pipeline import accounting, figures
-from pipeline.markup import DASH, num, pct, sci_parts, sig, span, table, times
+from pipeline.markup import DASH, join_words, num, pct, sci_parts, sig, span, table, times
 from pipeline.results import Missing, measured_when, row_commit, row_date
 from pipeline.sections.registry import Output, problem
 
@@ -65,17 +65,23 @@ def newest_host_per_setting(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def all_reduce_fits(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``t = alpha + bytes / beta`` per (backend, world size), with the fit's worst relative error on its rows."""
+    """``t = alpha + bytes / beta`` per (backend, world size, host), with the fit's worst relative error on its rows;
+    in the rows' order."""
     fits = []
-    for backend, ws in sorted({(r["backend"], r["world_size"]) for r in rows}):
-        pts = [r for r in rows if r["backend"] == backend and r["world_size"] == ws]
+    for backend, ws, device in dict.fromkeys((r["backend"], r["world_size"], r["device"]) for r in rows):
+        pts = [r for r in rows if r["backend"] == backend and r["world_size"] == ws and r["device"] == device]
         per_call, bandwidth = accounting.fit_latency_bandwidth([p["size_mb"] * 1e6 for p in pts],
                                                                [p["time_ms"] / 1e3 for p in pts])
         error = max(abs((per_call + p["size_mb"] * 1e6 / bandwidth) / (p["time_ms"] / 1e3) - 1) for p in pts)
         fits.append({"backend": backend, "world_size": ws, "alpha_us": per_call * 1e6, "beta_gbps": bandwidth / 1e9,
                      "busbw_gbps": bandwidth / 1e9 * 2 * (ws - 1) / ws, "error": error, "measured": True,
-                     "device": pts[0]["device"]})
+                     "device": device})
     return fits
+
+
+def where_label(backend: str, device: str) -> str:
+    """Where an all-reduce ran: the GPUs' host for NCCL, that host's CPUs for gloo."""
+    return short_device(device) if backend == "nccl" else f"CPU, {short_device(device)}"
 
 
 def nccl_prediction(fits: list[dict[str, Any]], world_size: int) -> dict[str, Any] | None:
@@ -93,7 +99,7 @@ def nccl_prediction(fits: list[dict[str, Any]], world_size: int) -> dict[str, An
 
 
 def all_reduce_tables(rows: list[dict[str, Any]], fits: list[dict[str, Any]], sizes: list[float]) -> dict[str, Any]:
-    body = [[r["backend"], str(r["world_size"]), short_device(r["device"]) if r["backend"] == "nccl" else "CPU",
+    body = [[r["backend"], str(r["world_size"]), where_label(r["backend"], r["device"]),
              num(r["size_mb"], 0), sig(r["time_ms"], 3), sig(r["algbw"], 3), sig(r["busbw"], 3)] for r in rows]
     for f in fits:
         if not f["measured"]:
@@ -103,35 +109,42 @@ def all_reduce_tables(rows: list[dict[str, Any]], fits: list[dict[str, Any]], si
     main = table(["backend", "processes", "where", "size (MB)", "time (ms)", "algbw (GB/s)", "busbw (GB/s)"], body,
                  "All-reduce of float32 tensors, one process per GPU (NCCL) or per CPU core group (gloo): time over "
                  "ranks after warm-up, algorithm bandwidth = size / time, bus bandwidth = algbw · 2(n − 1)/n. No "
-                 "machine with 6 GPUs could be had: the NCCL rows at 6 processes are the model's prediction (table "
-                 "below), not measurements.",
+                 "machine with 6 GPUs could be had: the NCCL rows at 6 processes are the model's prediction (the "
+                 "latency-bandwidth fits, in the appendix), not measurements.",
                  align=["left", "right", "left", "right", "right", "right", "right"], size=8)
-    fit_body = [[f["backend"], str(f["world_size"]), num(f["alpha_us"], 0), num(f["beta_gbps"], 1),
+    fit_body = [[f["backend"], str(f["world_size"]),
+                 where_label(f["backend"], f["device"]) if f["measured"] else "not measured",
+                 num(f["alpha_us"], 0), num(f["beta_gbps"], 1),
                  num(f["busbw_gbps"], 1), pct(f["error"]) if f["measured"] else "predicted"] for f in fits]
-    fit_table = table(["backend", "processes", "α (μs)", "β (GB/s)", "β · 2(n − 1)/n (GB/s)", "worst error"], fit_body,
-                      "The latency-bandwidth model t = α + size / β fitted per backend and process count (least "
-                      "squares on relative errors) and its worst relative error on the measured sizes. NCCL at 6 "
-                      "processes is predicted: α extrapolated linearly in n, the bus bandwidth of the measured fits "
-                      "held.", align=["left", "right", "right", "right", "right", "right"], size=8)
+    fit_table = table(["backend", "processes", "where", "α (μs)", "β (GB/s)", "β · 2(n − 1)/n (GB/s)", "worst error"],
+                      fit_body,
+                      "The latency-bandwidth model t = α + size / β fitted per backend, process count and host "
+                      "(least squares on relative errors) and its worst relative error on the measured sizes. NCCL at "
+                      "6 processes is predicted from the newest host of each measured process count: α extrapolated "
+                      "linearly in n, the bus bandwidth of the measured fits held.",
+                      align=["left", "right", "left", "right", "right", "right", "right"], size=8)
     return {"main": main, "fits": fit_table}
 
 
 @problem("distributed_communication_single_node")
 def distributed_communication_single_node(res, out: Output) -> dict[str, Any]:
-    rows = sorted(newest_host_per_setting(load_all_reduce(res)),
-                  key=lambda r: (r["backend"], r["world_size"], r["size_mb"]))
+    loaded = load_all_reduce(res)
+    hosts = list(dict.fromkeys(r["device"] for r in loaded))  # file order: oldest host first
+    rows = sorted(loaded, key=lambda r: (r["backend"], r["world_size"], hosts.index(r["device"]), r["size_mb"]))
     sizes = sorted({r["size_mb"] for r in rows})
     fits = all_reduce_fits(rows)
-    six = nccl_prediction(fits, 6)
+    newest = {(r["backend"], r["world_size"], r["device"]) for r in newest_host_per_setting(loaded)}
+    six = nccl_prediction([f for f in fits if (f["backend"], f["world_size"], f["device"]) in newest], 6)
     fits += [six] if six else []
     fig, axes = figures.new(6.5, 2.7, ncols=2)
-    for backend in sorted({r["backend"] for r in rows}):
-        for ws in sorted({r["world_size"] for r in rows if r["backend"] == backend}):
-            pts = [r for r in rows if r["backend"] == backend and r["world_size"] == ws]
-            style = "-" if backend == "nccl" else "--"
-            axes[0].plot([p["size_mb"] for p in pts], [p["time_ms"] for p in pts], style, marker="o", ms=3,
-                         label=f"{backend}, {ws} processes")
-            axes[1].plot([p["size_mb"] for p in pts], [p["busbw"] for p in pts], style, marker="o", ms=3)
+    for f in (f for f in fits if f["measured"]):
+        backend, ws = f["backend"], f["world_size"]
+        pts = [r for r in rows if r["backend"] == backend and r["world_size"] == ws and r["device"] == f["device"]]
+        several_hosts = len({r["device"] for r in rows if r["backend"] == backend}) > 1
+        style = "-" if backend == "nccl" else "--"
+        axes[0].plot([p["size_mb"] for p in pts], [p["time_ms"] for p in pts], style, marker="o", ms=3,
+                     label=f"{backend}, {ws} processes" + (f", {short_device(f['device'])}" if several_hosts else ""))
+        axes[1].plot([p["size_mb"] for p in pts], [p["busbw"] for p in pts], style, marker="o", ms=3)
     for ax, label in zip(axes, ("time (ms)", "bus bandwidth (GB/s)")):
         ax.set_xscale("log")
         ax.set_yscale("log")
@@ -143,26 +156,35 @@ def distributed_communication_single_node(res, out: Output) -> dict[str, Any]:
     figures.legend_below(fig, axes[0], ncol=3)
     figure = out.save(fig, "all_reduce", "All-reduce time and bus bandwidth against tensor size (log-log).")
 
-    def at(backend: str, ws: int, size: float) -> dict[str, Any] | None:
-        return next((r for r in rows if r["backend"] == backend and r["world_size"] == ws and r["size_mb"] == size), None)
+    def at(backend: str, ws: int, size: float, device: str) -> dict[str, Any] | None:
+        return next((r for r in rows if r["backend"] == backend and r["world_size"] == ws and r["size_mb"] == size
+                     and r["device"] == device), None)
 
     largest, smallest = max(sizes), min(sizes)
-    common = sorted({r["world_size"] for r in rows if r["backend"] == "nccl"} & {r["world_size"] for r in rows
-                                                                                if r["backend"] == "gloo"})
-    ws = common[0] if common else None
-    nccl_big, gloo_big = (at("nccl", ws, largest), at("gloo", ws, largest)) if ws else (None, None)
+    # NCCL against gloo on one host (its GPUs against its CPUs), at the fewest processes both measured there.
+    pairs = sorted((r["world_size"], hosts.index(r["device"]), r["device"]) for r in rows
+                   if r["backend"] == "nccl" and r["size_mb"] == largest and at("gloo", r["world_size"], largest,
+                                                                                r["device"]))
+    ws, _, host = pairs[0] if pairs else (None, None, "")
+    nccl_big, gloo_big = (at("nccl", ws, largest, host), at("gloo", ws, largest, host)) if ws else (None, None)
     nccl_busbw = [r["busbw"] for r in rows if r["backend"] == "nccl" and r["size_mb"] == largest]
     nccl_small = [r["busbw"] for r in rows if r["backend"] == "nccl" and r["size_mb"] == smallest]
     measured = [f for f in fits if f["measured"]]
-    nccl_ws = sorted(f["world_size"] for f in measured if f["backend"] == "nccl")
+    nccl_hosts = list(dict.fromkeys(f["device"] for f in measured if f["backend"] == "nccl"))
+    nccl_where = join_words([
+        f"the {short_device(device)} ("
+        + " and ".join(str(f["world_size"]) for f in measured if f["backend"] == "nccl" and f["device"] == device)
+        + " processes)" for device in nccl_hosts])
     n = {
         "ws": str(ws), "largest": num(largest, 0), "smallest": num(smallest, 0),
+        "compare_where": short_device(host),
         "nccl_over_gloo": times(gloo_big["time_ms"] / nccl_big["time_ms"], 0) if nccl_big and gloo_big else DASH,
         "nccl_busbw_lo": sig(min(nccl_busbw, default=math.nan), 3), "nccl_busbw_hi": sig(max(nccl_busbw, default=math.nan), 3),
         "nccl_small_busbw": sig(max(nccl_small, default=math.nan), 3),
         "gloo_busbw": sig(gloo_big and gloo_big["busbw"], 3),
-        "nccl_world_sizes": " and ".join(map(str, nccl_ws)),
-        "nccl_where": short_device(next((f["device"] for f in measured if f["backend"] == "nccl"), "")),
+        "nccl_where": nccl_where,
+        "gloo_where": join_words([short_device(d) for d in dict.fromkeys(r["device"] for r in rows
+                                                                          if r["backend"] == "gloo")]),
         "fit_error": pct(max((f["error"] for f in measured), default=None)),
         "six_alpha": num(six and six["alpha_us"], 0), "six_busbw": num(six and six["busbw_gbps"], 0),
         "six_big_ms": sig(six and six["alpha_us"] / 1e3 + largest * 1e6 / (six["beta_gbps"] * 1e9) * 1e3, 3),
@@ -547,7 +569,7 @@ def ddp_bucketed_benchmarking(res, out: Output) -> dict[str, Any]:
         "check_mb": f"{check_rows['bucket_mb']:g}", "check_where": check_rows["where"],
         "check_others": check_rows["others"],
         "size": size, "params": f"{params / 1e9:.3f}", "s_gb": num(grad_bytes / 1e9, 2), "world": str(world),
-        "w_gbs": num(bandwidth / 1e9, 1), "o_us": num(per_call * 1e6, 0),
+        "w_gbs": num(bandwidth / 1e9, 1), "o_us": num(per_call * 1e6, 0), "fit_where": short_device(rows[0]["device"]),
         "n_star": num(optimum["n_buckets"], 1), "b_star_mb": num(optimum["bucket_bytes"] / 2**20, 0),
         "overhead_ms": num(optimum["overhead"] * 1e3, 1), "one_bucket_ms": num(model_ms(1), 1),
         "small_mb": f"{smallest['bucket_size_mb']:g}", "small_calls": str(smallest["n_buckets"]),

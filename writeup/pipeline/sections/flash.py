@@ -6,7 +6,7 @@ from typing import Any
 
 from cs336_systems.attention.config import FlashConfig
 from pipeline import figures
-from pipeline.markup import DASH, join_words, num, sci, span, spread, table, times
+from pipeline.markup import DASH, join_words, num, pct, sci, span, spread, table, times
 from pipeline.results import Missing, measured_when, row_date
 from pipeline.sections.registry import Output, problem
 
@@ -152,6 +152,14 @@ def where_ours_loses(index: dict, ours: str, other: str, lengths: list[int], hea
     return "; ".join(slower_words), "; ".join(tie_words)
 
 
+def commit_words(row: dict[str, Any]) -> str:
+    """The commit a row ran at, as a reader can look it up: a tool records uncommitted changes as ``<commit>+<name>``,
+    which the text gives as ``<commit> with uncommitted changes``."""
+    commit = str(row.get("env", {}).get("commit", "?"))
+    base, plus, _ = commit.partition("+")
+    return f"{base[:7]} with uncommitted changes" if plus else commit[:7]
+
+
 def shown_runs(index: dict, providers: list[str], lengths: list[int], heads: list[int], dtype: str) -> str:
     """Where the cells a table shows come from, per provider: "ours: 2 runs of 2026-11-26 (commits a and b,
     do_bench rep 100 ms); naive: 1 run of 2026-11-22 (commit c, rep 40 ms)", or "all rows from one run (...)"."""
@@ -161,7 +169,7 @@ def shown_runs(index: dict, providers: list[str], lengths: list[int], heads: lis
     def where(rows: list[dict[str, Any]]) -> str:
         rows = sorted(rows, key=measured_when)
         dates = sorted({r.get("env", {}).get("date", "")[:10] or "?" for r in rows})
-        commits = list(dict.fromkeys(str(r.get("env", {}).get("commit", "?")) for r in rows))
+        commits = list(dict.fromkeys(commit_words(r) for r in rows))
         reps = sorted({r["rep_ms"] for r in rows if r.get("rep_ms") is not None})
         runs = len({r.get("run") for r in rows})
         return (f"{runs if runs > 1 else 'one'} run{'s' if runs > 1 else ''} of {' to '.join(dict.fromkeys([dates[0], dates[-1]]))} "
@@ -399,7 +407,7 @@ def leaderboard(res, out: Output) -> dict[str, Any]:
     earlier = {r["provider"]: row_date(r) for r in rows if r.get("run") != ours.get("run")}
     # A † row's ratio to ours would divide rows of two runs: it is left out.
     body = [[LEADERBOARD_LABELS.get(r["provider"], r["provider"]) + (" †" if r["provider"] in earlier else ""),
-             num(r["fwd_bwd_ms"], 3), num(r.get("fwd_ms"), 3),
+             num(r["fwd_bwd_ms"], 3), percentile_range(r), num(r.get("fwd_ms"), 3),
              DASH if r["provider"] in earlier else times(r["fwd_bwd_ms"] / ours["fwd_bwd_ms"])]
             for r in rows]
     caption = ("Leaderboard shape: batch x heads = 16, length 16,384, head dim 64, bf16, causal; "
@@ -409,7 +417,10 @@ def leaderboard(res, out: Output) -> dict[str, Any]:
                     f"same protocol ({', '.join(sorted(set(earlier.values())))}), not divided by ours (–).")
     else:
         caption += " in one run."
-    tab = table(["implementation", "forward + backward (ms)", "forward (ms)", "time ÷ ours"], body, caption)
+    caption += (" Forward + backward: the mean over do_bench's calls and, beside it, the 20th to 80th percentile of "
+                "the calls.")
+    tab = table(["implementation", "forward + backward (ms)", "20th–80th percentile (ms)", "forward (ms)",
+                 "time ÷ ours"], body, caption)
     others = [r for r in rows if r["provider"] != "ours" and r["provider"] not in earlier]
     best = min(others, key=lambda r: r["fwd_bwd_ms"]) if others else None
     return {"tables": {"main": tab}, "n": {
@@ -417,5 +428,24 @@ def leaderboard(res, out: Output) -> dict[str, Any]:
         "best": LEADERBOARD_LABELS.get(best["provider"], best["provider"]) if best else DASH,
         "best_ms": num(best and best["fwd_bwd_ms"], 2),
         "ratio": times(best["fwd_bwd_ms"] / ours["fwd_bwd_ms"]) if best else DASH,
+        "difference": pct(abs(best["fwd_bwd_ms"] / ours["fwd_bwd_ms"] - 1), 1) if best else DASH,
         "faster": bool(best and ours["fwd_bwd_ms"] < best["fwd_bwd_ms"]),
+        "tie": bool(best and timings_overlap(ours, best)),
+        "ours_range": percentile_range(ours), "best_range": percentile_range(best) if best else DASH,
     }}
+
+
+def percentile_range(row: dict[str, Any]) -> str:
+    """The forward + backward timing's 20th to 80th percentile over do_bench's calls, or a dash without them."""
+    lo, hi = row.get("fwd_bwd_p20_ms"), row.get("fwd_bwd_p80_ms")
+    return f"{num(lo, 3)} to {num(hi, 3)}" if lo is not None and hi is not None else DASH
+
+
+def timings_overlap(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """A tie: the two forward + backward timings' 20th to 80th percentile ranges overlap (the difference of their
+    means lies within the call-to-call spread); False without the percentiles."""
+    ranges = [(r.get("fwd_bwd_p20_ms"), r.get("fwd_bwd_p80_ms")) for r in (a, b)]
+    if any(lo is None or hi is None for lo, hi in ranges):
+        return False
+    (a_lo, a_hi), (b_lo, b_hi) = ranges
+    return a_lo <= b_hi and b_lo <= a_hi

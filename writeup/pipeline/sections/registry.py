@@ -36,11 +36,16 @@ def problem(name: str) -> Callable[[SectionFn], SectionFn]:
 
 
 class Output:
-    """Where a section's figures go: rendered into ``figures_dir`` and staged for Typst under ``build_dir``."""
+    """Where a section's figures go: rendered into ``figures_dir`` and staged for Typst under ``build_dir``.
 
-    def __init__(self, figures_dir: Path, build_dir: Path):
+    ``render_dir`` replaces ``figures_dir`` for the figures the build renders (not those a benchmark rendered): an
+    edition other than the committed figures' renders its own (its size names) into its build directory.
+    """
+
+    def __init__(self, figures_dir: Path, build_dir: Path, render_dir: Path | None = None):
         self.figures_dir = Path(figures_dir)
         self.build_dir = Path(build_dir)
+        self.render_dir = Path(render_dir) if render_dir is not None else self.figures_dir
 
     @staticmethod
     def _width(source: Path) -> str:
@@ -59,8 +64,8 @@ class Output:
         return f"figures/{source.name}"
 
     def save(self, fig, name: str, caption: str) -> dict[str, str]:
-        """Save a matplotlib figure as ``<figures_dir>/<name>.png``; returns its entry for ``figures``."""
-        path = figures.save(fig, self.figures_dir / f"{name}.png")
+        """Save a matplotlib figure as ``<render_dir>/<name>.png``; returns its entry for ``figures``."""
+        path = figures.save(fig, self.render_dir / f"{name}.png")
         return {"path": self._stage(path), "caption": caption, "width": self._width(path)}
 
     def existing(self, path: str | Path, caption: str, why: str = "") -> dict[str, str]:

@@ -4,13 +4,15 @@ the accounting."""
 from __future__ import annotations
 
 import re
+from datetime import datetime
 from typing import Any
 
 from cs336_basics.model import MODEL_SIZES
 from cs336_systems.bench.fsdp_accounting import CHECK_LR, CHECK_TOLERANCE, weight_tolerance
 from pipeline import accounting
+from pipeline.editions import size_name
 from pipeline.markup import DASH, num, span, spread, table, times
-from pipeline.results import Missing, config_of, measured_when, read_jsonl, row_commit, row_date
+from pipeline.results import Missing, config_of, measured_at, measured_when, read_jsonl, row_commit, row_date
 from pipeline.sections.registry import Output, problem
 from pipeline.snapshot_reports import BEFORE_RECORDING, parse_snapshot_reports
 
@@ -97,9 +99,16 @@ def optimizer_state_sharding_accounting(res, out: Output) -> dict[str, Any]:
     if dtypes != DTYPE_ORDER:
         raise Missing(SHARDING_FILE, f"AdamW, sharded and zero_redundancy rows in {' and '.join(DTYPE_ORDER)}")
 
-    summary_table = sharding_summary(rows)
+    history = read_jsonl(res.path("optimizer_state_sharding_accounting.jsonl"))
+    summary_table = sharding_summary(rows, history)
     four = load_sharding_accounting(res, world_size=4)
-    four_table = sharding_summary(four)
+    four_table = sharding_summary(four, history)
+    for r in rows + four:  # the launches a marked row's ratios divide by are this section's rows too
+        for kind in ("adamw", "zero_redundancy"):
+            base = ratio_basis(r, kind, {(x.get("dtype"), x["kind"]): x for x in rows + four
+                                         if x.get("world_size") == r.get("world_size") and not x.get("oom")}, history)
+            if base is not None and not any(same_launch(base, x) for x in res.used):
+                res.used.append(base)
     body = []
     components = []
     for r in rows:
@@ -135,21 +144,23 @@ def optimizer_state_sharding_accounting(res, out: Output) -> dict[str, Any]:
             # "" when the three rows share a commit, else each one's commit, said next to the ratios
             "commits": "" if len({row_commit(r) for r in (plain, sharded, zero)}) == 1 else commits_phrase(
                 [plain, sharded, zero]),
-            **flat_numbers(ok.get((dtype, "zero1_flat")), zero),
+            **flat_numbers(ok.get((dtype, "zero1_flat"))),
         }
 
-    def flat_numbers(flat: dict[str, Any] | None, zero: dict[str, Any]) -> dict[str, Any]:
-        """The ZeRO-1 flat optimizer beside ZeroRedundancyOptimizer, when measured."""
+    def flat_numbers(flat: dict[str, Any] | None) -> dict[str, Any]:
+        """The ZeRO-1 flat optimizer beside ZeroRedundancyOptimizer (the launch its ratio divides by), when
+        measured."""
         if flat is None:
             return {"has_flat": False}
+        zero = ratio_basis(flat, "zero_redundancy", ok, history)
         note = two_commits(flat, zero)
         return {"has_flat": True, "step_flat": num(flat["step_ms"]), "peak_flat": num(flat["peak_gb"], 2),
-                "peak_zero_2": num(zero["peak_gb"], 2),
+                "flat_zero_ms": num(zero["step_ms"]), "peak_zero_2": num(zero["peak_gb"], 2),
                 "flat_vs_zero": times(flat["step_ms"] / zero["step_ms"], 3) + (f"; {note}" if note else ""),
                 "flat_no_worse": flat["step_ms"] <= zero["step_ms"] and flat["peak_gb"] <= zero["peak_gb"]}
 
     n = {
-        "size": size, "world": str(world), "params": f"{params / 1e9:.3f}",
+        "size": size_name(size), "world": str(world), "params": f"{params / 1e9:.3f}",
         "weights": gb(expected["weights"]), "state": gb(expected["state"]), "state_sharded": gb(expected["state_sharded"]),
         "total": gb(expected["total"]), "total_sharded": gb(expected["total_sharded"]),
         "saving": gb(expected["total"] - expected["total_sharded"]),
@@ -177,7 +188,7 @@ def flat_at_four(rows: list[dict[str, Any]]) -> dict[str, Any]:
     out = {"world": str(rows[0].get("world_size")), "where": rows[0].get("device", DASH)}
     for dtype in DTYPE_ORDER:
         flat, zero = ok.get((dtype, "zero1_flat")), ok.get((dtype, "zero_redundancy"))
-        note = two_commits(flat, zero) if flat and zero else ""
+        note = two_commits(flat, zero) if flat and zero and row_commit(flat) != row_commit(zero) else ""
         out[dtype] = {"vs_zero": times(flat["step_ms"] / zero["step_ms"], 3) + (f" ({note})" if note else "")
                       if flat and zero else DASH,
                       "peak_flat": num(flat and flat["peak_gb"], 2), "peak_zero": num(zero and zero["peak_gb"], 2)}
@@ -197,23 +208,63 @@ def commits_phrase(rows: list[dict[str, Any]]) -> str:
 
 
 def two_commits(flat: dict[str, Any], zero: dict[str, Any]) -> str:
-    """"" when the flat ZeRO-1 and ``ZeroRedundancyOptimizer`` rows share a commit, else both commits."""
+    """Both rows' commit when the flat ZeRO-1 and ``ZeroRedundancyOptimizer`` rows share one, else each one's."""
     if row_commit(flat) == row_commit(zero):
-        return ""
+        return f"both at commit {row_commit(flat)}"
     return f"flat at commit {row_commit(flat)}, ZeroRedundancyOptimizer at commit {row_commit(zero)}"
 
 
-def sharding_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+def _when(row: dict[str, Any]) -> datetime:
+    return datetime.fromisoformat(str(row.get("env", {}).get("date", "1970-01-01T00:00:00Z")).replace("Z", "+00:00"))
+
+
+def same_launch(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether two rows (perhaps read apart) are one launch's measurement of one optimizer."""
+    return (measured_when(a), a.get("optimizer"), a.get("dtype")) == (measured_when(b), b.get("optimizer"), b.get("dtype"))
+
+
+def ratio_basis(r: dict[str, Any], kind: str, ok: dict[tuple, dict[str, Any]], history: list[dict[str, Any]]
+                ) -> dict[str, Any] | None:
+    """The launch ``r``'s step is divided by for its ratio to ``kind``: the table's ``kind`` row of its dtype when
+    both ran at one commit; else the newest ``kind`` launch at ``r``'s commit (same machine, ranks and dtype); else
+    the ``kind`` launch with as many timed steps nearest in time to ``r``; else the table's row."""
+    shown = ok.get((r.get("dtype"), kind))
+    if shown is None or row_commit(shown) == row_commit(r):
+        return shown
+    alike = [h for h in history if optimizer_kind(h["optimizer"]) == kind and not h.get("oom")
+             and all(h.get(k) == r.get(k) for k in ("dtype", "device", "world_size"))]
+    same_commit = [h for h in alike if row_commit(h) == row_commit(r)]
+    if same_commit:
+        return max(same_commit, key=measured_when)
+    same_steps = [h for h in alike if h.get("steps") == r.get("steps")]
+    if same_steps:
+        return min(same_steps, key=lambda h: abs((_when(h) - _when(r)).total_seconds()))
+    return shown
+
+
+def sharding_summary(rows: list[dict[str, Any]], history: list[dict[str, Any]] = ()) -> dict[str, Any]:
     """Step, ratios to AdamW and to ``ZeroRedundancyOptimizer`` of the same dtype, peak and state, per row; a row
-    of another commit than its dtype's AdamW row is marked (†), and the caption names the commits."""
+    of another commit than its dtype's AdamW row is marked (†), and the caption names the commits. A marked row's
+    ratio divides by the launch :func:`ratio_basis` finds in ``history`` (every row of the file); where that is not
+    the table's row, the ratio is marked (‡) and the caption names the launch."""
     size, _, world = model_params(rows)
     ok = {(r.get("dtype"), r["kind"]): r for r in rows if not r.get("oom")}
     adamw_commit = {r.get("dtype"): row_commit(r) for r in rows if r["kind"] == "adamw"}
     elsewhere = [r for r in rows if row_commit(r) != adamw_commit.get(r.get("dtype"), row_commit(r))]
+    other_bases: list[str] = []
 
     def ratio(r: dict[str, Any], kind: str) -> str:
-        base = ok.get((r.get("dtype"), kind))
-        return times(r["step_ms"] / base["step_ms"], 3) if base and not r.get("oom") else DASH
+        base = ratio_basis(r, kind, ok, list(history))
+        if not base or r.get("oom"):
+            return DASH
+        text = times(r["step_ms"] / base["step_ms"], 3)
+        shown = ok.get((r.get("dtype"), kind))
+        if shown is not None and same_launch(base, shown):
+            return text
+        other_bases.append(f"{OPTIMIZER_SHORT[r['kind']]} {r.get('dtype')} against {OPTIMIZER_SHORT[kind]}'s "
+                           f"launch at {measured_at(base)} ({num(base['step_ms'])} ms over {base.get('steps')} "
+                           "timed steps)")
+        return text + " ‡"
 
     summary = [[OPTIMIZER_LABEL[r["kind"]] + (" †" if r in elsewhere else ""), r.get("dtype", DASH)]
                + (["OOM", DASH, DASH, DASH, DASH] if r.get("oom") else
@@ -223,8 +274,11 @@ def sharding_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     steps = " or ".join(str(s) for s in sorted({r["steps"] for r in rows if r.get("steps") is not None}))
     commits = f"Unmarked rows at {commits_phrase([r for r in rows if r not in elsewhere])}"
     if elsewhere:
-        commits += (f"; † at another commit than AdamW's of its dtype ({commits_phrase(elsewhere)}): their ratios "
-                    "compare launches of different commits")
+        commits += (f"; † at another commit than AdamW's of its dtype ({commits_phrase(elsewhere)}): each of its "
+                    "ratios divides by the launch of its own commit where one exists, else by the launch nearest in "
+                    "time with as many timed steps")
+    if other_bases:
+        commits += "; ‡ a ratio whose divisor is not the table's row: " + "; ".join(other_bases)
     return table(["optimizer", "dtype", "step (ms)", "vs AdamW", "vs ZeRO", "peak (GB)", "optimizer state (GB)"],
                  summary,
                  f"{size} model on {world} GPUs ({first.get('device', DASH)}) under our bucketed DDP "
@@ -485,8 +539,11 @@ def fsdp_accounting(res, out: Output) -> dict[str, Any]:
     reports = parse_snapshot_reports(res.text(FSDP_MEMORY_LOG))
     memory = fsdp_memory(settings, reports, hp)
     n = {
-        "size": size, "params": f"{params / 1e9:.3f}", "world": str(world),
+        "size": size_name(size), "params": f"{params / 1e9:.3f}", "world": str(world),
         "total": num(expected["total"] / 1e9, 1), "fsdp_total": num(expected["fsdp_total"] / 1e9, 1),
+        # Against optimizer-state sharding, which keeps the full fp32 weights and gradients on every rank.
+        "sharded_optimizer_total": num(expected["total_sharded"] / 1e9, 1),
+        "saving_over_sharded_optimizer": num((expected["total_sharded"] - expected["fsdp_total"]) / 1e9, 1),
         "expected_saving": num((expected["total"] - expected["fsdp_total"]) / 1e9, 1),
         "gathered_mb": num(3 * block_params * compute_bytes / 1e6, 0),
         "dtype": str(steps[0].get("dtype")), "bf16_weights_gb": num(2 * params / 1e9, 1),

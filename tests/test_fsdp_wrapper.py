@@ -528,6 +528,29 @@ def check_errors(rank: int, world_size: int, device: torch.device) -> None:
     fsdp.finish_gradient_synchronization()
 
 
+def check_careless_use(rank: int, world_size: int, device: torch.device) -> None:
+    """A second backward through one forward raises (it would read freed weights); a second
+    finish_gradient_synchronization() changes nothing; an optimizer built before wrapping raises at its first step;
+    a module without parameters is refused."""
+    model = build(SmallNet, rank, device)
+    early = AdamW(model.parameters(), lr=1e-2)
+    fsdp = adapters.get_fsdp(model)
+    x, y = rank_slice(full_batch(0, world_size, device), rank, world_size)
+    loss = lm_loss(fsdp(x), y)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward through the same FSDP forward is not supported"):
+        loss.backward()
+    adapters.fsdp_on_after_backward(fsdp, early)
+    grads = [param.grad.clone() for param in fsdp.parameters() if param.grad is not None]
+    adapters.fsdp_on_after_backward(fsdp, early)
+    assert grads and all(torch.equal(param.grad, grad) for param, grad in zip(fsdp.parameters(), grads))
+    with pytest.raises(RuntimeError, match="AdamW holds parameters of a module that FSDP has since wrapped"):
+        early.step()
+    AdamW(fsdp.parameters(), lr=1e-2).step()
+    with pytest.raises(ValueError, match="no parameters to shard"):
+        adapters.get_fsdp(nn.ReLU())
+
+
 def check_ddp_2026_names(rank: int, world_size: int, device: torch.device) -> None:
     """``get_ddp`` / ``ddp_on_after_backward``: rank 0's weights at start, then single-process training."""
     ddp = adapters.get_ddp(build(SmallNet, rank, device))
@@ -572,6 +595,7 @@ CHECKS = {
     "gradient_memory": check_gradient_memory,
     "ddp_2026_names": check_ddp_2026_names,
     "accounting_check": check_accounting_check,
+    "careless_use": check_careless_use,
     "errors": check_errors,
 }
 

@@ -114,6 +114,40 @@ def check_gradient_accumulation(rank: int, world_size: int, device: torch.device
         _assert_same_grads(ddp_model, reference, f"{context}, round {repeat}")
 
 
+def check_careless_use_is_harmless(rank: int, world_size: int, device: torch.device, variant: str) -> None:
+    """An optimizer built before wrapping trains the wrapped model like one process; a second
+    finish_gradient_synchronization() leaves the averaged gradients as they are; a module without parameters works."""
+    model_cls = MODELS["frozen_parts"]
+    local = slice(rank * BATCH_SIZE // world_size, (rank + 1) * BATCH_SIZE // world_size)
+    context = f"{variant}, optimizer built before wrapping, rank {rank}"
+    model = build(model_cls, seed=rank, device=device)
+    optimizer = make_optimizer("adamw", model.parameters())
+    ddp_model = wrap_ddp(variant, model)
+    reference = build(model_cls, seed=0, device=device)
+    reference_optimizer = make_optimizer("adamw", reference.parameters())
+    for step in range(2):
+        x, y = model_cls.batch(step, BATCH_SIZE, device)
+        ddp_model.on_train_batch_start()
+        optimizer.zero_grad()
+        model_cls.loss(ddp_model(x[local]), y[local]).backward()
+        ddp_model.finish_gradient_synchronization()
+        averaged = {name: grad.clone() for name, grad in _grads(ddp_model.module).items() if grad is not None}
+        ddp_model.finish_gradient_synchronization()
+        again = {name: grad for name, grad in _grads(ddp_model.module).items() if grad is not None}
+        assert_same_tensors(again, averaged, f"{context}, step {step}, finish_gradient_synchronization() twice")
+        optimizer.step()
+        reference_optimizer.zero_grad()
+        model_cls.loss(reference(x), y).backward()
+        reference_optimizer.step()
+        assert_same_tensors(dict(ddp_model.module.named_parameters()), dict(reference.named_parameters()),
+                            f"{context}, step {step}", **TOLERANCE)
+    no_parameters = wrap_ddp(variant, nn.ReLU())
+    x = torch.tensor([[-1.0, 2.0]], device=device, requires_grad=True)
+    no_parameters(x).sum().backward()
+    no_parameters.finish_gradient_synchronization()
+    assert x.grad.tolist() == [[0.0, 1.0]]
+
+
 def check_second_backward_raises(rank: int, world_size: int, device: torch.device, variant: str) -> None:
     """Producing a gradient twice before synchronising is an error, not a silent race with the wire."""
     model_cls = MODELS["tied_embedding"]
@@ -167,12 +201,14 @@ def check_rank_dependent_unused_parameter(rank: int, world_size: int, device: to
 
 
 def family_checks(family: str) -> dict[str, Check]:
-    """The checks of a family of variants: each variant against one process, with gradient accumulation; a second
-    backward refused where gradients travel during backward; a parameter only some ranks use (bucketed)."""
+    """The checks of a family of variants: each variant against one process, with gradient accumulation, and used
+    carelessly; a second backward refused where gradients travel during backward; a parameter only some ranks use
+    (bucketed)."""
     checks: dict[str, Check] = {}
     for variant in FAMILIES[family]:
         checks[f"{variant} matches single process"] = partial(check_matches_single_process, variant=variant)
         checks[f"{variant} gradient accumulation"] = partial(check_gradient_accumulation, variant=variant)
+        checks[f"{variant} careless use"] = partial(check_careless_use_is_harmless, variant=variant)
     first = FAMILIES[family][0]  # for bucketed: every tensor in a bucket of its own
     if family in ("overlap", "bucketed"):
         checks[f"{first} second backward raises"] = partial(check_second_backward_raises, variant=first)

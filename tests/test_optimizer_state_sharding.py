@@ -17,7 +17,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from cs336_systems.parallel.ddp import DDPIndividualParameters
 from cs336_systems.parallel.distributed import one_rank_group
+from cs336_systems.parallel.fsdp import FSDP
 from cs336_systems.parallel.sharded_optimizer import ShardedOptimizer
 from tests import adapters
 from tests._ddp_toy_models import assert_same_tensors
@@ -72,10 +74,14 @@ def build(model_cls: type[nn.Module], device: torch.device) -> nn.Module:
     return model_cls().to(device)
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, step: int, device: torch.device) -> None:
+def batch(step: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(16, 8)`` inputs and ``(16, 4)`` targets, the same on every rank."""
     generator = torch.Generator().manual_seed(step)
-    x = torch.randn(16, 8, generator=generator).to(device)
-    y = torch.randn(16, 4, generator=generator).to(device)
+    return torch.randn(16, 8, generator=generator).to(device), torch.randn(16, 4, generator=generator).to(device)
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, step: int, device: torch.device) -> None:
+    x, y = batch(step, device)
     optimizer.zero_grad()
     F.mse_loss(model(x), y).backward()
     optimizer.step()
@@ -178,9 +184,37 @@ def check_matches_unsharded(rank: int, world_size: int, device: torch.device, mo
             )
 
 
+def check_careless_use(rank: int, world_size: int, device: torch.device) -> None:
+    """No parameters: refused naming it. Built before the model is wrapped in DDP: it trains the wrapped model (the
+    wrapper keeps the module's parameters). Built before FSDP wraps the model: it raises at its first step."""
+    with pytest.raises(ValueError, match="empty parameter list"):
+        ShardedOptimizer([], torch.optim.AdamW, **DEFAULTS)
+    model, reference = build(ThreeLayerNet, device), build(ThreeLayerNet, device)
+    sharded = ShardedOptimizer(model.parameters(), torch.optim.AdamW, **DEFAULTS)
+    ddp_model = DDPIndividualParameters(model)
+    unsharded = torch.optim.AdamW(reference.parameters(), **DEFAULTS)
+    for step in range(3):
+        x, y = batch(step, device)
+        sharded.zero_grad()
+        F.mse_loss(ddp_model(x), y).backward()
+        ddp_model.finish_gradient_synchronization()
+        sharded.step()
+        train_step(reference, unsharded, step, device)
+    assert_same_tensors(dict(model.named_parameters()), dict(reference.named_parameters()),
+                        f"built before DDP wrapping, rank {rank}", rtol=1.3e-6, atol=1e-6)
+    model = build(ThreeLayerNet, device)
+    early = ShardedOptimizer(model.parameters(), torch.optim.AdamW, **DEFAULTS)
+    fsdp = FSDP(model)
+    F.mse_loss(fsdp(x), y).backward()
+    fsdp.finish_gradient_synchronization()
+    with pytest.raises(RuntimeError, match="ShardedOptimizer holds parameters of a module that FSDP has since wrapped"):
+        early.step()
+
+
 CHECKS = {
     "ThreeLayerNet": partial(check_matches_unsharded, model_cls=ThreeLayerNet),
     "TwoParameterNet": partial(check_matches_unsharded, model_cls=TwoParameterNet),
+    "careless use": check_careless_use,
 }
 
 
