@@ -36,17 +36,15 @@ class FlashConfig:
     dtype), tens of seconds per new length bucket, instead of the fixed tiles per dtype and head dim (float32 calls
     that split their sweeps over more programs keep the fixed tiles).
     ``hopper_min_programs``: counted as ``batch * heads`` times the tiles of 128 queries (forward) or keys
-    (backward): the backward's programs, the tiles the persistent forward's programs share. Since the Hopper
-    backward's wgmma run asynchronously the Hopper kernels are at least as fast as the Triton kernels from one head
-    of 4,096 (32 programs) up (measured on an H100, bf16, causal: one head
-    of 16,384, forward + backward 0.56 ms against 0.61 at d = 64, 0.81 against 1.01 at d = 128); below, both are
-    bound by their launches.
+    (backward) (``hopper.programs``): the backward's programs, the tiles the persistent forward's programs share.
+    From one head of 4,096 (32 programs) up the Hopper kernels are at least as fast as the Triton kernels; below,
+    both are bound by their launches (optimisation log: hopper-from-32-programs).
     ``fp32_products``: how the Triton kernels multiply float32 inputs where PyTorch does not allow TF32 (where it
     does, they use TF32 as PyTorch's matmuls do): "ieee" on the FMA units, or "tf32x3" on the tensor cores, each
     operand split into a TF32 high part and a TF32 remainder and the product summed from three TF32 products (the
     remainders' product dropped), which stays close to float32's rounding at about a third of TF32's rate. The
-    default is "tf32x3": its error against float64 is the IEEE path's (one H100, 1000 x 128, causal: O 7.1e-7
-    against 7.9e-7, dQ 2.0e-6 against 1.5e-6) and it runs 2-4x faster.
+    default is "tf32x3": the IEEE path's error against float64, 2-4x faster (optimisation log:
+    fp32-tf32x3-products).
     """
 
     kernels: str = "auto"

@@ -82,7 +82,9 @@ def check_attention_inputs(Q: Tensor, K: Tensor, V: Tensor) -> None:
                 f"{name} must have shape (batch, seq, d) or (batch, heads, seq, d), got shape {tuple(tensor.shape)}"
             )
     if not Q.dim() == K.dim() == V.dim():
-        raise ValueError(f"Q, K, V must have the same rank, got shapes {tuple(Q.shape)}, {tuple(K.shape)}, {tuple(V.shape)}")
+        raise ValueError(
+            f"Q, K, V must have the same rank, got shapes {tuple(Q.shape)}, {tuple(K.shape)}, {tuple(V.shape)}"
+        )
     if not Q.device == K.device == V.device:
         raise ValueError(f"Q, K, V must be on one device, got {Q.device}, {K.device}, {V.device}")
     if not Q.dtype == K.dtype == V.dtype:
@@ -95,7 +97,9 @@ def check_attention_inputs(Q: Tensor, K: Tensor, V: Tensor) -> None:
             f"{tuple(Q.shape[:-2])}, {tuple(K.shape[:-2])}, {tuple(V.shape[:-2])}"
         )
     if not Q.shape[-1] == K.shape[-1] == V.shape[-1]:
-        raise ValueError(f"Q, K, V must have the same head dimension d, got {Q.shape[-1]}, {K.shape[-1]}, {V.shape[-1]}")
+        raise ValueError(
+            f"Q, K, V must have the same head dimension d, got {Q.shape[-1]}, {K.shape[-1]}, {V.shape[-1]}"
+        )
     if K.shape[-2] != V.shape[-2]:
         raise ValueError(f"K and V must have the same length, got {K.shape[-2]} and {V.shape[-2]}")
     if Q.shape[-2] == 0 or K.shape[-2] == 0:
@@ -116,7 +120,8 @@ def check_inputs(Q: Tensor, K: Tensor, V: Tensor, is_causal: bool) -> None:
     if Q.shape[-1] > max(SUPPORTED_HEAD_DIMS) or Q.shape[-1] % 8:
         raise ValueError(
             f"unsupported head dimension d={Q.shape[-1]}: the kernels run d in {SUPPORTED_HEAD_DIMS} (the portable "
-            f"ones and the Hopper backward also {tuple(d for d in portable.HEAD_DIMS if d not in SUPPORTED_HEAD_DIMS)}),"
+            f"ones and the Hopper backward also {tuple(d for d in portable.HEAD_DIMS if d not in SUPPORTED_HEAD_DIMS)}"
+            "),"
             f" and other multiples of 8 up to {max(SUPPORTED_HEAD_DIMS)} zero-padded to the next of those the chosen "
             "kernels run"
         )
@@ -154,7 +159,7 @@ def choose_backend(config: FlashConfig, device: torch.device, dtype: torch.dtype
 def portable_runs_faster(head_dim: int, part: str) -> bool:
     """Whether, by default, the portable kernels run ``part`` where the Hopper ones could: the forward at the head
     dims the portable kernels hold in two column parts and the Hopper forward pads to 128 (optimisation log:
-    hopper-backward-two-column-parts). The Hopper backward holds them in two parts too, and runs faster."""
+    portable-forward-two-column-parts). The Hopper backward holds them in two parts too, and runs faster."""
     return part == "forward" and head_dim not in SUPPORTED_HEAD_DIMS and head_dim in portable.HEAD_DIMS
 
 

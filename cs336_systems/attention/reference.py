@@ -53,7 +53,8 @@ def nvtx_range(message: str) -> AbstractContextManager:
 
 
 def annotated_scaled_dot_product_attention(
-    Q: Float[Tensor, "... q d"], K: Float[Tensor, "... k d"], V: Float[Tensor, "... k dv"], mask: Bool[Tensor, "q k"] | None = None
+    Q: Float[Tensor, "... q d"], K: Float[Tensor, "... k d"], V: Float[Tensor, "... k dv"],
+    mask: Bool[Tensor, "q k"] | None = None,
 ) -> Float[Tensor, "... q dv"]:
     """The model's ``scaled_dot_product_attention`` with an NVTX range around each of its three steps.
 

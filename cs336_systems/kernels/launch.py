@@ -266,7 +266,8 @@ class Kernel:
             plan = plan(*plan_args)
             entry = self._new_entry(slot, args if build is None else build(plan.extra, args, False), plan, tuned)
         if entry is not None:
-            self._compile_and_launch(slot, entry, entry.grid, args if build is None else build(entry.extra, args, False))
+            launch_args = args if build is None else build(entry.extra, args, False)
+            self._compile_and_launch(slot, entry, entry.grid, launch_args)
 
     def __call__(self, key: Hashable, grid: Grid, args: tuple, constexprs: dict[str, Any],
                  fixed: Callable[[], triton.Config], *, traced: bool = False, autotune: bool = False) -> None:
