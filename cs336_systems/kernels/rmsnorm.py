@@ -485,14 +485,14 @@ def launch_rmsnorm_forward(
     add = residual is not None
     residual, s = (residual, s) if add else (x, y)  # never touched without ADD_RESIDUAL
     block_n, single_tile = _block_n(n_cols)
-    multiprocessors = multiprocessors(x.device)
-    rows_key = _rows_key(triton.cdiv(n_rows, multiprocessors * FWD_PROGRAMS_PER_SM))
+    n_multiprocessors = multiprocessors(x.device)
+    rows_key = _rows_key(triton.cdiv(n_rows, n_multiprocessors * FWD_PROGRAMS_PER_SM))
     args = (x, weight, y, rstd, x.stride(0), y.stride(0), n_rows, n_cols, rows_key, eps, residual, s,
             residual.stride(0), s.stride(0))
     # What the configuration and the compilation depend on (nothing while traced: fake tensors have no data).
     key = None if traced else (x.dtype, weight.dtype, y.dtype, x.stride(0), n_cols, aligned(x, weight, residual, s),
                                rows_key, block_n, add, residual.stride(0), residual.dtype, s.dtype)
-    _FORWARD(key, lambda tiles: (forward_programs(n_rows, tiles, multiprocessors),), args,
+    _FORWARD(key, lambda tiles: (forward_programs(n_rows, tiles, n_multiprocessors),), args,
              {"BLOCK_N": block_n, "SINGLE_TILE": single_tile, "ADD_RESIDUAL": add},
              lambda: fixed_config("fwd", n_cols, x.element_size()), traced=traced,
              autotune=RMSNORM_CONFIG.get().autotune)

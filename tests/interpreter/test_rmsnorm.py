@@ -1,6 +1,6 @@
 """The fused RMSNorm Triton kernels under the Triton CPU interpreter, at small sizes (see ``conftest.py``).
 
-Under the interpreter the backward runs 4 programs (``_multiprocessor_count`` is 2), so several rows per
+Under the interpreter the backward runs 4 programs (``launch.multiprocessors`` is 2), so several rows per
 program and ragged row ranges are the rule; lowering ``MAX_BLOCK_N`` sends short rows down the tiled path.
 """
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from cs336_systems.kernels import rmsnorm
-from cs336_systems.kernels.launch import interpreting, poisoned_outputs
+from cs336_systems.kernels.launch import interpreting, multiprocessors, poisoned_outputs
 from tests import test_rmsnorm
 from tests.test_rmsnorm import check_against_float64, make_inputs
 
@@ -83,7 +83,7 @@ def test_persistent_grid_at_awkward_shapes(shape, dtype, prefetch, monkeypatch):
     if not prefetch:
         monkeypatch.setattr(rmsnorm, "PREFETCH_MAX_ROW_BYTES", 0)
     n_rows = shape[0]
-    assert rmsnorm._multiprocessor_count(None) * rmsnorm.BWD_PROGRAMS_PER_SM == 8 and rmsnorm.INTERPRETER_BLOCK_M == 4
+    assert multiprocessors(torch.device("cpu")) * rmsnorm.BWD_PROGRAMS_PER_SM == 8 and rmsnorm.INTERPRETER_BLOCK_M == 4
     check_against_float64(*make_inputs(shape, dtype, "cpu"))
     # The backward alone, each gradient by itself, against float64, from the forward's saved 1/rms.
     x, weight, dy = make_inputs(shape, dtype, "cpu")
