@@ -155,7 +155,7 @@ def test_planned_launch_names_its_trailing_arguments_once(monkeypatch):
 
     for tensor in ("x", "y"):
         kernel.launch("k", (tensor,), plan, "extra", build=build)
-    assert plans == ["extra"] and built == [("extra", False), ("extra", False), ("extra", True)]
+    assert plans == ["extra"] and built == [("extra", False), ("extra", True)]
     assert fn.launches == [((4,), ("x",), {"n": 5, "FLAG": True, "BLOCK": 16, "num_warps": 2, "num_stages": 3})]
     assert short == [("compiled 1", (4,), ("y",), (5, 16, True))]
 

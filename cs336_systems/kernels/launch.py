@@ -224,8 +224,9 @@ class Kernel:
     a bounded least-recently-used cache, and optionally an autotuner over ``autotune_configs``
     (``triton.autotune``'s ``key`` and ``prune``).
 
-    ``kernel(key, args, plan, *plan_args)`` launches ``fn`` on ``args`` (its leading parameters) and the entry of
-    ``key`` on the current device. ``key`` is the launch signature: everything the configuration, the trailing
+    ``kernel.launch(key, args, plan, *plan_args)`` launches ``fn`` on ``args`` (its leading parameters) and the entry
+    of ``key`` on the current device; ``kernel(key, grid, args, constexprs, fixed)`` does the same where the grid and
+    the arguments change between calls of one key. ``key`` is the launch signature: everything the configuration, the trailing
     arguments and the compilation depend on (the dtypes, the constexprs, the strides, the arguments Triton
     specialises on: integers by value unless ``do_not_specialize``, pointers by their 16-byte alignment). The first
     call of a key makes its entry from ``plan(*plan_args)`` (a :class:`LaunchPlan`); it compiles through
@@ -263,11 +264,14 @@ class Kernel:
                                    args if build is None else build(entry.extra, args, True), entry.tail)
             return
         if entry is None:
-            plan = plan(*plan_args)
-            entry = self._new_entry(slot, args if build is None else build(plan.extra, args, False), plan, tuned)
-        if entry is not None:
+            new_plan = plan(*plan_args)
+            launch_args = args if build is None else build(new_plan.extra, args, False)
+            entry = self._new_entry(slot, launch_args, new_plan, tuned)
+            if entry is None:
+                return  # the autotuner launched
+        else:
             launch_args = args if build is None else build(entry.extra, args, False)
-            self._compile_and_launch(slot, entry, entry.grid, launch_args)
+        self._compile_and_launch(slot, entry, entry.grid, launch_args)
 
     def __call__(self, key: Hashable, grid: Grid, args: tuple, constexprs: dict[str, Any],
                  fixed: Callable[[], triton.Config], *, traced: bool = False, autotune: bool = False) -> None:
@@ -289,8 +293,9 @@ class Kernel:
             return
         if entry is None:
             entry = self._new_entry(slot, args, LaunchPlan(grid, constexprs, None if tuned else fixed()), tuned)
-        if entry is not None:
-            self._compile_and_launch(slot, entry, grid(entry.config.kwargs), args)
+            if entry is None:
+                return  # the autotuner launched
+        self._compile_and_launch(slot, entry, grid(entry.config.kwargs), args)
 
     def _new_entry(self, slot: tuple, args: tuple, plan: LaunchPlan, tuned: bool) -> LaunchEntry | None:
         """The entry of a new signature, kept unless the plan says not to; None when autotuning, which launched (the
