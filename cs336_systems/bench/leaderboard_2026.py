@@ -222,7 +222,7 @@ def _stack_result(args, stack: str, config: dict[str, int], world_size: int, eve
         "param_dtype": "fp32 (master)",
         "compute_dtype": str(compute_dtype).removeprefix("torch."),
         "checkpoint_plan": {"describe": plan.describe(), "predicted_peak_gb": plan.peak_bytes / GB},
-        "parts": dataclasses.asdict(SHARDED_STACKS[stack].with_block_checkpointing(plan.modes)
+        "parts": dataclasses.asdict(SHARDED_STACKS[stack].with_(checkpointing=plan.modes)
                                     .with_residual_norm(args.residual_norm or "separate")),
         "timer": "do_bench_on_ranks (triton do_bench, mean)" if on_gpu else "time_calls (min of 2)",
         "predicted_memory": memory_budget(config, stack, world_size, args.per_rank_batch, modes=plan.modes),

@@ -29,6 +29,8 @@ LB_PART_NAMES = {
     ("compile", "none"): "none (our kernels run as they are)",
     ("compile", "blocks"): "each block",
     ("checkpointing", 1): "every block",
+    ("checkpointing", "selective"): "every block, its attention output and log-sum-exp kept",
+    ("checkpointing", "full"): "every block, recomputed whole",
     ("keep_attention", True): "yes: attention output and log-sum-exp",
     ("keep_attention", False): "no: backward recomputes the whole block",
     ("sharding", "ours"): "our FSDP by blocks",
@@ -43,7 +45,7 @@ CATEGORIES = {
     "optimizer": "optimizer", "rmsnorm": "RMSNorm",
 }
 OVERRIDE_NAMES = {"attention=sdpa": "SDPA attention", "compile=none": "uncompiled blocks",
-                  "keep_attention=false": "whole blocks recomputed"}
+                  "keep_attention=false": "whole blocks recomputed", "checkpointing=full": "whole blocks recomputed"}
 
 COUNT_WORDS = {1: "One", 2: "Two", 3: "Three", 4: "Four", 5: "Five", 6: "Six"}
 
