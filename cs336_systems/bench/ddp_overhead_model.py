@@ -35,6 +35,7 @@ import numpy as np
 
 from cs336_systems.bench.common import cli, result_store
 from cs336_systems.bench.common.allreduce_fit import fits_by_setting
+from cs336_systems.bench.common.result_store import latest
 from cs336_systems.parallel.ddp import bucket_size_mb
 
 MB = 1024**2  # bucket sizes are MiB, as DDPBucketed's bucket_size_mb
@@ -85,13 +86,6 @@ def fit_overhead_model(n_buckets: list[float], total_bytes: list[float], overhea
     return OverheadModel(float(o), math.inf if inverse_w == 0 else float(1 / inverse_w))
 
 
-def _latest(rows: list[dict[str, Any]], key) -> list[dict[str, Any]]:
-    latest = {}
-    for row in rows:
-        latest[key(row)] = row
-    return list(latest.values())
-
-
 def _bucketed_rows(ddp_rows: list[dict[str, Any]], dtype: str) -> list[dict[str, Any]]:
     """The latest row of each bucketed variant of ``dtype``, on the device and world size of the newest such row,
     by bucket size. Raises ``ValueError`` when there is none."""
@@ -99,9 +93,10 @@ def _bucketed_rows(ddp_rows: list[dict[str, Any]], dtype: str) -> list[dict[str,
                 and r.get("exposed_ms") is not None and r.get("n_buckets")]
     if not bucketed:
         raise ValueError(f"no bucketed DDP rows for {dtype}")
-    device, world_size = bucketed[-1]["device"], bucketed[-1]["world_size"]
-    bucketed = _latest([r for r in bucketed if r["device"] == device and r["world_size"] == world_size],
-                       key=lambda r: r["variant"])
+    newest = latest(bucketed)[0]
+    device, world_size = newest["device"], newest["world_size"]
+    bucketed = latest([r for r in bucketed if r["device"] == device and r["world_size"] == world_size],
+                      key=lambda r: r["variant"])
     return sorted(bucketed, key=lambda r: r["bucket_mb"])
 
 

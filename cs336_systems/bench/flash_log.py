@@ -128,8 +128,9 @@ def measure_step(args, device: torch.device) -> dict[str, Any]:
 
 
 def latest_decisions(rows: list[dict[str, Any]]) -> dict[str, str]:
-    """Each step's decision: the last row that names the step wins (measurement or ``--set-decision``)."""
-    return {row["step"]: row["decision"] for row in rows if "decision" in row}
+    """Each step's decision: the latest row that names the step wins (measurement or ``--set-decision``)."""
+    return {row["step"]: row["decision"]
+            for row in result_store.latest((row for row in rows if "decision" in row), key=lambda row: row["step"])}
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:

@@ -235,10 +235,11 @@ def expected(n_params: int, local_params: int) -> dict[str, float]:
 
 
 def _latest(store: result_store.ResultStore, config: dict[str, Any], impl: str) -> dict[str, Any] | None:
-    rows = [r for r in store.rows() if r.get("device") == store.env["device"] and r.get("measure") == "step"
-            and r.get("impl") == impl and r.get("optimizer") == config.get("optimizer")
-            and all(r.get(k) == v for k, v in config.items() if k != "impl")]
-    return rows[-1] if rows else None
+    rows = result_store.latest(r for r in store.rows() if r.get("device") == store.env["device"]
+                               and r.get("measure") == "step" and r.get("impl") == impl
+                               and r.get("optimizer") == config.get("optimizer")
+                               and all(r.get(k) == v for k, v in config.items() if k != "impl"))
+    return rows[0] if rows else None
 
 
 def step_cases(args, world_size: int) -> list[dict[str, Any]]:
