@@ -14,7 +14,9 @@ All share one interface, so a benchmark can swap them: ``wrapper(module, ...)``,
 ``python -m cs336_systems.bench.naive_ddp`` checks each against single-process training.
 """
 
-from .base import DataParallelModule, broadcast_module_state
+from cs336_systems.parallel.distributed import broadcast_module_state
+
+from .base import DataParallelModule
 from .bucketed import DDPBucketed
 from .flattened import DDPFlattened
 from .naive import DDPNaive
