@@ -1,4 +1,5 @@
-"""The bucketed-DDP overhead model (the handout's ``ddp_bucketed_benchmarking`` (b)) against the measured bucketed step times.
+"""The bucketed-DDP overhead model (the handout's ``ddp_bucketed_benchmarking`` (b)) against the measured bucketed
+step times.
 
 Model. The gradients, ``s`` bytes in all, travel in ``n_b`` buckets of ``s / n_b`` bytes; one all-reduce
 of ``x`` bytes costs ``o + x / w`` (per-call overhead ``o``, algorithm bandwidth ``w`` = bytes per rank
@@ -206,7 +207,8 @@ def main(argv: list[str] | None = None) -> None:
               f"o = {result['per_call_us']:.1f} us, w = {result['bandwidth_gbps']:.1f} GB/s "
               f"({result['backend']}, {result['world_size']} ranks)")
         print(f"predicted optimum: {result['predicted_optimal_bucket_mb']:.1f} MiB buckets "
-              f"({result['predicted_optimal_n_buckets']:.0f} buckets, {result['predicted_optimal_overhead_ms']:.2f} ms); "
+              f"({result['predicted_optimal_n_buckets']:.0f} buckets, "
+              f"{result['predicted_optimal_overhead_ms']:.2f} ms); "
               f"measured best: {result['measured_best_bucket_mb']:g} MiB ({result['measured_best_exposed_ms']:.2f} ms)")
         if result["fitted_per_call_us"] is not None:
             optimum = result["fitted_optimal_bucket_mb"]

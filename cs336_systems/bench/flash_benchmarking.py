@@ -81,8 +81,8 @@ def parser():
 
 
 def resolve_defaults(args, device: torch.device) -> None:
-    """Fill the grid: the handout's sweep on a GPU (``--quick``: three lengths at d=64, bf16), tiny on a CPU (``--quick``:
-    one length, d=16, fp32)."""
+    """Fill the grid: the handout's sweep on a GPU (``--quick``: three lengths at d=64, bf16), tiny on a CPU
+    (``--quick``: one length, d=16, fp32)."""
     if device.type != "cuda":
         providers = args.providers or CPU_PROVIDERS
         skipped = [p for p in providers if fp.get_provider(p).unavailable_reason(device)]

@@ -66,7 +66,8 @@ def parser():
     p.add_argument("--warmup", type=cli.positive_float, default=200,
                    help="do_bench warm-up time at the leaderboard shape, ms")
     p.add_argument("--points", nargs="*", type=point, default=POINTS, help="sweep points, e.g. 16384x64")
-    p.add_argument("--point-rep", type=cli.positive_float, default=100, help="do_bench repetition time at each point, ms")
+    p.add_argument("--point-rep", type=cli.positive_float, default=100,
+                   help="do_bench repetition time at each point, ms")
     p.add_argument("--point-warmup", type=cli.positive_float, default=25)
     return p
 

@@ -95,7 +95,8 @@ def parser():
     p.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto",
                    help="auto: NCCL with one GPU per rank when there are GPUs, else gloo ranks on the CPU")
     p.add_argument("--trace", default=None, metavar="DIR", help="also trace one step of ours into DIR and draw it")
-    p.add_argument("--figure", default=str(result_store.FIGURES_DIR / "fsdp_timeline.png"), help="where the timeline goes")
+    p.add_argument("--figure", default=str(result_store.FIGURES_DIR / "fsdp_timeline.png"),
+                   help="where the timeline goes")
     p.add_argument("--check", action="store_true", help="only the correctness check against one process")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="basics",
                    help="basics: cs336_basics' AdamW (FSDP2: on its local shards); torch: torch.optim.AdamW "

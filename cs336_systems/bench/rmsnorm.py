@@ -312,7 +312,8 @@ def measure_kernel_case(case: dict[str, Any], device: torch.device) -> dict[str,
 
 def pending_in_run(store: result_store.ResultStore, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The cases that the store's run has not measured yet (all of them in a new run)."""
-    measured = [{key: r.get(key) for key in r.get("config_keys", ())} for r in store.rows() if r.get("run") == store.run]
+    measured = [{key: r.get(key) for key in r.get("config_keys", ())}
+                for r in store.rows() if r.get("run") == store.run]
     return [case for case in cases if case not in measured]
 
 
