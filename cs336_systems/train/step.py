@@ -3,35 +3,22 @@
 A step is forward, loss, backward and the optimizer's update, under bf16 autocast by default. Each part is
 chosen by name in :class:`Parts`, so that the two stacks the benchmarks race differ only where they say:
 
-* ``attention``: any :func:`cs336_systems.attention.get_attention` name: ``triton`` (our operator), ``sdpa``,
-  ``naive``, ...
-* ``rmsnorm``: ``plain`` (``cs336_basics``) or ``fused`` (our Triton kernel, writing the autocast dtype).
-* ``fused_residual_norm``: each residual add runs inside the norm that reads its sum (``ln2``, the next block's
-  ``ln1``, ``ln_final``): one Triton kernel writes the sum and its norm, one computes both gradients
-  (:mod:`cs336_systems.train.residual_stream`); needs ``rmsnorm='fused'``.
-* ``weights``: ``fp32`` (every parameter float32, cast by autocast at each use) or ``bf16``: the linear layers'
-  weights held in bf16, trained through float32 master weights that our fused AdamW keeps and rounds back after
-  each update (the matmuls read them with no cast); needs the fused optimizer, bf16 autocast and one GPU.
-* ``loss``: ``plain`` (the LM head, then ``F.cross_entropy`` on the full logits), ``chunked`` (the same operations
-  over chunks of tokens, each recomputed in backward, so one chunk's logits exist at a time) or ``fused`` (our LM
-  head + cross-entropy, which never holds the logits).
-* ``checkpointing``: what each block's backward recomputes (:data:`CHECKPOINT_MODES`): ``keep`` (nothing),
-  ``selective`` (all but the attention output and log-sum-exp) or ``full`` (the whole block); one mode for every
-  block, or a tuple with one mode per block (the plans of :mod:`cs336_systems.train.checkpoint_plan`).
-* ``sharding``: ``none`` (one process, or any data-parallel wrapper around the step), ``ours`` (our FSDP by blocks,
-  its gradient shards placed as ``gradient_memory`` says) or ``fsdp2`` (``fully_shard`` per block and root);
-  sharded stacks hold fp32 master weights and compute in the step's bf16 dtype (no autocast).
-* ``compile``: ``none``, ``blocks`` (``torch.compile`` of each block and, unsharded, of the loss head: one graph
-  whatever the depth; :func:`compile_block`) or ``model`` (the whole forward and loss as one graph).
-  ``recompute_materialized`` lets the partitioner recompute, in backward, values a backward operator reads whole
-  (our fused RMSNorm's float32 input, rebuilt from the block's input and the bf16 attention output) instead of
-  saving them. Compiled code is reused across the steps of one process: build steps that differ there in fresh
-  processes, or after ``torch._dynamo.reset()``.
-* ``optimizer``: ``basics`` (``cs336_basics`` AdamW, a Python loop), ``torch_fused`` / ``torch_foreach``
-  (``torch.optim.AdamW(fused=True)`` / ``foreach=True``) or ``fused`` (our Triton AdamW).
-* ``cudagraphs``: capture forward, loss and backward in one CUDA graph on the first call (after two warm-up passes
-  on a side stream, which do not train) and replay it: a step costs the host one replay and the optimizer's
-  launches (the optimizer stays outside: its bias corrections are host scalars). One GPU, unsharded.
+* ``attention``: a :func:`cs336_systems.attention.get_attention` name (``triton``: our operator, ``sdpa``, ...).
+* ``rmsnorm``: ``plain`` (``cs336_basics``) or ``fused`` (our Triton kernel, writing the autocast dtype);
+  ``fused_residual_norm``: each residual add inside the norm that reads its sum (:mod:`.residual_stream`).
+* ``weights``: ``fp32``, or ``bf16`` linear weights trained through float32 masters in our fused AdamW (one GPU).
+* ``loss``: ``plain`` (LM head, then ``F.cross_entropy``), ``chunked`` (the same over chunks of tokens, each
+  recomputed in backward) or ``fused`` (our LM head + cross-entropy, which never holds the logits).
+* ``checkpointing``: what each block's backward recomputes: ``keep`` (nothing), ``selective`` (all but the attention
+  output and log-sum-exp) or ``full``; one mode for every block, or one per block (:mod:`.checkpoint_plan`).
+* ``sharding``: ``none``, ``ours`` (our FSDP by blocks; ``gradient_memory``: the stream holding its gradient shards)
+  or ``fsdp2`` (``fully_shard`` per block and root): fp32 masters, compute in the step's dtype (no autocast).
+* ``compile``: ``none``, ``blocks`` (each block, and the unsharded loss head: :func:`compile_block`) or ``model``;
+  ``recompute_materialized`` lets the partitioner recompute what a backward operator reads whole (our RMSNorm's
+  float32 input) instead of saving it. Compiled code is reused within a process (``torch._dynamo.reset()``).
+* ``optimizer``: ``basics`` (``cs336_basics`` AdamW), ``torch_fused`` / ``torch_foreach`` or ``fused`` (ours).
+* ``cudagraphs``: forward, loss and backward captured in one CUDA graph at the first call (after two warm-up passes
+  that do not train) and replayed; the optimizer runs outside it. One GPU, unsharded.
 
 :func:`build_training_step` applies them in that order, one ``apply_*`` function each.
 
@@ -408,10 +395,6 @@ def apply_compile(model: BasicsTransformerLM, parts: Parts, forward_loss: Callab
     return torch.compile(forward_loss) if parts.compile == "model" else forward_loss
 
 
-def apply_optimizer(net: nn.Module, parts: Parts) -> torch.optim.Optimizer:
-    return make_optimizer(net.parameters(), parts.optimizer, master_weights=parts.weights == "bf16")
-
-
 class TrainingStep:
     """Forward, loss, backward and optimizer step of ``model`` with ``parts`` (see :func:`build_training_step`)."""
 
@@ -427,7 +410,7 @@ class TrainingStep:
                 return self.net(token_ids, targets)
 
         self.forward_loss = apply_compile(model, parts, forward_loss)
-        self.optimizer = apply_optimizer(self.net, parts)
+        self.optimizer = make_optimizer(self.net.parameters(), parts.optimizer, master_weights=parts.weights == "bf16")
         self._graph: torch.cuda.CUDAGraph | None = None  # the ``cudagraphs`` part captures it at the first call
 
     def _autocast(self, device: torch.device) -> contextlib.AbstractContextManager:
