@@ -931,8 +931,22 @@ def gradient_checkpointing(res, out: Output) -> dict[str, Any]:
     axes[0].legend(fontsize=7)
     figure = out.save(fig, "gradient_checkpointing", "Peak memory (predicted and measured) and step time against "
                       "the group size.")
+    # The measured peaks of the predicted optimum and its neighbours (the next smaller and larger sizes measured).
+    ks = sorted(r["group_size"] for r in measured)
+    k_opt = first["predicted_optimum"]
+    smaller, larger = [k for k in ks if k < k_opt][-1:], [k for k in ks if k > k_opt][:2]
+    compared = [r for k in (*smaller, k_opt, *larger) for r in measured if r["group_size"] == k]
+    slope = ((measured[-1]["peak_gb"] - measured[0]["peak_gb"]) / (measured[-1]["group_size"] - measured[0]["group_size"])
+             if len(measured) > 1 else None)
     n = {
         "size": size_name(first["size"]), "n_blocks": str(n_blocks), "b": num(per_block, 3), "a": num(boundary, 3),
+        "k_below_one": k_star < 1, "has_smaller": bool(smaller),
+        "compared": [{"k": str(r["group_size"]), "peak": gb(r["peak_gb"])} for r in compared],
+        "per_block_slope": gb(slope, 2),
+        "ms_range": spread(min(r["mean_ms"] for r in measured), max(r["mean_ms"] for r in measured),
+                           fmt=lambda x: f"{num(x, 0)} ms") if measured else DASH,
+        "ms_spread": pct(max(r["mean_ms"] for r in measured) / min(r["mean_ms"] for r in measured) - 1, 0)
+        if measured else DASH,
         "k_star": num(k_star, 2), "k_opt": str(first["predicted_optimum"]),
         "best_k": str(best["group_size"]) if best else DASH, "best_peak": gb(best and best["peak_gb"]),
         "best_ms": num(best and best["mean_ms"], 0),
