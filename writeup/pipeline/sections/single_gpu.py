@@ -661,8 +661,7 @@ def block_residuals(blocks: list[dict], size: str, batch: int) -> tuple[dict[str
             "within_stream": gap <= row["residual_stream_bytes"],
         }
 
-    bf16 = {str(row["context_length"]): num(row["residual_mib"], 1) for row in by(blocks, dtype="bf16")}
-    n = {"by_ctx": [at(row) for row in fp32], "bf16_mib": bf16,
+    n = {"by_ctx": [at(row) for row in fp32],
          "blocks": f"{first['blocks'][0]} to {first['blocks'][-1]}", "parameters": f"{first['block_parameters']:,}"}
     return tab, n
 
