@@ -190,33 +190,37 @@ def memory_profiling(figures: Path) -> list[dict]:
     scores = ["cs336_basics/model.py:122 scaled_dot_product_attention", "cs336_basics/model.py:250 forward"]
     for mode, dtype in (("inference", "fp32"), ("train_step", "fp32")):
         config = {"size": "2.7B", "context_length": 256, "batch_size": 4, "mode": mode, "dtype": dtype, "kind": "timeline"}
+        allocations = [{"mb": 32.0, "count": 96, "source": scores[0], "stack": scores}]
         rows.append(row("memory_profiling", config, {"oom": False, "figure": png(figures / f"memory_{mode}_{dtype}.png"),
-                                                     "timeline_peak_gb": 40.0, "largest_allocations": [
-                                                         {"mb": 32.0, "count": 96, "source": scores[0], "stack": scores}],
+                                                     "timeline_peak_gb": 40.0, "largest_allocations": allocations,
                                                      "snapshot": f"memory_2.7B_{mode}_{dtype}_ctx256.pickle"}))
     # The 2026 handout's contexts, 128 and 2048, on an H200: the forward with autograd and the step out of memory at
     # 2048.
     for ctx in (128, 2048):
         for dtype in ("fp32", "bf16"):
             for mode in ("inference", "forward", "train_step"):
-                config = {"size": "2.7B", "context_length": ctx, "batch_size": 4, "mode": mode, "dtype": dtype, "kind": "peak"}
+                config = {"size": "2.7B", "context_length": ctx, "batch_size": 4, "mode": mode, "dtype": dtype,
+                          "kind": "peak"}
                 oom = ctx == 2048 and mode != "inference"
                 measured = ({"oom": True, "error": "CUDA out of memory. Tried to allocate 80.00 MiB. GPU 0 has a total "
                              "capacity of 139.80 GiB of which 35.12 MiB is free."} if oom else
-                            {"oom": False, "peak_gb": 14.0 + ctx / 256 + len(mode) + (dtype == "bf16"), "params_gb": 13.6})
+                            {"oom": False, "peak_gb": 14.0 + ctx / 256 + len(mode) + (dtype == "bf16"),
+                             "params_gb": 13.6})
                 rows.append(on_h200(row("memory_profiling", config, measured, gpu=H200)))
     rows += [block_residuals(ctx, dtype) for ctx in (128, 2048) for dtype in ("fp32", "bf16")]
     # The timelines at the longest context that fits each case, coloured by what each allocation holds. At 2048 the
     # scores are 4 * 32 * 2048^2 * 4 bytes = 2,048 MiB in fp32 (the softmax's under autocast too), 1,024 MiB in bf16.
     softmax = ["cs336_basics/nn_utils.py:15 softmax", "cs336_basics/model.py:127 scaled_dot_product_attention"]
     masked = ["cs336_basics/model.py:126 scaled_dot_product_attention", "cs336_basics/model.py:138 causal_attention"]
+    def allocation(mib: float, count: int, stack: list[str], category: str) -> dict[str, Any]:
+        return {"mb": mib, "count": count, "source": stack[0], "stack": stack, "category": category}
+
     allocations = {
-        "fp32": [{"mb": 2048.0, "count": 64, "source": masked[0], "stack": masked, "category": "attention: scores, mask"},
-                 {"mb": 2048.0, "count": 32, "source": softmax[0], "stack": softmax, "category": "attention: softmax"},
-                 {"mb": 320.0, "count": 64, "source": "cs336_basics/model.py:101 silu", "stack": [],
-                  "category": "feed-forward (SwiGLU)"}],
-        "bf16": [{"mb": 2048.0, "count": 64, "source": softmax[0], "stack": softmax, "category": "attention: softmax"},
-                 {"mb": 1024.0, "count": 64, "source": masked[0], "stack": masked, "category": "attention: scores, mask"}],
+        "fp32": [allocation(2048.0, 64, masked, "attention: scores, mask"),
+                 allocation(2048.0, 32, softmax, "attention: softmax"),
+                 allocation(320.0, 64, ["cs336_basics/model.py:101 silu"], "feed-forward (SwiGLU)")],
+        "bf16": [allocation(2048.0, 64, softmax, "attention: softmax"),
+                 allocation(1024.0, 64, masked, "attention: scores, mask")],
     }
     at_peak = {  # (mode, dtype): what is alive at the timeline's peak, GB
         ("inference", "fp32"): {"allocated before the recording": 13.6, "attention: scores, mask": 2.1,
@@ -231,7 +235,8 @@ def memory_profiling(figures: Path) -> list[dict]:
     for (mode, dtype), alive in at_peak.items():
         ctx = 2048 if mode == "inference" else 128
         stem = f"memory_2.7B_{mode}_{dtype}_ctx{ctx}"
-        config = {"size": "2.7B", "context_length": ctx, "batch_size": 4, "mode": mode, "dtype": dtype, "kind": "timeline"}
+        config = {"size": "2.7B", "context_length": ctx, "batch_size": 4, "mode": mode, "dtype": dtype,
+                  "kind": "timeline"}
         html = figures / f"{stem}.html"
         html.parent.mkdir(parents=True, exist_ok=True)
         html.write_text("<html></html>")

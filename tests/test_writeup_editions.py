@@ -203,7 +203,8 @@ def test_memory_part_f_quotes_the_rows_of_one_block(built, fixture_results):
         assert sum(shares) <= 1 + 1e-9
     (bf16,) = fixture_rows(fixture_results, "memory_profiling", kind="block_residuals", context_length=128,
                            dtype="bf16")
-    assert section["n"]["saved_c0"] == {"fp32": f"{rows[0]['residual_mib']:,.1f}", "bf16": f"{bf16['residual_mib']:,.1f}"}
+    assert section["n"]["saved_c0"] == {"fp32": f"{rows[0]['residual_mib']:,.1f}",
+                                        "bf16": f"{bf16['residual_mib']:,.1f}"}
 
 
 def test_checkpointing_compares_the_best_size_with_its_measured_neighbours(built, fixture_results):

@@ -581,8 +581,8 @@ def memory_profiling(res, out: Output) -> dict[str, Any]:
     snapshots = {dtype: longest(timelines, mode="inference", dtype=dtype) for dtype in ("fp32", "bf16")}
     tables = {"peaks": memory_peak_table(peaks, size, batch)}
     for dtype, row in snapshots.items():
-        tables[f"allocations_{dtype}"] = (largest_allocations_table(row, tensor_names(batch, row["context_length"], size))
-                                          if row else None)
+        names = tensor_names(batch, row["context_length"], size) if row else {}
+        tables[f"allocations_{dtype}"] = largest_allocations_table(row, names) if row else None
     n = memory_numbers(peaks, size, batch, ctx_max)
     n["e"] = {d: largest_allocation_numbers(row, batch, hp["num_heads"], hp["d_ff"]) for d, row in snapshots.items()}
     n["tl"] = {name: timeline_numbers(row) for name, row in shown.items()}
@@ -625,13 +625,14 @@ def block_residuals(blocks: list[dict], size: str, batch: int) -> tuple[dict[str
     saved = {row["context_length"]: {key(op): op for op in row["saved_by_operation"]} for row in fp32}
     longest_ctx = contexts[-1]
     listed.sort(key=lambda k: -saved[longest_ctx].get(k, {}).get("share", 0.0))
+    top_five = {row["context_length"]: {key(op) for op in row["top_operations"]} for row in fp32}
     body = []
     for op, caller in listed:
         cells = [op.removeprefix("aten."), caller or DASH]
         for ctx in contexts:
             found = saved[ctx].get((op, caller))
-            top = found is not None and (op, caller) in {key(o) for o in by(fp32, context_length=ctx)[0]["top_operations"]}
-            cells += [num(found and found["mib"], 1), pct(found and found["share"], 1) + ("" if top else " ◦")]
+            mark = "" if (op, caller) in top_five[ctx] else " ◦"
+            cells += [num(found and found["mib"], 1), pct(found and found["share"], 1) + mark]
         body.append(cells)
     header = [["", "", *[span(f"context {c}", 2) for c in contexts]],
               ["operation (ATen)", "called in (model functions)", *["MiB", "share"] * len(contexts)]]
@@ -649,10 +650,12 @@ def block_residuals(blocks: list[dict], size: str, batch: int) -> tuple[dict[str
         after_first = row["backward_change_bytes"][1:] or row["backward_change_bytes"]
         gap = abs(row["gradient_bytes_measured"] - row["gradient_bytes_expected"])
         return {
-            "ctx": str(row["context_length"]), "mib": num(row["residual_mib"], 1), "tensors": str(row["residual_tensors"]),
+            "ctx": str(row["context_length"]), "mib": num(row["residual_mib"], 1),
+            "tensors": str(row["residual_tensors"]),
             "top_op": top[0]["op"].removeprefix("aten."), "top_caller": top[0]["caller"],
             "top_share": pct(top[0]["share"], 1), "top5_share": pct(sum(op["share"] for op in top), 0),
             "top_same_size": str(sum(op["bytes"] == top[0]["bytes"] for op in top)),
+            "top_in_attention": "attention" in top[0]["caller"],
             "change": moved(statistics.median(after_first) / 2**20),
             "measured_mib": num(row["gradient_bytes_measured"] / 2**20, 1),
             "expected_mib": num(row["gradient_bytes_expected"] / 2**20, 1),
@@ -935,7 +938,8 @@ def gradient_checkpointing(res, out: Output) -> dict[str, Any]:
     k_opt = first["predicted_optimum"]
     smaller, larger = [k for k in ks if k < k_opt][-1:], [k for k in ks if k > k_opt][:2]
     compared = [r for k in (*smaller, k_opt, *larger) for r in measured if r["group_size"] == k]
-    slope = ((measured[-1]["peak_gb"] - measured[0]["peak_gb"]) / (measured[-1]["group_size"] - measured[0]["group_size"])
+    first_k, last_k = (measured[0], measured[-1]) if measured else (None, None)
+    slope = ((last_k["peak_gb"] - first_k["peak_gb"]) / (last_k["group_size"] - first_k["group_size"])
              if len(measured) > 1 else None)
     n = {
         "size": size_name(first["size"]), "n_blocks": str(n_blocks), "b": num(per_block, 3), "a": num(boundary, 3),
