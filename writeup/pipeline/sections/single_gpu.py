@@ -115,6 +115,8 @@ def benchmarking_script(res, out: Output) -> dict[str, Any]:
         "noisy": join_words([f"{size_name(s)} {MODE_LABEL[m]} ({pct(c)})" for s, m, c in noisy]) or "none",
         "has_noisy": bool(noisy),
         "oom_sizes": join_words(list(dict.fromkeys(size_name(r["size"]) for r in tried if r.get("oom")))),
+        "oom_cases": join_words(list(dict.fromkeys(f"{size_name(r['size'])} {MODE_LABEL.get(r['mode'], r['mode'])}"
+                                                   for r in tried if r.get("oom")))),
     }
     study_table, study_figure, study_n = warmup_study(study, out)
     result = {"tables": {"main": main, "study": study_table}, "figures": {"warmup": study_figure}, "n": n | study_n}
