@@ -2,7 +2,7 @@
 # The one-GPU proxy of the 8B leaderboard step's first rows (python3 with torch and triton), each part under a time cap, into $OUT: the GPU test
 # of compiled blocks under our FSDP, the 2025 leaderboard protocol (ours and cuDNN), the one-GPU proxy of the 8B
 # step ($PROXY_LAYERS blocks, both stacks, short do_bench), and the proxy's kernel-time profile per stack
-# ($PROFILE_OVERRIDES: stack:part=value changes, e.g. ours:keep_attention=false).
+# ($PROFILE_OVERRIDES: stack:part=value changes, e.g. ours:checkpointing=full).
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True

@@ -12,7 +12,7 @@ building the model and compiling):
     python scripts/leaderboard_2026_profile.py --stacks ours torch
     python scripts/leaderboard_2026_profile.py --stacks ours torch --checkpoint-plan stack  # each stack's own plan
     python scripts/leaderboard_2026_profile.py --layers 4 --stacks ours --checkpoint-plan stack \
-        --override ours:keep_attention=false
+        --override ours:checkpointing=full
     python scripts/leaderboard_2026_profile.py --world-size 1 --layers 4     # the one-GPU proxy
 """
 
@@ -53,7 +53,7 @@ def build_stack(stack: str, args, device: torch.device, world: int, free_bytes: 
         config = {**MODEL, "num_layers": args.layers}
         margin = None if args.memory_margin_gib is None else args.memory_margin_gib * GiB
         plan = plan_of_option(args.checkpoint_plan, config, stack, world, 1, free_bytes, margin)
-        parts = parts.with_block_checkpointing(plan.modes)
+        parts = parts.with_(checkpointing=plan.modes)
         if dist.get_rank() == 0:
             print(f"# {stack}: checkpoint plan: {plan.describe()}", flush=True)
     torch.manual_seed(0)

@@ -135,54 +135,132 @@ def torch_compile() -> list[dict]:
     return rows
 
 
+H200 = "NVIDIA H200"
+H200_DAY = "2026-11-29T00:35:00Z"  # the 2.7B memory rows on one H200 come a week after the H100's
+
+
+def on_h200(r: dict) -> dict:
+    """``row`` as measured by a later run on one H200."""
+    return {**r, "run": "20261129T003500Z-fedcba", "env": {**r["env"], "date": H200_DAY}}
+
+
+def block_operation(op: str, caller: str, mib: float, total_mib: float, shape: list[int]) -> dict[str, Any]:
+    return {"op": op, "caller": caller, "bytes": int(mib * 2**20), "mib": mib, "share": mib / total_mib,
+            "tensors": 1, "dtypes": ["float32"], "shapes": [shape]}
+
+
+def block_residuals(ctx: int, dtype: str) -> dict[str, Any]:
+    """What one block of the 2.7B model saves at ``ctx`` (batch 4): at 128 the feed-forward's matmul leads, at 2048
+    the three score-sized matrices of the naive attention; the gradients per block are its 104,862,720 parameters x
+    4 B, the first block of the window one residual-stream tensor more (its input's gradient stays alive)."""
+    scores, ffn, stream = 4 * 32 * ctx * ctx * 4 / 2**20, 4 * ctx * 10240 * 4 / 2**20, 4 * ctx * 2560 * 4 / 2**20
+    ops = [("aten.masked_fill", "scaled_dot_product_attention in causal_attention", scores, [4, 32, ctx, ctx]),
+           ("aten.exp", "softmax in scaled_dot_product_attention", scores, [4, 32, ctx, ctx]),
+           ("aten.div", "softmax in scaled_dot_product_attention", scores, [128, ctx, ctx]),
+           ("aten.mm", "Linear.forward in SwiGLU.forward", 2 * ffn, [4, ctx, 10240]),
+           ("aten.sigmoid", "silu in SwiGLU.forward", ffn, [4, ctx, 10240]),
+           ("aten.mul", "RMSNorm.forward in TransformerBlock.forward", 4 * stream, [4, ctx, 2560]),
+           ("block input", "", stream, [4, ctx, 2560])]
+    total = sum(mib for _, _, mib, _ in ops) * (1.5 if dtype == "bf16" else 1.0)  # autocast saves bf16 weight copies
+    by_op = sorted((block_operation(op, caller, mib, total, shape) for op, caller, mib, shape in ops),
+                   key=lambda o: -o["bytes"])
+    residual, parameters = int(total * 2**20), 104_862_720
+    gradients = [4 * parameters + int(stream * 2**20)] + [4 * parameters] * 3
+    config = {"size": "2.7B", "context_length": ctx, "batch_size": 4, "dtype": dtype, "kind": "block_residuals"}
+    return on_h200(row("memory_profiling", config, {
+        "oom": False, "blocks": [14, 15, 16, 17], "block_parameters": parameters,
+        "residual_stream_bytes": int(stream * 2**20), "residual_bytes": residual, "residual_mib": total,
+        "residual_tensors": 27, "top_operations": by_op[:5], "saved_by_operation": by_op,
+        "residual_bytes_by_block": [residual] * 4, "forward_change_bytes": [residual] * 4,
+        "backward_change_bytes": [g - residual for g in gradients], "gradient_bytes_implied": gradients,
+        "gradient_bytes_measured": 4 * parameters, "gradient_bytes_expected": 4 * parameters,
+        "gradient_ratio": 1.0}, gpu=H200))
+
+
 def memory_profiling(figures: Path) -> list[dict]:
     rows = []
+    # The 2025 edition's peaks: contexts 128 and 256 on an H100.
     for ctx in (128, 256):
         for dtype in ("fp32", "bf16"):
             for mode in ("inference", "forward", "train_step"):
                 config = {"size": "2.7B", "context_length": ctx, "batch_size": 4, "mode": mode, "dtype": dtype, "kind": "peak"}
                 rows.append(row("memory_profiling", config, {"oom": False, "peak_gb": 20.0 + ctx / 64 + len(mode),
                                                              "params_gb": 13.6}))
-    # 2.7B, batch 4, context 256: the scores are 4 * 32 * 256^2 * 4 bytes = 32 MiB in fp32, 16 MiB in bf16.
+    # An earlier recording of the H100 (snapshots named by their source line): the sections show the latest one.
     scores = ["cs336_basics/model.py:122 scaled_dot_product_attention", "cs336_basics/model.py:250 forward"]
-    cases = (("inference", "fp32", 32.0), ("inference", "bf16", 16.0), ("train_step", "fp32", 32.0))
-    for mode, dtype, mib in cases:
+    for mode, dtype in (("inference", "fp32"), ("train_step", "fp32")):
         config = {"size": "2.7B", "context_length": 256, "batch_size": 4, "mode": mode, "dtype": dtype, "kind": "timeline"}
-        allocations = [{"mb": mib, "count": 96, "source": scores[0], "stack": scores},
-                       {"mb": mib, "count": 96, "source": "cs336_basics/nn_utils.py:15 softmax",
-                        "stack": ["cs336_basics/nn_utils.py:15 softmax", scores[0]]},
-                       {"mb": 20.0, "count": 64, "source": "cs336_basics/model.py:99 silu", "stack": []}]
+        allocations = [{"mb": 32.0, "count": 96, "source": scores[0], "stack": scores}]
         rows.append(row("memory_profiling", config, {"oom": False, "figure": png(figures / f"memory_{mode}_{dtype}.png"),
                                                      "timeline_peak_gb": 40.0, "largest_allocations": allocations,
                                                      "snapshot": f"memory_2.7B_{mode}_{dtype}_ctx256.pickle"}))
-    # The 2026 handout's contexts are 128 and 2048 (the 2025 edition reads up to 512), and part (f)'s rows.
-    for dtype in ("fp32", "bf16"):
-        for mode in ("inference", "forward", "train_step"):
-            config = {"size": "2.7B", "context_length": 2048, "batch_size": 4, "mode": mode, "dtype": dtype, "kind": "peak"}
-            rows.append(row("memory_profiling", config, {"oom": False, "peak_gb": 60.0 + len(mode), "params_gb": 13.6}))
-    for mode, dtype in (("inference", "fp32"), ("train_step", "fp32")):
-        config = {"size": "2.7B", "context_length": 2048, "batch_size": 4, "mode": mode, "dtype": dtype, "kind": "timeline"}
-        rows.append(row("memory_profiling", config, {
-            "oom": False, "figure": png(figures / f"memory_{mode}_{dtype}_ctx2048.png"), "timeline_peak_gb": 70.0,
-            "largest_allocations": [{"mb": 2048.0, "count": 96, "source": scores[0], "stack": scores}],
-            "snapshot": f"memory_2.7B_{mode}_{dtype}_ctx2048.pickle"}))
+    # The 2026 handout's contexts, 128 and 2048, on an H200: the forward with autograd and the step out of memory at
+    # 2048.
     for ctx in (128, 2048):
-        config = {"size": "2.7B", "context_length": ctx, "batch_size": 4, "dtype": "fp32", "kind": "block_residuals"}
-        rows.append(row("memory_profiling", config, {"oom": False, "saved_gb": 0.1 * ctx / 128}))
+        for dtype in ("fp32", "bf16"):
+            for mode in ("inference", "forward", "train_step"):
+                config = {"size": "2.7B", "context_length": ctx, "batch_size": 4, "mode": mode, "dtype": dtype,
+                          "kind": "peak"}
+                oom = ctx == 2048 and mode != "inference"
+                measured = ({"oom": True, "error": "CUDA out of memory. Tried to allocate 80.00 MiB. GPU 0 has a total "
+                             "capacity of 139.80 GiB of which 35.12 MiB is free."} if oom else
+                            {"oom": False, "peak_gb": 14.0 + ctx / 256 + len(mode) + (dtype == "bf16"),
+                             "params_gb": 13.6})
+                rows.append(on_h200(row("memory_profiling", config, measured, gpu=H200)))
+    rows += [block_residuals(ctx, dtype) for ctx in (128, 2048) for dtype in ("fp32", "bf16")]
+    # The timelines at the longest context that fits each case, coloured by what each allocation holds. At 2048 the
+    # scores are 4 * 32 * 2048^2 * 4 bytes = 2,048 MiB in fp32 (the softmax's under autocast too), 1,024 MiB in bf16.
+    softmax = ["cs336_basics/nn_utils.py:15 softmax", "cs336_basics/model.py:127 scaled_dot_product_attention"]
+    masked = ["cs336_basics/model.py:126 scaled_dot_product_attention", "cs336_basics/model.py:138 causal_attention"]
+    def allocation(mib: float, count: int, stack: list[str], category: str) -> dict[str, Any]:
+        return {"mb": mib, "count": count, "source": stack[0], "stack": stack, "category": category}
+
+    allocations = {
+        "fp32": [allocation(2048.0, 64, masked, "attention: scores, mask"),
+                 allocation(2048.0, 32, softmax, "attention: softmax"),
+                 allocation(320.0, 64, ["cs336_basics/model.py:101 silu"], "feed-forward (SwiGLU)")],
+        "bf16": [allocation(2048.0, 64, softmax, "attention: softmax"),
+                 allocation(1024.0, 64, masked, "attention: scores, mask")],
+    }
+    at_peak = {  # (mode, dtype): what is alive at the timeline's peak, GB
+        ("inference", "fp32"): {"allocated before the recording": 13.6, "attention: scores, mask": 2.1,
+                                "attention: softmax": 6.4, "attention: RoPE": 0.2},
+        ("inference", "bf16"): {"allocated before the recording": 13.6, "attention: scores, mask": 1.1,
+                                "attention: softmax": 5.4},
+        ("forward", "fp32"): {"allocated before the recording": 13.7, "feed-forward (SwiGLU)": 3.4, "RMSNorm": 0.7,
+                              "attention: softmax": 0.5},
+        ("train_step", "fp32"): {"allocated before the recording": 0.03, "weights": 13.6,
+                                 "optimizer state (AdamW)": 27.2, "gradients (parameters')": 13.6},
+    }
+    for (mode, dtype), alive in at_peak.items():
+        ctx = 2048 if mode == "inference" else 128
+        stem = f"memory_2.7B_{mode}_{dtype}_ctx{ctx}"
+        config = {"size": "2.7B", "context_length": ctx, "batch_size": 4, "mode": mode, "dtype": dtype,
+                  "kind": "timeline"}
+        html = figures / f"{stem}.html"
+        html.parent.mkdir(parents=True, exist_ok=True)
+        html.write_text("<html></html>")
+        rows.append(on_h200(row("memory_profiling", config, {
+            "oom": False, "snapshot": f"{stem}.pickle", "steps_recorded": 2 if mode == "train_step" else 1,
+            "figure": png(figures / f"{stem}.png"), "html": str(html), "html_bytes": 13,
+            "timeline_peak_gb": sum(alive.values()), "before_recording_gb": alive["allocated before the recording"],
+            "peak_by_category_gb": alive,
+            "largest_allocations": allocations.get(dtype if mode == "inference" else "", [])}, gpu=H200)))
     return rows
 
 
 def gradient_checkpointing() -> list[dict]:
     rows = []
-    # The 2025 xl (48 blocks, shown by the 2025 edition) and the 2026 xl (canonical 2.7B, 32 blocks).
-    for (size, n_blocks), k in ((case, k) for case in (("xl", 48), ("2.7B", 32)) for k in (1, 2, 4, 0)):
+    # The 2025 xl (48 blocks, shown by the 2025 edition; k* = sqrt(48 a / b) = 1.55, best integer 2) and the 2026 xl
+    # (canonical 2.7B, 32 blocks; k* = 0.53, below one block, so 1).
+    cases = (("xl", 48, 0.05, 1.0, 2), ("2.7B", 32, 0.08, 9.0, 1))
+    for (size, n_blocks, a, b, best), k in ((case, k) for case in cases for k in (1, 2, 4, 0)):
         config = {"size": size, "context_length": 2048, "batch_size": 4, "dtype": "fp32", "attention": "naive", "group_size": k}
-        a, b = 0.05, 1.0
         act = n_blocks * b if k == 0 else -(-n_blocks // k) * a + k * b
         rows.append(row("gradient_checkpointing", config, {
             "oom": k == 0, **({} if k == 0 else {**timing(900.0 + 100 * k), "peak_gb": 32.0 + act}),
             "n_blocks": n_blocks, "saved_per_block_gb": b, "group_input_gb": a, "model_state_gb": 32.0,
-            "predicted_optimum": 2, "predicted_activation_gb": act, "predicted_peak_gb": 32.0 + act}))
+            "predicted_optimum": best, "predicted_activation_gb": act, "predicted_peak_gb": 32.0 + act}))
     return rows
 
 

@@ -302,3 +302,16 @@ def test_rows_name_the_commit_they_ran(monkeypatch):
     assert re.fullmatch(r"([0-9a-f]{12}(\+modified)?|unknown)", result_store.git_commit())
     monkeypatch.setenv("CS336_GIT_COMMIT", "0123456789ab")
     assert result_store.git_commit() == "0123456789ab"
+
+
+def test_latest_row_is_the_last_measured_then_the_furthest_down_the_file():
+    def row(name, value, date):
+        return {"name": name, "value": value, "env": {"date": date}}
+
+    rows = [row("b", 1, "2026-01-02T00:00:00Z"), row("a", 2, "2026-01-03T00:00:00Z"),
+            row("b", 3, "2026-01-01T00:00:00Z"),  # appended later, measured earlier: not the latest
+            row("a", 4, "2026-01-03T00:00:00Z")]  # the same second: the later line wins
+    latest = result_store.latest(rows, key=lambda r: r["name"])
+    assert [(r["name"], r["value"]) for r in latest] == [("b", 1), ("a", 4)]  # keys in order of first appearance
+    assert result_store.latest(rows) == [rows[3]] and result_store.latest([]) == []
+    assert result_store.latest([{"value": 5}, {"value": 6}]) == [{"value": 6}]  # no dates: file order

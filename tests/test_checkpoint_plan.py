@@ -113,20 +113,21 @@ def test_b200_keeps_more_blocks_whole_than_h200_and_h200_than_h100():
 def test_default_modes_are_todays_checkpointing():
     for stack, parts in SHARDED_STACKS.items():
         modes = step_model.stack_modes(step_model.MODEL, stack)
-        assert parts.with_block_checkpointing(modes) == parts  # ours selective, torch full: unchanged parts
+        assert parts.with_(checkpointing=modes) == parts  # ours selective, torch full: unchanged parts
     assert step_model.memory_budget(step_model.MODEL, "ours", 2) == step_model.memory_budget(
         step_model.MODEL, "ours", 2, modes=("selective",) * step_model.MODEL["num_layers"])
 
 
 def test_parts_take_block_modes():
-    mixed = Parts().with_block_checkpointing(("full", "keep"))
-    assert (mixed.checkpointing, mixed.keep_attention, mixed.block_checkpointing) == (0, False, ("full", "keep"))
-    assert Parts().with_block_checkpointing(("keep", "keep")).checkpointing == 0
-    assert Parts().with_overrides(["block_checkpointing=full,selective"]).block_checkpointing == ("full", "selective")
+    mixed = Parts().with_(checkpointing=("full", "keep"))
+    assert mixed.checkpointing == ("full", "keep") and mixed.block_modes(2) == ("full", "keep")
+    assert Parts().with_(checkpointing=("keep", "keep")).checkpointing == "keep"
+    assert Parts(checkpointing="selective").block_modes(3) == ("selective",) * 3
+    assert Parts().with_overrides(["checkpointing=full,selective"]).checkpointing == ("full", "selective")
     with pytest.raises(ValueError, match="unknown checkpoint mode 'some'"):
-        Parts(block_checkpointing=("some",))
-    with pytest.raises(ValueError, match="checkpointing=0"):
-        Parts(checkpointing=1, block_checkpointing=("full",))
+        Parts(checkpointing=("some",))
+    with pytest.raises(ValueError, match="3 checkpoint modes for a model of 2 blocks"):
+        Parts(checkpointing=("full", "keep", "full")).block_modes(2)
 
 
 class BlockEvents(TorchDispatchMode):
@@ -153,7 +154,7 @@ def test_plan_applied_per_block_in_both_stacks(stack):
 
     modes = ("full", "selective", "keep")
     parts = SHARDED_STACKS[stack].with_(attention="sdpa", rmsnorm="plain", loss="plain", optimizer="torch_fused",
-                                        compile="none").with_block_checkpointing(modes)
+                                        compile="none", checkpointing=modes)
     with one_rank_group("gloo"):
         torch.manual_seed(0)
         model = BasicsTransformerLM(vocab_size=50, context_length=8, d_model=16, num_layers=3, num_heads=2, d_ff=32)
@@ -177,7 +178,7 @@ def test_a_mixed_plan_trains_as_the_stacks_own_checkpointing(stack):
     tokens = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(0))
     losses = []
     with one_rank_group("gloo"):
-        for parts in (plain, plain.with_block_checkpointing(("keep", "full", "selective"))):
+        for parts in (plain, plain.with_(checkpointing=("keep", "full", "selective"))):
             torch.manual_seed(0)
             model = BasicsTransformerLM(vocab_size=50, context_length=8, d_model=16, num_layers=3, num_heads=2,
                                         d_ff=32)

@@ -56,14 +56,14 @@ def test_one_gpu_proxy_case():
 
 
 def test_sharded_parts_are_checked():
-    with pytest.raises(ValueError, match="keep_attention"):
-        Parts(keep_attention=True)
+    with pytest.raises(ValueError, match="checkpointing is a mode"):
+        Parts(checkpointing=())
     with pytest.raises(ValueError, match="sharding"):
         Parts(sharding="zero3")
     assert SHARDED_STACKS["ours"].compile == "blocks"  # our FSDP compiles each block's forward
     with pytest.raises(ValueError, match="sharded"):
         STACKS["torch"].with_(sharding="fsdp2", compile="model")
-    assert Parts().with_overrides(["keep_attention=true", "checkpointing=2"]).keep_attention
+    assert Parts().with_overrides(["checkpointing=selective"]).checkpointing == "selective"
 
 
 @pytest.mark.gpu

@@ -86,8 +86,8 @@ def gpu_loss_and_gradients(parts: Parts) -> tuple[float, dict[str, torch.Tensor]
 @pytest.mark.parametrize("compile_mode, checkpointing", [
     ("none", {}),
     ("blocks", {}),
-    ("blocks", {"checkpointing": 1, "keep_attention": True}),
-    ("none", {"block_checkpointing": ("full",) * 6 + ("selective",) * 6}),
+    ("blocks", {"checkpointing": "selective"}),
+    ("none", {"checkpointing": ("full",) * 6 + ("selective",) * 6}),
 ], ids=["eager", "compiled", "compiled_selective", "eager_per_block"])
 def test_fused_residual_norm_matches_separate_on_gpu(compile_mode, checkpointing):
     """Our stack (bf16 autocast, bf16 linear weights) with and without the part: the same loss and gradients up to

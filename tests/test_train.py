@@ -20,8 +20,8 @@ def test_parts_are_checked():
         Parts(optimizer="sgd")
     with pytest.raises(ValueError, match="compile"):
         STACKS["ours"].with_(compile="everything")
-    with pytest.raises(ValueError, match="checkpointing"):
-        Parts(checkpointing=-1)
+    with pytest.raises(ValueError, match="unknown checkpoint mode"):
+        Parts(checkpointing="some")
     with pytest.raises(ValueError, match="unknown stack"):
         build_training_step(build_model(LMConfig("tiny", 8, 1), torch.device("cpu")), "fastest")
     with pytest.raises(ValueError, match="sharding='none'"):
@@ -76,13 +76,13 @@ def test_parts_errors_name_the_part_and_the_choices():
         Parts().with_(attention="nope")
     with pytest.raises(ValueError, match="unknown part 'optimiser'; choose among attention, rmsnorm"):
         Parts().with_(optimiser="fused")
-    with pytest.raises(ValueError, match="checkpointing is a group size .* not 'two'"):
+    with pytest.raises(ValueError, match="unknown checkpoint mode 'two'; choose among keep, selective, full"):
         Parts().with_overrides(["checkpointing=two"])
-    with pytest.raises(ValueError, match="keep_attention is true or false"):
-        Parts().with_overrides(["keep_attention=maybe"])
+    with pytest.raises(ValueError, match="cudagraphs is true or false"):
+        Parts().with_overrides(["cudagraphs=maybe"])
     with pytest.raises(ValueError, match="part=value"):
         Parts().with_overrides(["rmsnorm"])
-    assert Parts().with_overrides(["checkpointing=2", "keep_attention=yes"]).keep_attention
+    assert Parts().with_overrides(["checkpointing=selective", "cudagraphs=yes"]).cudagraphs
 
 
 @pytest.mark.slow
@@ -98,7 +98,7 @@ def test_train_step_cli_refuses_a_bad_override_in_one_line():
 def test_torch_stack_steps_and_phases_on_cpu():
     config = LMConfig("tiny", 16, 2)
     model = build_model(config, torch.device("cpu"))
-    step = build_training_step(model, STACKS["torch"].with_(compile="none", checkpointing=1), autocast_dtype=None)
+    step = build_training_step(model, STACKS["torch"].with_(compile="none", checkpointing="full"), autocast_dtype=None)
     x, y = random_batch(config, torch.device("cpu"))
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     phases: dict[str, float] = {}

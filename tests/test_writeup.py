@@ -285,25 +285,20 @@ def test_nccl_against_gloo_compares_one_host(tmp_path):
     assert {("nccl", "2", "H200 host of 2"), ("nccl", "2", "H100 host of 4")} <= where
 
 
-def test_memory_figure_captions_quote_the_peak_table(fixture_data):
-    section = fixture_data["memory_profiling"]
-    peaks = {r[0]: r[1:] for r in section["tables"]["peaks"]["rows"]}
-    context = section["n"]["ctx"]
-    for figure, column in (("inference_fp32", 0), ("train_step", 2), ("inference_bf16", 3)):
-        caption = section["figures"][figure]["caption"]
-        assert f"the measured peak of this case, {peaks[context][column]} GB" in caption
-
-
 def test_memory_answer_names_the_largest_allocations_and_their_tensor(fixture_data):
+    """(e) reads the latest inference snapshots (the H200's, context 2048), not the H100's earlier ones."""
     section = fixture_data["memory_profiling"]
     e = section["n"]["e"]
-    assert (e["fp32"]["mib"], e["fp32"]["count"]) == ("32", "192")  # two sources of 32 MiB, 96 each
-    assert e["fp32"]["what"] == "fp32 attention scores (B·h·T²)" and e["bf16"]["what"] == "bf16 attention scores (B·h·T²)"
-    assert e["fp32"]["sources"] == ("cs336_basics/model.py:122 scaled_dot_product_attention and "
+    assert (e["fp32"]["mib"], e["fp32"]["count"], e["fp32"]["ctx"]) == ("2,048", "96", "2048")  # 64 + 32 of 2 GiB
+    assert e["fp32"]["scores_mib"] == e["fp32"]["mib"]  # B·h·T²·4 bytes at the snapshot's context
+    assert e["fp32"]["what"] == e["bf16"]["what"] == "fp32 attention scores (B·h·T²)"  # the softmax is fp32 in bf16
+    assert e["fp32"]["sources"] == ("cs336_basics/model.py:126 scaled_dot_product_attention and "
                                     "cs336_basics/nn_utils.py:15 softmax")
     first = section["tables"]["allocations_fp32"]["rows"][0]
-    assert first == ["32.0", "96", "cs336_basics/model.py:122 scaled_dot_product_attention",
-                     "cs336_basics/model.py:250 forward", "fp32 attention scores (B·h·T²)"]
+    assert first == ["2,048.0", "64", "cs336_basics/model.py:126 scaled_dot_product_attention",
+                     "cs336_basics/model.py:138 causal_attention", "attention: scores, mask",
+                     "fp32 attention scores (B·h·T²)"]
+    assert section["tables"]["allocations_bf16"]["rows"][1][5] == "bf16 attention scores (B·h·T²)"
 
 
 def test_memory_section_without_the_inference_snapshots_says_pending(tmp_path, fixture_results):
@@ -313,7 +308,7 @@ def test_memory_section_without_the_inference_snapshots_says_pending(tmp_path, f
     kept = [line for line in path.read_text().splitlines() if '"inference"' not in line or '"peak"' in line]
     path.write_text("\n".join(kept) + "\n")
     section = SECTIONS["memory_profiling"](Results(results), Output(tmp_path / "figures", tmp_path / "build"))
-    assert section["figures"]["inference_fp32"] is None and section["figures"]["train_step"] is not None
+    assert section["figures"]["inference"] is None and section["figures"]["train_step"] is not None
     assert section["n"]["e"]["fp32"] == {"pending": True} and section["tables"]["allocations_fp32"] is None
 
 
@@ -707,11 +702,11 @@ def test_the_optimisation_log_puts_its_working_words_as_what_they_measured():
 def test_a_figure_named_by_a_row_must_exist(tmp_path, capsys):
     results = tmp_path / "results"
     write_fixture(results, tmp_path / "row-figures")
-    (tmp_path / "row-figures" / "memory_inference_fp32.png").unlink()
+    (tmp_path / "row-figures" / "memory_2.7B_inference_fp32_ctx2048.png").unlink()
     _, missing = build.collect(Results(results), Output(tmp_path / "figures", tmp_path / "build"))
-    assert [Path(error.path).name for error in missing.values()] == ["memory_inference_fp32.png"]
+    assert [Path(error.path).name for error in missing.values()] == ["memory_2.7B_inference_fp32_ctx2048.png"]
     assert run_build(tmp_path, results) == 1
-    assert "memory_inference_fp32.png" in capsys.readouterr().err  # the message names it too
+    assert "memory_2.7B_inference_fp32_ctx2048.png" in capsys.readouterr().err  # the message names it too
 
 
 @pytest.mark.slow

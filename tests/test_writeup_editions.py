@@ -141,6 +141,85 @@ def test_each_edition_reads_its_rows_and_names_its_sizes(built):
     assert new["nsys_profile"]["tables"]["timing"]["header"][0][1:] == ["context 256", "context 1024"]
 
 
+def fixture_rows(results: Path, problem: str, **match) -> list[dict]:
+    rows = [json.loads(line) for line in (results / f"{problem}.jsonl").read_text().splitlines()]
+    return [r for r in rows if all(r.get(k) == v for k, v in match.items())]
+
+
+def test_memory_reads_the_peaks_of_its_edition_and_the_latest_timelines(built, fixture_results):
+    """The 2025 answers keep the H100's peak table and show the H200's timelines; the 2026 ones read the H200 alone.
+    A caption quotes the peak table where the table has the same case on the same GPU, else the recording's peak,
+    and names PyTorch's viewer page of the snapshot."""
+    old, new = (generated(built, e)["sections"]["memory_profiling"] for e in ("2025", "2026"))
+    assert (old["n"]["peaks_gpu"], old["n"]["timelines_gpu"]) == ("NVIDIA H100 80GB HBM3", "NVIDIA H200")
+    assert "NVIDIA H100" in old["env"] and "NVIDIA H200" in old["env"]
+    assert (new["n"]["peaks_gpu"], new["n"]["timelines_gpu"]) == ("NVIDIA H200", "NVIDIA H200")
+    assert "H100" not in new["env"]
+    assert [r[0] for r in old["tables"]["peaks"]["rows"]] == ["128", "256"]
+    inference = {r["dtype"]: f"{r['peak_gb']:.1f}" for r in fixture_rows(
+        fixture_results, "memory_profiling", kind="peak", mode="inference", context_length=2048)}
+    assert new["tables"]["peaks"]["rows"][1] == ["2048", inference["fp32"], "OOM", "OOM", inference["bf16"], "OOM",
+                                                 "OOM"]
+    column = {("inference", "fp32"): 1, ("forward", "fp32"): 2, ("train_step", "fp32"): 3}
+    for name, mode in (("forward", "forward"), ("train_step", "train_step"), ("inference", "inference")):
+        (row,) = fixture_rows(fixture_results, "memory_profiling", kind="timeline", mode=mode, dtype="fp32",
+                              device="1x NVIDIA H200")
+        table_row = next(r for r in new["tables"]["peaks"]["rows"] if r[0] == str(row["context_length"]))
+        assert f"peak {table_row[column[mode, 'fp32']]} GB (the peak table)" in new["figures"][name]["caption"]
+        assert f"peak of this recording {row['timeline_peak_gb']:.1f} GB" in old["figures"][name]["caption"]
+        for section in (old, new):
+            assert f"PyTorch's viewer page: {row['html']}." in section["figures"][name]["caption"]
+            assert section["figures"][name]["path"].endswith(Path(row["figure"]).name)
+    assert "xl model (2.7B in the plot's title)" in new["figures"]["forward"]["caption"]
+
+
+def test_memory_2026_explains_the_out_of_memory_from_one_blocks_saved_bytes(built, fixture_results):
+    n = generated(built, "2026")["sections"]["memory_profiling"]["n"]
+    (block,) = fixture_rows(fixture_results, "memory_profiling", kind="block_residuals", context_length=2048,
+                            dtype="fp32")
+    assert n["cmax_oom"] and n["fit"]["oom"] and n["fit"]["capacity_gib"] == "139.8"  # from the OOM message
+    assert n["fit"]["block_gb"] == f"{block['residual_bytes'] / 1e9:.2f} GB"
+    assert n["fit"]["all_gb"] == f"{32 * block['residual_bytes'] / 1e9:.0f} GB"
+    assert not generated(built, "2025")["sections"]["memory_profiling"]["n"]["fit"]["oom"]
+
+
+def test_memory_part_f_quotes_the_rows_of_one_block(built, fixture_results):
+    """(f): the table lists each context's five largest operations with their shares (which sum to at most 1), and
+    the prose quotes each context's top operation, saved bytes and measured gradients from the rows."""
+    section = generated(built, "2026")["sections"]["memory_profiling"]
+    f, tab = section["n"]["f"], section["tables"]["block_operations"]
+    rows = sorted(fixture_rows(fixture_results, "memory_profiling", kind="block_residuals", dtype="fp32"),
+                  key=lambda r: r["context_length"])
+    assert [c["ctx"] for c in f["by_ctx"]] == [str(r["context_length"]) for r in rows] == ["128", "2048"]
+    listed = {(r[0], r[1]) for r in tab["rows"]}
+    for i, (row, quoted) in enumerate(zip(rows, f["by_ctx"])):
+        top = row["top_operations"][0]
+        assert (quoted["top_op"], quoted["top_caller"]) == (top["op"].removeprefix("aten."), top["caller"])
+        assert quoted["top_share"] == f"{100 * top['share']:.1f} %" and quoted["mib"] == f"{row['residual_mib']:,.1f}"
+        assert quoted["measured_mib"] == f"{row['gradient_bytes_measured'] / 2**20:,.1f}"
+        assert quoted["ratio"] == f"{row['gradient_ratio']:.3f}"
+        assert {(o["op"].removeprefix("aten."), o["caller"] or "–") for o in row["top_operations"]} <= listed
+        shares = [float(r[3 + 2 * i].split()[0]) / 100 for r in tab["rows"]]
+        assert sum(shares) <= 1 + 1e-9
+    (bf16,) = fixture_rows(fixture_results, "memory_profiling", kind="block_residuals", context_length=128,
+                           dtype="bf16")
+    assert section["n"]["saved_c0"] == {"fp32": f"{rows[0]['residual_mib']:,.1f}",
+                                        "bf16": f"{bf16['residual_mib']:,.1f}"}
+
+
+def test_checkpointing_compares_the_best_size_with_its_measured_neighbours(built, fixture_results):
+    """(b): k* below one block gives k = 1 (2026 rows), otherwise the predicted optimum; the measured peaks quoted are
+    those of the optimum and the next smaller and larger sizes measured, from the rows."""
+    for edition, size, best, ks in (("2025", "xl", "2", ["1", "2", "4"]), ("2026", "2.7B", "1", ["1", "2", "4"])):
+        n = generated(built, edition)["sections"]["gradient_checkpointing"]["n"]
+        rows = {str(r["group_size"]): r for r in fixture_rows(fixture_results, "gradient_checkpointing", size=size)}
+        assert n["k_opt"] == best and n["k_below_one"] == (best == "1") and n["has_smaller"] == (best != "1")
+        assert [c["k"] for c in n["compared"]] == ks
+        assert [c["peak"] for c in n["compared"]] == [f"{rows[k]['peak_gb']:.1f} GB" for k in ks]
+        slope = (rows["4"]["peak_gb"] - rows["1"]["peak_gb"]) / 3
+        assert n["per_block_slope"] == f"{slope:.2f} GB" and n["none_oom"]
+
+
 def section_2026(results: Path, tmp_path: Path, name: str) -> dict:
     with editions.edition("2026"):
         return SECTIONS[name](Results(results), Output(tmp_path / "figures", tmp_path / "build", tmp_path / "render"))

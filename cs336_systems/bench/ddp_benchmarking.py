@@ -91,7 +91,8 @@ def parser():
     p.add_argument("--trace", action="store_true", help="profile one step of each --trace-variants and draw it")
     p.add_argument("--trace-variants", nargs="+", type=variant_name, default=TRACE_VARIANTS,
                    help=f"default {' '.join(TRACE_VARIANTS)}")
-    p.add_argument("--trace-dir", type=Path, default=DEFAULT_TRACE_DIR, help=f"raw traces (default {DEFAULT_TRACE_DIR})")
+    p.add_argument("--trace-dir", type=Path, default=DEFAULT_TRACE_DIR,
+                   help=f"raw traces (default {DEFAULT_TRACE_DIR})")
     cli.add_figures_dir(p)
     p.add_argument("--timeout-s", type=cli.positive_float, default=3600.0, help="give up if the run hangs this long")
     return p

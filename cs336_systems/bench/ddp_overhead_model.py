@@ -1,4 +1,5 @@
-"""The bucketed-DDP overhead model (the handout's ``ddp_bucketed_benchmarking`` (b)) against the measured bucketed step times.
+"""The bucketed-DDP overhead model (the handout's ``ddp_bucketed_benchmarking`` (b)) against the measured bucketed
+step times.
 
 Model. The gradients, ``s`` bytes in all, travel in ``n_b`` buckets of ``s / n_b`` bytes; one all-reduce
 of ``x`` bytes costs ``o + x / w`` (per-call overhead ``o``, algorithm bandwidth ``w`` = bytes per rank
@@ -35,6 +36,7 @@ import numpy as np
 
 from cs336_systems.bench.common import cli, result_store
 from cs336_systems.bench.common.allreduce_fit import fits_by_setting
+from cs336_systems.bench.common.result_store import latest
 from cs336_systems.parallel.ddp import bucket_size_mb
 
 MB = 1024**2  # bucket sizes are MiB, as DDPBucketed's bucket_size_mb
@@ -85,13 +87,6 @@ def fit_overhead_model(n_buckets: list[float], total_bytes: list[float], overhea
     return OverheadModel(float(o), math.inf if inverse_w == 0 else float(1 / inverse_w))
 
 
-def _latest(rows: list[dict[str, Any]], key) -> list[dict[str, Any]]:
-    latest = {}
-    for row in rows:
-        latest[key(row)] = row
-    return list(latest.values())
-
-
 def _bucketed_rows(ddp_rows: list[dict[str, Any]], dtype: str) -> list[dict[str, Any]]:
     """The latest row of each bucketed variant of ``dtype``, on the device and world size of the newest such row,
     by bucket size. Raises ``ValueError`` when there is none."""
@@ -99,9 +94,10 @@ def _bucketed_rows(ddp_rows: list[dict[str, Any]], dtype: str) -> list[dict[str,
                 and r.get("exposed_ms") is not None and r.get("n_buckets")]
     if not bucketed:
         raise ValueError(f"no bucketed DDP rows for {dtype}")
-    device, world_size = bucketed[-1]["device"], bucketed[-1]["world_size"]
-    bucketed = _latest([r for r in bucketed if r["device"] == device and r["world_size"] == world_size],
-                       key=lambda r: r["variant"])
+    newest = latest(bucketed)[0]
+    device, world_size = newest["device"], newest["world_size"]
+    bucketed = latest([r for r in bucketed if r["device"] == device and r["world_size"] == world_size],
+                      key=lambda r: r["variant"])
     return sorted(bucketed, key=lambda r: r["bucket_mb"])
 
 
@@ -211,7 +207,8 @@ def main(argv: list[str] | None = None) -> None:
               f"o = {result['per_call_us']:.1f} us, w = {result['bandwidth_gbps']:.1f} GB/s "
               f"({result['backend']}, {result['world_size']} ranks)")
         print(f"predicted optimum: {result['predicted_optimal_bucket_mb']:.1f} MiB buckets "
-              f"({result['predicted_optimal_n_buckets']:.0f} buckets, {result['predicted_optimal_overhead_ms']:.2f} ms); "
+              f"({result['predicted_optimal_n_buckets']:.0f} buckets, "
+              f"{result['predicted_optimal_overhead_ms']:.2f} ms); "
               f"measured best: {result['measured_best_bucket_mb']:g} MiB ({result['measured_best_exposed_ms']:.2f} ms)")
         if result["fitted_per_call_us"] is not None:
             optimum = result["fitted_optimal_bucket_mb"]

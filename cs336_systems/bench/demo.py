@@ -109,7 +109,7 @@ def gpu_attention(device: torch.device) -> list[Case]:
 # ---------------------------------------------------------------------------------------------------
 
 
-def _toy_ranks(rank: int, world_size: int, options: argparse.Namespace, results_dir) -> None:
+def _toy_ranks(rank: int, world_size: int, options, results_dir) -> None:
     """Every rank trains each variant; rank 0 writes the largest weight difference of each."""
     from cs336_systems.parallel.ddp import toy_training
 
@@ -127,8 +127,8 @@ def cpu_toy_training(results_dir) -> list[dict[str, Any]]:
     from cs336_systems.parallel.ddp import toy_training
     from cs336_systems.parallel.distributed import spawn
 
-    options = toy_training.parse_args(["--world-size", str(TOY_WORLD_SIZE)])
-    spawn(_toy_ranks, TOY_WORLD_SIZE, options, results_dir, backend="gloo", timeout_s=options.timeout_s)
+    options = toy_training.ToyTraining()
+    spawn(_toy_ranks, TOY_WORLD_SIZE, options, results_dir, backend="gloo", timeout_s=300.0)
     rows = result_store.ResultStore(PROBLEM, results_dir, quiet=True).rows()
     return rows[-len(toy_training.VARIANTS):]
 

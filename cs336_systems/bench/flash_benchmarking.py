@@ -81,8 +81,8 @@ def parser():
 
 
 def resolve_defaults(args, device: torch.device) -> None:
-    """Fill the grid: the handout's sweep on a GPU (``--quick``: three lengths at d=64, bf16), tiny on a CPU (``--quick``:
-    one length, d=16, fp32)."""
+    """Fill the grid: the handout's sweep on a GPU (``--quick``: three lengths at d=64, bf16), tiny on a CPU
+    (``--quick``: one length, d=16, fp32)."""
     if device.type != "cuda":
         providers = args.providers or CPU_PROVIDERS
         skipped = [p for p in providers if fp.get_provider(p).unavailable_reason(device)]
@@ -162,11 +162,8 @@ def run_sweep(args, device: torch.device) -> result_store.ResultStore:
 
 def latest_rows(store: result_store.ResultStore) -> list[dict[str, Any]]:
     """This device's rows, the latest one of each (provider, length, head dim, dtype)."""
-    latest = {}
-    for row in store.rows():
-        if row.get("device") == store.env["device"]:
-            latest[(row["provider"], row["seq_len"], row["d_head"], row["dtype"])] = row
-    return list(latest.values())
+    return result_store.latest((row for row in store.rows() if row.get("device") == store.env["device"]),
+                               key=lambda row: (row["provider"], row["seq_len"], row["d_head"], row["dtype"]))
 
 
 def cell(row: dict[str, Any], column: str) -> Any:

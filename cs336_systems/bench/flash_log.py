@@ -66,7 +66,8 @@ def parser():
     p.add_argument("--warmup", type=cli.positive_float, default=200,
                    help="do_bench warm-up time at the leaderboard shape, ms")
     p.add_argument("--points", nargs="*", type=point, default=POINTS, help="sweep points, e.g. 16384x64")
-    p.add_argument("--point-rep", type=cli.positive_float, default=100, help="do_bench repetition time at each point, ms")
+    p.add_argument("--point-rep", type=cli.positive_float, default=100,
+                   help="do_bench repetition time at each point, ms")
     p.add_argument("--point-warmup", type=cli.positive_float, default=25)
     return p
 
@@ -128,8 +129,9 @@ def measure_step(args, device: torch.device) -> dict[str, Any]:
 
 
 def latest_decisions(rows: list[dict[str, Any]]) -> dict[str, str]:
-    """Each step's decision: the last row that names the step wins (measurement or ``--set-decision``)."""
-    return {row["step"]: row["decision"] for row in rows if "decision" in row}
+    """Each step's decision: the latest row that names the step wins (measurement or ``--set-decision``)."""
+    return {row["step"]: row["decision"]
+            for row in result_store.latest((row for row in rows if "decision" in row), key=lambda row: row["step"])}
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:

@@ -95,7 +95,8 @@ def parser():
     p.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto",
                    help="auto: NCCL with one GPU per rank when there are GPUs, else gloo ranks on the CPU")
     p.add_argument("--trace", default=None, metavar="DIR", help="also trace one step of ours into DIR and draw it")
-    p.add_argument("--figure", default=str(result_store.FIGURES_DIR / "fsdp_timeline.png"), help="where the timeline goes")
+    p.add_argument("--figure", default=str(result_store.FIGURES_DIR / "fsdp_timeline.png"),
+                   help="where the timeline goes")
     p.add_argument("--check", action="store_true", help="only the correctness check against one process")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="basics",
                    help="basics: cs336_basics' AdamW (FSDP2: on its local shards); torch: torch.optim.AdamW "
@@ -235,10 +236,11 @@ def expected(n_params: int, local_params: int) -> dict[str, float]:
 
 
 def _latest(store: result_store.ResultStore, config: dict[str, Any], impl: str) -> dict[str, Any] | None:
-    rows = [r for r in store.rows() if r.get("device") == store.env["device"] and r.get("measure") == "step"
-            and r.get("impl") == impl and r.get("optimizer") == config.get("optimizer")
-            and all(r.get(k) == v for k, v in config.items() if k != "impl")]
-    return rows[-1] if rows else None
+    rows = result_store.latest(r for r in store.rows() if r.get("device") == store.env["device"]
+                               and r.get("measure") == "step" and r.get("impl") == impl
+                               and r.get("optimizer") == config.get("optimizer")
+                               and all(r.get(k) == v for k, v in config.items() if k != "impl"))
+    return rows[0] if rows else None
 
 
 def step_cases(args, world_size: int) -> list[dict[str, Any]]:

@@ -58,7 +58,8 @@ def copy_bandwidth(device: torch.device, n_bytes: int = 2**31) -> float | None:
     return 2 * n_bytes / (ms / 1e3) / 1e9
 
 
-def measure(provider: str, shapes: list[torch.Size], dtype: torch.dtype, device: torch.device, rep: float) -> dict[str, Any]:
+def measure(provider: str, shapes: list[torch.Size], dtype: torch.dtype, device: torch.device,
+            rep: float) -> dict[str, Any]:
     gen = torch.Generator(device=device).manual_seed(0)
     params = [torch.randn(shape, device=device, dtype=dtype, generator=gen).requires_grad_() for shape in shapes]
     for p in params:
@@ -87,13 +88,15 @@ def main(argv: list[str] | None = None) -> None:
         print("# no GPU: our Triton AdamW is skipped (the interpreter is far too slow to time)", file=sys.stderr)
         args.providers = [p for p in args.providers if p not in ("ours", "torch_fused")]
     store = result_store.ResultStore(PROBLEM, args.results_dir, args.force, edition=args.edition)
-    cases = [dict(size=args.size, dtype=dtype, provider=provider) for dtype in args.dtypes for provider in args.providers]
+    cases = [dict(size=args.size, dtype=dtype, provider=provider)
+             for dtype in args.dtypes for provider in args.providers]
     pending = store.pending(cases)
     shapes = parameter_shapes(args.size)
     copy = copy_bandwidth(device)
     results: dict[tuple[str, str], dict[str, Any]] = {}
     for case in cli.progress(pending, PROBLEM):
-        result = result_store.measure_or_oom(lambda: measure(case["provider"], shapes, DTYPES[case["dtype"]], device, args.rep))
+        result = result_store.measure_or_oom(
+            lambda: measure(case["provider"], shapes, DTYPES[case["dtype"]], device, args.rep))
         result["copy_gb_per_s"] = copy
         results[(case["dtype"], case["provider"])] = result
         timing.free_memory()

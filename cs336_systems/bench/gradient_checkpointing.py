@@ -119,7 +119,8 @@ def main(argv: list[str] | None = None) -> None:
     optimizer = make_optimizer(model)
     for case in cli.progress(cases, PROBLEM):
         k = case["group_size"]
-        result = result_store.measure_or_oom(lambda: measure_group(model, optimizer, config, k, args.dtype, args.steps, device))
+        result = result_store.measure_or_oom(
+            lambda: measure_group(model, optimizer, config, k, args.dtype, args.steps, device))
         model.zero_grad(set_to_none=True)
         timing.free_memory()
         result.update(

@@ -15,10 +15,10 @@ memory-efficient) pinned by ``torch.nn.attention.sdpa_kernel``, eager, through t
 A forward-only time (``f(q, k, v, True)``, same inputs) is taken for every provider too.
 
 Before timing, once per run, the compiled wrapper is checked: dynamo's graph-break count on its first call
-(``graph_breaks`` must be 0: our kernels are ``torch.library`` operators, so the Function is one graph), the kernels one call
-launches (``our_kernels``: ours must run, no library attention kernel may stand in), and outputs and gradients
-against SDPA's float32 math backend, within 3x SDPA's own bf16 error (``matches_sdpa``). A failed check is
-printed, recorded (``verified: false``) and makes the command exit with status 1 after writing its rows.
+(``graph_breaks`` must be 0: our kernels are ``torch.library`` operators, so the Function is one graph), the kernels one
+call launches (``our_kernels``: ours must run, no library attention kernel may stand in), and outputs and gradients
+against SDPA's float32 math backend, within 3x SDPA's own bf16 error (``matches_sdpa``). A failed check is printed,
+recorded (``verified: false``) and makes the command exit with status 1 after writing its rows.
 
 Every invocation is a fresh measurement (no resume): it appends one row per provider to
 ``writeup/results/leaderboard.jsonl``: ``{"run", "provider": "ours" | "sdpa_cudnn" | "sdpa_flash" |

@@ -1,27 +1,27 @@
 """The course's 2026 leaderboard: one training step of an 8B model on two GPUs (problem ``leaderboard_2026``).
 
-The step: forward, loss, backward and AdamW of ``BasicsTransformerLM`` with vocabulary 151,936, d_model 4096,
-d_ff 11,008, 34 layers, 32 heads, causal, bf16 compute, at batch 2 and context 32,768 (one sequence per rank),
-timed as the course does: ``triton.testing.do_bench(train_step, rep=30_000, warmup=10_000)`` (its mean, in ms;
-:func:`cs336_systems.bench.common.timing.do_bench_on_ranks` runs the same algorithm with one runtime estimate agreed by the ranks, so that all run
-the same number of steps). The ranks meet in a barrier before each step. Two stacks of :data:`cs336_systems.train.SHARDED_STACKS`, each in
-its own freshly spawned ranks:
+The step: forward, loss, backward and AdamW of ``BasicsTransformerLM`` with vocabulary 151,936, d_model 4096, d_ff
+11,008, 34 layers, 32 heads, causal, bf16 compute, at batch 2 and context 32,768 (one sequence per rank), timed as the
+course does: ``triton.testing.do_bench(train_step, rep=30_000, warmup=10_000)`` (its mean, in ms;
+:func:`cs336_systems.bench.common.timing.do_bench_on_ranks` runs the same algorithm with one runtime estimate agreed by
+the ranks, so that all run the same number of steps). The ranks meet in a barrier before each step. Two stacks of
+:data:`cs336_systems.train.SHARDED_STACKS`, each in its own freshly spawned ranks:
 
 * ``ours``: our FSDP by blocks (fp32 master shards, bf16 gathers, fp32 reduce-scatters), compiled blocks (each
   block's forward: one graph for all), our attention operator,
   fused RMSNorm, fused LM head + cross-entropy, fused AdamW on the shards; every block checkpointed, keeping
   its attention output and log-sum-exp (selective checkpointing: backward recomputes the rest of the block, never
   the attention);
-* ``torch`` (rows: ``pytorch``): FSDP2 ``fully_shard`` per block and root (bf16 parameters in compute, fp32 reductions, fp32
-  masters), SDPA, every block checkpointed and compiled, the LM head and ``F.cross_entropy`` over chunks of
-  4,096 tokens, each recomputed in backward (the full logits, 40 GB with their softmax and gradient, do not fit
-  an 80 GB H100 beside the rest), ``torch.optim.AdamW(fused=True)``.
+* ``torch`` (rows: ``pytorch``): FSDP2 ``fully_shard`` per block and root (bf16 parameters in compute, fp32 reductions,
+  fp32 masters), SDPA, every block checkpointed and compiled, the LM head and ``F.cross_entropy`` over chunks of 4,096
+  tokens, each recomputed in backward (the full logits, 40 GB with their softmax and gradient, do not fit an 80 GB H100
+  beside the rest), ``torch.optim.AdamW(fused=True)``.
 
-Both build the same model from the same seed. By default each stack gets fresh, empty Triton and Inductor
-caches (``--warm`` keeps the usual ones), so ``first_step_s`` (the first step, compilation included) and ``cold_total_s``
-(launch to last timed step: process start, model build, compilation, timing) are what an empty cache costs.
-MFU counts the matmul FLOPs of the step (weights 3x forward, causal attention 3.5x forward: FlashAttention's
-backward runs five matmuls to the forward's two) against the bf16 matmul rate measured in the same run.
+Both build the same model from the same seed. By default each stack gets fresh, empty Triton and Inductor caches
+(``--warm`` keeps the usual ones), so ``first_step_s`` (the first step, compilation included) and ``cold_total_s``
+(launch to last timed step: process start, model build, compilation, timing) are what an empty cache costs. MFU counts
+the matmul FLOPs of the step (weights 3x forward, causal attention 3.5x forward: FlashAttention's backward runs five
+matmuls to the forward's two) against the bf16 matmul rate measured in the same run.
 
 ``--check`` trains 2 layers at context 4096 with the full vocabulary for one step on the ranks and compares the
 loss and every parameter with one process running the plain model (SDPA, plain RMSNorm and cross-entropy,
@@ -39,15 +39,16 @@ The FLOP and memory models live in ``bench/common/leaderboard_2026_model.py``, t
 
 *The checkpoint plan* (``--checkpoint-plan``): what each block's backward recomputes, the same way in both stacks
 (our stack through our selective checkpointing, PyTorch's through ``torch.utils.checkpoint`` with its
-selective-checkpoint contexts): ``selective`` (every block keeps its attention output and log-sum-exp), ``full``
-(every block recomputed whole), or ``auto``: each rank measures its free memory before building anything
+selective-checkpoint contexts): ``selective`` (every block keeps its attention output and log-sum-exp), ``full`` (every
+block recomputed whole), or ``auto``: each rank measures its free memory before building anything
 (``torch.cuda.mem_get_info``; on CPU ranks, the host's available memory), and the least of the ranks, less
-``--memory-margin-gib`` (by default the larger of 4 GiB and 5 % of it), is the budget :mod:`cs336_systems.train.checkpoint_plan` fills from the memory model
-(every block selective where that fits, then blocks kept whole, from the last, while they fit); ``auto`` is the
-default. ``stack`` gives each stack the checkpointing it ran before the plans existed (ours selective, PyTorch's
-full; rows without ``checkpoint_option``). Every row records the plan (``checkpoint_plan``: its one-line description
-and predicted peak) and, on a GPU, the caching allocator's retries and syncs during the timed steps
-(``allocator_events_ranks``: each retry frees the allocator's cache and synchronises the device).
+``--memory-margin-gib`` (by default the larger of 4 GiB and 5 % of it), is the budget
+:mod:`cs336_systems.train.checkpoint_plan` fills from the memory model (every block selective where that fits, then
+blocks kept whole, from the last, while they fit); ``auto`` is the default. ``stack`` gives each stack the checkpointing
+it ran before the plans existed (ours selective, PyTorch's full; rows without ``checkpoint_option``). Every row records
+the plan (``checkpoint_plan``: its one-line description and predicted peak) and, on a GPU, the caching allocator's
+retries and syncs during the timed steps (``allocator_events_ranks``: each retry frees the allocator's cache and
+synchronises the device).
 
 *The residual adds* (``--residual-norm``): ``fused`` runs our stack with each residual add inside the norm that
 reads its sum (the ``fused_residual_norm`` part; ``--check`` then checks that step), ``separate`` as it is by
@@ -222,7 +223,7 @@ def _stack_result(args, stack: str, config: dict[str, int], world_size: int, eve
         "param_dtype": "fp32 (master)",
         "compute_dtype": str(compute_dtype).removeprefix("torch."),
         "checkpoint_plan": {"describe": plan.describe(), "predicted_peak_gb": plan.peak_bytes / GB},
-        "parts": dataclasses.asdict(SHARDED_STACKS[stack].with_block_checkpointing(plan.modes)
+        "parts": dataclasses.asdict(SHARDED_STACKS[stack].with_(checkpointing=plan.modes)
                                     .with_residual_norm(args.residual_norm or "separate")),
         "timer": "do_bench_on_ranks (triton do_bench, mean)" if on_gpu else "time_calls (min of 2)",
         "predicted_memory": memory_budget(config, stack, world_size, args.per_rank_batch, modes=plan.modes),

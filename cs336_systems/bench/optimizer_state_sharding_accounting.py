@@ -1,4 +1,5 @@
-"""Memory and time of optimizer-state sharding on the XL model, 2 GPUs (problem ``optimizer_state_sharding_accounting``).
+"""Memory and time of optimizer-state sharding on the XL model, 2 GPUs (problem
+``optimizer_state_sharding_accounting``).
 
 Four optimizers, all AdamW with the same hyper-parameters, on the same data; the first three under the same
 data-parallel wrapper (``--ddp``, default our bucketed DDP with 100 MiB buckets):

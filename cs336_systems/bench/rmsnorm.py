@@ -246,16 +246,12 @@ def with_copy_share(result: dict[str, Any], copy_gbps: float | None) -> dict[str
 
 def newest_kernel_run(rows: list[dict[str, Any]], timer: str = "do_bench") -> list[dict[str, Any]]:
     """The kernel-part rows of ``timer``'s cases (``case_timer``) of the newest run that records ``copy_share``
-    (rows of earlier versions of the tool have none), in file order; empty if there is none. Runs are ordered by
-    their first such row's date, then by where that row stands in ``rows`` (a file is appended to, so a later run
-    starts further down). The rows of one timer are never read with another's."""
+    (rows of earlier versions of the tool have none), in file order; empty if there is none. The newest run is the
+    run of the latest such row (:func:`result_store.latest`). The rows of one timer are never read with another's."""
     kernel = [r for r in rows if r.get("part") == "kernel" and "copy_share" in r and case_timer(r) == timer]
-    started: dict[str, tuple[str, int]] = {}
-    for index, r in enumerate(kernel):
-        started.setdefault(r["run"], ((r.get("env") or {}).get("date", ""), index))
-    if not started:
+    if not kernel:
         return []
-    newest = max(started, key=started.get)
+    newest = result_store.latest(kernel)[0]["run"]
     return [r for r in kernel if r["run"] == newest]
 
 
@@ -316,7 +312,8 @@ def measure_kernel_case(case: dict[str, Any], device: torch.device) -> dict[str,
 
 def pending_in_run(store: result_store.ResultStore, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The cases that the store's run has not measured yet (all of them in a new run)."""
-    measured = [{key: r.get(key) for key in r.get("config_keys", ())} for r in store.rows() if r.get("run") == store.run]
+    measured = [{key: r.get(key) for key in r.get("config_keys", ())}
+                for r in store.rows() if r.get("run") == store.run]
     return [case for case in cases if case not in measured]
 
 

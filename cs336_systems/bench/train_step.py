@@ -65,7 +65,8 @@ def shape(text: str) -> tuple[int, int]:
 def parser():
     p = cli.base_parser(__doc__)
     cli.add_model_size(p, multiple=True, default="the edition's every size")
-    p.add_argument("--shapes", nargs="+", type=shape, default=None, help="context:batch pairs (default 512:4 2048:4 8192:1)")
+    p.add_argument("--shapes", nargs="+", type=shape, default=None,
+                   help="context:batch pairs (default 512:4 2048:4 8192:1)")
     p.add_argument("--stacks", nargs="+", default=["torch", "ours"], choices=list(STACKS))
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
                    help="default: eager launches; cudagraphs: forward and backward replayed from a CUDA graph")

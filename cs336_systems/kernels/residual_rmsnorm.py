@@ -144,7 +144,8 @@ class FusedAddRMSNormFunction(torch.autograd.Function):
     ) -> tuple[Float[Tensor, "... N"], Float[Tensor, "... N"]]:
         check_add_inputs(x, residual, weight)
         if out_dtype is not None and out_dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"unsupported output dtype {out_dtype}: the fused RMSNorm writes float16, bfloat16 or float32")
+            raise TypeError(f"unsupported output dtype {out_dtype}: the fused RMSNorm writes float16, bfloat16 or "
+                            "float32")
         n_cols = x.shape[-1]
         x_rows = unit_last_stride(x.reshape(-1, n_cols))  # views when the layouts allow
         residual_rows = unit_last_stride(residual.reshape(-1, n_cols))

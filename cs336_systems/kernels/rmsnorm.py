@@ -499,7 +499,8 @@ def launch_rmsnorm_forward(
 
 
 def rmsnorm_backward(
-    dy: Float[Tensor, "n_rows N"], x: Float[Tensor, "n_rows N"], weight: Float[Tensor, "N"], rstd: Float[Tensor, "n_rows"],
+    dy: Float[Tensor, "n_rows N"], x: Float[Tensor, "n_rows N"], weight: Float[Tensor, "N"],
+    rstd: Float[Tensor, "n_rows"],
     compute_dx: bool = True, compute_dw: bool = True, traced: bool = False,
     ds: Float[Tensor, "n_rows N"] | None = None,
 ) -> tuple[Float[Tensor, "n_rows N"] | None, Float[Tensor, "N"] | None]:
@@ -603,8 +604,8 @@ class FusedRMSNormFunction(torch.autograd.Function):
     """``FusedRMSNormFunction.apply(x, weight, eps, out_dtype=None) == RMSNorm(x)`` with gain ``weight``, by
     Triton kernels.
 
-    Output in x's dtype (or ``out_dtype``: rounded once, from float32); gradients in x's and weight's dtypes. Saved for backward: x (as rows), the
-    weight, and ``1 / rms`` per row in float32.
+    Output in x's dtype (or ``out_dtype``: rounded once, from float32); gradients in x's and weight's dtypes. Saved
+    for backward: x (as rows), the weight, and ``1 / rms`` per row in float32.
     """
 
     @staticmethod
@@ -613,7 +614,8 @@ class FusedRMSNormFunction(torch.autograd.Function):
     ) -> Float[Tensor, "... N"]:
         check_inputs(x, weight)
         if out_dtype is not None and out_dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"unsupported output dtype {out_dtype}: the fused RMSNorm writes float16, bfloat16 or float32")
+            raise TypeError(f"unsupported output dtype {out_dtype}: the fused RMSNorm writes float16, bfloat16 or "
+                            "float32")
         x_rows = unit_last_stride(x.reshape(-1, x.shape[-1]))  # a view when x's layout allows
         weight = unit_last_stride(weight)
         if torch.compiler.is_compiling():

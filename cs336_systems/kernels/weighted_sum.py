@@ -100,7 +100,8 @@ def weighted_sum_bwd_kernel(
 
 def _check_inputs(x: Tensor, weight: Tensor) -> None:
     if weight.dim() != 1 or x.dim() < 1 or x.shape[-1] != weight.shape[0]:
-        raise ValueError(f"need x of shape (..., D) and weight of shape (D,), got {tuple(x.shape)} and {tuple(weight.shape)}")
+        raise ValueError(f"need x of shape (..., D) and weight of shape (D,), got {tuple(x.shape)} and "
+                         f"{tuple(weight.shape)}")
     if x.device != weight.device:
         raise ValueError(f"x and weight must be on one device, got {x.device} and {weight.device}")
     if x.dtype not in FLOAT_DTYPES or weight.dtype not in FLOAT_DTYPES:

@@ -144,6 +144,15 @@ def broadcast_in_place(tensors_and_sources: Iterable[tuple[torch.Tensor, int]]) 
             tensor.copy_(wire)
 
 
+def broadcast_module_state(module: torch.nn.Module, src: int = 0) -> None:
+    """Overwrite every parameter and buffer of ``module`` with rank ``src``'s values, in place.
+
+    Frozen parameters are included: they never change afterwards, so every rank must start from the
+    same values.
+    """
+    broadcast_in_place((tensor, src) for tensor in [*module.parameters(), *module.buffers()])
+
+
 def _run_rank(
     rank: int, fn: Callable[..., Any], world_size: int, backend: str, store_path: str, timeout_s: float, args
 ):

@@ -18,8 +18,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal, get_args
 
-CHECKPOINT_MODES = ("keep", "selective", "full")  # from least recomputation (most memory) to most
+CheckpointMode = Literal["keep", "selective", "full"]
+CHECKPOINT_MODES = get_args(CheckpointMode)  # from least recomputation (most memory) to most
 GB = 1e9
 GiB = 2**30
 

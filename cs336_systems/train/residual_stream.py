@@ -70,17 +70,8 @@ def use_fused_residual_norm(model: BasicsTransformerLM, autocast_output: bool = 
 
 
 def block_groups(model: BasicsTransformerLM, block_modes: tuple[str, ...], options_of_mode) -> list[BlockGroup]:
-    """``model``'s blocks grouped as its checkpointing says: one group per block with ``options_of_mode(mode)`` when
-    ``block_modes`` is given, else groups of ``model.checkpoint_group_size`` under its ``checkpoint_context_fn``
-    (size 0: one group, not checkpointed)."""
-    layers = model.layers
-    if block_modes:
-        return [(layers[index:index + 1], options_of_mode(mode)) for index, mode in enumerate(block_modes)]
-    size = model.checkpoint_group_size
-    if not size:
-        return [(layers, None)]
-    options = {"context_fn": model.checkpoint_context_fn} if model.checkpoint_context_fn else {}
-    return [(layers[start:start + size], options) for start in range(0, len(layers), size)]
+    """One group per block of ``model``, under ``options_of_mode(mode)`` of its mode in ``block_modes``."""
+    return [(model.layers[index:index + 1], options_of_mode(mode)) for index, mode in enumerate(block_modes)]
 
 
 def run_blocks(blocks: Sequence[nn.Module], residual: Tensor, pending: Tensor | None) -> tuple[Tensor, Tensor | None]:

@@ -3,29 +3,30 @@
 A step is forward, loss, backward and the optimizer's update, under bf16 autocast by default. Each part is
 chosen by name in :class:`Parts`, so that the two stacks the benchmarks race differ only where they say:
 
-| part | choices |
-|---|---|
-| ``attention`` | any :func:`cs336_systems.attention.get_attention` name: ``triton`` (our operator), ``sdpa``, ``naive`` |
-| ``rmsnorm`` | ``plain`` (``cs336_basics``) or ``fused`` (our Triton kernel, writing the autocast dtype) |
-| ``loss`` | ``plain``: the LM head, then ``F.cross_entropy`` on the full logits; ``chunked``: the same PyTorch operations over chunks of tokens, each recomputed in backward (``torch.utils.checkpoint``), so one chunk's logits exist at a time; ``fused``: our LM head + cross-entropy, chunked over tokens, which never holds the logits |
-| ``optimizer`` | ``basics`` (``cs336_basics`` AdamW, a Python loop), ``torch_fused`` / ``torch_foreach`` (``torch.optim.AdamW(fused=True)`` / ``foreach=True``) or ``fused`` (our Triton AdamW) |
-| ``compile`` | ``none``, ``blocks`` (``torch.compile`` of each Transformer block and, unsharded, of the loss head: compiles one block's graph once, whatever the depth; see :func:`compile_block`) or ``model`` (the whole forward and loss as one graph) |
-| ``checkpointing`` | activation checkpointing group size (0: off; see ``BasicsTransformerLM.set_activation_checkpointing``) |
-| ``keep_attention`` | checkpointed groups keep each attention call's output (and log-sum-exp): selective checkpointing, so backward recomputes the rest of a block but never the attention itself |
-| ``block_checkpointing`` | per block, what its backward recomputes (in place of ``checkpointing`` and ``keep_attention``): ``keep`` (nothing), ``selective`` (all but the attention output, as ``keep_attention``) or ``full`` (the whole block), each block through ``torch.utils.checkpoint``; empty: off. Chosen from the memory a rank has by :mod:`cs336_systems.train.checkpoint_plan` |
-| ``sharding`` | ``none`` (one process, or any data-parallel wrapper around the step), ``ours`` (our FSDP by blocks) or ``fsdp2`` (``fully_shard`` per block and root); sharded stacks hold fp32 master weights and compute in the step's bf16 dtype (no autocast), gradients reduced in fp32 |
-| ``cudagraphs`` | capture the forward, loss and backward in one CUDA graph on the first call (after two warm-up passes on a side stream, which do not train) and replay it with the batch copied into static inputs: a step then costs the host one replay and the optimizer's launches (the optimizer runs outside the graph: the update's bias corrections are host scalars). One GPU, unsharded |
-| ``fused_residual_norm`` | each residual add runs inside the norm that reads its sum (``ln2``, the next block's ``ln1``, ``ln_final``): one Triton kernel writes the sum and its norm, one computes both gradients (:mod:`cs336_systems.train.residual_stream`); needs ``rmsnorm='fused'``. Off: the add and the norm are separate operations (fused with each other only as far as ``torch.compile`` does) |
-| ``recompute_materialized`` | torch.compile's partitioner may recompute, in backward, values that a backward operator reads whole (by default Inductor saves those): our fused RMSNorm's input, the float32 residual sum after attention, is then recomputed from the block's input and the bf16 attention output (as Inductor does for its own RMSNorm) instead of saved. Off: Inductor's default. Compiled code is reused across the steps of one process, whatever their parts: build steps that differ here in fresh processes, or after ``torch._dynamo.reset()`` |
-| ``weights`` | ``fp32`` (every parameter float32, cast by autocast at each use) or ``bf16``: the linear layers' weights held in bf16, trained through float32 master weights that our fused AdamW keeps and rounds back after each update (the matmuls then read them with no cast, in forward and backward, and their gradients are bf16); needs the fused optimizer, bf16 autocast and one GPU |
+* ``attention``: a :func:`cs336_systems.attention.get_attention` name (``triton``: our operator, ``sdpa``, ...).
+* ``rmsnorm``: ``plain`` (``cs336_basics``) or ``fused`` (our Triton kernel, writing the autocast dtype);
+  ``fused_residual_norm``: each residual add inside the norm that reads its sum (:mod:`.residual_stream`).
+* ``weights``: ``fp32``, or ``bf16`` linear weights trained through float32 masters in our fused AdamW (one GPU).
+* ``loss``: ``plain`` (LM head, then ``F.cross_entropy``), ``chunked`` (the same over chunks of tokens, each
+  recomputed in backward) or ``fused`` (our LM head + cross-entropy, which never holds the logits).
+* ``checkpointing``: what each block's backward recomputes: ``keep`` (nothing), ``selective`` (all but the attention
+  output and log-sum-exp) or ``full``; one mode for every block, or one per block (:mod:`.checkpoint_plan`).
+* ``sharding``: ``none``, ``ours`` (our FSDP by blocks; ``gradient_memory``: the stream holding its gradient shards)
+  or ``fsdp2`` (``fully_shard`` per block and root): fp32 masters, compute in the step's dtype (no autocast).
+* ``compile``: ``none``, ``blocks`` (each block, and the unsharded loss head: :func:`compile_block`) or ``model``;
+  ``recompute_materialized`` lets the partitioner recompute what a backward operator reads whole (our RMSNorm's
+  float32 input) instead of saving it. Compiled code is reused within a process (``torch._dynamo.reset()``).
+* ``optimizer``: ``basics`` (``cs336_basics`` AdamW), ``torch_fused`` / ``torch_foreach`` or ``fused`` (ours).
+* ``cudagraphs``: forward, loss and backward captured in one CUDA graph at the first call (after two warm-up passes
+  that do not train) and replayed; the optimizer runs outside it. One GPU, unsharded.
 
-:data:`STACKS` names the two compared stacks: ``ours`` (our attention operator, fused RMSNorm, fused
-cross-entropy, fused AdamW with bf16 linear weights over float32 masters, compiled) and ``torch`` (PyTorch's best for the same model: SDPA, the plain RMSNorm
-and cross-entropy compiled, ``torch.optim.AdamW(fused=True)``). Every stack trains the same function: the model's
-input/output behaviour and the AdamW hyper-parameters are the same. :data:`SHARDED_STACKS` names the two stacks
-of the 2026 leaderboard step (one sequence per GPU, every block checkpointed): ``ours`` (our FSDP, compiled
-blocks, attention operator with its outputs kept, fused RMSNorm, fused cross-entropy, fused AdamW on the shards) and ``torch``
-(FSDP2, SDPA, compiled blocks, ``F.cross_entropy`` over checkpointed chunks of tokens, ``torch.optim.AdamW(fused=True)``).
+:func:`build_training_step` applies them in that order, one ``apply_*`` function each.
+
+:data:`STACKS` names the two compared stacks: ``ours`` (our attention operator, fused RMSNorm, fused cross-entropy,
+fused AdamW with bf16 linear weights, compiled blocks) and ``torch`` (SDPA, the plain RMSNorm and cross-entropy
+compiled, ``torch.optim.AdamW(fused=True)``). Both train the same function with the same AdamW hyper-parameters.
+:data:`SHARDED_STACKS` names the stacks of the 2026 leaderboard step (one sequence per GPU): ``ours`` (our FSDP,
+blocks recomputed but their attention kept) and ``torch`` (FSDP2, whole blocks recomputed, the chunked loss).
 
     step = build_training_step(model, STACKS["ours"])
     loss = step(token_ids, targets)                     # one full training step
@@ -39,6 +40,7 @@ import functools
 import timeit
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields, replace
+from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
@@ -51,7 +53,7 @@ from cs336_basics.model import BasicsTransformerLM, Linear
 from cs336_basics.optimizer import AdamW
 from cs336_systems.attention import ATTENTION_NAMES, get_attention
 from cs336_systems.parallel.fsdp.transport import DEFAULT_GRADIENT_MEMORY, GRADIENT_MEMORY
-from cs336_systems.train.checkpoint_plan import check_modes
+from cs336_systems.train.checkpoint_plan import CHECKPOINT_MODES, CheckpointMode, check_modes
 from cs336_systems.train.residual_stream import (
     block_groups,
     hidden_states_with_fused_residual_norm,
@@ -59,102 +61,86 @@ from cs336_systems.train.residual_stream import (
 )
 
 ADAMW_HYPERPARAMETERS = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
-COMPILE_MODES = ("none", "blocks", "model")
-LOSSES = ("plain", "chunked", "fused")
 LOSS_CHUNK_TOKENS = 4096  # the ``chunked`` loss: 4,096 tokens of a 151,936-word head are 1.2 GB of bf16 logits
-OPTIMIZERS = ("basics", "torch_fused", "torch_foreach", "fused")
+
+Norm = Literal["plain", "fused"]
+Weights = Literal["fp32", "bf16"]
+Loss = Literal["plain", "chunked", "fused"]
+Sharding = Literal["none", "ours", "fsdp2"]
+Compile = Literal["none", "blocks", "model"]
+Optimizer = Literal["basics", "torch_fused", "torch_foreach", "fused"]
+CHOICES = {"attention": ATTENTION_NAMES, "rmsnorm": get_args(Norm), "weights": get_args(Weights),
+           "loss": get_args(Loss), "sharding": get_args(Sharding), "gradient_memory": GRADIENT_MEMORY,
+           "compile": get_args(Compile), "optimizer": get_args(Optimizer)}
 RESIDUAL_NORMS = ("separate", "fused")
 """The benchmarks' ``--residual-norm`` choices: the ``fused_residual_norm`` part off or on."""
-SHARDINGS = ("none", "ours", "fsdp2")
-WEIGHTS = ("fp32", "bf16")
 
 
 @dataclass(frozen=True)
 class Parts:
-    """The named parts of a training step (module docstring)."""
+    """The named parts of a training step (module docstring), checked together when made. A ``checkpointing``
+    tuple whose blocks all have one mode is stored as that mode."""
 
     attention: str = "sdpa"
-    rmsnorm: str = "plain"
-    loss: str = "plain"
-    optimizer: str = "torch_fused"
-    compile: str = "blocks"
-    checkpointing: int = 0
-    keep_attention: bool = False
-    sharding: str = "none"
-    cudagraphs: bool = False
-    weights: str = "fp32"
-    block_checkpointing: tuple[str, ...] = ()
+    rmsnorm: Norm = "plain"
     fused_residual_norm: bool = False
+    weights: Weights = "fp32"
+    loss: Loss = "plain"
+    checkpointing: CheckpointMode | tuple[CheckpointMode, ...] = "keep"
+    sharding: Sharding = "none"
     gradient_memory: str = DEFAULT_GRADIENT_MEMORY
+    compile: Compile = "blocks"
     recompute_materialized: bool = False
+    optimizer: Optimizer = "torch_fused"
+    cudagraphs: bool = False
 
     def __post_init__(self):
-        for name, value, allowed in (("attention", self.attention, ATTENTION_NAMES),
-                                     ("rmsnorm", self.rmsnorm, ("plain", "fused")), ("loss", self.loss, LOSSES),
-                                     ("optimizer", self.optimizer, OPTIMIZERS), ("compile", self.compile, COMPILE_MODES),
-                                     ("sharding", self.sharding, SHARDINGS),
-                                     ("gradient_memory", self.gradient_memory, GRADIENT_MEMORY)):
-            if value not in allowed:
-                raise ValueError(f"unknown {name} {value!r}; choose one of {', '.join(allowed)}")
-        if self.checkpointing < 0:
-            raise ValueError(f"checkpointing group size must be >= 0, got {self.checkpointing}")
-        if self.keep_attention and not self.checkpointing:
-            raise ValueError("keep_attention selects what checkpointed blocks keep: it needs checkpointing >= 1")
-        check_modes(self.block_checkpointing)
-        if self.block_checkpointing and self.checkpointing:
-            raise ValueError("block_checkpointing chooses per block: use it with checkpointing=0")
-        if self.sharding != "none" and self.compile == "model":
-            raise ValueError("a sharded step compiles blocks at most (compile='none' or 'blocks')")
-        if self.weights not in WEIGHTS:
-            raise ValueError(f"unknown weights {self.weights!r}; choose one of {', '.join(WEIGHTS)}")
-        if self.weights == "bf16" and (self.optimizer != "fused" or self.sharding != "none"):
-            raise ValueError("weights='bf16' trains float32 master weights in our fused AdamW: it needs "
-                             "optimizer='fused' and sharding='none'")
-        if self.cudagraphs and self.sharding != "none":
-            raise ValueError("cudagraphs captures a one-GPU step: use it with sharding='none'")
-        if self.gradient_memory != DEFAULT_GRADIENT_MEMORY and self.sharding != "ours":
-            raise ValueError("gradient_memory places our FSDP's gradient shards: it needs sharding='ours'")
-        if self.fused_residual_norm and self.rmsnorm != "fused":
-            raise ValueError("fused_residual_norm adds the residual inside our RMSNorm kernel: it needs rmsnorm='fused'")
-        if self.recompute_materialized and self.compile == "none":
-            raise ValueError("recompute_materialized tells torch.compile's partitioner what to save: it needs compile "
-                             "'blocks' or 'model'")
+        for name, allowed in CHOICES.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"unknown {name} {getattr(self, name)!r}; choose one of {', '.join(allowed)}")
+        modes = (self.checkpointing,) if isinstance(self.checkpointing, str) else tuple(self.checkpointing)
+        check_modes(modes)
+        if not modes:
+            raise ValueError(f"checkpointing is a mode ({', '.join(CHECKPOINT_MODES)}) or one per block, not ()")
+        object.__setattr__(self, "checkpointing", modes[0] if len(set(modes)) == 1 else modes)
+        sharded = self.sharding != "none"
+        needs = {
+            "fused_residual_norm adds the residual inside our RMSNorm kernel: it needs rmsnorm='fused'":
+                self.fused_residual_norm and self.rmsnorm != "fused",
+            "weights='bf16' trains float32 master weights in our fused AdamW: it needs optimizer='fused' and "
+            "sharding='none'": self.weights == "bf16" and (self.optimizer != "fused" or sharded),
+            "gradient_memory places our FSDP's gradient shards: it needs sharding='ours'":
+                self.gradient_memory != DEFAULT_GRADIENT_MEMORY and self.sharding != "ours",
+            "a sharded step compiles blocks at most (compile='none' or 'blocks')": sharded and self.compile == "model",
+            "recompute_materialized tells torch.compile's partitioner what to save: it needs compile 'blocks' or "
+            "'model'": self.recompute_materialized and self.compile == "none",
+            "cudagraphs captures a one-GPU step: use it with sharding='none'": self.cudagraphs and sharded,
+        }
+        for message, broken in needs.items():
+            if broken:
+                raise ValueError(message)
 
     def with_(self, **changes) -> Parts:
-        unknown = sorted(set(changes) - {f.name for f in fields(self)})
+        names = [f.name for f in fields(self)]
+        unknown = sorted(set(changes) - set(names))
         if unknown:
-            raise ValueError(f"unknown part {unknown[0]!r}; choose among {', '.join(f.name for f in fields(self))}")
+            raise ValueError(f"unknown part {unknown[0]!r}; choose among {', '.join(names)}")
         return replace(self, **changes)
 
-    def with_block_checkpointing(self, modes: tuple[str, ...]) -> Parts:
-        """These parts with ``modes`` per block (:data:`CHECKPOINT_MODES`); one mode for every block is written
-        as the group checkpointing it equals (``selective``: ``checkpointing=1, keep_attention=True``)."""
-        check_modes(modes)
-        if len(set(modes)) > 1:
-            return self.with_(checkpointing=0, keep_attention=False, block_checkpointing=tuple(modes))
-        uniform = modes[0] if modes else "keep"
-        return self.with_(checkpointing=int(uniform != "keep"), keep_attention=uniform == "selective",
-                          block_checkpointing=())
-
     def with_overrides(self, items: list[str]) -> Parts:
-        """These parts with ``part=value`` changes from a command line (e.g. ``["rmsnorm=plain", "checkpointing=2"]``)."""
+        """These parts with ``part=value`` changes from a command line (e.g. ``["rmsnorm=plain",
+        "checkpointing=full"]``; per-block checkpointing as ``checkpointing=full,selective,keep``)."""
         changes = {}
         for item in items:
             name, equals, value = item.partition("=")
             if not equals:
                 raise ValueError(f"an override is part=value (e.g. rmsnorm=plain), not {item!r}")
-            if name == "checkpointing":
-                if not value.isdigit():
-                    raise ValueError(f"checkpointing is a group size (0, 1, 2, ...), not {value!r}")
-                changes[name] = int(value)
-            elif name in ("keep_attention", "cudagraphs", "fused_residual_norm", "recompute_materialized"):
+            if isinstance(getattr(self, name, None), bool):
                 if value.lower() not in ("1", "true", "yes", "0", "false", "no"):
                     raise ValueError(f"{name} is true or false, not {value!r}")
                 changes[name] = value.lower() in ("1", "true", "yes")
-            elif name == "block_checkpointing":
-                changes[name] = tuple(value.split(",")) if value else ()
             else:
-                changes[name] = value
+                changes[name] = tuple(value.split(",")) if name == "checkpointing" else value
         return self.with_(**changes)
 
     def with_residual_norm(self, choice: str) -> Parts:
@@ -163,6 +149,14 @@ class Parts:
         if choice not in RESIDUAL_NORMS:
             raise ValueError(f"unknown residual norm {choice!r}; choose one of {', '.join(RESIDUAL_NORMS)}")
         return self.with_(fused_residual_norm=choice == "fused" and self.rmsnorm == "fused")
+
+    def block_modes(self, num_blocks: int) -> tuple[CheckpointMode, ...]:
+        """What each of ``num_blocks`` blocks recomputes in backward."""
+        if isinstance(self.checkpointing, str):
+            return (self.checkpointing,) * num_blocks
+        if len(self.checkpointing) != num_blocks:
+            raise ValueError(f"{len(self.checkpointing)} checkpoint modes for a model of {num_blocks} blocks")
+        return self.checkpointing
 
 
 STACKS: dict[str, Parts] = {
@@ -174,9 +168,9 @@ STACKS: dict[str, Parts] = {
 
 SHARDED_STACKS: dict[str, Parts] = {
     "ours": Parts(attention="triton", rmsnorm="fused", loss="fused", optimizer="fused", compile="blocks",
-                  checkpointing=1, keep_attention=True, sharding="ours"),
+                  checkpointing="selective", sharding="ours"),
     "torch": Parts(attention="sdpa", rmsnorm="plain", loss="chunked", optimizer="torch_fused", compile="blocks",
-                     checkpointing=1, sharding="fsdp2"),
+                   checkpointing="full", sharding="fsdp2"),
 }
 
 
@@ -229,7 +223,7 @@ LOSS_HEADS: dict[str, Callable] = {"plain": plain_loss, "chunked": chunked_loss,
 
 @functools.cache
 def attention_operations() -> frozenset:
-    """The operators whose outputs ``keep_attention`` keeps: our attention forward and SDPA's fused kernels."""
+    """The operators whose outputs ``selective`` checkpointing keeps: our attention forward and SDPA's kernels."""
     import cs336_systems.attention.op  # noqa: F401  (registers our operator)
 
     aten = torch.ops.aten
@@ -254,21 +248,7 @@ def keep_attention_context():
     return create_selective_checkpoint_contexts(policy)
 
 
-def apply_parts(model: BasicsTransformerLM, parts: Parts) -> BasicsTransformerLM:
-    """Set ``model``'s attention, norms and checkpointing in place (blocks are compiled by the step, after
-    any sharding)."""
-    model.set_attention(get_attention(parts.attention))
-    if parts.rmsnorm == "fused":
-        from cs336_systems.kernels.rmsnorm import use_fused_rmsnorm
-
-        use_fused_rmsnorm(model, autocast_output=True)
-    if parts.fused_residual_norm:
-        use_fused_residual_norm(model, autocast_output=True)
-    model.set_activation_checkpointing(parts.checkpointing, keep_attention_context if parts.keep_attention else None)
-    return model
-
-
-def checkpoint_options(mode: str) -> dict | None:
+def checkpoint_options(mode: CheckpointMode) -> dict | None:
     """The ``torch.utils.checkpoint`` options of a block whose backward recomputes what ``mode`` says (``keep``:
     None, not checkpointed)."""
     if mode == "keep":
@@ -276,7 +256,7 @@ def checkpoint_options(mode: str) -> dict | None:
     return {"context_fn": keep_attention_context} if mode == "selective" else {}
 
 
-def checkpointed_block(block: nn.Module, x: Float[Tensor, "batch seq d_model"], mode: str) -> Tensor:
+def checkpointed_block(block: nn.Module, x: Float[Tensor, "batch seq d_model"], mode: CheckpointMode) -> Tensor:
     """``block(x)``, its backward recomputing what ``mode`` says (``keep``, ``selective``, ``full``). The block is
     called as a module inside the checkpoint, so a sharding wrapper's hooks run again in the recomputation."""
     options = checkpoint_options(mode)
@@ -286,8 +266,10 @@ def checkpointed_block(block: nn.Module, x: Float[Tensor, "batch seq d_model"], 
 
 
 def hidden_states_by_block(model: BasicsTransformerLM, token_ids: Int[Tensor, "batch seq"],
-                           modes: tuple[str, ...]) -> Float[Tensor, "batch seq d_model"]:
+                           modes: tuple[CheckpointMode, ...]) -> Float[Tensor, "batch seq d_model"]:
     """``model.hidden_states(token_ids)`` with block ``i`` checkpointed as ``modes[i]`` says."""
+    if token_ids.shape[-1] > model.context_length:
+        raise ValueError(f"sequence length {token_ids.shape[-1]} exceeds context_length {model.context_length}")
     x = model.token_embeddings(token_ids)
     for block, mode in zip(model.layers, modes, strict=True):
         x = checkpointed_block(block, x, mode)
@@ -297,14 +279,14 @@ def hidden_states_by_block(model: BasicsTransformerLM, token_ids: Int[Tensor, "b
 class LanguageModelLoss(nn.Module):
     """``model``'s mean next-token loss: its final hidden states, then ``head(hidden, model.lm_head, targets)``.
     One module, so that a sharding wrapper sees the whole step's forward (the fused head reads the LM head's
-    weight without calling the module). ``block_modes``: what each block's backward recomputes (empty: as the
-    model's own checkpointing says). ``fused_residual_norm``: the model's blocks pass the residual stream and the
-    pending branch output (:mod:`cs336_systems.train.residual_stream`)."""
+    weight without calling the module). ``block_modes``: what each block's backward recomputes.
+    ``fused_residual_norm``: the model's blocks pass the residual stream and the pending branch output
+    (:mod:`cs336_systems.train.residual_stream`)."""
 
-    def __init__(self, model: BasicsTransformerLM, head: Callable, block_modes: tuple[str, ...] = (),
+    def __init__(self, model: BasicsTransformerLM, head: Callable, block_modes: tuple[CheckpointMode, ...],
                  fused_residual_norm: bool = False):
         super().__init__()
-        if block_modes and len(block_modes) != len(model.layers):
+        if len(block_modes) != len(model.layers):
             raise ValueError(f"{len(block_modes)} checkpoint modes for a model of {len(model.layers)} blocks")
         self.model, self.head, self.block_modes = model, head, block_modes
         self.fused_residual_norm = fused_residual_norm
@@ -313,26 +295,9 @@ class LanguageModelLoss(nn.Module):
         if self.fused_residual_norm:
             groups = block_groups(self.model, self.block_modes, checkpoint_options)
             hidden = hidden_states_with_fused_residual_norm(self.model, token_ids, groups)
-        elif self.block_modes:
-            hidden = hidden_states_by_block(self.model, token_ids, self.block_modes)
         else:
-            hidden = self.model.hidden_states(token_ids)
+            hidden = hidden_states_by_block(self.model, token_ids, self.block_modes)
         return self.head(hidden, self.model.lm_head, targets)
-
-
-def shard(net: LanguageModelLoss, sharding: str, compute_dtype: torch.dtype | None,
-          gradient_memory: str = DEFAULT_GRADIENT_MEMORY) -> nn.Module:
-    """``net`` sharded over the default process group: our FSDP by blocks (its gradient shards in
-    ``gradient_memory``'s stream), or FSDP2 per block and root (bf16 parameters in compute, fp32 gradient
-    reductions, fp32 master weights)."""
-    model = net.model
-    if sharding == "ours":
-        from cs336_systems.parallel.fsdp import FSDP, default_units
-
-        return FSDP(net, compute_dtype=compute_dtype, units=default_units(model), gradient_memory=gradient_memory)
-    if sharding == "fsdp2":
-        return fully_shard_blocks(net, model.layers, compute_dtype)
-    return net
 
 
 def fully_shard_blocks(root: nn.Module, blocks: Iterable[nn.Module], compute_dtype: torch.dtype | None) -> nn.Module:
@@ -363,9 +328,35 @@ def compile_block(block: nn.Module, sharding: str) -> None:
         block.compile()
 
 
-def hold_linear_weights_in_bf16(model: nn.Module, autocast_dtype: torch.dtype | None) -> None:
-    """The ``weights='bf16'`` part: every linear layer's weight becomes bf16 in place (the optimizer keeps float32
-    masters). Embeddings and norms stay float32, so the residual stream stays float32 as with float32 weights."""
+# The parts, applied by build_training_step in this order.
+
+
+def apply_attention(model: BasicsTransformerLM, parts: Parts) -> None:
+    model.set_attention(get_attention(parts.attention))
+
+
+def apply_norms(model: BasicsTransformerLM, parts: Parts) -> None:
+    """Our fused RMSNorm (writing the autocast dtype), and the residual adds inside it if ``fused_residual_norm``."""
+    if parts.rmsnorm == "fused":
+        from cs336_systems.kernels.rmsnorm import use_fused_rmsnorm
+
+        use_fused_rmsnorm(model, autocast_output=True)
+    if parts.fused_residual_norm:
+        use_fused_residual_norm(model, autocast_output=True)
+
+
+def apply_parts(model: BasicsTransformerLM, parts: Parts) -> BasicsTransformerLM:
+    """Set ``model``'s attention and norms in place (the parts that change the model's own modules)."""
+    apply_attention(model, parts)
+    apply_norms(model, parts)
+    return model
+
+
+def apply_weights(model: BasicsTransformerLM, parts: Parts, autocast_dtype: torch.dtype | None) -> None:
+    """``weights='bf16'``: every linear layer's weight becomes bf16 in place (the optimizer keeps float32 masters).
+    Embeddings and norms stay float32, so the residual stream stays float32 as with float32 weights."""
+    if parts.weights == "fp32":
+        return
     if autocast_dtype != torch.bfloat16:
         raise ValueError(f"weights='bf16' computes under bf16 autocast, not {autocast_dtype}")
     for module in model.modules():
@@ -373,39 +364,61 @@ def hold_linear_weights_in_bf16(model: nn.Module, autocast_dtype: torch.dtype | 
             module.weight.data = module.weight.data.to(torch.bfloat16)
 
 
+def apply_loss_and_checkpointing(model: BasicsTransformerLM, parts: Parts) -> LanguageModelLoss:
+    """The model and its loss head as one module, each block checkpointed as ``parts.checkpointing`` says. The
+    loss head of an unsharded step with compiled blocks is one more compiled graph."""
+    head = LOSS_HEADS[parts.loss]
+    if parts.compile == "blocks" and parts.sharding == "none":
+        head = torch.compile(head)
+    return LanguageModelLoss(model, head, parts.block_modes(len(model.layers)), parts.fused_residual_norm)
+
+
+def apply_sharding(net: LanguageModelLoss, parts: Parts, compute_dtype: torch.dtype | None) -> nn.Module:
+    """``net`` sharded over the default process group: our FSDP by blocks (its gradient shards in
+    ``gradient_memory``'s stream), or FSDP2 per block and root (bf16 parameters in compute, fp32 gradient
+    reductions, fp32 master weights)."""
+    if parts.sharding == "ours":
+        from cs336_systems.parallel.fsdp import FSDP, default_units
+
+        return FSDP(net, compute_dtype=compute_dtype, units=default_units(net.model),
+                    gradient_memory=parts.gradient_memory)
+    if parts.sharding == "fsdp2":
+        return fully_shard_blocks(net, net.model.layers, compute_dtype)
+    return net
+
+
+def apply_compile(model: BasicsTransformerLM, parts: Parts, forward_loss: Callable) -> Callable:
+    """Compile each block (``blocks``, after any sharding), or return ``forward_loss`` compiled (``model``)."""
+    if parts.compile == "blocks":
+        for block in model.layers:
+            compile_block(block, parts.sharding)
+    return torch.compile(forward_loss) if parts.compile == "model" else forward_loss
+
+
 class TrainingStep:
     """Forward, loss, backward and optimizer step of ``model`` with ``parts`` (see :func:`build_training_step`)."""
 
     def __init__(self, model: BasicsTransformerLM, parts: Parts, autocast_dtype: torch.dtype | None = torch.bfloat16):
         self.model, self.parts = model, parts
-        sharded = parts.sharding != "none"
         # Sharded stacks compute in this dtype from fp32 masters (their gathered weights): no autocast.
-        self.autocast_dtype = None if sharded else autocast_dtype
-        if parts.weights == "bf16":
-            hold_linear_weights_in_bf16(model, self.autocast_dtype)
-        head = LOSS_HEADS[parts.loss]
-        if parts.compile == "blocks" and not sharded:
-            head = torch.compile(head)  # the blocks are compiled modules (below); the loss head is one more graph
-        net = LanguageModelLoss(model, head, parts.block_checkpointing, parts.fused_residual_norm)
-        self.net = shard(net, parts.sharding, autocast_dtype, parts.gradient_memory)
-        if parts.compile == "blocks":
-            for block in model.layers:
-                compile_block(block, parts.sharding)
-        self.optimizer = make_optimizer(self.net.parameters(), parts.optimizer, master_weights=parts.weights == "bf16")
+        self.autocast_dtype = None if parts.sharding != "none" else autocast_dtype
+        apply_weights(model, parts, self.autocast_dtype)
+        self.net = apply_sharding(apply_loss_and_checkpointing(model, parts), parts, autocast_dtype)
 
         def forward_loss(token_ids: Tensor, targets: Tensor) -> Tensor:
             with self._autocast(token_ids.device):
                 return self.net(token_ids, targets)
 
-        self.forward_loss = torch.compile(forward_loss) if parts.compile == "model" else forward_loss
-
-        self._graph: torch.cuda.CUDAGraph | None = None
+        self.forward_loss = apply_compile(model, parts, forward_loss)
+        self.optimizer = make_optimizer(self.net.parameters(), parts.optimizer, master_weights=parts.weights == "bf16")
+        self._graph: torch.cuda.CUDAGraph | None = None  # the ``cudagraphs`` part captures it at the first call
 
     def _autocast(self, device: torch.device) -> contextlib.AbstractContextManager:
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
         # A captured graph replays the casts: autocast's cache of cast weights would outlive the capture.
-        return torch.autocast(device_type=device.type, dtype=self.autocast_dtype, cache_enabled=not self.parts.cudagraphs)
+        return torch.autocast(device_type=device.type, dtype=self.autocast_dtype,
+                              cache_enabled=not self.parts.cudagraphs)
 
     def _forward(self, token_ids: Tensor, targets: Tensor) -> Tensor:
         """The forward and loss, under the partitioner's options: a compiled graph is split into forward and backward
@@ -494,7 +507,9 @@ def phase_timer(
 def build_training_step(
     model: BasicsTransformerLM, parts: Parts | str, autocast_dtype: torch.dtype | None = torch.bfloat16
 ) -> TrainingStep:
-    """``model`` (changed in place: attention, norms, checkpointing, compiled blocks) and its training step.
+    """``model`` (changed in place: attention, norms, compiled blocks) and its training step, the parts applied in
+    the order of the module docstring: attention, norms, weights, loss and checkpointing, sharding, compile,
+    optimizer, CUDA graphs (at the first call).
     ``parts`` is a :class:`Parts` or a name in :data:`STACKS`. A sharded ``parts`` needs an initialised default
     process group, and ``model`` on this rank's device with the same weights on every rank."""
     if isinstance(parts, str):

@@ -58,7 +58,8 @@ def test_keep_attention_runs_attention_forward_once(monkeypatch, keep_attention)
     monkeypatch.setattr(triton_backend, "forward", counted)
     torch.manual_seed(0)
     model = BasicsTransformerLM(vocab_size=100, context_length=16, d_model=32, num_layers=3, num_heads=2, d_ff=64)
-    parts = STACKS["ours"].with_(compile="none", checkpointing=1, keep_attention=keep_attention, weights="fp32")
+    parts = STACKS["ours"].with_(compile="none", checkpointing="selective" if keep_attention else "full",
+                                 weights="fp32")
     step = build_training_step(model, parts, autocast_dtype=None)
     tokens = torch.randint(0, 100, (2, 17), generator=torch.Generator().manual_seed(0))
     loss = step.forward_loss(tokens[:, :-1], tokens[:, 1:])
@@ -73,7 +74,7 @@ def test_keep_attention_gradients_equal_plain_checkpointing():
     for keep in (False, True):
         torch.manual_seed(0)
         model = BasicsTransformerLM(vocab_size=100, context_length=16, d_model=32, num_layers=2, num_heads=2, d_ff=64)
-        parts = STACKS["ours"].with_(compile="none", checkpointing=1, keep_attention=keep, weights="fp32")
+        parts = STACKS["ours"].with_(compile="none", checkpointing="selective" if keep else "full", weights="fp32")
         step = build_training_step(model, parts, autocast_dtype=None)
         tokens = torch.randint(0, 100, (2, 17), generator=torch.Generator().manual_seed(0))
         step.forward_loss(tokens[:, :-1], tokens[:, 1:]).backward()

@@ -58,10 +58,10 @@ OURS = STACKS["ours"].with_(compile="none", weights="fp32")  # float32: the inte
 
 @pytest.mark.parametrize("checkpointing", [
     {},
-    {"checkpointing": 1, "keep_attention": True},
-    {"checkpointing": 2},
-    {"block_checkpointing": ("full", "selective", "keep")},
-], ids=["none", "selective", "groups_of_2", "per_block"])
+    {"checkpointing": "selective"},
+    {"checkpointing": "full"},
+    {"checkpointing": ("full", "selective", "keep")},
+], ids=["none", "selective", "full", "per_block"])
 def test_fused_residual_norm_matches_separate(checkpointing):
     parts = OURS.with_(**checkpointing)
     sums = []
@@ -124,7 +124,7 @@ def test_compiled_blocks_trace_in_one_graph_and_match_eager():
     ids, _ = tokens()
 
     def hidden_sum(token_ids):
-        return hidden_states_with_fused_residual_norm(model, token_ids, block_groups(model, (), checkpoint_options)).sum()
+        return hidden_states_with_fused_residual_norm(model, token_ids, block_groups(model, ("keep",) * len(model.layers), checkpoint_options)).sum()
 
     def gradients(fn):
         model.zero_grad(set_to_none=True)
@@ -153,7 +153,7 @@ def test_steps_with_inductor_compiled_blocks_train_alike():
     results = []
     for fused in (False, True):
         model = tiny_model()
-        parts = OURS.with_(compile="blocks" if fused else "none", checkpointing=1, keep_attention=True,
+        parts = OURS.with_(compile="blocks" if fused else "none", checkpointing="selective",
                            fused_residual_norm=fused)
         step = build_training_step(model, parts, autocast_dtype=None)
         losses = [step(ids, targets) for _ in range(2)]

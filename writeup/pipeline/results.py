@@ -3,7 +3,8 @@
 A row is flat: ``run``, ``problem``, its configuration keys (listed in ``config_keys``), its measurements
 (or ``"oom": true``), ``device`` and ``env`` (GPU name, torch/triton/CUDA versions, date, commit).
 A file may hold several runs of the same configuration (``--force``) and several devices; a section
-reads the latest row of each configuration, on one device unless it spans machines itself.
+reads the latest row of each configuration (the latest date, then the furthest down the file), on one device unless
+it spans machines itself.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from cs336_systems.bench.common.result_store import latest, measured_when
 from pipeline import editions
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -52,19 +54,10 @@ def config_of(row: dict[str, Any]) -> str:
     return json.dumps({k: row.get(k) for k in sorted(keys)}, sort_keys=True, default=str)
 
 
-def measured_when(row: dict[str, Any]) -> tuple[str, str]:
-    """A row's (date, run): the order in which rows were measured (a sort key)."""
-    return (row.get("env", {}).get("date", ""), row.get("run", ""))
-
-
 def latest_per_config(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The most recent row of each (device, configuration), in the order the configurations first appear."""
-    latest: dict[tuple[str, str], dict[str, Any]] = {}
-    for row in rows:
-        key = (row.get("device", ""), config_of(row))
-        if key not in latest or measured_when(row) >= measured_when(latest[key]):
-            latest[key] = row
-    return list(latest.values())
+    """The latest row of each (device, configuration), in the order the configurations first appear (the
+    benchmarks' rule, :func:`cs336_systems.bench.common.result_store.latest`)."""
+    return latest(rows, key=lambda row: (row.get("device", ""), config_of(row)))
 
 
 def main_device(rows: list[dict[str, Any]]) -> str:

@@ -8,6 +8,8 @@ from typing import Any
 
 import numpy as np
 
+from cs336_systems.bench.common.result_store import latest
+
 
 def bus_bandwidth(algbw: float, world_size: int) -> float:
     """A ring all-reduce moves ``2 (n - 1) / n`` times the data through each rank's link."""
@@ -44,12 +46,9 @@ def fit_latency_bandwidth(nbytes: list[float], seconds: list[float]) -> LatencyB
 
 
 def latest_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The last row of each (backend, world size, size) that has a time, in file order."""
-    latest = {}
-    for row in rows:
-        if row.get("mean_ms") is not None:
-            latest[(row["backend"], row["world_size"], row["bytes"])] = row
-    return list(latest.values())
+    """The latest row of each (backend, world size, size) that has a time."""
+    return latest((row for row in rows if row.get("mean_ms") is not None),
+                  key=lambda row: (row["backend"], row["world_size"], row["bytes"]))
 
 
 def fits_by_setting(rows: list[dict[str, Any]]) -> dict[tuple[str, int], LatencyBandwidth]:

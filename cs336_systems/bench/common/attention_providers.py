@@ -154,7 +154,8 @@ LIBRARY_NAMES = {"ours": "triton", "flash_pytorch": "flash_pytorch", "naive": "n
 
 
 def provider_name(name: str) -> str:
-    """The provider called ``name``, or the provider of the library's attention called ``name`` (``triton`` is ``ours``)."""
+    """The provider called ``name``, or the provider of the library's attention called ``name`` (``triton`` is
+    ``ours``)."""
     by_library_name = {library: provider for provider, library in LIBRARY_NAMES.items()}
     return name if name in PROVIDERS else by_library_name.get(name, name)
 
@@ -419,7 +420,8 @@ def classify_kernels(kernels: list[str], ours: set[str]) -> dict[str, list[str]]
     """Split launched kernel names into ours (a name containing one of our kernels' names) and other attention
     kernels (names that look like a library's fused attention: a fallback where ours should run)."""
     mine = [name for name in kernels if any(own in name for own in ours)]
-    foreign = [name for name in kernels if name not in mine and any(t in name.lower() for t in FOREIGN_ATTENTION_KERNELS)]
+    foreign = [name for name in kernels
+               if name not in mine and any(t in name.lower() for t in FOREIGN_ATTENTION_KERNELS)]
     return {"our_kernels": mine, "foreign_attention_kernels": foreign}
 
 
@@ -503,7 +505,8 @@ def measure_leaderboard(
     providers: list[str], heads: int, seq_len: int, d_head: int, dtype: str, device: torch.device, rep_ms: float,
     warmup_ms: float, phases=("fwd_bwd", "fwd"), verify: bool = True,
 ) -> dict[str, dict[str, Any]]:
-    """:func:`measure_leaderboard_provider` of each provider on one set of inputs ``(heads, seq_len, d_head)``, with the ratios."""
+    """:func:`measure_leaderboard_provider` of each provider on one set of inputs ``(heads, seq_len, d_head)``, with
+    the ratios."""
     q, k, v = make_inputs(heads, seq_len, d_head, DTYPES[dtype], device)
     results = {}
     for name in cli.progress(providers, "leaderboard"):

@@ -29,7 +29,7 @@ def build(stack: str, config: dict[str, int], device: torch.device, compute_dtyp
     model = BasicsTransformerLM(**config, device=device)
     parts = SHARDED_STACKS[stack]
     if block_modes is not None:
-        parts = parts.with_block_checkpointing(block_modes)
+        parts = parts.with_(checkpointing=block_modes)
     if residual_norm is not None:
         parts = parts.with_residual_norm(residual_norm)
     if device.type != "cuda":

@@ -97,6 +97,25 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def measured_when(row: dict[str, Any]) -> str:
+    """When ``row`` was measured, as a sort key: its date (ISO 8601, UTC; empty if it has none)."""
+    return (row.get("env") or {}).get("date", "")
+
+
+def latest(rows: Iterable[dict[str, Any]], key: Callable[[dict[str, Any]], Any] = lambda row: None
+           ) -> list[dict[str, Any]]:
+    """The latest row of each ``key(row)`` (default: the one latest row), in the order the keys first appear.
+
+    The latest row is the one measured last (:func:`measured_when`); of rows of the same date (to the second), or
+    without one, the one further down the file (rows are appended)."""
+    newest: dict[Any, dict[str, Any]] = {}
+    for row in rows:
+        k = key(row)
+        if k not in newest or measured_when(row) >= measured_when(newest[k]):
+            newest[k] = row
+    return list(newest.values())
+
+
 def _matches(row: dict[str, Any], config: dict[str, Any]) -> bool:
     """Whether ``row`` was measured for exactly ``config`` (same configuration keys, same values)."""
     return set(row.get("config_keys", ())) == set(config) and all(row.get(k) == v for k, v in config.items())
@@ -161,19 +180,14 @@ class ResultStore:
 
     def newest(self, config: dict[str, Any]) -> dict[str, Any] | None:
         """The newest row measured on this device whose fields include every item of ``config`` (None if none)."""
-        rows = [row for row in self.rows() if row.get("device") == self.env["device"]
-                and all(row.get(key) == value for key, value in config.items())]
-        return rows[-1] if rows else None
+        rows = latest(row for row in self.rows() if row.get("device") == self.env["device"]
+                      and all(row.get(key) == value for key, value in config.items()))
+        return rows[0] if rows else None
 
     def asked_rows(self) -> list[dict[str, Any]]:
         """The newest row on this device of every configuration passed to :meth:`pending`, measured now or by an
         earlier run (the rows a tool prints: a re-run with nothing left to measure shows what is stored)."""
-        newest = {}
-        for row in self._measured:
-            for index, config in enumerate(self._asked):
-                if _matches(row, config):
-                    newest[index] = row
-        return [newest[index] for index in sorted(newest)]
+        return [row for config in self._asked for row in latest(r for r in self._measured if _matches(r, config))]
 
     def pending(self, configs: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
         """The configurations not yet measured on this device, in order; says on stderr how many were skipped."""

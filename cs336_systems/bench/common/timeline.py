@@ -129,7 +129,8 @@ def _complete_events(trace: dict[str, Any] | list[dict[str, Any]]) -> list[dict[
     return [e for e in events if e.get("ph") == "X" and "ts" in e and "dur" in e]
 
 
-def timeline_from_trace(trace: dict[str, Any] | list[dict[str, Any]], phases: tuple[str, ...] = LANE_PHASES) -> Timeline:
+def timeline_from_trace(trace: dict[str, Any] | list[dict[str, Any]],
+                        phases: tuple[str, ...] = LANE_PHASES) -> Timeline:
     """The compute, communication and phase spans of one rank's trace (GPU kernels if there are any)."""
     events = _complete_events(trace)
     kernels = [e for e in events if e.get("cat") in GPU_CATEGORIES]

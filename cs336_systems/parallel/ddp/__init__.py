@@ -11,10 +11,12 @@ All share one interface, so a benchmark can swap them: ``wrapper(module, ...)``,
 :func:`wrap_ddp` picks one by the name the benchmarks use: ``naive``, ``flat``, ``overlap``, ``bucketed_<N>mb``
 (and ``torch_ddp``, PyTorch's own).
 
-``python -m cs336_systems.parallel.ddp.toy_training`` checks each against single-process training.
+``python -m cs336_systems.bench.naive_ddp`` checks each against single-process training.
 """
 
-from .base import DataParallelModule, broadcast_module_state
+from cs336_systems.parallel.distributed import broadcast_module_state
+
+from .base import DataParallelModule
 from .bucketed import DDPBucketed
 from .flattened import DDPFlattened
 from .naive import DDPNaive

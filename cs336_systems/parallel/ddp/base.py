@@ -16,16 +16,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
-from cs336_systems.parallel.distributed import broadcast_in_place, require_process_group
-
-
-def broadcast_module_state(module: nn.Module, src: int = 0) -> None:
-    """Overwrite every parameter and buffer of ``module`` with rank ``src``'s values, in place.
-
-    Frozen parameters are included: they never change afterwards, so every rank must start from the
-    same values.
-    """
-    broadcast_in_place((tensor, src) for tensor in [*module.parameters(), *module.buffers()])
+from cs336_systems.parallel.distributed import broadcast_module_state, require_process_group
 
 
 class DataParallelModule(nn.Module):

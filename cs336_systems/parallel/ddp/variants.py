@@ -40,7 +40,8 @@ def check_variant(variant: str) -> str:
     """``variant`` if it names a DDP variant; else a ``ValueError`` listing the names."""
     if variant in FIXED_VARIANTS or variant == TORCH_DDP or (bucket_size_mb(variant) or 0) > 0:
         return variant
-    raise ValueError(f"unknown DDP variant {variant!r}: one of {', '.join(DDP_VARIANTS)} (N in MiB, e.g. bucketed_25mb)")
+    raise ValueError(f"unknown DDP variant {variant!r}: one of {', '.join(DDP_VARIANTS)} "
+                     "(N in MiB, e.g. bucketed_25mb)")
 
 
 def variant_type(*others: str) -> Callable[[str], str]:

@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Generic, TypeVar
 
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from cs336_systems.parallel.fsdp.units import Unit
+Unit = TypeVar("Unit")  # a unit of :mod:`.units`: a step orders units and never reads them, so needs no import
 
 
 class IllegalTransition(RuntimeError):
@@ -51,7 +50,7 @@ def _check(who: str, action: str, current: enum.Enum, allowed: tuple[enum.Enum, 
 
 
 @dataclass(eq=False)
-class Call:
+class Call(Generic[Unit]):
     """One forward call of a unit (the root's included), and what its backward needs."""
 
     unit: Unit
@@ -151,7 +150,7 @@ class Phase(enum.Enum):
 
 
 @dataclass(eq=False)
-class Step:
+class Step(Generic[Unit]):
     """What the hooks of one training step share, from the wrapper's forward to ``finish_gradient_synchronization``:
     IDLE -> (:meth:`start_forward`) FORWARD -> (:meth:`end_forward`) BACKWARD or IDLE -> (:meth:`to_idle`) IDLE."""
 

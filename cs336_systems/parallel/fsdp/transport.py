@@ -26,7 +26,7 @@ import torch.distributed as dist
 from jaxtyping import Float
 from torch import Tensor, nn
 
-from cs336_systems.parallel.ddp.base import broadcast_module_state
+from cs336_systems.parallel.distributed import broadcast_module_state
 
 # Backend -> whether reduce_scatter_tensor(op=AVG) works there (gloo gained it late; probed on first use).
 NATIVE_MEAN_REDUCE_SCATTER: dict[str, bool] = {"nccl": True}

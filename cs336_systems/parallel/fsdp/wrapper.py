@@ -376,7 +376,8 @@ class FSDP(nn.Module):
         if call is None:
             raise RuntimeError("FSDP supports activation checkpointing with use_reentrant=False only")
         if call.generation != self._step.generation:
-            raise RuntimeError("backward through the graph of an earlier FSDP forward: backward before the next forward")
+            raise RuntimeError("backward through the graph of an earlier FSDP forward: "
+                               "backward before the next forward")
         state = unit.state
         if state.pending_backward <= 0:
             raise RuntimeError("a second backward through the same FSDP forward is not supported")

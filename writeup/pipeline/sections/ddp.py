@@ -8,10 +8,11 @@ import statistics
 from typing import Any
 
 from cs336_basics.model import MODEL_SIZES
+from cs336_systems.bench.common import result_store
 from cs336_systems.bench.ddp_overhead_model import fit_overhead_model
 from pipeline import accounting, figures
 from pipeline.markup import DASH, join_words, num, pct, sci_parts, sig, span, table, times
-from pipeline.results import Missing, measured_when, row_commit, row_date
+from pipeline.results import Missing, row_commit, row_date
 from pipeline.sections.registry import Output, problem
 
 TOY_LOG = "h200x2-tests/toy_training.log"  # written by scripts/device_tests.sh on two GPUs
@@ -58,9 +59,8 @@ def load_all_reduce(res, device: str | None = None) -> list[dict[str, Any]]:
 def newest_host_per_setting(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """For each (backend, world size), the rows of one host: the one measured most recently (a later machine that
     measured more world sizes replaces an earlier one's rows of the same setting)."""
-    newest: dict[tuple[str, int], str] = {}
-    for r in rows:  # rows come in file order: the last device of a setting is the newest
-        newest[(r["backend"], r["world_size"])] = r["device"]
+    newest = {(r["backend"], r["world_size"]): r["device"]
+              for r in result_store.latest(rows, key=lambda r: (r["backend"], r["world_size"]))}
     return [r for r in rows if newest[(r["backend"], r["world_size"])] == r["device"]]
 
 
@@ -232,7 +232,7 @@ def ratio_checks(res, ddp_rows: list[dict[str, Any]]) -> dict[str, Any]:
             if r["backend"] == "nccl"]
     same = [r for r in runs
             if (r["device"], r["size"], r["world_size"]) == (first["device"], first.get("size"), first["world_size"])]
-    by_dtype = {r["dtype"]: r for r in sorted(same, key=lambda r: r["run"])}
+    by_dtype = {r["dtype"]: r for r in result_store.latest(same, key=lambda r: r["dtype"])}
     if not by_dtype:
         raise Missing(RATIO_CHECK_FILE, f"a ratio check on {first['device']} ({first.get('size')}, "
                                         f"{first['world_size']} ranks)")
@@ -370,10 +370,9 @@ def traced_rows(res, variants: tuple[str, ...] = TRACED) -> dict[tuple[str, str]
     device (a trace may be recorded on another host than the timing sweep; its figure names its device)."""
     rows = res.rows("ddp_benchmarking", one_device=False, world_size=2, keep=lambda rows: [
         r for r in rows if r.get("trace_figure") and variant_of(r["variant"]) in variants])
-    newest: dict[tuple[str, str], dict[str, Any]] = {}
-    for row in sorted(rows, key=measured_when):
-        newest[(variant_of(row["variant"]), row.get("dtype"))] = dict(row, variant=variant_of(row["variant"]))
-    return newest
+    newest = result_store.latest(rows, key=lambda row: (variant_of(row["variant"]), row.get("dtype")))
+    return {(variant_of(row["variant"]), row.get("dtype")): dict(row, variant=variant_of(row["variant"]))
+            for row in newest}
 
 
 def trace_figure(out: Output, row: dict[str, Any] | None) -> dict[str, str] | None:

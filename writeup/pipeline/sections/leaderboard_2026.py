@@ -12,6 +12,7 @@ from typing import Any
 from cs336_systems.bench.common.leaderboard_2026_model import (
     GB, MODEL, STACK_OF_ROW, memory_budget, step_flop_parts, step_flops,
 )
+from cs336_systems.bench.common import result_store
 from cs336_systems.train.step import LOSS_CHUNK_TOKENS
 from pipeline import accounting, figures
 from pipeline.markup import DASH, num, pct, sig, table, times
@@ -29,6 +30,8 @@ LB_PART_NAMES = {
     ("compile", "none"): "none (our kernels run as they are)",
     ("compile", "blocks"): "each block",
     ("checkpointing", 1): "every block",
+    ("checkpointing", "selective"): "every block, its attention output and log-sum-exp kept",
+    ("checkpointing", "full"): "every block, recomputed whole",
     ("keep_attention", True): "yes: attention output and log-sum-exp",
     ("keep_attention", False): "no: backward recomputes the whole block",
     ("sharding", "ours"): "our FSDP by blocks",
@@ -43,7 +46,7 @@ CATEGORIES = {
     "optimizer": "optimizer", "rmsnorm": "RMSNorm",
 }
 OVERRIDE_NAMES = {"attention=sdpa": "SDPA attention", "compile=none": "uncompiled blocks",
-                  "keep_attention=false": "whole blocks recomputed"}
+                  "keep_attention=false": "whole blocks recomputed", "checkpointing=full": "whole blocks recomputed"}
 
 COUNT_WORDS = {1: "One", 2: "Two", 3: "Three", 4: "Four", 5: "Five", 6: "Six"}
 
@@ -123,7 +126,7 @@ def _newest_of_both_stacks(res, accept: Callable[[dict[str, Any]], bool]) -> dic
     ranks, hence its own run id), by stack; else None."""
     rows = [r for r in res.log_rows("leaderboard_2026", measured=lambda row: False)
             if r.get("stack") in STACKS and r.get("residual_norm", "separate") == "separate" and accept(r)]
-    latest = {r["stack"]: r for r in sorted(rows, key=lambda r: r["run"])}
+    latest = {r["stack"]: r for r in result_store.latest(rows, key=lambda r: r["stack"])}
     if set(latest) != set(STACKS) or len({r["env"].get("commit") for r in latest.values()}) != 1:
         return None
     res.used.extend(latest.values())
@@ -148,13 +151,9 @@ def load_profile(res, world_size: int) -> dict[str, dict[str, Any]]:
             if r.get("world_size", 2) == world_size and "split_ms" not in r]  # the full step's split: its own table
     stacks = [r for r in rows if r["stack"] in STACKS and not r.get("parts")]
     if stacks:  # the device of the newest profile of a stack as defined: the variants profiled there
-        device = max(stacks, key=lambda r: r.get("date", ""))["device"]
+        device = result_store.latest(stacks)[0]["device"]
         rows = [r for r in rows if r["device"] == device]
-    latest: dict[str, dict[str, Any]] = {}
-    for r in rows:
-        name = variant_name(r)
-        if name not in latest or r.get("date", "") >= latest[name].get("date", ""):
-            latest[name] = r
+    latest = {variant_name(r): r for r in result_store.latest(rows, key=variant_name)}
     if not all(stack in latest for stack in STACKS):
         raise Missing("writeup/results/leaderboard_2026_profile.jsonl",
                       f"no profiled step of each stack on {world_size} GPU(s)")

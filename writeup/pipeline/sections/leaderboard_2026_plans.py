@@ -26,8 +26,12 @@ SPLIT_NAMES = {"matmul": "matmuls", "attention_forward": "attention forward",
 def row_modes(r: dict[str, Any]) -> tuple[str, ...]:
     """Each block's checkpoint mode as the row's ``parts`` record it: per block, or one mode for every block
     (rows from before the plans existed checkpoint every block, ``selective`` where they keep the attention
-    output, else ``full``)."""
+    output, else ``full``; rows before the modes record a group size, ``keep_attention`` and
+    ``block_checkpointing``)."""
     parts = r.get("parts") or {}
+    if isinstance(parts.get("checkpointing"), (str, list)):
+        modes = parts["checkpointing"]
+        return tuple(modes) if isinstance(modes, list) else (modes,) * r["num_layers"]
     if parts.get("block_checkpointing"):
         return tuple(parts["block_checkpointing"])
     if not parts.get("checkpointing", 1):

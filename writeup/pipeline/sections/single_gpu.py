@@ -8,10 +8,11 @@ import statistics
 from typing import Any
 
 from cs336_basics.model import MODEL_SIZES
+from cs336_systems.bench.common.memory import GRADIENTS, OPTIMIZER_STATE, PREEXISTING, WEIGHTS
 from pipeline import accounting, editions, figures
 from pipeline.editions import size_name
 from pipeline.markup import DASH, gb, join_words, num, pct, pm, short_kernel, span, spread, table, times
-from pipeline.results import Missing, main_device, measured_at
+from pipeline.results import Missing, main_device, measured_at, measured_when
 from pipeline.sections.registry import Output, problem
 
 SIZES = list(MODEL_SIZES)  # small ... 2.7B, the order every table uses
@@ -114,6 +115,8 @@ def benchmarking_script(res, out: Output) -> dict[str, Any]:
         "noisy": join_words([f"{size_name(s)} {MODE_LABEL[m]} ({pct(c)})" for s, m, c in noisy]) or "none",
         "has_noisy": bool(noisy),
         "oom_sizes": join_words(list(dict.fromkeys(size_name(r["size"]) for r in tried if r.get("oom")))),
+        "oom_cases": join_words(list(dict.fromkeys(f"{size_name(r['size'])} {MODE_LABEL.get(r['mode'], r['mode'])}"
+                                                   for r in tried if r.get("oom")))),
     }
     study_table, study_figure, study_n = warmup_study(study, out)
     result = {"tables": {"main": main, "study": study_table}, "figures": {"warmup": study_figure}, "n": n | study_n}
@@ -424,10 +427,40 @@ def benchmarking_mixed_precision(res, out: Output) -> dict[str, Any]:
 
 MEMORY_FILE = "writeup/results/memory_profiling.jsonl"
 VOCAB_SIZE = 10_000  # the benchmarked model's (cs336_systems.bench.common.lm)
-STEPS_RECORDED = 3  # passes in each snapshot (cs336_systems.bench.memory_profiling.STEPS)
 PEAK_COLUMNS = (("inference", "inference"), ("forward", "forward"), ("train_step", "training step"))
-TIMELINE_MODE = {"inference": "forward pass only (inference, torch.inference_mode)", "forward": "forward pass",
-                 "train_step": "full training step (AdamW)"}
+TIMELINE_MODE = {"inference": "forward pass only (inference, torch.inference_mode)",
+                 "forward": "forward pass with autograd recording", "train_step": "training step (AdamW)"}
+# The timelines part (a) shows, by name: (mode, dtype), each at the longest context recorded for it.
+TIMELINES = {"forward": ("forward", "fp32"), "train_step": ("train_step", "fp32"), "inference": ("inference", "fp32")}
+MODEL_STATE = (WEIGHTS, OPTIMIZER_STATE, GRADIENTS)
+
+
+def longest(rows: list[dict[str, Any]], **match: Any) -> dict[str, Any] | None:
+    """The row of the longest context among those whose keys equal ``match``."""
+    found = by(rows, **match)
+    return max(found, key=lambda row: row["context_length"]) if found else None
+
+
+def gpu_of(row: dict[str, Any]) -> str:
+    """The GPU a row was measured on, by its name (``NVIDIA H200``)."""
+    return (row.get("env") or {}).get("gpu_name") or row.get("device", "?")
+
+
+def load_memory_profiling(res) -> list[dict[str, Any]]:
+    """The edition's rows of ``memory_profiling.jsonl``: the peaks and block residuals of one device (the one with
+    the most peak rows), and the timelines of the latest recording, whichever device made it (they are drawn with
+    every allocation coloured by what it holds, beside PyTorch's viewer page)."""
+
+    def chosen(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        peaks = [row for row in rows if row.get("kind") == "peak"]
+        if not peaks:
+            raise Missing(MEMORY_FILE, "no peak rows")
+        device = main_device(peaks)
+        timelines = [row for row in rows if row.get("kind") == "timeline"]
+        recorder = max(timelines, key=measured_when)["device"] if timelines else None
+        return [row for row in rows if row.get("device") == (recorder if row.get("kind") == "timeline" else device)]
+
+    return res.rows("memory_profiling", one_device=False, keep=chosen)
 
 
 def memory_peak_table(peaks: list[dict], size: str, batch: int) -> dict[str, Any]:
@@ -443,82 +476,204 @@ def memory_peak_table(peaks: list[dict], size: str, batch: int) -> dict[str, Any
         body.append(cells)
     header = [["", *[span(d, len(PEAK_COLUMNS)) for d in dtypes]],
               ["context", *[label for _, label in PEAK_COLUMNS] * len(dtypes)]]
+    notes = ("; a dash: not measured" if any(DASH in c for r in body for c in r) else "") + (
+        "; OOM: out of memory" if any("OOM" in c for r in body for c in r) else "")
     return table(header, body, f"Peak allocated memory (GB) of the {size_name(size)} model, batch {batch}, "
-                 "over three steps "
-                 "of a freshly built model (weights included). Inference: the forward pass under "
-                 "torch.inference_mode (no autograd graph); forward: the forward pass with autograd recording, as in "
-                 "training; training step: forward, loss, backward and AdamW. bf16 means autocast with fp32 "
-                 "parameters" + ("; a dash: not measured." if any(DASH in c for r in body for c in r) else "."),
-                 size=8)
+                 f"on {gpu_of(peaks[0])}, over three steps of a freshly built model (weights included). Inference: "
+                 "the forward pass under torch.inference_mode (no autograd graph); forward: the forward pass with "
+                 "autograd recording, as in training; training step: forward, loss, backward and AdamW. bf16 means "
+                 f"autocast with fp32 parameters{notes}.", size=8)
 
 
 def largest_allocations_table(row: dict[str, Any], sizes: dict[int, str]) -> dict[str, Any]:
-    """The largest allocations of one snapshot: size, how often, the innermost model frame, its caller, and the
-    tensor of the model that has this size."""
+    """The largest allocations of one snapshot: size, how often, the innermost model frame, its caller, what the
+    allocation holds (from its stack) and the tensor of the model that has this size."""
     body = []
-    for a in row.get("largest_allocations", [])[:8]:
+    for a in row.get("largest_allocations", [])[:6]:
         stack = a.get("stack") or [a["source"]]
         body.append([num(a["mb"], 1), str(a["count"]), a["source"], stack[1] if len(stack) > 1 else DASH,
-                     sizes.get(round(a["mb"] * 2**20), DASH)])
+                     a.get("category", DASH), sizes.get(round(a["mb"] * 2**20), DASH)])
     caption = (f"Largest allocations in the memory snapshot of the {TIMELINE_MODE[row['mode']]}, {row['dtype']}, "
-               f"context {row['context_length']} (three passes): size, how many times, the innermost frame of the "
-               "model code that made it (file:line function), its caller, and the model tensor of that size.")
-    return table(["MiB", "count", "allocated at", "called from", "tensor of this size"], body, caption,
-                 align=["right", "right", "left", "left", "left"], size=7)
+               f"context {row['context_length']} ({passes(row)}): size, how many times, the innermost frame of the "
+               "model code that made it (file:line function), its caller, what it holds (read from the stack) and "
+               "the model tensor of that size.")
+    return table(["MiB", "count", "allocated at", "called from", "holds", "tensor of this size"], body, caption,
+                 align=["right", "right", "left", "left", "left", "left"], size=7)
 
 
-def largest_allocation_numbers(row: dict[str, Any] | None, sizes: dict[int, str]) -> dict[str, Any]:
+def passes(row: dict[str, Any]) -> str:
+    """How many passes a snapshot recorded, in words (``one pass``, ``3 passes``)."""
+    steps = row.get("steps_recorded", 3)
+    return "one pass" if steps == 1 else f"{steps} passes"
+
+
+def largest_allocation_numbers(row: dict[str, Any] | None, batch: int, heads: int, d_ff: int) -> dict[str, Any]:
     if row is None or not row.get("largest_allocations"):
         return {"pending": True}
+    ctx = row["context_length"]
+    sizes = tensor_names(batch, ctx, row["size"])
     top = row["largest_allocations"][0]
     same = [a for a in row["largest_allocations"] if a["mb"] == top["mb"]]
     return {"pending": False, "mib": num(top["mb"], 0), "count": str(sum(a["count"] for a in same)),
-            "sources": join_words([a["source"] for a in same]), "what": sizes.get(round(top["mb"] * 2**20), DASH)}
+            "passes": passes(row), "ctx": str(ctx),
+            "sources": join_words([a["source"] for a in same]), "what": sizes.get(round(top["mb"] * 2**20), DASH),
+            "scores_mib": num(accounting.attention_scores_bytes(batch, heads, ctx, 4) / 2**20, 0),
+            "ffn_mib": num(accounting.residual_stream_bytes(batch, ctx, d_ff, 4) / 2**20, 0)}
+
+
+def tensor_names(batch: int, ctx: int, size: str) -> dict[int, str]:
+    """The model's tensors at this context by their bytes (the first name of each size)."""
+    names: dict[int, str] = {}
+    for name, nbytes in accounting.model_tensor_bytes(batch, ctx, VOCAB_SIZE, **MODEL_SIZES[size]).items():
+        names.setdefault(nbytes, name)
+    return names
 
 
 def memory_timeline_figure(out: Output, row: dict[str, Any] | None, peaks: list[dict]) -> dict[str, str] | None:
     """The timeline's PNG with its caption (``None`` while the row is missing; a row whose PNG is missing stops the
-    build, naming it)."""
+    build, naming it). The caption names PyTorch's viewer page of the same snapshot."""
     if row is None:
         return None
-    # The peak quoted is the peak table's row for the same case, so that caption and table agree.
-    peak = one(peaks, context_length=row["context_length"], dtype=row["dtype"], mode=row["mode"])
-    peak_text = f"; the measured peak of this case, {gb(peak['peak_gb'])}, is in the table below" if peak and peak.get("peak_gb") else ""
-    bands = "; bands: the sources holding most memory at the peak" if row.get("snapshot") else ""
-    return out.existing(row["figure"], f"Active memory over time, {size_name(row['size'])} model, context "
-                        f"{row['context_length']}, {row['dtype']}, {STEPS_RECORDED} × "
-                        f"{TIMELINE_MODE.get(row['mode'], row['mode'])}{bands}{peak_text}.")
+    # The peak quoted is the peak table's for the same case on the same GPU, so that caption and table agree.
+    peak = one(peaks, context_length=row["context_length"], dtype=row["dtype"], mode=row["mode"], device=row["device"])
+    if peak and peak.get("peak_gb"):
+        peak_text = f"peak {gb(peak['peak_gb'])} (the peak table)"
+    else:
+        peak_text = f"peak of this recording {gb(row.get('timeline_peak_gb'))}"
+    name = size_name(row["size"])
+    model = f"{name} model" if name == row["size"] else f"{name} model ({row['size']} in the plot's title)"
+    viewer = f" PyTorch's viewer page: {row['html']}." if row.get("html") else (
+        f" {row['html_note']}." if row.get("html_note") else "")
+    return out.existing(row["figure"], f"Active memory, {model}, batch {row['batch_size']}, context "
+                        f"{row['context_length']}, {row['dtype']}, {row.get('steps_recorded', 3)} × "
+                        f"{TIMELINE_MODE.get(row['mode'], row['mode'])}, {gpu_of(row)}; {peak_text}.{viewer}")
+
+
+def timeline_numbers(row: dict[str, Any] | None) -> dict[str, Any]:
+    """What a timeline shows at its peak: the memory alive before the recording, the model state (weights, AdamW
+    moments, gradients) and the activations by what they hold."""
+    if row is None:
+        return {"shown": False}
+    at_peak = row.get("peak_by_category_gb") or {}
+    peak = row.get("timeline_peak_gb")
+    before = row.get("before_recording_gb", at_peak.get(PREEXISTING))
+    activations = {k: v for k, v in at_peak.items() if k not in (PREEXISTING, *MODEL_STATE)}
+    top = max(activations, key=activations.get) if activations else None
+    return {
+        "shown": True, "ctx": str(row["context_length"]), "gpu": gpu_of(row), "html": row.get("html") or "",
+        "peak": gb(peak), "before": gb(before), "above": gb(peak - before if peak and before else None),
+        "activations": gb(sum(activations.values())), "top": top or DASH, "top_gb": gb(top and activations[top]),
+        "scores_softmax": gb(sum(activations.get(k, 0.0) for k in ("attention: scores, mask", "attention: softmax"))),
+        "weights": gb(at_peak.get(WEIGHTS)), "moments": gb(at_peak.get(OPTIMIZER_STATE)),
+        "gradients": gb(at_peak.get(GRADIENTS)),
+    }
 
 
 @problem("memory_profiling")
 def memory_profiling(res, out: Output) -> dict[str, Any]:
-    rows = res.rows("memory_profiling")
+    rows = load_memory_profiling(res)
     peaks = [row for row in rows if row.get("kind") == "peak"]
     timelines = [row for row in rows if row.get("kind") == "timeline"]
-    if not peaks:
-        raise Missing(MEMORY_FILE, "no peak rows")
+    blocks = [row for row in rows if row.get("kind") == "block_residuals" and not row.get("oom")]
     size, batch = peaks[0]["size"], peaks[0]["batch_size"]
     hp = MODEL_SIZES[size]
     ctx_max = max(row["context_length"] for row in peaks)
-    sizes = {}
-    for name, nbytes in accounting.model_tensor_bytes(batch, ctx_max, VOCAB_SIZE, **hp).items():
-        sizes.setdefault(nbytes, name)
-    cases = {"inference_fp32": one(timelines, mode="inference", dtype="fp32"),
-             "inference_bf16": one(timelines, mode="inference", dtype="bf16"),
-             "train_step": one(timelines, mode="train_step", dtype="fp32")}
-    figs = {name: memory_timeline_figure(out, row, peaks) for name, row in cases.items()}
+    shown = {name: longest(timelines, mode=mode, dtype=dtype) for name, (mode, dtype) in TIMELINES.items()}
+    figs = {name: memory_timeline_figure(out, row, peaks) for name, row in shown.items()}
+    snapshots = {dtype: longest(timelines, mode="inference", dtype=dtype) for dtype in ("fp32", "bf16")}
     tables = {"peaks": memory_peak_table(peaks, size, batch)}
-    for dtype in ("fp32", "bf16"):
-        row = cases[f"inference_{dtype}"]
-        tables[f"allocations_{dtype}"] = largest_allocations_table(row, sizes) if row else None
+    for dtype, row in snapshots.items():
+        names = tensor_names(batch, row["context_length"], size) if row else {}
+        tables[f"allocations_{dtype}"] = largest_allocations_table(row, names) if row else None
     n = memory_numbers(peaks, size, batch, ctx_max)
-    n["e"] = {d: largest_allocation_numbers(cases[f"inference_{d}"], sizes) for d in ("fp32", "bf16")}
-    n["snapshot"] = (cases["inference_fp32"] or {}).get("snapshot") or "memory_2.7B_inference_fp32_ctx512.pickle"
+    n["e"] = {d: largest_allocation_numbers(row, batch, hp["num_heads"], hp["d_ff"]) for d, row in snapshots.items()}
+    n["tl"] = {name: timeline_numbers(row) for name, row in shown.items()}
+    n["snapshot"] = (shown["inference"] or {}).get("snapshot") or DASH
+    n["peaks_gpu"] = gpu_of(peaks[0])
+    n["timelines_gpu"] = gpu_of(timelines[0]) if timelines else DASH
+    n["fit"] = fit_numbers(peaks, blocks, ctx_max, hp["num_layers"])
+    saved_c0 = {dtype: one(blocks, dtype=dtype, context_length=int(n["c0"])) for dtype in ("fp32", "bf16")}
+    n["saved_c0"] = ({dtype: num(row["residual_mib"], 1) for dtype, row in saved_c0.items()}
+                     if all(saved_c0.values()) else None)
     result = {"tables": tables, "figures": figs, "n": n}
-    if editions.current() == "2026" and not any(row.get("kind") == "block_residuals" for row in rows):
+    if blocks:
+        tables["block_operations"], n["f"] = block_residuals(blocks, size, batch)
+    elif editions.current() == "2026":
         result["missing_parts"] = {"f": f"{MEMORY_FILE} (no block_residuals rows: what one TransformerBlock saves "
                                         "for backward and the gradients its backward produces)"}
     return result
+
+
+def fit_numbers(peaks: list[dict], blocks: list[dict], ctx: int, n_layers: int) -> dict[str, Any]:
+    """Why the forward with autograd runs out of memory at context ``ctx`` (if it does): every block's saved
+    activations (the block_residuals row at that context, fp32) against the GPU's memory."""
+    forward = one(peaks, context_length=ctx, dtype="fp32", mode="forward")
+    block = one(blocks, context_length=ctx, dtype="fp32")
+    if not (forward and forward.get("oom") and block):
+        return {"oom": False}
+    capacity = accounting.device_memory_gb(peaks)
+    return {"oom": True, "ctx": str(ctx), "gpu": gpu_of(forward), "capacity_gib": num(capacity * 1e9 / 2**30, 1),
+            "block_gb": gb(block["residual_bytes"] / 1e9, 2), "blocks": str(n_layers),
+            "all_gb": gb(n_layers * block["residual_bytes"] / 1e9, 0)}
+
+
+def block_residuals(blocks: list[dict], size: str, batch: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Part (f): what one block saves for backward (fp32, every context), by the operation that made it, the
+    five largest at each context in one table, and the gradients its backward produced against its parameters."""
+    fp32 = sorted(by(blocks, dtype="fp32"), key=lambda row: row["context_length"])
+    contexts = [row["context_length"] for row in fp32]
+    key = lambda op: (op["op"], op["caller"])  # noqa: E731
+    listed = list(dict.fromkeys(key(op) for row in fp32 for op in row["top_operations"]))
+    saved = {row["context_length"]: {key(op): op for op in row["saved_by_operation"]} for row in fp32}
+    longest_ctx = contexts[-1]
+    listed.sort(key=lambda k: -saved[longest_ctx].get(k, {}).get("share", 0.0))
+    top_five = {row["context_length"]: {key(op) for op in row["top_operations"]} for row in fp32}
+    body = []
+    for op, caller in listed:
+        cells = [op.removeprefix("aten."), caller or DASH]
+        for ctx in contexts:
+            found = saved[ctx].get((op, caller))
+            mark = "" if (op, caller) in top_five[ctx] else " ◦"
+            cells += [num(found and found["mib"], 1), pct(found and found["share"], 1) + mark]
+        body.append(cells)
+    header = [["", "", *[span(f"context {c}", 2) for c in contexts]],
+              ["operation (ATen)", "called in (model functions)", *["MiB", "share"] * len(contexts)]]
+    first = fp32[0]
+    caption = (f"What one TransformerBlock of the {size_name(size)} model saves for backward (fp32, batch {batch}, "
+               f"blocks {first['blocks'][0]} to {first['blocks'][-1]} of the model measured): the five largest "
+               "contributions at each context, by the ATen operation that made the saved tensor and the model "
+               "functions that called it; share of the block's saved bytes (◦: not among that context's five). "
+               "Totals: " + "; ".join(f"{num(r['residual_mib'], 1)} MiB in {r['residual_tensors']} tensors at "
+                                     f"context {r['context_length']}" for r in fp32) + ".")
+    tab = table(header, body, caption, align=["left", "left", *["right"] * (2 * len(contexts))], size=8)
+
+    def at(row: dict[str, Any]) -> dict[str, Any]:
+        top = row["top_operations"]
+        after_first = row["backward_change_bytes"][1:] or row["backward_change_bytes"]
+        gap = abs(row["gradient_bytes_measured"] - row["gradient_bytes_expected"])
+        return {
+            "ctx": str(row["context_length"]), "mib": num(row["residual_mib"], 1),
+            "tensors": str(row["residual_tensors"]),
+            "top_op": top[0]["op"].removeprefix("aten."), "top_caller": top[0]["caller"],
+            "top_share": pct(top[0]["share"], 1), "top5_share": pct(sum(op["share"] for op in top), 0),
+            "top_same_size": str(sum(op["bytes"] == top[0]["bytes"] for op in top)),
+            "top_in_attention": "attention" in top[0]["caller"],
+            "change": moved(statistics.median(after_first) / 2**20),
+            "measured_mib": num(row["gradient_bytes_measured"] / 2**20, 1),
+            "expected_mib": num(row["gradient_bytes_expected"] / 2**20, 1),
+            "ratio": num(row["gradient_ratio"], 3), "gap_mib": num(gap / 2**20, 1),
+            "stream_mib": num(row["residual_stream_bytes"] / 2**20, 1),
+            "within_stream": gap <= row["residual_stream_bytes"],
+        }
+
+    n = {"by_ctx": [at(row) for row in fp32],
+         "blocks": f"{first['blocks'][0]} to {first['blocks'][-1]}", "parameters": f"{first['block_parameters']:,}"}
+    return tab, n
+
+
+def moved(mib: float) -> str:
+    """A change of memory in words: ``grows by 229.8 MiB``, ``falls by 8,151.3 MiB``."""
+    return f"{'grows' if mib >= 0 else 'falls'} by {num(abs(mib), 1)} MiB"
 
 
 def memory_numbers(peaks: list[dict], size: str, batch: int, ctx_max: int) -> dict[str, Any]:
@@ -530,16 +685,15 @@ def memory_numbers(peaks: list[dict], size: str, batch: int, ctx_max: int) -> di
     peak = {(mode, dtype): {r["context_length"]: r.get("peak_gb") for r in by(peaks, dtype=dtype, mode=mode)}
             for mode, _ in PEAK_COLUMNS for dtype in ("fp32", "bf16")}
     c0 = contexts[0]
+    forward_max = one(peaks, context_length=ctx_max, dtype="fp32", mode="forward")
     return {
         "size": size_name(size), "batch": str(batch), "ctx": str(ctx_max), "d_model": f"{hp['d_model']:,}",
-        "d_ff": f"{hp['d_ff']:,}", "heads": str(hp["num_heads"]),
+        "d_ff": f"{hp['d_ff']:,}", "heads": str(hp["num_heads"]), "blocks": str(hp["num_layers"]),
         "residual_bytes": f"{residual:,}", "residual_mib": num(residual / 2**20, 1), "residual_mb": num(residual / 1e6, 1),
-        "scores_mib": num(accounting.attention_scores_bytes(batch, hp["num_heads"], ctx_max, 4) / 2**20, 0),
-        "scores_bf16_mib": num(accounting.attention_scores_bytes(batch, hp["num_heads"], ctx_max, 2) / 2**20, 0),
-        "ffn_mib": num(accounting.residual_stream_bytes(batch, ctx_max, hp["d_ff"], 4) / 2**20, 0),
+        "residual_mib_c0": num(accounting.residual_stream_bytes(batch, c0, hp["d_model"], 4) / 2**20, 1),
         "weight_mib": num(hp["d_model"] * hp["d_ff"] * 4 / 2**20, 0),
         "params_gb": num(params_gb, 1), "state_gb": num(4 * params_gb, 1), "half_params_gb": num(params_gb / 2, 1),
-        "c0": str(c0),
+        "c0": str(c0), "cmax_oom": bool(forward_max and forward_max.get("oom")),
         "fwd_fp32_c0": gb(peak["forward", "fp32"].get(c0)), "fwd_bf16_c0": gb(peak["forward", "bf16"].get(c0)),
         "step_fp32_c0": gb(peak["train_step", "fp32"].get(c0)), "step_fp32_cmax": gb(peak["train_step", "fp32"].get(ctx_max)),
         "fwd_fp32_cmax": gb(peak["forward", "fp32"].get(ctx_max)), "fwd_bf16_cmax": gb(peak["forward", "bf16"].get(ctx_max)),
@@ -781,8 +935,23 @@ def gradient_checkpointing(res, out: Output) -> dict[str, Any]:
     axes[0].legend(fontsize=7)
     figure = out.save(fig, "gradient_checkpointing", "Peak memory (predicted and measured) and step time against "
                       "the group size.")
+    # The measured peaks of the predicted optimum and its neighbours (the next smaller and larger sizes measured).
+    ks = sorted(r["group_size"] for r in measured)
+    k_opt = first["predicted_optimum"]
+    smaller, larger = [k for k in ks if k < k_opt][-1:], [k for k in ks if k > k_opt][:2]
+    compared = [r for k in (*smaller, k_opt, *larger) for r in measured if r["group_size"] == k]
+    first_k, last_k = (measured[0], measured[-1]) if measured else (None, None)
+    slope = ((last_k["peak_gb"] - first_k["peak_gb"]) / (last_k["group_size"] - first_k["group_size"])
+             if len(measured) > 1 else None)
     n = {
         "size": size_name(first["size"]), "n_blocks": str(n_blocks), "b": num(per_block, 3), "a": num(boundary, 3),
+        "k_below_one": k_star < 1, "has_smaller": bool(smaller),
+        "compared": [{"k": str(r["group_size"]), "peak": gb(r["peak_gb"])} for r in compared],
+        "per_block_slope": gb(slope, 2),
+        "ms_range": spread(min(r["mean_ms"] for r in measured), max(r["mean_ms"] for r in measured),
+                           fmt=lambda x: f"{num(x, 0)} ms") if measured else DASH,
+        "ms_spread": pct(max(r["mean_ms"] for r in measured) / min(r["mean_ms"] for r in measured) - 1, 0)
+        if measured else DASH,
         "k_star": num(k_star, 2), "k_opt": str(first["predicted_optimum"]),
         "best_k": str(best["group_size"]) if best else DASH, "best_peak": gb(best and best["peak_gb"]),
         "best_ms": num(best and best["mean_ms"], 0),

@@ -49,6 +49,7 @@ PART_NAMES = {
     ("compile", "model"): "the whole forward and loss",
     ("compile", "none"): "none",
     ("checkpointing", 0): "none",
+    ("checkpointing", "keep"): "none",
     ("gradient_memory", DEFAULT_GRADIENT_MEMORY): "compute stream (FSDP's gradient shards; one GPU: unused)",
     ("recompute_materialized", False): "no (Inductor's default partition)",
     ("keep_attention", False): "no",
@@ -63,6 +64,8 @@ PART_NAMES = {
 # A row's ``parts`` may leave out a part that did not exist when it ran: it ran at the part's default, as recorded
 # (a tuple becomes a list in JSON).
 PART_DEFAULTS = {f.name: list(f.default) if isinstance(f.default, tuple) else f.default for f in fields(Parts)}
+# Rows from before one checkpointing mode record two more parts (and a group size as ``checkpointing``).
+RETIRED_PART_DEFAULTS = {"keep_attention": False, "block_checkpointing": []}
 
 
 def size_order(size: str) -> int:
@@ -144,7 +147,7 @@ def _cell(row: dict[str, Any] | None, key: str, fmt) -> str:
 
 
 def _part(row: dict[str, Any], name: str) -> Any:
-    return row.get("parts", {}).get(name, PART_DEFAULTS.get(name))
+    return row.get("parts", {}).get(name, PART_DEFAULTS.get(name, RETIRED_PART_DEFAULTS.get(name)))
 
 
 def _part_word(name: str, value: Any) -> str:
