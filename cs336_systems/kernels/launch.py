@@ -226,8 +226,8 @@ class Kernel:
 
     ``kernel.launch(key, args, plan, *plan_args)`` launches ``fn`` on ``args`` (its leading parameters) and the entry
     of ``key`` on the current device; ``kernel(key, grid, args, constexprs, fixed)`` does the same where the grid and
-    the arguments change between calls of one key. ``key`` is the launch signature: everything the configuration, the trailing
-    arguments and the compilation depend on (the dtypes, the constexprs, the strides, the arguments Triton
+    the arguments change between calls of one key. ``key`` is the launch signature: everything the configuration,
+    the trailing arguments and the compilation depend on (the dtypes, the constexprs, the strides, the arguments Triton
     specialises on: integers by value unless ``do_not_specialize``, pointers by their 16-byte alignment). The first
     call of a key makes its entry from ``plan(*plan_args)`` (a :class:`LaunchPlan`); it compiles through
     ``fn[grid](...)`` (or finds the kernel in Triton's caches); later calls hand the arguments straight to the
