@@ -117,8 +117,8 @@ def point_summary(seq_len: int, d_head: int, results: dict[str, dict[str, Any]])
 
 def measure_step(args, device: torch.device) -> dict[str, Any]:
     """The leaderboard shape and every point, summarised as the row's measurements."""
-    board = fp.measure_leaderboard(LEADERBOARD_PROVIDERS, fp.LEADERBOARD_HEADS, fp.LEADERBOARD_SEQ_LEN, fp.LEADERBOARD_D_HEAD,
-                                    fp.LEADERBOARD_DTYPE, device, args.rep, args.warmup)
+    board = fp.measure_leaderboard(LEADERBOARD_PROVIDERS, fp.LEADERBOARD_HEADS, fp.LEADERBOARD_SEQ_LEN,
+                                   fp.LEADERBOARD_D_HEAD, fp.LEADERBOARD_DTYPE, device, args.rep, args.warmup)
     points = []
     for seq_len, d_head in cli.progress(args.points, "sweep points"):
         results = fp.measure_shape(POINT_PROVIDERS, seq_len, d_head, "bf16", device, args.point_rep,

@@ -50,7 +50,8 @@ CPU = dict(heads=2, seq_len=256, d_head=64, rep=50, warmup=10)
 
 def parser():
     p = cli.base_parser(__doc__, resumes=False)
-    p.add_argument("--providers", nargs="+", choices=list(fp.LEADERBOARD_PROVIDERS), default=list(fp.LEADERBOARD_PROVIDERS))
+    p.add_argument("--providers", nargs="+", choices=list(fp.LEADERBOARD_PROVIDERS),
+                   default=list(fp.LEADERBOARD_PROVIDERS))
     p.add_argument("--rep", type=cli.positive_float, default=None,
                    help=f"do_bench repetition time, ms (default {REP_MS})")
     p.add_argument("--warmup", type=cli.positive_float, default=None,
@@ -104,8 +105,8 @@ def run(args, device: torch.device) -> list[dict[str, Any]]:
     """Measure every requested provider and append their rows (always: no resume)."""
     store = result_store.ResultStore(PROBLEM, args.results_dir, force=True)
     phases = ["fwd_bwd"] if args.no_fwd else ["fwd_bwd", "fwd"]
-    results = fp.measure_leaderboard(args.providers, args.heads, args.seq_len, args.d_head, args.dtype, device, args.rep,
-                          args.warmup, phases, verify=not args.no_verify)
+    results = fp.measure_leaderboard(args.providers, args.heads, args.seq_len, args.d_head, args.dtype, device,
+                                     args.rep, args.warmup, phases, verify=not args.no_verify)
     config = dict(heads=args.heads, seq_len=args.seq_len, d_head=args.d_head, dtype=args.dtype, causal=True,
                   rep_ms=args.rep, warmup_ms=args.warmup)
     return [store.add({"provider": name, **config}, result) for name, result in results.items()]

@@ -284,8 +284,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.check:
         with tempfile.TemporaryDirectory() as folder:
             out = os.path.join(folder, "check.json")
-            dl.launch(run_check, world_size, args.stacks, args.quick, out, rank_env, args.residual_norm, backend=backend,
-                      timeout_s=args.timeout_s)
+            dl.launch(run_check, world_size, args.stacks, args.quick, out, rank_env, args.residual_norm,
+                      backend=backend, timeout_s=args.timeout_s)
             if not dl.is_rank0_process():
                 return
             with open(out) as f:

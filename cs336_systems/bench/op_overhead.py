@@ -9,12 +9,17 @@ For each operator, provider, shape and pass, two numbers per call, both medians 
 * ``wall_us``: the same loop with the device synchronised after it, over the number of calls: the larger of the
   host and the device time per call, once the queue is full.
 
-| op | providers | shapes | passes |
-|---|---|---|---|
-| ``attention`` (bf16, causal) | ``ours`` (:func:`cs336_systems.attention.op.flash_attention`), ``sdpa_cudnn``, ``sdpa_flash`` | ``(b, h, s, d)``: (1, 1, 128, 64), (4, 25, 512, 64), (4, 16, 512, 64) | ``forward``, ``forward_backward`` |
-| ``rmsnorm`` (bf16 rows) | ``ours`` (:class:`~cs336_systems.kernels.rmsnorm.FusedRMSNormFunction`), ``torch_compiled`` (``cs336_basics`` RMSNorm, compiled) | the xl model's ``(batch * context, d_model)`` | ``forward``, ``forward_backward`` |
-| ``cross_entropy`` (bf16) | ``ours`` (fused LM head + cross-entropy), ``torch_compiled`` (``F.cross_entropy(h @ W.T)``, compiled) | the xl model's ``(tokens, d_model, vocab)`` | ``forward``, ``forward_backward`` |
-| ``adamw`` (fp32) | ``ours`` (:class:`~cs336_systems.kernels.adamw.FusedAdamW`), ``torch_fused`` (``AdamW(fused=True)``) | the xl model's parameters | ``step`` |
+- ``attention`` (bf16, causal): providers ``ours`` (:func:`cs336_systems.attention.op.flash_attention`),
+  ``sdpa_cudnn``, ``sdpa_flash``; shapes ``(b, h, s, d)``: (1, 1, 128, 64), (4, 25, 512, 64), (4, 16, 512, 64);
+  passes ``forward``, ``forward_backward``
+- ``rmsnorm`` (bf16 rows): providers ``ours`` (:class:`~cs336_systems.kernels.rmsnorm.FusedRMSNormFunction`),
+  ``torch_compiled`` (``cs336_basics`` RMSNorm, compiled); shapes the xl model's ``(batch * context, d_model)``;
+  passes ``forward``, ``forward_backward``
+- ``cross_entropy`` (bf16): providers ``ours`` (fused LM head + cross-entropy), ``torch_compiled``
+  (``F.cross_entropy(h @ W.T)``, compiled); shapes the xl model's ``(tokens, d_model, vocab)``; passes ``forward``,
+  ``forward_backward``
+- ``adamw`` (fp32): providers ``ours`` (:class:`~cs336_systems.kernels.adamw.FusedAdamW`), ``torch_fused``
+  (``AdamW(fused=True)``); shapes the xl model's parameters; passes ``step``
 
 Forward+backward calls ``torch.autograd.grad`` (no gradient accumulation into leaves). ``ours_over_this``, in
 every row of a case where ours ran: our ``issue_us`` (and ``ours_wall_over_this``: ``wall_us``) over this
@@ -234,7 +239,8 @@ def main(argv: list[str] | None = None) -> None:
         print("# no GPU: PyTorch's providers only, tiny shapes (our kernels would need the interpreter)",
               file=sys.stderr)
     if tiny:
-        args.size, args.context, args.batch, args.calls, args.repeats = "tiny", 16, 2, min(args.calls, 5), min(args.repeats, 2)
+        args.size, args.context, args.batch = "tiny", 16, 2
+        args.calls, args.repeats = min(args.calls, 5), min(args.repeats, 2)
     cases = cases_for(args, device)
     if args.profile:
         for case in cases:

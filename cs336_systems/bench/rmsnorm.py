@@ -352,7 +352,8 @@ def print_kernel_summary(store: result_store.ResultStore, timer: str) -> None:
     if not measured:
         return
     frame = pd.DataFrame(measured).drop_duplicates(["provider", "pass", "rows", "cols", "dtype"], keep="last")
-    print(f"Run {store.run}, timer {timer}: GB/s (bytes an ideal implementation moves / median time), then the share of the copy "
+    print(f"Run {store.run}, timer {timer}: GB/s (bytes an ideal implementation moves / median time), "
+          "then the share of the copy "
           "bandwidth of the same shape")
     for values in ("gbps", "copy_share"):
         table = frame.pivot_table(index=["dtype", "rows", "cols"], columns=["pass", "provider"], values=values)
@@ -417,7 +418,8 @@ def print_model_summary(rows: list[dict[str, Any]], xl: str) -> None:
             for norm in NORMS[1:]:
                 fused = by_key.get((size, norm, "naive", compiled))
                 if plain and fused:
-                    print(f"# {size} {'compiled' if compiled else 'eager'}: {norm} / plain step time = {fused / plain:.3f}")
+                    mode = "compiled" if compiled else "eager"
+                    print(f"# {size} {mode}: {norm} / plain step time = {fused / plain:.3f}")
     plain = by_key.get((xl, "plain", "sdpa", True))
     for norm in NORMS[1:]:
         ours = by_key.get((xl, norm, "triton", True))

@@ -3,18 +3,20 @@
 
 A provider is a function ``fn(q, k, v, is_causal) -> o`` on tensors of shape ``(batch_heads, seq, d)`` (heads
 folded into the batch, as the leaderboard's ``(16, 16384, 64)``), found by name in :data:`PROVIDERS`. Where a
-provider runs one of the library's attentions, :data:`LIBRARY_NAMES` gives its :func:`cs336_systems.attention.get_attention`
+provider runs one of the library's attentions, :data:`LIBRARY_NAMES` gives its
+:func:`cs336_systems.attention.get_attention`
 name, which :func:`get_provider` and the tools' ``--providers`` also accept; rows keep the provider names
 (committed results use them):
 
-| name | library name | what |
-|---|---|---|
-| ``ours`` | ``triton`` | ``FlashAttention2Triton.apply``, eager |
-| ``ours_compiled`` | | ``torch.compile(FlashAttention2Triton.apply)``: the leaderboard's protocol |
-| ``flash_pytorch`` | ``flash_pytorch`` | the tiled PyTorch FlashAttention-2 (a Python loop over tiles: slow) |
-| ``naive`` | ``naive`` | the model's plain attention (the full score matrix, masked softmax) |
-| ``naive_compiled`` | ``compiled`` | ``torch.compile`` of ``naive`` |
-| ``sdpa_cudnn``, ``sdpa_flash``, ``sdpa_efficient`` | PyTorch's ``scaled_dot_product_attention`` restricted to one backend with ``torch.nn.attention.sdpa_kernel`` (cuDNN, FlashAttention-2 CUDA, memory-efficient), on the inputs viewed as ``(1, batch_heads, seq, d)`` |
+- ``ours``: library name ``triton``; ``FlashAttention2Triton.apply``, eager
+- ``ours_compiled``: ``torch.compile(FlashAttention2Triton.apply)``: the leaderboard's protocol
+- ``flash_pytorch``: library name ``flash_pytorch``; the tiled PyTorch FlashAttention-2 (a Python loop over tiles:
+  slow)
+- ``naive``: library name ``naive``; the model's plain attention (the full score matrix, masked softmax)
+- ``naive_compiled``: library name ``compiled``; ``torch.compile`` of ``naive``
+- ``sdpa_cudnn``, ``sdpa_flash``, ``sdpa_efficient``: PyTorch's ``scaled_dot_product_attention``
+  restricted to one backend with ``torch.nn.attention.sdpa_kernel`` (cuDNN, FlashAttention-2 CUDA,
+  memory-efficient), on the inputs viewed as ``(1, batch_heads, seq, d)``
 
 Timing is ``triton.testing.do_bench`` on a GPU (CUDA events, L2 flushed before each call; we read every
 sample and report the mean, do_bench's default, and the median and 20th/80th percentiles); on a CPU a
@@ -277,8 +279,8 @@ def time_phases(
     for phase in phases:
         def measure(phase=phase) -> dict[str, Any]:
             with provider.context():
-                return timing.do_bench_ms(phase_callable(phase, fn, q, k, v, causal, sum_backward), device, warmup_ms, rep_ms,
-                                prefix=f"{phase}_")
+                timed = phase_callable(phase, fn, q, k, v, causal, sum_backward)
+                return timing.do_bench_ms(timed, device, warmup_ms, rep_ms, prefix=f"{phase}_")
 
         try:
             with _sdpa_refusals_as_unsupported(provider):

@@ -573,7 +573,8 @@ def render_gathers(analysis: dict[str, Any], path: Path | str, title: str, zoom_
     for ax, (lo, hi) in zip(axes, _zoom_windows(kernels, spans, ms, zoom_ms)):
         _draw_gathers_window(ax, analysis, spans, ms, lo, hi)
     axes[0].set_title(_gathers_title(title, analysis["summary"]), fontsize=9)
-    axes[1].set_title(f"zoom: {zoom_ms:g} ms in the middle of the forward pass (ticks: when the layer needed its weight)",
+    axes[1].set_title(f"zoom: {zoom_ms:g} ms in the middle of the forward pass "
+                      "(ticks: when the layer needed its weight)",
                       fontsize=9)
     legend = [Patch(color=GATHER_COLORS[key], label=label) for key, label in GATHER_LEGEND]
     axes[0].legend(handles=legend, loc="upper right", fontsize=7, ncol=5, bbox_to_anchor=(1.0, -0.18))
