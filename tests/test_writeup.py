@@ -8,6 +8,7 @@ import json
 import math
 import re
 import shutil
+import statistics
 import sys
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import pytest
 
 from tests._writeup_fixture import flash_probe, leaderboard_2026_planned_pair, write_fixture
 from tests._writeup_fixture import leaderboard as fixture_leaderboard
+from tests._writeup_text import numbers_in
 
 WRITEUP = Path(__file__).resolve().parents[1] / "writeup"
 
@@ -834,7 +836,40 @@ def test_rmsnorm_copy_share_quotes_the_unsteady_shapes_apart(tmp_path):
                                   "(65,536 × 4,096), where our time is unsteady (40 % of the median).")
 
 
-def test_residual_norm_table_and_step_come_from_the_rows(fixture_data):
+def fixture_rows(results: Path, problem: str) -> list[dict]:
+    """The rows the fixture wrote to ``problem``'s results file, in file order."""
+    return [json.loads(line) for line in (results / f"{problem}.jsonl").read_text().splitlines()]
+
+
+def residual_launches(results: Path) -> dict[str, list[dict]]:
+    """The training step's launches with the residual adds separate and fused, each choice in file order."""
+    rows = [r for r in fixture_rows(results, "train_step") if "residual_norm" in r]
+    return {choice: [r for r in rows if r["residual_norm"] == choice] for choice in ("separate", "fused")}
+
+
+def residual_noise(launches: list[dict]) -> float:
+    """A choice's noise: its launches' spread (largest over smallest median), or with one launch its step-to-step
+    standard deviation over the median."""
+    medians = [r["median_ms"] for r in launches]
+    return max(medians) / min(medians) - 1 if len(medians) > 1 else launches[0]["std_ms"] / medians[0]
+
+
+def check_residual_step(step: dict, launches: dict[str, list[dict]], noise_from: str, outcome: str) -> None:
+    """``step`` quotes each choice's medians and deviations from its rows, the change of the median step from
+    separate to fused, the larger of the two choices' noise, and judges the change against that noise."""
+    for choice, rows in launches.items():
+        assert numbers_in(step[choice]) == [r["median_ms"] for r in rows]
+        assert numbers_in(step[f"{choice}_std"]) == pytest.approx([r["std_ms"] for r in rows], abs=0.05)
+    median = {choice: statistics.median(r["median_ms"] for r in rows) for choice, rows in launches.items()}
+    change = median["fused"] / median["separate"] - 1
+    noise = max(residual_noise(rows) for rows in launches.values())
+    assert numbers_in(step["change"]) == pytest.approx([100 * abs(change)], abs=0.05)
+    assert step["change"].endswith("slower" if change > 0 else "faster")
+    assert numbers_in(step["noise"])[:1] == pytest.approx([100 * noise], abs=0.05)
+    assert (step["noise_from"], step["outcome"]) == (noise_from, outcome)
+
+
+def test_residual_norm_table_and_step_come_from_the_rows(fixture_data, fixture_results):
     """The fused add + norm against the add then the norm, per shape and stream, from residual_norm_timing rows;
     the training step's launches from train_step rows with residual_norm (two alternating launches each)."""
     section = fixture_data["rmsnorm"]
@@ -845,15 +880,29 @@ def test_residual_norm_table_and_step_come_from_the_rows(fixture_data):
     assert rows[0][2:] == ["0.210", "0.200", "1.05", "0.525", "0.500", "1.05"]
     assert rows[3][2:] == ["0.140", "0.200", "0.70", "0.350", "0.500", "0.70"]
     r = section["n"]["residual"]
-    assert (r["large_ratio"], r["large_saving"]) == ("0.70 to 0.80", "20 % to 30 %")
-    assert r["small_slower"] == "16,384 × 1,600 with the bf16 stream"
-    assert r["small"].startswith("at 16,384 × 1,600, bf16 stream forward 1.05, forward + backward 1.05; fp32")
+    kernel = fixture_rows(fixture_results, "residual_norm_timing")
+    # At the shapes of at least 64M elements: fused over separate, and the saving that is.
+    large = [k["fused_over_separate"] for k in kernel if k["n_rows"] * k["d_model"] >= 1 << 26]
+    assert numbers_in(r["large_ratio"]) == pytest.approx([min(large), max(large)])
+    assert numbers_in(r["large_saving"]) == pytest.approx([100 * (1 - max(large)), 100 * (1 - min(large))])
+    # The smaller shape (16,384 × 1,600): each stream's ratio per pass, bf16 first, and where fused is slower.
+    small = [k for k in kernel if k["n_rows"] * k["d_model"] < 1 << 26]
+    assert {(k["n_rows"], k["d_model"]) for k in small} == {(16384, 1600)}
+    by_stream = sorted(small, key=lambda k: (k["stream_dtype"] != "bf16", k["pass"] != "forward"))
+    assert numbers_in(r["small"]) == [16384, 1600, *[k["fused_over_separate"] for k in by_stream]]
+    assert re.findall(r"bf16|fp32", r["small"]) == ["bf16", "fp32"]
+    slower = {k["stream_dtype"] for k in small if k["fused_over_separate"] > 1}
+    assert slower == {"bf16"}
+    assert numbers_in(r["small_slower"]) == [16384, 1600] and set(re.findall(r"bf16|fp32", r["small_slower"])) == slower
+    # The training step: one configuration, as its rows give it.
+    launches = residual_launches(fixture_results)
     (step,) = r["steps"]
-    assert step["setup"] == "xl model, context 512, batch 4, bf16, our stack without CUDA graphs"
-    assert (step["separate"], step["fused"]) == ("112.0, 110.0", "118.0, 109.0")
-    # medians 111.0 and 113.5; the fused launches differ by 8.3 %, more than the change
-    assert step["change"] == "2.3 % slower" and step["noise"].startswith("8.3 %, the spread")
-    assert step["verdict"] == "within the noise: no measurable difference"
+    first = launches["separate"][0]
+    assert numbers_in(step["setup"]) == [first["context_length"], first["batch_size"]]
+    assert not first["parts"].get("cudagraphs")  # said as "without" CUDA graphs
+    assert {first["size"], first["dtype"], "without"} <= set(re.findall(r"[\w.]+", step["setup"]))
+    # medians 111.0 and 113.5: 2.3 % slower; the fused launches differ by 8.3 %, more than the change
+    check_residual_step(step, launches, noise_from="launches", outcome="tie")
 
 
 def test_residual_step_with_one_launch_a_choice_judges_by_the_step_noise(tmp_path):
@@ -867,9 +916,9 @@ def test_residual_step_with_one_launch_a_choice_judges_by_the_step_noise(tmp_pat
                             or "residual_norm" not in r))
     section = SECTIONS["rmsnorm"](Results(results), Output(tmp_path / "figures", tmp_path / "build"))
     (step,) = section["n"]["residual"]["steps"]
-    assert (step["separate"], step["fused"], step["separate_std"]) == ("112.0", "118.0", "2.2")
-    assert step["change"] == "5.4 % slower" and step["noise"].startswith("2.0 %, the step-to-step")
-    assert step["verdict"] == "a loss"
+    launches = residual_launches(results)
+    assert [len(launches[c]) for c in ("separate", "fused")] == [1, 1]
+    check_residual_step(step, launches, noise_from="steps", outcome="loss")
 
 
 def test_residual_step_with_one_choice_launched_once_takes_the_larger_noise(tmp_path):
@@ -883,9 +932,10 @@ def test_residual_step_with_one_choice_launched_once_takes_the_larger_noise(tmp_
                             or "residual_norm" not in r))
     section = SECTIONS["rmsnorm"](Results(results), Output(tmp_path / "figures", tmp_path / "build"))
     (step,) = section["n"]["residual"]["steps"]
-    assert (step["separate"], step["fused"]) == ("112.0, 110.0", "118.0")
-    assert step["change"] == "6.3 % slower" and step["noise"].startswith("2.0 %, the larger of")
-    assert step["verdict"] == "a loss"
+    launches = residual_launches(results)
+    assert [len(launches[c]) for c in ("separate", "fused")] == [2, 1]
+    assert residual_noise(launches["fused"]) > residual_noise(launches["separate"])  # the larger noise is the step's
+    check_residual_step(step, launches, noise_from="launches_and_steps", outcome="loss")
 
 
 def test_rmsnorm_grid_is_pending_without_a_run_of_the_current_tool(tmp_path):
