@@ -412,15 +412,19 @@ def _residual_step_numbers(res) -> dict[str, Any]:
         noise = max(max(m) / min(m) - 1 if len(m) > 1 else by_choice[choice][0]["std_ms"] / m[0]
                     for choice, m in medians.items())
         several_launches = {len(m) > 1 for m in medians.values()}
-        how = ("the spread of one choice's launches" if several_launches == {True} else
-               "the step-to-step standard deviation over the median (one launch of a choice)"
-               if several_launches == {False}
-               else "the larger of one choice's launch spread and the other's step-to-step deviation over the median")
+        item["noise_from"] = ("launches" if several_launches == {True} else
+                              "steps" if several_launches == {False} else "launches_and_steps")
+        how = {"launches": "the spread of one choice's launches",
+               "steps": "the step-to-step standard deviation over the median (one launch of a choice)",
+               "launches_and_steps": "the larger of one choice's launch spread and the other's step-to-step "
+                                     "deviation over the median"}[item["noise_from"]]
         change = statistics.median(medians["fused"]) / statistics.median(medians["separate"]) - 1
+        # fused against separate: "win" where fused is faster beyond the noise, "tie" within it
+        item["outcome"] = "tie" if abs(change) <= noise else ("win" if change < 0 else "loss")
         item["change"] = f"{pct(abs(change), 1)} {'slower' if change > 0 else 'faster'}"
         item["noise"] = f"{pct(noise, 1)}, {how}"
-        item["verdict"] = ("within the noise: no measurable difference" if abs(change) <= noise
-                           else ("a saving" if change < 0 else "a loss"))
+        item["verdict"] = {"tie": "within the noise: no measurable difference", "win": "a saving",
+                           "loss": "a loss"}[item["outcome"]]
         steps.append(item)
     return {"has_step": bool(steps), "steps": steps}
 

@@ -594,26 +594,36 @@ def fsdp_check_and_timeline(checks: list[dict[str, Any]], timelines: list[dict[s
         return (c.get("max_abs_diff", 1) <= present_bound(c)
                 and c.get("grad_max_abs_diff", 1) <= CHECK_TOLERANCE.get(c.get("dtype"), 0))
 
-    def verdict(c: dict[str, Any]) -> str:
+    def outcome(c: dict[str, Any]) -> str:
         if c.get("bit_exact"):
+            return "bit_exact"
+        if c.get("passed"):
+            return "passed"
+        return "within_present_bound" if within_present_bounds(c) else "failed"
+
+    def verdict(c: dict[str, Any]) -> str:
+        if outcome(c) == "bit_exact":
             return "bit-exact"
         text = (f"weights within {c.get('max_abs_diff'):.1e} after {c.get('steps')} AdamW steps, first-step gradients "
                 f"within {c.get('grad_max_abs_diff'):.1e}")
-        if c.get("passed"):
+        if outcome(c) == "passed":
             return text + f" (bound {c.get('tolerance'):.0e})"
-        if within_present_bounds(c):
+        if outcome(c) == "within_present_bound":
             return (text + f": over the bound of that run ({c.get('tolerance'):.0e}), within the check's present one "
                     f"for AdamW's weights on {c.get('world_size')} ranks ({present_bound(c):.0e})")
         return text + ": FAILED"
 
-    groups: dict[tuple, list[str]] = {}
+    groups: dict[tuple, list[dict[str, Any]]] = {}
     for (device, backend, world, dtype), c in newest.items():
-        groups.setdefault((world, gpus_label(c), c.get("backend")), []).append(f"{dtype} {verdict(c)}")
-    check_text = "; ".join(f"on {gpus} ({backend}), {', '.join(parts)}"
-                           for (world, gpus, backend), parts in sorted(groups.items(), key=lambda g: g[0][0]))
+        groups.setdefault((world, gpus_label(c), c.get("backend")), []).append(c)
+    ordered = sorted(groups.items(), key=lambda g: g[0][0])
+    check_text = "; ".join(f"on {gpus} ({backend}), " + ", ".join(f"{c.get('dtype')} {verdict(c)}" for c in cs)
+                           for (world, gpus, backend), cs in ordered)
     tl = timelines[0] if timelines else {}
     return {
         "has_check": bool(checks), "check": check_text,
+        "check_outcomes": [{"world": world, "dtype": c.get("dtype"), "outcome": outcome(c)}
+                           for (world, _, _), cs in ordered for c in cs],
         "check_setup": (f"{checks[0].get('size')} model, context {checks[0].get('context_length')}, "
                         "one rank per GPU") if checks else "",
         "check_rounding": any(not c.get("bit_exact") and (c.get("passed") or within_present_bounds(c))
