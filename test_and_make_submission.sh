@@ -13,7 +13,7 @@ usage() {
     cat <<'USAGE'
 usage: bash test_and_make_submission.sh [--edition 2025|2026] [--skip-tests]
 
-Runs the test suite (~10 minutes on 2 CPU cores; junit report in test-results.xml), then writes
+Runs the test suite (8.5 minutes on 2 idle CPU cores, more on busy ones; junit report in test-results.xml), then writes
 cs336-spring<edition>-assignment-2-submission.zip: the code and that edition's writeup PDF as writeup.pdf
 (2026: writeup/writeup_2026.pdf; 2025: writeup/writeup.pdf), without caches, logs, pickles, .txt and .json files,
 model files, traces, .scratch/ and files over 5 MB. The exit status is the test run's.

@@ -202,12 +202,12 @@ def test_benchmarking_script_refuses_bad_arguments_before_measuring(argv, messag
     ("ddp_benchmarking", ["--variants", "bucketed_0mb"], "N of bucketed_<N>mb is the bucket cap in MiB and must be "
                                                          "above 0"),
     ("ddp_benchmarking", ["--world-size", "0"], "argument --world-size: 0 must be at least 1"),
-    ("train_step", ["--shapes", "0:4"], "a shape is context:batch of positive whole numbers"),
+    ("train_step", ["--shapes", "0:4"], "expected a shape context:batch of positive whole numbers"),
     ("train_step", ["--steps", "0"], "argument --steps: 0 must be at least 1"),
     ("pytorch_attention", ["--seq-lens", "0"], "argument --seq-lens: 0 must be at least 1"),
     ("leaderboard", ["--d-head", "0"], "argument --d-head: 0 must be at least 1"),
     ("distributed_communication_single_node", ["--sizes-mb", "0"], "argument --sizes-mb: 0 must be above 0"),
-    ("flash_log", ["--points", "0x64"], "a point is LENGTHxHEAD_DIM of positive whole numbers"),
+    ("flash_log", ["--points", "0x64"], "expected a point LENGTHxHEAD_DIM of positive whole numbers"),
     ("memory_profiling", ["--render", "/nonexistent.pickle"], "no such file: /nonexistent.pickle"),
     ("timeline", ["/nonexistent.json"], "no such file: /nonexistent.json"),
 ])

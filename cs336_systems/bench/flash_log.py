@@ -22,7 +22,6 @@ the log as a markdown table (one line per step).
 
 from __future__ import annotations
 
-import argparse
 import subprocess
 import sys
 from typing import Any
@@ -42,14 +41,7 @@ POINT_PHASES = {"ours": fp.PHASES, "sdpa_cudnn": ("fwd_bwd",), "sdpa_flash": ("f
 
 def point(text: str) -> tuple[int, int]:
     """``"16384x64"`` -> ``(16384, 64)`` (sequence length x head dim)."""
-    try:
-        seq_len, d_head = (int(part) for part in text.lower().split("x"))
-    except ValueError:
-        seq_len = d_head = 0
-    if seq_len < 1 or d_head < 1:
-        raise argparse.ArgumentTypeError(f"a point is LENGTHxHEAD_DIM of positive whole numbers, e.g. 16384x64; "
-                                         f"got {text!r}")
-    return seq_len, d_head
+    return cli.positive_pair(text, "x", "a point LENGTHxHEAD_DIM", "16384x64")
 
 
 def parser():

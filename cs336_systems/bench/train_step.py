@@ -52,14 +52,7 @@ DEFAULT_SHAPES = ["512:4", "2048:4", "8192:1"]
 
 def shape(text: str) -> tuple[int, int]:
     """``context:batch`` (argparse type), both at least 1."""
-    try:
-        context, batch = (int(part) for part in text.split(":"))
-    except ValueError:
-        context = batch = 0
-    if context < 1 or batch < 1:
-        raise argparse.ArgumentTypeError(f"a shape is context:batch of positive whole numbers, e.g. 512:4, "
-                                         f"not {text!r}")
-    return context, batch
+    return cli.positive_pair(text, ":", "a shape context:batch", "512:4")
 
 
 def parser():

@@ -27,6 +27,18 @@ def non_negative_int(text: str) -> int:
     return _int_at_least(text, 0)
 
 
+def positive_pair(text: str, separator: str, form: str, example: str) -> tuple[int, int]:
+    """Two whole numbers of at least 1 written ``A<separator>B`` (e.g. ``512:4``), for an argparse type; ``form``
+    and ``example`` name them in the error (``"context:batch"``, ``"512:4"``)."""
+    try:
+        first, second = (int(part) for part in text.lower().split(separator))
+    except ValueError:
+        first = second = 0
+    if first < 1 or second < 1:
+        raise argparse.ArgumentTypeError(f"expected {form} of positive whole numbers, e.g. {example}, not {text!r}")
+    return first, second
+
+
 def positive_float(text: str) -> float:
     """An argparse type: a number above 0 (megabytes, milliseconds, seconds)."""
     try:
