@@ -30,16 +30,7 @@ from torch import Tensor
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from cs336_systems.attention.backends import triton_kernels
-from cs336_systems.attention.backends.common import (
-    LOG2_E,
-    POWER_OF_TWO_HEAD_DIMS,
-    TWO_PART_HEAD_DIMS,
-    head_dim_parts,
-    launch_delta,
-    named_strides,
-    sizes,
-)
+from cs336_systems.attention.backends import common, triton_kernels
 from cs336_systems.attention.backends.hopper_kernels import attn_bwd_hopper_kernel, attn_fwd_hopper_kernel
 from cs336_systems.kernels.launch import (
     DescriptorArg,
@@ -53,9 +44,9 @@ from cs336_systems.kernels.launch import (
 )
 
 NAME = "hopper"
-HEAD_DIMS = POWER_OF_TWO_HEAD_DIMS
+HEAD_DIMS = common.POWER_OF_TWO_HEAD_DIMS
 """Head dims both kernels run without padding."""
-SPLIT_HEAD_DIMS = TWO_PART_HEAD_DIMS
+SPLIT_HEAD_DIMS = common.TWO_PART_HEAD_DIMS
 """Head dims the backward also runs without padding (48, 80, 96), in two power-of-two column parts (80 = 64 + 16,
 ``common.head_dim_parts``); the forward pads them to 128."""
 BLOCK_N = 128  # keys held per backward program (64 per consumer warpgroup), keys per forward step
@@ -273,7 +264,7 @@ def forward(
 
 def _forward_plan(Q: Tensor, K: Tensor, V: Tensor, is_causal: bool, sm_scale: float) -> LaunchPlan:
     """The plan of the forward on inputs laid out as these (Q, K, V, then the contiguous output O)."""
-    n_heads, batch_heads, n_queries, n_keys, head_dim = sizes(Q, K)
+    n_heads, batch_heads, n_queries, n_keys, head_dim = common.sizes(Q, K)
     (q, q_columns), (k, k_columns), (v, v_columns) = (
         DescriptorPlan.of(x, rows) for x, rows in ((Q, FORWARD_ROWS), (K, BLOCK_N), (V, BLOCK_N)))
     o = _output_plan((batch_heads, n_queries, head_dim), FORWARD_ROWS)
@@ -283,7 +274,7 @@ def _forward_plan(Q: Tensor, K: Tensor, V: Tensor, is_causal: bool, sm_scale: fl
     # A plan made during a capture is not kept: its schedule lives in the graph's memory, copied at replays.
     return LaunchPlan(lambda tiles: (schedule[0] - 1, 1),
                       dict(schedule=_schedule_tensor(schedule, Q.device), n_heads=n_heads, n_queries=n_queries,
-                           n_keys=n_keys, qk_scale=sm_scale * LOG2_E, HEAD_DIM=head_dim, IS_CAUSAL=is_causal,
+                           n_keys=n_keys, qk_scale=sm_scale * common.LOG2_E, HEAD_DIM=head_dim, IS_CAUSAL=is_causal,
                            ROWS=FORWARD_ROWS, BLOCK_N=BLOCK_N, STAGES=STAGES, Q_COLUMNS=q_columns, K_COLUMNS=k_columns,
                            V_COLUMNS=v_columns),
                       triton.Config({}, num_warps=4), (q, k, v, o), keep=not capturing)
@@ -324,10 +315,10 @@ def backward(
 ) -> tuple[Float[Tensor, "batch *heads q d"], Float[Tensor, "batch *heads k d"], Float[Tensor, "batch *heads k d"]]:
     """``dQ, dK, dV`` (contiguous, the inputs' dtype) from the forward's ``O`` and ``L`` and the output gradient
     ``dO`` (unit stride along ``d``, O's dtype)."""
-    _, batch_heads, n_queries, _, head_dim = sizes(Q, K)
+    _, batch_heads, n_queries, _, head_dim = common.sizes(Q, K)
     # The Gluon kernel adds dS K over key tiles into a float32 buffer, which the Delta kernel zeroes.
     DQ_acc = torch.empty((batch_heads, n_queries, head_dim), dtype=torch.float32, device=Q.device)
-    Delta = launch_delta(O, dO, DQ_acc)
+    Delta = common.launch_delta(O, dO, DQ_acc)
     dQ = new_output(Q.shape, Q.dtype, Q.device)
     dK = new_output(K.shape, K.dtype, K.device)
     dV = new_output(V.shape, V.dtype, V.device)
@@ -343,8 +334,8 @@ def _backward_plan(Q: Tensor, K: Tensor, V: Tensor, dO: Tensor, is_causal: bool,
     """The plan of the Gluon backward on inputs laid out as these (Q, K, V, dO, then the contiguous dK, dV and the
     float32 dQ accumulator): one descriptor per tensor, and at a head dim of two column parts (:data:`SPLIT_HEAD_DIMS`)
     a second one per tensor, over its second part, after them."""
-    n_heads, batch_heads, n_queries, n_keys, head_dim = sizes(Q, K)
-    part_a, part_b = head_dim_parts(head_dim)
+    n_heads, batch_heads, n_queries, n_keys, head_dim = common.sizes(Q, K)
+    part_a, part_b = common.head_dim_parts(head_dim)
     descriptors = []
     for columns in (part_a, part_b) if part_b else (0,):  # 0: the whole head dim
         inputs = [DescriptorPlan.of(x, rows, columns) for x, rows in
@@ -354,7 +345,7 @@ def _backward_plan(Q: Tensor, K: Tensor, V: Tensor, dO: Tensor, is_causal: bool,
         dq = _output_plan((batch_heads, n_queries, head_dim), BACKWARD_ROWS, columns)
         descriptors += [q, k, v, do, dk, dv, dq]
     scalars = in_order(BACKWARD.fn, dict(n_heads=n_heads, n_queries=n_queries, n_keys=n_keys, sm_scale=sm_scale,
-                                         qk_scale=sm_scale * LOG2_E), first=9)
+                                         qk_scale=sm_scale * common.LOG2_E), first=9)
     return LaunchPlan(lambda tiles: (triton.cdiv(n_keys, BLOCK_N), batch_heads),
                       dict(HEAD_DIM=head_dim, IS_CAUSAL=is_causal, BLOCK_M=BACKWARD_ROWS, BLOCK_N=BLOCK_N,
                            STAGES=STAGES, Q_COLUMNS=q_columns, K_COLUMNS=k_columns, V_COLUMNS=v_columns,
@@ -375,7 +366,7 @@ def _backward_args(plan: tuple, tensors: tuple[Tensor, ...], compiled: bool) -> 
 
 
 def _dq_convert_plan(dQ: Tensor, sm_scale: float) -> LaunchPlan:
-    n_heads, batch_heads, n_queries, _, head_dim = sizes(dQ, dQ)
+    n_heads, batch_heads, n_queries, _, head_dim = common.sizes(dQ, dQ)
     return LaunchPlan(lambda tiles: (triton.cdiv(n_queries, tiles["BLOCK_M"]), batch_heads),
-                      dict(**named_strides(dqm=dQ), n_heads=n_heads, n_queries=n_queries, sm_scale=sm_scale,
-                           HEAD_DIM=head_dim, HEAD_DIM_B=head_dim_parts(head_dim)[1]), DQ_CONVERT_CONFIG)
+                      dict(**common.named_strides(dqm=dQ), n_heads=n_heads, n_queries=n_queries, sm_scale=sm_scale,
+                           HEAD_DIM=head_dim, HEAD_DIM_B=common.head_dim_parts(head_dim)[1]), DQ_CONVERT_CONFIG)
