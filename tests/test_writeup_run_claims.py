@@ -68,7 +68,7 @@ def sharding_launch(optimizer: str, dtype: str, step_ms: float, commit: str, min
 
 
 def two_gpu_history() -> list[dict[str, Any]]:
-    """A first session at commit e615cb1 with all four optimizers in both dtypes; then the flat ZeRO-1 again in
+    """A first launch at commit e615cb1 with all four optimizers in both dtypes; then the flat ZeRO-1 again in
     both at 4d6bc0b; then bf16 AdamW at f6153c0 and bf16 ours, ZeRO and flat at fdb6874."""
     first = [sharding_launch(o, d, step, "e615cb1abcde", minute) for minute, (o, d, step) in enumerate([
         ("adamw", "fp32", 839.5), ("sharded", "fp32", 844.5), ("zero_redundancy", "fp32", 840.7),
