@@ -55,7 +55,7 @@ pdf=writeup/writeup_2026.pdf
 output=cs336-spring$edition-assignment-2-submission.zip
 rm -f "$output"
 zip -q -r "$output" . \
-    -x '*.git*' '.venv/*' '*/.venv/*' '*__pycache__*' '*.pytest_cache*' '*.egg-info*' \
+    -x '.git' '.git/*' '.venv/*' '*/.venv/*' '*__pycache__*' '*.pytest_cache*' '*.egg-info*' \
        'build/*' 'dist/*' '*.pyc' '*.so' '*.pkl' '*.pickle' '*.pt' '*.pth' '*.ckpt' '*.safetensors' \
        '*.nsys-rep' '*.qdrep' '*.sqlite' '*.trace.json' '*.json.gz' 'traces/*' 'snapshots/*' \
        '*.zip' '*.tar' '*.tar.gz' '*.npy' '*.bin' '.gl/*' '.whl/*' '*.txt' '*.json' '*.log' \
