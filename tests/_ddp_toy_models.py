@@ -122,3 +122,8 @@ def assert_same_tensors(actual: dict[str, torch.Tensor], expected: dict[str, tor
         tolerance = {"rtol": 0.0, "atol": 0.0}
     for name, expected_tensor in expected.items():
         assert_close(actual[name], expected_tensor, f"{context}, {name}", **tolerance)
+
+
+def assert_same_parameters(model: nn.Module, reference: nn.Module, context: str, **tolerance) -> None:
+    """``assert_same_tensors`` on the two models' named parameters."""
+    assert_same_tensors(dict(model.named_parameters()), dict(reference.named_parameters()), context, **tolerance)

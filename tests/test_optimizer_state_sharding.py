@@ -22,13 +22,14 @@ from cs336_systems.parallel.distributed import one_rank_group
 from cs336_systems.parallel.fsdp import FSDP
 from cs336_systems.parallel.sharded_optimizer import ShardedOptimizer
 from tests import adapters
-from tests._ddp_toy_models import assert_same_tensors
+from tests._ddp_toy_models import assert_same_parameters, assert_same_tensors
 from tests._distributed import assert_all_passed, gpu_world_size, run_checks
 
 STEPS = 10
 STEP_ADDING_A_GROUP = 4
 STEP_CHANGING_LR = 7
 DEFAULTS = {"lr": 5e-3, "weight_decay": 0.01}
+TOLERANCE = {"rtol": 1.3e-6, "atol": 1e-6}
 
 
 class ThreeLayerNet(nn.Module):
@@ -100,6 +101,17 @@ def assert_same_state_dicts(actual: dict, expected: dict, context: str, rtol: fl
                             atol=atol)
 
 
+def change_groups_on_schedule(step: int, optimizers_and_models: list[tuple], late_group: Callable,
+                              step_adding_a_group: int, step_changing_lr: int) -> None:
+    """At ``step_adding_a_group`` each optimizer takes its model's ``late_group``; at ``step_changing_lr`` each
+    halves its first group's learning rate, as a learning-rate schedule does."""
+    for optimizer, model in optimizers_and_models:
+        if step == step_adding_a_group:
+            optimizer.add_param_group(late_group(model))
+        if step == step_changing_lr:
+            optimizer.param_groups[0]["lr"] *= 0.5
+
+
 def resumed_from(state_dict: dict, model: nn.Module, copy_model: Callable[[], nn.Module], sharded_cls: type,
                  initial_groups: Callable, late_group: Callable) -> tuple[tuple, tuple]:
     """``(model copy, sharded_cls over AdamW)`` and ``(model copy, plain AdamW)``, each model a copy of ``model``
@@ -140,21 +152,11 @@ def check_matches_unsharded(rank: int, world_size: int, device: torch.device, mo
     assert hyperparameters(sharded.local_optimizer) == hyperparameters(unsharded), context
 
     for step in range(STEPS):
-        if step == STEP_ADDING_A_GROUP:
-            sharded.add_param_group(late_group(model))
-            unsharded.add_param_group(late_group(reference))
-        if step == STEP_CHANGING_LR:  # what a learning-rate schedule does
-            for optimizer in (sharded, unsharded):
-                optimizer.param_groups[0]["lr"] *= 0.5
+        change_groups_on_schedule(step, [(sharded, model), (unsharded, reference)], late_group, STEP_ADDING_A_GROUP,
+                                  STEP_CHANGING_LR)
         train_step(model, sharded, step, device)
         train_step(reference, unsharded, step, device)
-        assert_same_tensors(
-            dict(model.named_parameters()),
-            dict(reference.named_parameters()),
-            f"{context}, step {step}",
-            rtol=1.3e-6,
-            atol=1e-6,
-        )
+        assert_same_parameters(model, reference, f"{context}, step {step}", **TOLERANCE)
     check_ownership(sharded, rank, world_size, context)
     if model_cls is TwoParameterNet and world_size == 3:
         # Largest first to the least-loaded rank: weight (32 floats), bias (4), then the late scale (4).
@@ -175,13 +177,7 @@ def check_matches_unsharded(rank: int, world_size: int, device: torch.device, mo
             (resumed_model, "resumed"),
             (plain_model, "unsharded from the state dict"),
         ):
-            assert_same_tensors(
-                dict(other.named_parameters()),
-                dict(reference.named_parameters()),
-                f"{context}, {name}, step {step}",
-                rtol=1.3e-6,
-                atol=1e-6,
-            )
+            assert_same_parameters(other, reference, f"{context}, {name}, step {step}", **TOLERANCE)
 
 
 def check_careless_use(rank: int, world_size: int, device: torch.device) -> None:
@@ -200,8 +196,7 @@ def check_careless_use(rank: int, world_size: int, device: torch.device) -> None
         ddp_model.finish_gradient_synchronization()
         sharded.step()
         train_step(reference, unsharded, step, device)
-    assert_same_tensors(dict(model.named_parameters()), dict(reference.named_parameters()),
-                        f"built before DDP wrapping, rank {rank}", rtol=1.3e-6, atol=1e-6)
+    assert_same_parameters(model, reference, f"built before DDP wrapping, rank {rank}", **TOLERANCE)
     model = build(ThreeLayerNet, device)
     early = ShardedOptimizer(model.parameters(), torch.optim.AdamW, **DEFAULTS)
     fsdp = FSDP(model)
@@ -238,7 +233,7 @@ def test_sharded_optimizer_on_one_rank_is_the_inner_optimizer():
         for step in range(3):
             train_step(model, sharded, step, torch.device("cpu"))
             train_step(reference, unsharded, step, torch.device("cpu"))
-        assert_same_tensors(dict(model.named_parameters()), dict(reference.named_parameters()), "one process")
+        assert_same_parameters(model, reference, "one process")
         assert_same_state_dicts(sharded.state_dict(), unsharded.state_dict(), "one process")
 
 

@@ -387,6 +387,20 @@ def test_a_collective_of_one_device_costs_nothing():
 W = Fraction(5)  # any bandwidth: the times scale as 1 / W
 
 
+def assert_every_device_computes(cl: Cluster, devices, forward_flops, backward_flops) -> None:
+    """Each device's matmul FLOPs in the forward and in the backward are the closed forms' values."""
+    for device in devices:
+        assert cl.flops(device, "forward") == forward_flops, device
+        assert cl.flops(device, "backward") == backward_flops, device
+
+
+def assert_axis_communicates(cl: Cluster, axis: str, forward_time, backward_time) -> None:
+    """The collectives over ``axis`` take the closed forms' times, at bandwidth ``W``, in the forward and in the
+    backward."""
+    assert cl.comm_time("forward", axis, W) == forward_time
+    assert cl.comm_time("backward", axis, W) == backward_time
+
+
 @pytest.mark.parametrize("b, d, d_ff", LAYERS)
 def test_the_layer_alone(b, d, d_ff):
     cl = run_dp(make_layer(b, d, d_ff), 1)
@@ -401,11 +415,10 @@ def test_the_layer_alone(b, d, d_ff):
 @pytest.mark.parametrize("n", DEVICE_COUNTS)
 def test_data_parallel_calcs(b, d, d_ff, n):
     cl = run_dp(make_layer(b, d, d_ff), n)
-    for j in range(n):
-        assert cl.flops(j, "backward") == exact(par.dp_backward_flops, b, d, d_ff, Fraction(n))
+    assert_every_device_computes(cl, range(n), exact(par.ffn_forward_flops, Fraction(b, n), d, d_ff),
+                                 exact(par.dp_backward_flops, b, d, d_ff, Fraction(n)))
     assert cl.issued == [("backward", "dp", "all_reduce", d * d_ff * BYTES, n, 1)] * 3
-    assert cl.comm_time("forward", "dp", W) == 0
-    assert cl.comm_time("backward", "dp", W) == exact(par.dp_backward_comm_time, d, d_ff, n, W)
+    assert_axis_communicates(cl, "dp", 0, exact(par.dp_backward_comm_time, d, d_ff, n, W))
     assert sum(exact(par.all_reduce_time, size, group, W) for *_, size, group, _ in cl.issued) == cl.comm_time(
         "backward", "dp", W)
 
@@ -414,15 +427,14 @@ def test_data_parallel_calcs(b, d, d_ff, n):
 @pytest.mark.parametrize("n", DEVICE_COUNTS)
 def test_fsdp_calcs(b, d, d_ff, n):
     cl = run_fsdp(make_layer(b, d, d_ff), n)
-    for j in range(n):
-        assert cl.flops(j, "forward") == exact(par.fsdp_forward_flops, b, d, d_ff, Fraction(n))
-        assert cl.flops(j, "backward") == exact(par.fsdp_backward_flops, b, d, d_ff, Fraction(n))
+    assert_every_device_computes(cl, range(n), exact(par.fsdp_forward_flops, b, d, d_ff, Fraction(n)),
+                                 exact(par.fsdp_backward_flops, b, d, d_ff, Fraction(n)))
     sizes = [d * d_ff * BYTES, d * d_ff * BYTES, d_ff * d * BYTES]
     assert cl.issued == ([("forward", "fsdp", "all_gather", s, n, 1) for s in sizes]
                          + [("backward", "fsdp", "all_gather", s, n, 1) for s in sizes]
                          + [("backward", "fsdp", "reduce_scatter", s, n, 1) for s in sizes])
-    assert cl.comm_time("forward", "fsdp", W) == exact(par.fsdp_forward_comm_time, d, d_ff, n, W)
-    assert cl.comm_time("backward", "fsdp", W) == exact(par.fsdp_backward_comm_time, d, d_ff, n, W)
+    assert_axis_communicates(cl, "fsdp", exact(par.fsdp_forward_comm_time, d, d_ff, n, W),
+                             exact(par.fsdp_backward_comm_time, d, d_ff, n, W))
 
 
 @pytest.mark.parametrize("b, d, d_ff", LAYERS)
@@ -430,22 +442,21 @@ def test_fsdp_calcs(b, d, d_ff, n):
 def test_tp_calcs(b, d, d_ff, n):
     """Runs the per-device backward equations of (a) (see ``ffn_backward``) and checks them against autograd."""
     cl = run_tp(make_layer(b, d, d_ff), n)
-    for i in range(n):
-        assert cl.flops(i, "forward") == exact(par.tp_forward_flops, b, d, d_ff, Fraction(n))
-        assert cl.flops(i, "backward") == exact(par.tp_backward_flops, b, d, d_ff, Fraction(n))
+    assert_every_device_computes(cl, range(n), exact(par.tp_forward_flops, b, d, d_ff, Fraction(n)),
+                                 exact(par.tp_backward_flops, b, d, d_ff, Fraction(n)))
     assert cl.issued == [("forward", "tp", "all_reduce", b * d * BYTES, n, 1),
                          ("backward", "tp", "all_reduce", b * d * BYTES, n, 1)]
-    assert cl.comm_time("forward", "tp", W) == exact(par.tp_forward_comm_time, b, d, n, W)
-    assert cl.comm_time("backward", "tp", W) == exact(par.tp_backward_comm_time, b, d, n, W)
+    assert_axis_communicates(cl, "tp", exact(par.tp_forward_comm_time, b, d, n, W),
+                             exact(par.tp_backward_comm_time, b, d, n, W))
 
 
 @pytest.mark.parametrize("b, d, d_ff", LAYERS)
 @pytest.mark.parametrize("n_tp, n_fsdp", GRIDS)
 def test_fsdp_tp_calcs(b, d, d_ff, n_tp, n_fsdp):
     cl = run_fsdp_tp(make_layer(b, d, d_ff), n_tp, n_fsdp)
-    for device in itertools.product(range(n_tp), range(n_fsdp)):
-        assert cl.flops(device, "forward") == exact(par.fsdp_tp_forward_flops, b, d, d_ff, n_tp, Fraction(n_fsdp))
-        assert cl.flops(device, "backward") == exact(par.fsdp_tp_backward_flops, b, d, d_ff, n_tp, Fraction(n_fsdp))
+    assert_every_device_computes(cl, itertools.product(range(n_tp), range(n_fsdp)),
+                                 exact(par.fsdp_tp_forward_flops, b, d, d_ff, n_tp, Fraction(n_fsdp)),
+                                 exact(par.fsdp_tp_backward_flops, b, d, d_ff, n_tp, Fraction(n_fsdp)))
     shard = d * d_ff * BYTES // n_tp  # one weight's TP shard, gathered over the FSDP axis
     y = b * d * BYTES // n_fsdp  # y (and dx) on one batch shard, all-reduced over the TP axis
     assert cl.issued == ([("forward", "fsdp", "all_gather", shard, n_fsdp, n_tp)] * 3

@@ -18,9 +18,14 @@ from torch import nn
 
 from cs336_systems.parallel.distributed import one_rank_group
 from cs336_systems.parallel.zero1 import FlatShardedOptimizer
-from tests._ddp_toy_models import assert_same_tensors
+from tests._ddp_toy_models import assert_same_parameters
 from tests._distributed import assert_all_passed, gpu_world_size, run_checks
-from tests.test_optimizer_state_sharding import assert_same_state_dicts, hyperparameters, resumed_from
+from tests.test_optimizer_state_sharding import (
+    assert_same_state_dicts,
+    change_groups_on_schedule,
+    hyperparameters,
+    resumed_from,
+)
 
 STEPS = 8
 STEP_ADDING_A_GROUP = 3
@@ -111,17 +116,11 @@ def check_matches_plain_adamw(rank: int, world_size: int) -> None:
     assert model.fc1.weight.untyped_storage().data_ptr() == model.fc2.weight.untyped_storage().data_ptr(), context
 
     for step in range(STEPS):
-        if step == STEP_ADDING_A_GROUP:
-            flat.add_param_group(late_group(model))
-            plain.add_param_group(late_group(reference))
-        if step == STEP_CHANGING_LR:  # what a learning-rate schedule does
-            for optimizer in (flat, plain):
-                optimizer.param_groups[0]["lr"] *= 0.5
+        change_groups_on_schedule(step, [(flat, model), (plain, reference)], late_group, STEP_ADDING_A_GROUP,
+                                  STEP_CHANGING_LR)
         train_step(model, flat, rank_batch(step, rank), set_to_none_by_model=step == 2)
         train_step(reference, plain, whole_batch(step, world_size))
-        assert_same_tensors(
-            dict(model.named_parameters()), dict(reference.named_parameters()), f"{context}, step {step}", **TOLERANCE
-        )
+        assert_same_parameters(model, reference, f"{context}, step {step}", **TOLERANCE)
     check_state_is_sharded(flat, model, world_size, context)
 
     state_dict = flat.state_dict()
@@ -137,10 +136,7 @@ def check_matches_plain_adamw(rank: int, world_size: int) -> None:
         train_step(reference, plain, whole_batch(step, world_size))
         train_step(plain_model, restored, whole_batch(step, world_size))
         for other, name in ((model, "original"), (resumed_model, "resumed"), (plain_model, "plain from it")):
-            assert_same_tensors(
-                dict(other.named_parameters()), dict(reference.named_parameters()), f"{context}, {name}, {step}",
-                **TOLERANCE,
-            )
+            assert_same_parameters(other, reference, f"{context}, {name}, {step}", **TOLERANCE)
 
 
 def check_on_the_rank_device(rank: int, world_size: int, device: torch.device) -> None:

@@ -66,6 +66,22 @@ def _on_rank(rank: int, fn: Callable[[int, int], None], world_size: int, store: 
         dist.destroy_process_group()
 
 
+def step_beside_reference(wrapped: tuple[nn.Module, torch.optim.Optimizer],
+                          reference: tuple[nn.Module, torch.optim.Optimizer], inputs: Tensor, labels: Tensor,
+                          mine: slice, after_backward: Callable) -> None:
+    """One cross-entropy step of the wrapped model on this rank's rows ``mine`` of the batch (``after_backward``
+    between its backward and its optimizer step), and one of the reference model on the whole batch."""
+    model, optimizer = wrapped
+    optimizer.zero_grad()
+    nn.functional.cross_entropy(model(inputs[mine]), labels[mine]).backward()
+    after_backward(model, optimizer)
+    optimizer.step()
+    model, optimizer = reference
+    optimizer.zero_grad()
+    nn.functional.cross_entropy(model(inputs), labels).backward()
+    optimizer.step()
+
+
 def check_ddp_trains_like_one_process(rank: int, world_size: int, wrap: Callable[[nn.Module], nn.Module],
                                       after_backward: Callable, batch_start: Callable | None = None) -> None:
     """Each rank starts from its own weights and trains on its share of the batch; after the wrapper's broadcast
@@ -83,12 +99,7 @@ def check_ddp_trains_like_one_process(rank: int, world_size: int, wrap: Callable
     for _ in range(3):
         if batch_start is not None:
             batch_start(ddp_model, optimizer)
-        optimizer.zero_grad()
-        nn.functional.cross_entropy(ddp_model(inputs[mine]), labels[mine]).backward()
-        after_backward(ddp_model, optimizer)
-        optimizer.step()
-        reference_optimizer.zero_grad()
-        nn.functional.cross_entropy(reference(inputs), labels).backward()
-        reference_optimizer.step()
+        step_beside_reference((ddp_model, optimizer), (reference, reference_optimizer), inputs, labels, mine,
+                              after_backward)
         for param, expected in zip(ddp_model.parameters(), reference.parameters()):
             torch.testing.assert_close(param, expected)

@@ -7,7 +7,7 @@ import torch
 from torch import Tensor, nn
 
 from .adapters import fsdp_gather_full_params, fsdp_on_after_backward, get_fsdp
-from .common import rank_slice, run_on_ranks
+from .common import rank_slice, run_on_ranks, step_beside_reference
 
 
 class TokenModel(nn.Module):
@@ -33,14 +33,8 @@ def _check(rank: int, world_size: int) -> None:
     for _ in range(3):
         tokens = torch.randint(0, 10, (8, 4), generator=generator)
         labels = torch.randint(0, 3, (8,), generator=generator)
-        mine = rank_slice(rank, world_size, len(tokens))
-        optimizer.zero_grad()
-        nn.functional.cross_entropy(fsdp_model(tokens[mine]), labels[mine]).backward()
-        fsdp_on_after_backward(fsdp_model, optimizer)
-        optimizer.step()
-        reference_optimizer.zero_grad()
-        nn.functional.cross_entropy(reference(tokens), labels).backward()
-        reference_optimizer.step()
+        step_beside_reference((fsdp_model, optimizer), (reference, reference_optimizer), tokens, labels,
+                              rank_slice(rank, world_size, len(tokens)), fsdp_on_after_backward)
     full = fsdp_gather_full_params(fsdp_model)
     for name, expected in reference.named_parameters():
         torch.testing.assert_close(full[name], expected)
