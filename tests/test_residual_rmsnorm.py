@@ -12,6 +12,7 @@ from tests._flash_checks import relative_error
 from tests.test_rmsnorm import (  # noqa: F401  (fixed_launch: the same fixture)
     ERROR_FACTOR,
     ERROR_FLOOR,
+    GPU_SHAPES,
     assert_candidates_compile_without_spills,
     fixed_launch,
     plain_rms_norm,
@@ -138,8 +139,23 @@ def test_residual_variants_compile_for_h100_without_spills(n_cols):
 # ---------------------------------------------------------------------------------------------------
 
 
-# The checks over the GPU shapes and over many rows run this kernel beside the plain one:
-# ``test_matches_float64_on_gpu`` and ``test_weight_gradient_over_many_rows_on_gpu`` in ``tests/test_rmsnorm.py``.
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", GPU_SHAPES)
+def test_matches_float64_on_gpu(shape, dtype, fixed_launch):
+    check_against_float64(*make_inputs(shape, dtype, "cuda"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("autotune", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_many_rows_on_gpu(dtype, autotune):
+    from cs336_systems.kernels.rmsnorm import RMSNORM_CONFIG
+
+    with RMSNORM_CONFIG.use(autotune=autotune):
+        for _ in range(2):  # the second time through the launch cache
+            check_against_float64(*make_inputs((65536 + 5, 768), dtype, "cuda"))
+            check_against_float64(*make_inputs((3000, 40), dtype, "cuda", weight_dtype=torch.float32))
 
 
 @pytest.mark.gpu

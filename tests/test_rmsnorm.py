@@ -4,8 +4,6 @@ the drop-in module and the model switch on the CPU. The benchmark's tests: ``tes
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
 from torch import Tensor
@@ -220,37 +218,25 @@ def fixed_launch():
 
 # Inputs of the GPU checks: one column, odd widths, the models' widths, rows past the single-sweep limit.
 GPU_SHAPES = [(3, 5, 1), (4, 77, 17), (300, 1000), (2, 129, 4099), (4, 512, 1600), (4096, 2560), (64, 12000)]
-# The two kernels' GPU checks below run the same inputs through each: the plain RMSNorm, and the residual add
-# fused into it (``tests/test_residual_rmsnorm.py``, whose checks also compare the sum and the residual's gradient).
-KERNELS = ["rmsnorm", "residual_rmsnorm"]
-
-
-def checks_of(kernel: str):
-    """The test module of ``kernel``, with its ``check_against_float64`` and its ``make_inputs``."""
-    return importlib.import_module(f"tests.test_{kernel}")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", GPU_SHAPES)
-@pytest.mark.parametrize("kernel", KERNELS)
-def test_matches_float64_on_gpu(kernel, shape, dtype, fixed_launch):
-    checks = checks_of(kernel)
-    checks.check_against_float64(*checks.make_inputs(shape, dtype, "cuda"))
+def test_matches_float64_on_gpu(shape, dtype, fixed_launch):
+    check_against_float64(*make_inputs(shape, dtype, "cuda"))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("autotune", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("kernel", KERNELS)
-def test_weight_gradient_over_many_rows_on_gpu(kernel, dtype, autotune):
+def test_weight_gradient_over_many_rows_on_gpu(dtype, autotune):
     from cs336_systems.kernels.rmsnorm import RMSNORM_CONFIG
 
-    checks = checks_of(kernel)
     with RMSNORM_CONFIG.use(autotune=autotune):
         for _ in range(2):  # the second time through the launch cache
-            checks.check_against_float64(*checks.make_inputs((65536 + 5, 768), dtype, "cuda"))
-            checks.check_against_float64(*checks.make_inputs((3000, 40), dtype, "cuda", weight_dtype=torch.float32))
+            check_against_float64(*make_inputs((65536 + 5, 768), dtype, "cuda"))
+            check_against_float64(*make_inputs((3000, 40), dtype, "cuda", weight_dtype=torch.float32))
 
 
 @pytest.mark.gpu
