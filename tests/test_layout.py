@@ -7,6 +7,7 @@ import ast
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -93,6 +94,33 @@ def test_submission_zip_holds_code_and_writeup_pdf_without_scratch_results_and_c
     packed = subprocess.run(["unzip", "-p", archive, "writeup.pdf"], cwd=tmp_path, capture_output=True, text=True,
                             check=True).stdout
     assert packed == f"{pdf}\n"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("zip") is None or shutil.which("unzip") is None, reason="needs zip and unzip")
+@pytest.mark.skipif(not (ROOT / ".git").exists(), reason="packs the files git tracks: needs a git checkout")
+def test_the_unzipped_submission_collects_and_checks_itself(tmp_path):
+    """What a grader unpacks (no .git, no .json/.txt/.log files) still collects every test, and the tests that read
+    the tree itself pass there."""
+    tree, unpacked = tmp_path / "tree", tmp_path / "unpacked"
+    listed = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    for name in listed.splitlines():
+        if (ROOT / name).is_file():
+            (tree / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, tree / name)
+    subprocess.run(["bash", "test_and_make_submission.sh", "--skip-tests"], cwd=tree, capture_output=True,
+                   check=True, timeout=300)
+    (archive,) = tree.glob("*.zip")
+    subprocess.run(["unzip", "-q", str(archive), "-d", str(unpacked)], check=True)
+    pytest_in = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+    collected = subprocess.run([*pytest_in, "--collect-only", "tests"], cwd=unpacked, capture_output=True, text=True,
+                               timeout=300)
+    summary = collected.stdout.strip().splitlines()[-1]
+    assert collected.returncode == 0 and re.search(r"\d+ tests? collected", summary) and "error" not in summary, (
+        collected.stdout[-2000:])
+    checked = subprocess.run([*pytest_in, "tests/test_words.py", "tests/test_layout.py", "-m", "not slow"],
+                             cwd=unpacked, capture_output=True, text=True, timeout=300)
+    assert checked.returncode == 0, checked.stdout[-2000:]
 
 
 @pytest.mark.parametrize("argv, status", [(["--help"], 0), (["-h"], 0), (["--skip-test"], 2), (["tests"], 2),
