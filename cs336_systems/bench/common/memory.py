@@ -88,7 +88,7 @@ def load_snapshot(path: str | Path) -> dict:
 # ---------------------------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=4096)  # one entry per source file a snapshot names
 def _short_path(filename: str) -> tuple[str, bool]:
     """The path from its package root (``cs336_basics/model.py``, ``torch/functional.py``), and whether it is
     our code. Cached: a snapshot repeats the same few hundred files in every stack."""
@@ -203,7 +203,7 @@ def _source_file(short_path: str) -> Path | None:
     return path if path.is_file() else None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=1024)  # one entry per source file of ours
 def _function_spans(short_path: str) -> tuple[tuple[int, int, str], ...]:
     """``(first line, last line, qualified name)`` of every function in a source file of ours (none where the file
     is not found)."""
@@ -224,7 +224,7 @@ def _function_spans(short_path: str) -> tuple[tuple[int, int, str], ...]:
     return tuple(spans)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=65536)  # one entry per distinct frame
 def function_at(short_path: str, line: int, name: str) -> str:
     """The qualified name (``SwiGLU.forward``) of the innermost function holding ``line`` of ``short_path``; the
     frame's bare ``name`` where the source is not at hand (a snapshot of another checkout)."""
