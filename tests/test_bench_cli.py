@@ -73,9 +73,9 @@ def test_the_shape_defines_the_key():
 @pytest.mark.parametrize("size", ["10B", "2.7B", "tiny"])
 def test_parameter_count_matches_a_model_built_on_the_meta_device(size):
     model = build_model(LMConfig(size, 16), torch.device("meta"))
-    assert model_sizes.parameter_count(size) == sum(p.numel() for p in model.parameters())
+    assert model_sizes.size_parameters(size) == sum(p.numel() for p in model.parameters())
     if size == "10B":
-        assert model_sizes.parameter_count(size) == pytest.approx(12.83e9, rel=1e-3)
+        assert model_sizes.size_parameters(size) == pytest.approx(12.83e9, rel=1e-3)
 
 
 def test_the_estimate_refuses_only_what_cannot_fit(monkeypatch):

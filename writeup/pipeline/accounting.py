@@ -9,14 +9,9 @@ import statistics
 from typing import Any
 
 from cs336_systems.bench.common import allreduce_fit
+from cs336_systems.bench.common.model_sizes import parameter_count  # noqa: F401  (the sections' count)
 
 FP32, BF16 = 4, 2
-
-
-def parameter_count(vocab_size: int, d_model: int, d_ff: int, num_layers: int, **_: Any) -> int:
-    """``BasicsTransformerLM`` parameters: embedding and untied LM head, per block 4d² (attention) + 3·d·d_ff
-    (SwiGLU) + 2d (two RMSNorm gains), and the final RMSNorm gain."""
-    return 2 * vocab_size * d_model + num_layers * (4 * d_model**2 + 3 * d_model * d_ff + 2 * d_model) + d_model
 
 
 # ---------------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ Read by the tool, its check and the writeup."""
 from __future__ import annotations
 
 from cs336_systems.bench.common import flops
+from cs336_systems.bench.common.model_sizes import parameter_count
 from cs336_systems.train.checkpoint_plan import GiB, CheckpointPlan, plan_checkpointing, uniform_modes
 from cs336_systems.train.step import LOSS_CHUNK_TOKENS, SHARDED_STACKS
 
@@ -85,7 +86,7 @@ def memory_budget(config: dict[str, int], stack: str, world_size: int, per_rank_
     bf16 blocks; counted for a kept block's backward too). ``peak_gb``: the larger of the start of backward (all
     activations and the larger transient) and its end (all gradients and a block's recomputation)."""
     d, d_ff, layers, vocab = config["d_model"], config["d_ff"], config["num_layers"], config["vocab_size"]
-    params = layers * (4 * d * d + 3 * d * d_ff + 2 * d) + 2 * vocab * d + d
+    params = parameter_count(**config)
     tokens = per_rank_batch * config["context_length"]
     shard = params / world_size
     modes = stack_modes(config, stack) if modes is None else modes

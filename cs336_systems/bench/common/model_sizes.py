@@ -9,6 +9,7 @@ name in the edition a tool ran for in ``size_label``.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 
@@ -62,13 +63,15 @@ def edition_sizes(edition: str) -> list[str]:
     return list(EDITIONS[edition].values())
 
 
-def parameter_count(size: str, vocab_size: int = VOCAB_SIZE) -> int:
-    """Parameters of ``BasicsTransformerLM`` of ``size``: embedding, per block four attention projections, three
-    SwiGLU matrices and two RMSNorm gains, the final RMSNorm and the (untied) LM head."""
-    h = SIZES[size]
-    d, d_ff = h["d_model"], h["d_ff"]
-    block = 4 * d * d + 3 * d * d_ff + 2 * d
-    return vocab_size * d + h["num_layers"] * block + d + d * vocab_size
+def parameter_count(vocab_size: int, d_model: int, d_ff: int, num_layers: int, **_: Any) -> int:
+    """``BasicsTransformerLM`` parameters: embedding and untied LM head, per block 4d² (attention) + 3·d·d_ff
+    (SwiGLU) + 2d (two RMSNorm gains), and the final RMSNorm gain."""
+    return 2 * vocab_size * d_model + num_layers * (4 * d_model**2 + 3 * d_model * d_ff + 2 * d_model) + d_model
+
+
+def size_parameters(size: str, vocab_size: int = VOCAB_SIZE) -> int:
+    """:func:`parameter_count` of the model of ``size`` (a canonical key)."""
+    return parameter_count(vocab_size=vocab_size, **SIZES[size])
 
 
 def device_memory_bytes(device: torch.device) -> int:
@@ -84,7 +87,7 @@ def estimated_oom(size: str, mode: str, device: torch.device) -> dict | None:
     The estimate counts only parameters x fp32 bytes per parameter (weights; gradients; AdamW's two moments):
     activations come on top, so a case above it never fits.
     """
-    params, per_parameter = parameter_count(size), BYTES_PER_PARAMETER[mode]
+    params, per_parameter = size_parameters(size), BYTES_PER_PARAMETER[mode]
     need, have = params * per_parameter, device_memory_bytes(device)
     if need <= have:
         return None
