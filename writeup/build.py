@@ -137,7 +137,9 @@ class Edition:
                 self.missing[key] = f"writeup/{path} ({what}, included by {DOCUMENTS[self.name]})"
 
     def typeset(self, args: argparse.Namespace) -> None:
-        document = {"edition": self.name, "size_names": editions.SIZE_NAMES[self.name], "sections": self.data,
+        with editions.edition(self.name):
+            size_names = editions.size_names()
+        document = {"edition": self.name, "size_names": size_names, "sections": self.data,
                     "allow_missing": bool(self.missing), "includes": self.includes}
         (self.build_dir / "generated" / "data.json").write_text(json.dumps(document, indent=1, sort_keys=True))
         stage_sources(self.build_dir)

@@ -20,15 +20,13 @@ from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from typing import Any
 
+from cs336_systems.bench.common import model_sizes
+
 EDITIONS = ("2025", "2026")
 DEFAULT = "2025"
 
-SIZE_NAMES = {
-    "2025": {"small": "small", "medium": "medium", "large": "large", "xl": "xl", "2.7B": "2.7B", "10B": "10B"},
-    "2026": {"small": "small", "medium": "medium", "large": "large", "xl": "xl (2025)", "2.7B": "xl", "10B": "10B"},
-}
-# The sizes each handout's model table lists, as canonical keys, in its order.
-SIZES = {"2025": ("small", "medium", "large", "xl", "2.7B"), "2026": ("small", "medium", "large", "2.7B", "10B")}
+# The sizes each handout's model table lists, as canonical keys, in its order (the tools' table of editions).
+SIZES = {edition: tuple(model_sizes.edition_sizes(edition)) for edition in EDITIONS}
 
 Row = dict[str, Any]
 
@@ -80,8 +78,22 @@ def edition(name: str) -> Iterator[str]:
 
 
 def size_name(key: str) -> str:
-    """A canonical size key as the current edition names it (unknown keys unchanged)."""
-    return SIZE_NAMES[current()].get(key, key)
+    """A canonical size key as the current edition names it; a size only the other edition names, by that name, with
+    the edition where this one gives the name to another size ("xl (2025)" in 2026); unknown keys unchanged."""
+    label = model_sizes.size_label(key, current())
+    if label is not None:
+        return label
+    other = next(edition for edition in EDITIONS if edition != current())
+    other_label = model_sizes.size_label(key, other)
+    if other_label is None:
+        return key
+    return f"{other_label} ({other})" if other_label in model_sizes.EDITIONS[current()] else other_label
+
+
+def size_names() -> dict[str, str]:
+    """Every canonical key of either edition's table -> its name in the current edition (:func:`size_name`)."""
+    keys = dict.fromkeys(key for edition in EDITIONS for key in model_sizes.EDITIONS[edition].values())
+    return {key: size_name(key) for key in keys}
 
 
 def keeps(problem: str, row: Row) -> bool:
