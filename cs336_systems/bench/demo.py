@@ -84,13 +84,16 @@ def cpu_attention() -> Case:
 def gpu_attention(device: torch.device) -> list[Case]:
     """Ours and SDPA's cuDNN backend: forward + backward time and error against the float32 reference."""
     import triton.testing
-    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from cs336_systems.attention import get_attention
+    from cs336_systems.bench.common.attention_providers import get_provider
+
+    sdpa_cudnn = get_provider("sdpa_cudnn")
+    sdpa = sdpa_cudnn.build()
 
     def cudnn(q, k, v, is_causal):
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+        with sdpa_cudnn.context():  # pins SDPA's cuDNN backend
+            return sdpa(q, k, v, is_causal)
 
     reference = get_attention("sdpa")  # in float32: SDPA's math or efficient kernels, not the tested ones
     cases = []
