@@ -9,9 +9,13 @@ For each operator, provider, shape and pass, two numbers per call, both medians 
 * ``wall_us``: the same loop with the device synchronised after it, over the number of calls: the larger of the
   host and the device time per call, once the queue is full.
 
+The providers of one (op, shape, pass) take turns: each timed loop of one is followed by one of the next, so that a
+host whose speed drifts (another process, a clock) moves every provider alike and not their ratio. AdamW's providers
+run one after the other (two copies of a model's optimizer state need not fit one GPU).
+
 - ``attention`` (bf16, causal): providers ``ours`` (:func:`cs336_systems.attention.op.flash_attention`),
-  ``sdpa_cudnn``, ``sdpa_flash``; shapes ``(b, h, s, d)``: (1, 1, 128, 64), (4, 25, 512, 64), (4, 16, 512, 64);
-  passes ``forward``, ``forward_backward``
+  ``sdpa_cudnn``, ``sdpa_flash``; shapes ``(b, h, s, d)`` (``--attention-shapes``): (1, 1, 128, 64),
+  (4, 25, 512, 64), (4, 16, 512, 64), (4, 25, 2048, 64); passes ``forward``, ``forward_backward``
 - ``rmsnorm`` (bf16 rows): providers ``ours`` (:class:`~cs336_systems.kernels.rmsnorm.FusedRMSNormFunction`),
   ``torch_compiled`` (``cs336_basics`` RMSNorm, compiled); shapes the xl model's ``(batch * context, d_model)``;
   passes ``forward``, ``forward_backward``
@@ -33,6 +37,7 @@ configuration runs. ``--profile PROVIDER`` prints the top functions of a cProfil
 
 from __future__ import annotations
 
+import argparse
 import cProfile
 import io
 import pstats
@@ -49,13 +54,21 @@ from cs336_systems.bench.common import cli, model_sizes, result_store, timing
 from cs336_systems.bench.common.lm import SIZES, VOCAB_SIZE
 
 PROBLEM = "op_overhead"
-ATTENTION_SHAPES = [(1, 1, 128, 64), (4, 25, 512, 64), (4, 16, 512, 64)]
+ATTENTION_SHAPES = [(1, 1, 128, 64), (4, 25, 512, 64), (4, 16, 512, 64), (4, 25, 2048, 64)]
 PROVIDERS = {
     "attention": ["ours", "sdpa_cudnn", "sdpa_flash"],
     "rmsnorm": ["ours", "torch_compiled"],
     "cross_entropy": ["ours", "torch_compiled"],
     "adamw": ["ours", "torch_fused"],
 }
+
+
+def attention_shape(text: str) -> tuple[int, int, int, int]:
+    """``batch,heads,seq,d`` (argparse type), each at least 1."""
+    parts = text.split(",")
+    if len(parts) != 4:
+        raise argparse.ArgumentTypeError(f"an attention shape is batch,heads,seq,d (e.g. 4,25,512,64), got {text!r}")
+    return tuple(cli.positive_int(part) for part in parts)
 
 
 def parser():
@@ -67,6 +80,8 @@ def parser():
     p.add_argument("--batch", type=cli.positive_int, default=4, help="batch size of the model shapes")
     p.add_argument("--calls", type=cli.positive_int, default=100, help="calls per timed loop")
     p.add_argument("--repeats", type=cli.positive_int, default=7, help="timed loops (median)")
+    p.add_argument("--attention-shapes", nargs="+", type=attention_shape, default=None, metavar="B,H,S,D",
+                   help="attention shapes (default " + " ".join(",".join(map(str, s)) for s in ATTENTION_SHAPES) + ")")
     p.add_argument("--profile", default=None, help="print a cProfile of this provider's issue loops; write no rows")
     return p
 
@@ -181,22 +196,31 @@ def warm_up(call: Callable[[], Any], device: torch.device) -> None:
     timing.synchronize(device)
 
 
-def issue_and_wall(call: Callable[[], Any], calls: int, repeats: int, device: torch.device) -> dict[str, float]:
-    """Median issue time and wall time per call, microseconds (module docstring)."""
-    warm_up(call, device)
-    issue, wall = [], []
+def timed_loop(call: Callable[[], Any], calls: int, device: torch.device) -> tuple[float, float]:
+    """One loop of ``calls`` calls: (issue, wall) microseconds per call (module docstring)."""
+    timing.synchronize(device)
+    start = timeit.default_timer()
+    for _ in range(calls):
+        call()
+    issued = timeit.default_timer()
+    timing.synchronize(device)
+    done = timeit.default_timer()
+    return (issued - start) / calls * 1e6, (done - start) / calls * 1e6
+
+
+def issue_and_wall(providers: dict[str, Callable[[], Any]], calls: int, repeats: int, device: torch.device
+                   ) -> dict[str, dict[str, float]]:
+    """Median issue and wall time per call, microseconds, of each provider's call; the providers' loops take turns
+    (module docstring)."""
+    for call in providers.values():
+        warm_up(call, device)
+    loops: dict[str, list[tuple[float, float]]] = {name: [] for name in providers}
     for _ in range(repeats):
-        timing.synchronize(device)
-        start = timeit.default_timer()
-        for _ in range(calls):
-            call()
-        issued = timeit.default_timer()
-        timing.synchronize(device)
-        done = timeit.default_timer()
-        issue.append((issued - start) / calls * 1e6)
-        wall.append((done - start) / calls * 1e6)
-    return {"issue_us": statistics.median(issue), "wall_us": statistics.median(wall),
-            "issue_us_min": min(issue), "calls": calls, "repeats": repeats}
+        for name, call in providers.items():
+            loops[name].append(timed_loop(call, calls, device))
+    return {name: {"issue_us": statistics.median(i for i, _ in times), "wall_us": statistics.median(w for _, w in times),
+                   "issue_us_min": min(i for i, _ in times), "calls": calls, "repeats": repeats}
+            for name, times in loops.items()}
 
 
 def profile(call: Callable[[], Any], calls: int, device: torch.device, top: int = 30) -> str:
@@ -220,7 +244,7 @@ def cases_for(args, device: torch.device) -> list[dict[str, Any]]:
         if device.type != "cuda":  # ours needs a GPU; SDPA's fused backends too (its math one stands in)
             providers = [p.replace("sdpa_cudnn", "sdpa_math") for p in providers if p not in ("ours", "sdpa_flash")]
         if op == "attention":
-            shapes = ATTENTION_SHAPES if device.type == "cuda" else [(1, 2, 32, 16)]
+            shapes = args.attention_shapes or (ATTENTION_SHAPES if device.type == "cuda" else [(1, 2, 32, 16)])
         elif op == "adamw":
             shapes = [[args.size]]
         else:
@@ -251,15 +275,23 @@ def main(argv: list[str] | None = None) -> None:
         return
     store = result_store.ResultStore(PROBLEM, args.results_dir, args.force)
     pending = store.pending(cases)
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for case in pending:  # the providers of one (op, shape, pass) are measured together, taking turns
+        key = (case["op"], str(case["shape"]), case["pass"])
+        together = case["op"] != "adamw"
+        groups.setdefault(key if together else (*key, case["provider"]), []).append(case)
     results = {}
-    for case in cli.progress(pending, PROBLEM):
-        result = result_store.measure_or_oom(
-            lambda: issue_and_wall(make_call(case, args, device), args.calls, args.repeats, device))
-        results[(case["op"], str(case["shape"]), case["pass"], case["provider"])] = result
+    for group in cli.progress(list(groups.values()), PROBLEM):
+        measured = result_store.measure_or_oom(lambda: {"by_provider": issue_and_wall(
+            {case["provider"]: make_call(case, args, device) for case in group}, args.calls, args.repeats, device)})
+        for case in group:
+            result = {"oom": False, **measured["by_provider"][case["provider"]]} if not measured["oom"] else measured
+            results[(case["op"], str(case["shape"]), case["pass"], case["provider"])] = dict(result)
         timing.free_memory()
     for case in pending:
         key = (case["op"], str(case["shape"]), case["pass"])
         result, ours = results[(*key, case["provider"])], results.get((*key, "ours"), {})
+        result["interleaved"] = case["op"] != "adamw"
         if ours.get("issue_us") and result.get("issue_us"):
             result["ours_over_this"] = ours["issue_us"] / result["issue_us"]
             result["ours_wall_over_this"] = ours["wall_us"] / result["wall_us"]

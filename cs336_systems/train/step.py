@@ -161,7 +161,7 @@ class Parts:
 
 STACKS: dict[str, Parts] = {
     "ours": Parts(attention="triton", rmsnorm="fused", loss="fused", optimizer="fused", compile="blocks",
-                  weights="bf16"),
+                  weights="bf16", recompute_materialized=True),
     "torch": Parts(attention="sdpa", rmsnorm="plain", loss="plain", optimizer="torch_fused", compile="blocks"),
 }
 
