@@ -13,7 +13,7 @@ EDITION=${EDITION:-2026}
 SHAPES=${SHAPES:-"2048:4 8192:1"}
 ATTENTION_SHAPES=${ATTENTION_SHAPES:-"4,25,512,64 4,25,2048,64"}
 capped 120 python3 -m cs336_systems.bench.op_overhead --ops attention --attention-shapes $ATTENTION_SHAPES \
-    --profile ours --calls 1000 2> "$OUT/profile_attention_host.txt" >/dev/null
+    --profile ours --calls 1000 > "$OUT/profile_attention_host.txt"
 capped 120 python3 -m cs336_systems.bench.op_overhead --ops attention --attention-shapes $ATTENTION_SHAPES \
     --results-dir "$OUT" --force
 for shape in $SHAPES; do
