@@ -58,6 +58,7 @@ def recorded_kernel(monkeypatch, best: triton.Config | None = None) -> tuple[Ker
     monkeypatch.setattr(launch, "wrap_triton", lambda f: f)  # traced launches call the recorder itself
     monkeypatch.setattr(launch, "_INTERPRETING", False)  # as on a GPU, whatever this process runs under
     monkeypatch.setattr(compat, "current_device", lambda: 0)
+    monkeypatch.setattr(compat, "CompiledLauncher", lambda compiled: compiled)
     monkeypatch.setattr(compat, "launch_compiled",
                         lambda compiled, device, grid_, args, tail: short.append((compiled, grid_, args, tail)))
     return kernel, fn, autotuner, short
@@ -202,6 +203,74 @@ def test_kernel_builds_an_autotuner_over_its_candidates():
     tuned = Kernel(copy_kernel, candidates, ["n"])
     assert tuned.fn is copy_kernel and tuned.autotuner.configs == candidates and tuned.autotuner.keys == ["n"]
     assert Kernel(copy_kernel).autotuner is None
+
+
+# ---------------------------------------------------------------------------------------------------
+# CompiledLauncher: Triton's C launcher called with the descriptors expanded (and encoded once per address)
+# ---------------------------------------------------------------------------------------------------
+
+
+class CompiledStandIn:
+    """A compiled kernel as :class:`compat.CompiledLauncher` reads it, whose launcher object wraps a recording C
+    launcher in Triton's own descriptor-expanding wrapper (``wrap_handle_tensordesc``), descriptors not lowered
+    to tensor maps (so that their expansion needs no GPU)."""
+
+    def __init__(self, signature: dict):
+        from triton.backends.nvidia.driver import wrap_handle_tensordesc
+
+        self.calls: list[tuple] = []
+        self.function, self.packed_metadata = "function", "packed"
+        raw = lambda *args: self.calls.append(args)  # noqa: E731
+        self.run = type("Launcher", (), dict(launch=staticmethod(wrap_handle_tensordesc(raw, signature, None)),
+                                             launch_cooperative_grid=False, launch_pdl=False, global_scratch_size=0,
+                                             profile_scratch_size=0))()
+
+
+SIGNATURE = {"a": "tensordesc<bf16[1, 64, 64]>", "x": "*fp32", "n": "i32", "b": "tensordesc<bf16[1, 64, 64]>",
+             "BLOCK": "constexpr"}
+
+
+def test_compiled_launcher_passes_what_tritons_wrapper_passes_and_encodes_once_per_address(monkeypatch):
+    encoded = []
+    make = compat.make_tensordesc_arg
+    monkeypatch.setattr(compat, "make_tensordesc_arg", lambda arg, meta: encoded.append(arg) or make(arg, meta))
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 77)
+    kernel = CompiledStandIn(SIGNATURE)
+    launcher = compat.CompiledLauncher(kernel)
+    assert [index for index, _ in launcher.descriptors] == [0, 3]
+    first, second, x = torch.zeros(4, 64, 64), torch.zeros(4, 64, 64), torch.zeros(3)
+
+    def descriptor(tensor):
+        return launch.DescriptorArg(tensor, (4, 64, 64), (4096, 64, 1))
+
+    for a in (first, first, second):
+        launcher.launch(0, (5, 2), (descriptor(a), x, 9, descriptor(second)), (64,))
+    kernel.run.launch(5, 2, 1, 77, "function", False, False, None, None, "packed", None,
+                      triton.knobs.runtime.launch_enter_hook, triton.knobs.runtime.launch_exit_hook,
+                      descriptor(second), x, 9, descriptor(second), 64)  # Triton's own expansion of the last call
+    assert kernel.calls[2] == kernel.calls[3]
+    assert kernel.calls[0][13] is first and kernel.calls[2][13] is second and kernel.calls[0][-1] == 64
+    # (position, address) pairs: (0, first), (3, second), (0, second); the repeated call encoded nothing
+    assert len(encoded) == 3 and all(arg.base is t for arg, t in zip(encoded, (first, second, second)))
+
+
+def test_compiled_launcher_forgets_encodings_beyond_its_bound(monkeypatch):
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 0)
+    monkeypatch.setattr(compat, "ENCODED_DESCRIPTORS", 3)
+    launcher = compat.CompiledLauncher(CompiledStandIn(SIGNATURE))
+    b = launch.DescriptorArg(torch.zeros(2), (2,), (1,))
+    for _ in range(4):
+        launcher.launch(0, (1,), (launch.DescriptorArg(torch.zeros(2), (2,), (1,)), b.base, 1, b), (64,))
+    assert 0 < len(launcher.encoded) <= 3
+
+
+def test_compiled_launcher_of_a_kernel_without_descriptors_calls_its_launcher(monkeypatch):
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 0)
+    kernel = CompiledStandIn({"x": "*fp32", "n": "i32"})
+    launcher = compat.CompiledLauncher(kernel)
+    assert launcher.descriptors == () and launcher.raw is kernel.run.launch
+    launcher.launch(0, (3,), (torch.zeros(1), 4), ())
+    assert kernel.calls[0][:3] == (3, 1, 1) and kernel.calls[0][-1] == 4
 
 
 # ---------------------------------------------------------------------------------------------------

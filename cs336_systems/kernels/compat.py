@@ -1,8 +1,9 @@
 """Every private PyTorch (``torch._C``) and Triton symbol our launch code uses, in one module, so that an upgrade that
 moves one breaks this module only (the Gluon kernels' own are in ``attention/backends/gluon_compat.py``).
 
-* :func:`current_device` and :func:`launch_compiled`: a compiled Triton kernel launched on the current device and
-  stream through its C launcher, without Triton's per-call argument binding (see ``launch.py``);
+* :func:`current_device`, :func:`launch_compiled` and :class:`CompiledLauncher`: a compiled Triton kernel launched
+  on the current device and stream through its C launcher, without Triton's per-call argument binding (see
+  ``launch.py``), its tensor descriptors encoded once per address;
 * :func:`dispatch_mode_active`: whether a ``TorchDispatchMode`` is on (selective checkpointing sets one);
 * :func:`trim_autotuner_cache`: the autotuner's picks bounded.
 """
@@ -11,27 +12,102 @@ from __future__ import annotations
 
 import torch
 import triton
+from triton.backends.nvidia.driver import make_tensordesc_arg
 from triton.knobs import HookChain
 
-__all__ = ["current_device", "dispatch_mode_active", "launch_compiled", "trim_autotuner_cache"]
+__all__ = ["CompiledLauncher", "current_device", "dispatch_mode_active", "launch_compiled", "launch_through_triton",
+           "trim_autotuner_cache"]
 
 current_device = torch._C._cuda_getDevice
 """The current CUDA device's index (a C call; ``torch.cuda.current_device()`` adds Python around it)."""
 
 
-def launch_compiled(kernel, device: int, grid: tuple[int, ...], args: tuple, tail: tuple) -> None:
-    """Launch ``kernel`` (what ``fn[grid](...)`` compiled) on ``device``'s current stream with the arguments
-    ``(*args, *tail)``: every parameter of the jit function in order, constexprs included (its launcher skips them).
-    Triton's launch hooks (a profiler's) are called as Triton's own launch would."""
+def launch_compiled(launcher: CompiledLauncher, device: int, grid: tuple[int, ...], args: tuple, tail: tuple) -> None:
+    """Launch what a first launch compiled (its :class:`CompiledLauncher`) on ``device``'s current stream with the
+    arguments ``(*args, *tail)``: every parameter of the jit function in order, constexprs included (its launcher
+    skips them)."""
+    launcher.launch(device, grid, args, tail)
+
+
+def launch_through_triton(kernel, device: int, grid: tuple[int, ...], args: tuple, tail: tuple) -> None:
+    """Launch a compiled kernel as :func:`launch_compiled` does, through Triton's launcher object, which expands
+    tensor descriptors, allocates scratch memory and calls Triton's launch hooks (a profiler's) as Triton's own
+    launch would."""
     stream = torch._C._cuda_getCurrentRawStream(device)
     grid_y = grid[1] if len(grid) > 1 else 1
     grid_z = grid[2] if len(grid) > 2 else 1
     hooks = triton.knobs.runtime
     enter = hooks.launch_enter_hook  # a chain of hooks, usually empty
-    listened = enter.calls if isinstance(enter, HookChain) else enter is not None
-    metadata = kernel.launch_metadata(grid, stream, *args, *tail) if listened else None
+    metadata = kernel.launch_metadata(grid, stream, *args, *tail) if _listened(enter) else None
     kernel.run(grid[0], grid_y, grid_z, stream, kernel.function, kernel.packed_metadata, metadata,
                enter, hooks.launch_exit_hook, *args, *tail)
+
+
+def _listened(hook) -> bool:
+    return hook.calls if isinstance(hook, HookChain) else hook is not None
+
+
+ENCODED_DESCRIPTORS = 512
+"""Encoded tensor descriptors a :class:`CompiledLauncher` keeps (all are dropped when it would hold more): a
+training step's layers each bring their activations' addresses, which recur from step to step."""
+
+
+class CompiledLauncher:
+    """A compiled kernel of one launch signature (its tensors' shapes, strides and dtypes fixed), launched through
+    Triton's C launcher with every tensor descriptor argument already encoded.
+
+    Triton's launcher of a kernel that takes host tensor descriptors expands each, on every call, in Python: it
+    encodes a CUDA tensor map (``cuTensorMapEncodeTiled``) from the descriptor's address, shape, strides, block,
+    swizzle and dtype, then passes the map, shape and strides. Within a launch signature everything but the address
+    is fixed, so the expansion is a function of (argument position, address): kept here, a call whose tensors lie
+    where they lay before (the caching allocator's usual case) encodes nothing. Triton's scratch allocations and
+    launch hooks (a profiler's) fall back to :func:`launch_through_triton`."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        launcher = kernel.run  # loads the module on first use
+        launch = launcher.launch
+        captured = dict(zip(launch.__code__.co_freevars, (cell.cell_contents for cell in launch.__closure__ or ())))
+        if "tensordesc_indices" in captured:  # Triton's wrapper that expands descriptors around the C launcher
+            self.raw = captured["launcher"]
+            self.descriptors = tuple(zip(sorted(captured["tensordesc_indices"]), captured["tensordesc_meta"]))
+        else:
+            self.raw, self.descriptors = launch, ()
+        self.flags = (launcher.launch_cooperative_grid, launcher.launch_pdl)
+        self.needs_scratch = bool(launcher.global_scratch_size or launcher.profile_scratch_size)
+        self.encoded: dict[tuple[int, int], list] = {}
+
+    def launch(self, device: int, grid: tuple[int, ...], args: tuple, tail: tuple) -> None:
+        """Launch on ``device``'s current stream with ``(*args, *tail)``, descriptors as ``DescriptorArg``-like
+        objects (``base``, ``shape``, ``strides``, ``padding``)."""
+        hooks = triton.knobs.runtime
+        enter = hooks.launch_enter_hook
+        if self.needs_scratch or _listened(enter):
+            launch_through_triton(self.kernel, device, grid, args, tail)
+            return
+        values = (*args, *tail)
+        if self.descriptors:
+            values = self._expand(values)
+        kernel = self.kernel
+        self.raw(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
+                 torch._C._cuda_getCurrentRawStream(device), kernel.function, *self.flags, None, None,
+                 kernel.packed_metadata, None, enter, hooks.launch_exit_hook, *values)
+
+    def _expand(self, values: tuple) -> list:
+        expanded, start = [], 0
+        for index, meta in self.descriptors:
+            expanded += values[start:index]
+            descriptor = values[index]
+            key = (index, descriptor.base.data_ptr())
+            encoded = self.encoded.get(key)
+            if encoded is None:
+                if len(self.encoded) >= ENCODED_DESCRIPTORS:
+                    self.encoded.clear()
+                encoded = self.encoded[key] = make_tensordesc_arg(descriptor, meta)
+            expanded += encoded
+            start = index + 1
+        expanded += values[start:]
+        return expanded
 
 
 def dispatch_mode_active() -> bool:

@@ -15,8 +15,8 @@ compute its specialisation (dtype, 16-byte divisibility, equality to 1), hash th
 compiled kernel up, on every call: tens of microseconds for a kernel of forty arguments, several times what a
 cuDNN call costs the host. The callers here know what determines the compilation (the dtype, the constexprs,
 the strides, the pointers' alignment) and have usually computed it already to choose the launch; a :class:`Kernel`
-keeps the compiled kernel under that key and, from the second call on, hands the arguments straight to it
-(``compat.launch_compiled``).
+keeps the compiled kernel under that key and, from the second call on, hands the arguments straight to its C
+launcher (``compat.CompiledLauncher``, which also keeps the kernel's tensor descriptors encoded per address).
 
 Traced versus eager. An eager call (the autograd Function's own) looks its entry up by key, may autotune (once per
 key), and launches the compiled kernel. While ``torch.compile`` traces, the same launch code runs inside a
@@ -197,8 +197,8 @@ class LaunchPlan(NamedTuple):
 
 class LaunchEntry(NamedTuple):
     """Everything the next call of a signature needs: its configuration, grid, trailing arguments (by name for
-    compiling, in the kernel's order for launching), the compiled kernel (None until the first launch has compiled
-    it, and under the interpreter), and the plan's ``extra``."""
+    compiling, in the kernel's order for launching), the compiled kernel's :class:`compat.CompiledLauncher` (None
+    until the first launch has compiled it, and under the interpreter), and the plan's ``extra``."""
 
     config: triton.Config
     grid: tuple[int, ...]
@@ -323,7 +323,7 @@ class Kernel:
         compiled = self.fn[grid](*args, **entry.kwargs, num_warps=entry.config.num_warps,
                                  num_stages=entry.config.num_stages)
         if slot in self.entries and not _INTERPRETING:
-            self.entries[slot] = entry._replace(kernel=compiled)
+            self.entries[slot] = entry._replace(kernel=compat.CompiledLauncher(compiled))
 
     def _launch_traced(self, grid: Grid, args: tuple, constexprs: dict[str, Any], config: triton.Config) -> None:
         # The interpreter's kernels are not jit functions, which wrap_triton refuses: their operators are opaque

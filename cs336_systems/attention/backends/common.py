@@ -88,11 +88,14 @@ DELTA = Kernel(triton_kernels.attn_bwd_delta_kernel)
 
 
 def launch_delta(O: Float[Tensor, "batch *heads q d"], dO: Float[Tensor, "batch *heads q d"],
-                 DQ_acc: Float[Tensor, "batch_heads q d"] | None = None) -> Float[Tensor, "batch_heads q"]:
-    """Delta = rowsum(O * dO), float32; also zeroes the float32 ``DQ_acc`` when given (the Hopper backward's)."""
+                 DQ_acc: Float[Tensor, "batch_heads q d"] | None = None,
+                 Delta: Float[Tensor, "batch_heads q"] | None = None) -> Float[Tensor, "batch_heads q"]:
+    """Delta = rowsum(O * dO), float32, into ``Delta`` (contiguous) or a new tensor; also zeroes the float32
+    ``DQ_acc`` when given (the Hopper backward's)."""
     zero_dq_acc = DQ_acc is not None
     batch_heads = O.shape[0] * O.shape[1] if O.dim() == 4 else O.shape[0]
-    Delta = new_output((batch_heads, O.shape[-2]), torch.float32, O.device)
+    if Delta is None:
+        Delta = new_output((batch_heads, O.shape[-2]), torch.float32, O.device)
     key = (O.dtype, O.shape, O.stride(), dO.stride(), aligned(O, dO), zero_dq_acc)
     DELTA.launch(key, (O, dO, Delta, DQ_acc if zero_dq_acc else Delta), _delta_plan, O, dO, zero_dq_acc,
                  build=_delta_args)

@@ -316,12 +316,18 @@ def backward(
     """``dQ, dK, dV`` (contiguous, the inputs' dtype) from the forward's ``O`` and ``L`` and the output gradient
     ``dO`` (unit stride along ``d``, O's dtype)."""
     _, batch_heads, n_queries, _, head_dim = common.sizes(Q, K)
-    # The Gluon kernel adds dS K over key tiles into a float32 buffer, which the Delta kernel zeroes.
-    DQ_acc = torch.empty((batch_heads, n_queries, head_dim), dtype=torch.float32, device=Q.device)
-    Delta = common.launch_delta(O, dO, DQ_acc)
-    dQ = new_output(Q.shape, Q.dtype, Q.device)
-    dK = new_output(K.shape, K.dtype, K.device)
-    dV = new_output(V.shape, V.dtype, V.device)
+    # The Gluon kernel adds dS K over key tiles into a float32 buffer, which the Delta kernel zeroes. One allocation
+    # holds it and Delta, and one the three gradients where they have one shape: each allocation costs the host
+    # more than a view.
+    accumulators = new_output((batch_heads * n_queries * (head_dim + 1),), torch.float32, Q.device)
+    DQ_acc = accumulators[:batch_heads * n_queries * head_dim].view(batch_heads, n_queries, head_dim)
+    Delta = common.launch_delta(O, dO, DQ_acc, accumulators[batch_heads * n_queries * head_dim:].view(batch_heads,
+                                                                                                      n_queries))
+    if Q.shape == K.shape:
+        dQ, dK, dV = new_output((3, *Q.shape), Q.dtype, Q.device).unbind(0)
+    else:
+        dQ = new_output(Q.shape, Q.dtype, Q.device)
+        dK, dV = new_output((2, *K.shape), K.dtype, K.device).unbind(0)
     key = (Q.device.index, Q.dtype, is_causal, sm_scale, _layout_key(Q), _layout_key(K), _layout_key(V),
            _layout_key(dO), aligned(L, Delta))
     BACKWARD.launch(key, (Q, K, V, dO, dK, dV, DQ_acc, L, Delta), _backward_plan, Q, K, V, dO, is_causal, sm_scale,
