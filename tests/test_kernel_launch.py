@@ -210,6 +210,16 @@ def test_kernel_builds_an_autotuner_over_its_candidates():
 # ---------------------------------------------------------------------------------------------------
 
 
+class CLauncher:
+    """Stands for Triton's C launcher (a built-in: no ``__code__``): records its arguments."""
+
+    def __init__(self, calls: list):
+        self.calls = calls
+
+    def __call__(self, *args):
+        self.calls.append(args)
+
+
 class CompiledStandIn:
     """A compiled kernel as :class:`compat.CompiledLauncher` reads it, whose launcher object wraps a recording C
     launcher in Triton's own descriptor-expanding wrapper (``wrap_handle_tensordesc``), descriptors not lowered
@@ -220,7 +230,7 @@ class CompiledStandIn:
 
         self.calls: list[tuple] = []
         self.function, self.packed_metadata = "function", "packed"
-        raw = lambda *args: self.calls.append(args)  # noqa: E731
+        raw = CLauncher(self.calls)  # like a C function: no Python code object
         self.run = type("Launcher", (), dict(launch=staticmethod(wrap_handle_tensordesc(raw, signature, None)),
                                              launch_cooperative_grid=False, launch_pdl=False, global_scratch_size=0,
                                              profile_scratch_size=0))()

@@ -67,8 +67,11 @@ class CompiledLauncher:
         self.kernel = kernel
         launcher = kernel.run  # loads the module on first use
         launch = launcher.launch
-        captured = dict(zip(launch.__code__.co_freevars, (cell.cell_contents for cell in launch.__closure__ or ())))
-        if "tensordesc_indices" in captured:  # Triton's wrapper that expands descriptors around the C launcher
+        # Triton wraps the C launcher of a kernel with descriptors in a Python function that expands them; that
+        # of a kernel without is the C function itself.
+        code, cells = getattr(launch, "__code__", None), getattr(launch, "__closure__", None) or ()
+        captured = dict(zip(code.co_freevars, (cell.cell_contents for cell in cells))) if code else {}
+        if "tensordesc_indices" in captured:
             self.raw = captured["launcher"]
             self.descriptors = tuple(zip(sorted(captured["tensordesc_indices"]), captured["tensordesc_meta"]))
         else:
