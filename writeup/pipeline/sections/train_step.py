@@ -341,6 +341,82 @@ def _recompute_rows(res, device: str, cases: dict[tuple[str, int, int], Case]) -
     return "; ".join(phrases)
 
 
+H200_2026_DIR = "h200-train-step-2026"
+"""Both stacks on the 2026 handout's xl (2.7B here) on one H200, ours at its current parts (the partitioner may
+recompute what a backward operator reads whole): ``train_step.jsonl`` of one invocation, and ours with the residual
+adds fused into its norms (``train_step_fused_residual_norm.jsonl``, another invocation)."""
+H200_2026_PROFILE_DIR = "h200-train-step-profile-2026"
+KERNEL_CLASS_NAMES = {("matmul",): "matmuls", ("attention_forward",): "attention forward",
+                      ("attention_backward",): "attention backward",
+                      ("elementwise", "norms"): "elementwise kernels and norms (Inductor fuses torch's norms)",
+                      ("optimizer",): "the optimizer", ("idle",): "no kernel (idle)"}
+
+
+def _h200_2026(res) -> dict[str, Any]:
+    """The table and phrases of the 2026 xl's step on one H200 (``H200_2026_DIR``), with the kernel time by class of
+    each stack's default step at 2048 x 4 (``H200_2026_PROFILE_DIR``); ``{"has": False}`` without the rows."""
+    path = res.path(H200_2026_DIR) / "train_step.jsonl"
+    if not path.exists():
+        return {"has": False}
+    rows = {(r["context_length"], r["batch_size"], r["stack"], r["variant"]): r
+            for r in read_jsonl(path) if measured(r)}
+    shapes = sorted({(c, b) for c, b, _, _ in rows}, key=lambda shape: shape[0])
+    body, ratios = [], {}
+    for c, b in shapes:
+        cells = [rows.get((c, b, stack, variant)) for stack in STACKS for variant in VARIANTS]
+        if not all(cells):
+            continue
+        torch_best = min(cells[:2], key=lambda r: r["step_ms"])
+        ours_best = min(cells[2:], key=lambda r: r["step_ms"])
+        ratios[(c, b)] = ours_best["step_ms"] / torch_best["step_ms"]
+        body.append([shape_label(c, b), *[f"{num(r['step_ms'], 1)} ({num(r['peak_gb'], 1)})" for r in cells],
+                     times(ratios[(c, b)], 3)])
+    if not body:
+        return {"has": False}
+    any_row = next(iter(rows.values()))
+    tab = table([["shape", span("torch", 2), span("ours", 2), ""],
+                 ["", "default", "CUDA graphs", "default", "CUDA graphs", "ours / torch (best)"]], body,
+                f"The 2026 xl (2.7B) on {any_row['device']}: step time in ms (peak GB), both stacks and both "
+                f"variants in one invocation (run {any_row['run'][:15]}..., commit {row_commit(any_row)}, "
+                f"{any_row['env']['date'][:10]}); ours' parts as the stack is defined now. A CUDA-graph step's peak "
+                "leaves out its graph's pool.", size=8)
+    fused = [r for r in read_jsonl(res.path(H200_2026_DIR) / "train_step_fused_residual_norm.jsonl") if measured(r)] \
+        if (res.path(H200_2026_DIR) / "train_step_fused_residual_norm.jsonl").exists() else []
+    fused_phrases = []
+    for r in fused:
+        key = (r["context_length"], r["batch_size"])
+        torch_best = min((rows[(*key, "torch", v)] for v in VARIANTS if (*key, "torch", v) in rows),
+                         key=lambda t: t["step_ms"], default=None)
+        ours_default = rows.get((*key, "ours", "default"))
+        if torch_best and ours_default:
+            fused_phrases.append(f"at {shape_label(*key)} {num(r['step_ms'], 1)} ms against {num(ours_default['step_ms'], 1)}"
+                                 f" without ({times(r['step_ms'] / torch_best['step_ms'], 3)} torch's best, rows of "
+                                 f"two invocations) at a peak of {num(r['peak_gb'], 1)} GB")
+    profiles = {}
+    for path in sorted(res.path(H200_2026_PROFILE_DIR).glob("profile_step_*_2048x4_*.txt")):
+        header = next((json.loads(line) for line in path.read_text().splitlines()
+                       if line.startswith("{") and '"ms_by_class"' in line), None)
+        if header:
+            profiles[header["stack"]] = header
+    classes = []
+    if all(s in profiles for s in STACKS):
+        for names, words in KERNEL_CLASS_NAMES.items():
+            ours_ms, torch_ms = (sum(profiles[s]["ms_by_class"].get(name, 0.0) for name in names)
+                                 for s in ("ours", "torch"))
+            classes.append(f"{words} {num(ours_ms, 1)} against {num(torch_ms, 1)}")
+    shares = {s: profiles[s]["ms_by_class"].get("matmul", 0.0) / profiles[s]["wall_ms"] for s in profiles}
+    return {"has": True, "table": tab,
+            "ratios": join_words([f"{times(r, 3)} at {shape_label(*shape)}" for shape, r in ratios.items()]),
+            "peaks": join_words([f"{num(rows[(c, b, 'ours', 'default')]['peak_gb'], 1)} GB against "
+                                 f"{num(rows[(c, b, 'torch', 'default')]['peak_gb'], 1)} GB at {shape_label(c, b)}"
+                                 for c, b in shapes if (c, b, "ours", "default") in rows
+                                 and (c, b, "torch", "default") in rows]),
+            "fused": "; ".join(fused_phrases), "has_fused": bool(fused_phrases),
+            "classes": "; ".join(classes), "has_classes": bool(classes),
+            "matmul_share": spread(min(shares.values()), max(shares.values()), lambda x: pct(x, 0)) if shares else DASH,
+            "profile_dir": f"writeup/results/{H200_2026_PROFILE_DIR}"}
+
+
 @problem("train_step")
 def train_step(res, out: Output) -> dict[str, Any]:
     cases = load_train_step(res)
@@ -462,6 +538,7 @@ def train_step(res, out: Output) -> dict[str, Any]:
         "opt_slower_all": bool(gaps) and all(gap["optimizer"] > 0 for _, gap in gaps),
         "opt_gap": value_range([gap["optimizer"] for _, gap in gaps]),
         "profile": _profile_numbers(load_profiles(res)),
+        "h200_2026": _h200_2026(res),
     }
     return {"tables": {"stacks": _stacks_table(both), "main": _main_table(cases, marker), "phases": phases},
             "figures": {"main": _ratio_figure(out, cases)}, "n": n}
