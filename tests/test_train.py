@@ -69,6 +69,17 @@ def test_recompute_materialized_is_what_the_partitioner_sees_during_the_forward(
     assert seen == [not recompute] and partitioner.ban_recompute_materialized_backward
     with pytest.raises(ValueError, match="recompute_materialized .* needs compile"):
         Parts(compile="none", recompute_materialized=True)
+    with pytest.raises(ValueError, match="recompute_materialized .* needs compile"):
+        STACKS["ours"].with_(compile="none", recompute_materialized=True)
+
+
+def test_turning_compilation_off_turns_the_partitioners_option_off():
+    """Ours' stack lets the partitioner recompute (``recompute_materialized``); the same stack without compilation
+    (as tests and ``--override compile=none`` ask for it) drops that option instead of refusing the change."""
+    assert STACKS["ours"].recompute_materialized and STACKS["ours"].compile == "blocks"
+    for uncompiled in (STACKS["ours"].with_(compile="none"), STACKS["ours"].with_overrides(["compile=none"])):
+        assert uncompiled.compile == "none" and not uncompiled.recompute_materialized
+    assert STACKS["ours"].with_(compile="model").recompute_materialized
 
 
 def test_parts_errors_name_the_part_and_the_choices():

@@ -121,10 +121,14 @@ class Parts:
                 raise ValueError(message)
 
     def with_(self, **changes) -> Parts:
+        """These parts with ``changes``. Turning compilation off (``compile="none"``) also turns off
+        ``recompute_materialized``, which only says what compiled code saves, unless the changes set it too."""
         names = [f.name for f in fields(self)]
         unknown = sorted(set(changes) - set(names))
         if unknown:
             raise ValueError(f"unknown part {unknown[0]!r}; choose among {', '.join(names)}")
+        if changes.get("compile") == "none" and "recompute_materialized" not in changes:
+            changes["recompute_materialized"] = False
         return replace(self, **changes)
 
     def with_overrides(self, items: list[str]) -> Parts:
