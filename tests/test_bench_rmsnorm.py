@@ -188,7 +188,6 @@ def test_graph_timer_on_cpu_falls_back_to_do_bench_saying_why(tmp_path, capsys):
     for r in graph:
         assert "timer" in r["config_keys"] and r["timed_with"] == "do_bench" and "CUDA device" in r["timer_note"]
         assert r["gbps"] > 0 and r["copy_share"] == pytest.approx(r["gbps"] / r["copy_gbps"])
-    assert graph[1]["copy_gbps"] != graph[0]["gbps"]  # the row's own copy, not the graph run's copy row
     assert bench.newest_kernel_run(rows) == plain and bench.newest_kernel_run(rows, "graph") == graph
     assert "timer graph" in capsys.readouterr().out
 
