@@ -34,17 +34,19 @@ def launch_through_triton(kernel, device: int, grid: tuple[int, ...], args: tupl
     tensor descriptors, allocates scratch memory and calls Triton's launch hooks (a profiler's) as Triton's own
     launch would."""
     stream = torch._C._cuda_getCurrentRawStream(device)
-    grid_y = grid[1] if len(grid) > 1 else 1
-    grid_z = grid[2] if len(grid) > 2 else 1
     hooks = triton.knobs.runtime
     enter = hooks.launch_enter_hook  # a chain of hooks, usually empty
     metadata = kernel.launch_metadata(grid, stream, *args, *tail) if _listened(enter) else None
-    kernel.run(grid[0], grid_y, grid_z, stream, kernel.function, kernel.packed_metadata, metadata,
+    kernel.run(*_three_dimensions(grid), stream, kernel.function, kernel.packed_metadata, metadata,
                enter, hooks.launch_exit_hook, *args, *tail)
 
 
 def _listened(hook) -> bool:
     return hook.calls if isinstance(hook, HookChain) else hook is not None
+
+
+def _three_dimensions(grid: tuple[int, ...]) -> tuple[int, int, int]:
+    return grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1
 
 
 ENCODED_DESCRIPTORS = 512
@@ -92,9 +94,8 @@ class CompiledLauncher:
         if self.descriptors:
             values = self._expand(values)
         kernel = self.kernel
-        self.raw(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
-                 torch._C._cuda_getCurrentRawStream(device), kernel.function, *self.flags, None, None,
-                 kernel.packed_metadata, None, enter, hooks.launch_exit_hook, *values)
+        self.raw(*_three_dimensions(grid), torch._C._cuda_getCurrentRawStream(device), kernel.function, *self.flags,
+                 None, None, kernel.packed_metadata, None, enter, hooks.launch_exit_hook, *values)
 
     def _expand(self, values: tuple) -> list:
         expanded, start = [], 0

@@ -319,10 +319,10 @@ def backward(
     # The Gluon kernel adds dS K over key tiles into a float32 buffer, which the Delta kernel zeroes. One allocation
     # holds it and Delta, and one the three gradients where they have one shape: each allocation costs the host
     # more than a view.
-    accumulators = new_output((batch_heads * n_queries * (head_dim + 1),), torch.float32, Q.device)
-    DQ_acc = accumulators[:batch_heads * n_queries * head_dim].view(batch_heads, n_queries, head_dim)
-    Delta = common.launch_delta(O, dO, DQ_acc, accumulators[batch_heads * n_queries * head_dim:].view(batch_heads,
-                                                                                                      n_queries))
+    dq_acc_size = batch_heads * n_queries * head_dim
+    accumulators = new_output((dq_acc_size + batch_heads * n_queries,), torch.float32, Q.device)
+    DQ_acc = accumulators[:dq_acc_size].view(batch_heads, n_queries, head_dim)
+    Delta = common.launch_delta(O, dO, DQ_acc, accumulators[dq_acc_size:].view(batch_heads, n_queries))
     if Q.shape == K.shape:
         dQ, dK, dV = new_output((3, *Q.shape), Q.dtype, Q.device).unbind(0)
     else:

@@ -272,20 +272,23 @@ def _phase_table(cases: dict[Any, Case], size: str, replay_bwd: list[float]
     return tab, gaps
 
 
-def load_profiles(res) -> dict[str, dict[str, Any]]:
-    """The step profiles under ``PROFILE_DIR`` (scripts/train_step_profile.py's output: a header line with the stack,
-    wall and GPU kernel time per step, then kernels and host ops), by stack; empty when there are none."""
+def load_profiles(res, directory: str = PROFILE_DIR, shape: str = "") -> dict[str, dict[str, Any]]:
+    """The step profiles under ``directory`` (scripts/train_step_profile.py's output: a header line with the stack,
+    wall and GPU kernel time per step, then kernels and host ops), by stack, from files named
+    ``profile_step_<stack>_<commit>.txt`` or, with a ``shape`` such as ``2048x4``,
+    ``profile_step_<stack>_<shape>_<commit>.txt``; empty when there are none."""
     profiles: dict[str, dict[str, Any]] = {}
-    for path in sorted(res.path(PROFILE_DIR).glob("profile_step_*_*.txt")):
+    suffix = f"_{shape}" if shape else ""
+    for path in sorted(res.path(directory).glob(f"profile_step_*{suffix}_*.txt")):
         stack, commit = path.stem.removeprefix("profile_step_").rsplit("_", 1)
-        lines = [json.loads(line) for line in res.text(f"{PROFILE_DIR}/{path.name}").splitlines()
+        lines = [json.loads(line) for line in res.text(f"{directory}/{path.name}").splitlines()
                  if line.startswith("{")]
         header = next((line for line in lines if "stack" in line), None)
-        if header is None or header["stack"] != stack:
+        if header is None or header["stack"] + suffix != stack:
             continue
-        profiles[stack] = {**header, "commit": commit, "file": f"writeup/results/{PROFILE_DIR}/{path.name}",
-                           "kernels": {x["kernel"]: x for x in lines if "kernel" in x},
-                           "host_ops": {x["host_op"]: x for x in lines if "host_op" in x}}
+        profiles[header["stack"]] = {**header, "commit": commit, "file": f"writeup/results/{directory}/{path.name}",
+                                     "kernels": {x["kernel"]: x for x in lines if "kernel" in x},
+                                     "host_ops": {x["host_op"]: x for x in lines if "host_op" in x}}
     return profiles
 
 
@@ -380,8 +383,8 @@ def _h200_2026(res) -> dict[str, Any]:
                 f"variants in one invocation (run {any_row['run'][:15]}..., commit {row_commit(any_row)}, "
                 f"{any_row['env']['date'][:10]}); ours' parts as the stack is defined now. A CUDA-graph step's peak "
                 "leaves out its graph's pool.", size=8)
-    fused = [r for r in read_jsonl(res.path(H200_2026_DIR) / "train_step_fused_residual_norm.jsonl") if measured(r)] \
-        if (res.path(H200_2026_DIR) / "train_step_fused_residual_norm.jsonl").exists() else []
+    fused_path = res.path(H200_2026_DIR) / "train_step_fused_residual_norm.jsonl"
+    fused = [r for r in read_jsonl(fused_path) if measured(r)] if fused_path.exists() else []
     fused_phrases = []
     for r in fused:
         key = (r["context_length"], r["batch_size"])
@@ -392,14 +395,9 @@ def _h200_2026(res) -> dict[str, Any]:
             fused_phrases.append(f"at {shape_label(*key)} {num(r['step_ms'], 1)} ms against {num(ours_default['step_ms'], 1)}"
                                  f" without ({times(r['step_ms'] / torch_best['step_ms'], 3)} torch's best, rows of "
                                  f"two invocations) at a peak of {num(r['peak_gb'], 1)} GB")
-    profiles = {}
-    for path in sorted(res.path(H200_2026_PROFILE_DIR).glob("profile_step_*_2048x4_*.txt")):
-        header = next((json.loads(line) for line in path.read_text().splitlines()
-                       if line.startswith("{") and '"ms_by_class"' in line), None)
-        if header:
-            profiles[header["stack"]] = header
+    profiles = load_profiles(res, H200_2026_PROFILE_DIR, shape="2048x4")
     classes = []
-    if all(s in profiles for s in STACKS):
+    if all("ms_by_class" in profiles.get(s, {}) for s in STACKS):
         for names, words in KERNEL_CLASS_NAMES.items():
             ours_ms, torch_ms = (sum(profiles[s]["ms_by_class"].get(name, 0.0) for name in names)
                                  for s in ("ours", "torch"))
