@@ -109,6 +109,8 @@ def recorded_launches() -> Iterator[list[Launch]]:
 
     def record(kernel, slot, entry, grid, args):
         options = dict(num_warps=entry.config.num_warps, num_stages=entry.config.num_stages)
+        if entry.config.maxnreg is not None:
+            options["maxnreg"] = entry.config.maxnreg
         launches.append(Launch(kernel.fn, tuple(grid), tuple(args), {**entry.kwargs, **options}))
 
     device = object()  # a device of its own: no entry made before (or after) the block is used

@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import functools
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -45,13 +46,17 @@ HOPPER_SHARED_MEMORY = 227 * 1024  # bytes a block may use on an H100/H200
 # the backend's own, recorded on CPU tensors (tests/_flash_aot.py).
 @pytest.mark.slow
 @pytest.mark.compiled_kernels
-@pytest.mark.parametrize("d, dtype, is_causal", [(128, torch.bfloat16, True), (16, torch.float16, False),
-                                                (80, torch.bfloat16, True), (96, torch.float16, False)])
-def test_backward_compiles_for_sm90_without_spills_or_serialized_wgmma(d, dtype, is_causal):
+@pytest.mark.parametrize("d, dtype, is_causal, keys", [
+    (128, torch.bfloat16, True, 128), (16, torch.float16, False, 64), (64, torch.bfloat16, True, 64),
+    (64, torch.float16, True, 128), (80, torch.bfloat16, True, 128), (96, torch.float16, False, 128)])
+def test_backward_compiles_for_sm90_without_spills_or_serialized_wgmma(monkeypatch, d, dtype, is_causal, keys):
     if not nvidia_toolchain_available():
         pytest.skip("this Triton has no NVIDIA backend or ptxas")
+    tiles = (keys, hopper.SMALL_BACKWARD_CONFIG if keys == hopper.SMALL_BACKWARD_KEYS else hopper.BACKWARD_CONFIG)
+    monkeypatch.setattr(hopper, "backward_tiles", lambda *shape: tiles)
     launch = hopper_launches(dtype, d, is_causal, forward=False)["bwd"]
-    assert launch.grid == (math.ceil(777 / hopper.BLOCK_N), 6)
+    assert launch.grid == (math.ceil(777 / keys), 6)
+    assert (launch.kwargs["BLOCK_N"], launch.kwargs["num_warps"]) == (keys, keys // 16)
     parts = [part for part in head_dim_parts(d) if part]
     assert launch.kwargs["HEAD_DIM_B"] == (parts[1] if len(parts) == 2 else 0)
     widths = [arg.block_shape[-1] for arg in launch.args if isinstance(arg, TensorDescriptor)]
@@ -65,6 +70,25 @@ def test_backward_compiles_for_sm90_without_spills_or_serialized_wgmma(d, dtype,
     for instruction in ("wgmma.mma_async", "cp.async.bulk.tensor", "cp.reduce.async.bulk.tensor", "setmaxnreg"):
         assert instruction in ptx, instruction
     assert serialized_wgmma(compiled) is None
+    if keys == hopper.SMALL_BACKWARD_KEYS:
+        # One consumer warpgroup a program: two programs must share a multiprocessor (64K registers, 228 KB of
+        # shared memory, 1 KB of it reserved per block), or the tensor cores get half the warps they have at 128 keys.
+        threads = int(re.search(r"\.reqntid (\d+)", ptx).group(1))
+        assert 2 * threads * usage.registers <= 65536, (threads, usage)
+        assert 2 * (usage.shared_bytes + 1024) <= 228 * 1024, usage
+
+
+def test_backward_runs_one_warpgroup_a_program_where_the_gpu_would_not_fill():
+    """64-key programs of one warpgroup at head dims up to 32, and up to 64 where 128-key programs would fill at most
+    a few waves of the multiprocessors; 128-key programs of two warpgroups otherwise."""
+    small = (hopper.SMALL_BACKWARD_KEYS, hopper.SMALL_BACKWARD_CONFIG)
+    large = (hopper.BLOCK_N, hopper.BACKWARD_CONFIG)
+    waves = hopper.SMALL_BACKWARD_WAVES
+    assert hopper.backward_tiles(16, 10**6, 132) == hopper.backward_tiles(32, 10**6, 132) == small
+    assert hopper.backward_tiles(64, waves * 132, 132) == hopper.backward_tiles(48, 1, 132) == small
+    assert hopper.backward_tiles(64, waves * 132 + 1, 132) == hopper.backward_tiles(48, waves * 132 + 1, 132) == large
+    assert hopper.backward_tiles(80, 1, 132) == hopper.backward_tiles(128, 1, 132) == large
+    assert small[1].num_warps == 4 and large[1].num_warps == 8  # a warp holds 16 keys
 
 
 @pytest.mark.compiled_kernels
@@ -317,6 +341,34 @@ def test_forward_first_planned_in_a_cuda_graph_capture_replays_gpu(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not hopper_gpu(), reason="needs a Hopper GPU")
+@pytest.mark.parametrize("keys", [64, 128])
+@pytest.mark.parametrize("d, is_causal", [(64, True), (48, False), (32, True)])
+def test_backward_of_either_program_shape_matches_float64_gpu(monkeypatch, keys, d, is_causal):
+    """The Hopper backward with 64-key programs of one warpgroup and 128-key programs of two, whatever the call's
+    size would choose, against float64: n_keys != n_queries, ragged ends, the heads in the columns of Q's view,
+    gradients NaN-poisoned."""
+    tiles = (keys, hopper.SMALL_BACKWARD_CONFIG if keys == hopper.SMALL_BACKWARD_KEYS else hopper.BACKWARD_CONFIG)
+    monkeypatch.setattr(hopper, "backward_tiles", lambda *shape: tiles)
+    monkeypatch.setattr(hopper.BACKWARD, "entries", collections.OrderedDict())
+    torch.manual_seed(keys + d)
+    Q = torch.randn(2, 1000, 6, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    K, V = (torch.randn(2, 6, 1100, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    dO = torch.randn(2, 6, 1000, d, device="cuda", dtype=torch.bfloat16)
+    mask = torch.ones(1000, 1100, device="cuda", dtype=torch.bool).tril() if is_causal else None
+    leaves = [x.double().requires_grad_() for x in (Q, K, V)]
+    torch.nn.functional.scaled_dot_product_attention(*leaves, attn_mask=mask).backward(dO.double())
+    O, L = hopper.forward(Q, K, V, is_causal, d ** -0.5) if d != 48 else triton_backend.forward(
+        Q, K, V, is_causal, d ** -0.5)
+    with poisoned_outputs():
+        grads = hopper.backward(Q, K, V, O, L, dO, is_causal, d ** -0.5)
+    entries = hopper.BACKWARD.entries.values()
+    assert entries and all(entry.kwargs["BLOCK_N"] == keys for entry in entries)
+    for name, grad, leaf in zip("QKV", grads, leaves):
+        assert relative_error(grad, leaf.grad) < 1e-2, name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not hopper_gpu(), reason="needs a Hopper GPU")
 @pytest.mark.parametrize("d", [16, 32, 64, 80, 128])
 @pytest.mark.parametrize("layout", ["contiguous", "transposed"])
 def test_hopper_and_triton_kernels_agree_gpu(d, layout):
@@ -375,8 +427,10 @@ def test_short_path_launches_what_the_first_launch_compiled(monkeypatch, part, d
                 hopper.backward(Q, K, V, O, L, dO, True, 0.125)
     ((_, grid, first, entry),) = [launch for launch in compiled if launch[0] is kernel.fn]
     ((_, grid_again, second, tail),) = [launch for launch in short if launch[0] is kernel.fn]
-    assert grid == grid_again == ((2, 1) if part == "forward" else (2, 6))  # the forward: one program per SM
-    assert entry.config.num_warps == (4 if part == "forward" else 8) and tail == entry.tail
+    keys = hopper.backward_tiles(d, hopper.programs("backward", Q, K), 2)[0]  # 2 multiprocessors on the CPU
+    # The forward: one program per SM; the backward: one per tile of keys and batch-head.
+    assert grid == grid_again == ((2, 1) if part == "forward" else (math.ceil(seq / keys), 6))
+    assert entry.config.num_warps == (4 if part == "forward" else keys // 16) and tail == entry.tail
     assert entry.kwargs["Q_COLUMNS"] == (layout == "transposed") and entry.kwargs["HEAD_DIM"] == d
     columns = {64: [64], 80: [64, 16]}[d]
     assert [full.block_shape[-1] for full in first if isinstance(full, TensorDescriptor)] == [

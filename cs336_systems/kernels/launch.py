@@ -320,8 +320,7 @@ class Kernel:
         return None if tuned else entry
 
     def _compile_and_launch(self, slot: tuple, entry: LaunchEntry, grid: tuple[int, ...], args: tuple) -> None:
-        compiled = self.fn[grid](*args, **entry.kwargs, num_warps=entry.config.num_warps,
-                                 num_stages=entry.config.num_stages)
+        compiled = self.fn[grid](*args, **entry.kwargs, **_options(entry.config))
         if slot in self.entries and not _INTERPRETING:
             self.entries[slot] = entry._replace(kernel=compat.CompiledLauncher(compiled))
 
@@ -330,8 +329,15 @@ class Kernel:
         # (see define_operator) and launch them directly. Only the tiles, warps and stages: torch.compile refuses
         # num_ctas passed as a launch argument.
         fn = self.fn if _INTERPRETING else wrap_triton(self.fn)
-        fn[grid(config.kwargs)](*args, **constexprs, **config.kwargs, num_warps=config.num_warps,
-                                num_stages=config.num_stages)
+        fn[grid(config.kwargs)](*args, **constexprs, **config.kwargs, **_options(config))
+
+
+def _options(config: triton.Config) -> dict[str, int]:
+    """The compile options of ``config`` that a launch passes: warps, stages, and a register cap where it sets one."""
+    options = dict(num_warps=config.num_warps, num_stages=config.num_stages)
+    if config.maxnreg is not None:
+        options["maxnreg"] = config.maxnreg
+    return options
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -49,14 +49,14 @@ HEAD_DIMS = common.POWER_OF_TWO_HEAD_DIMS
 SPLIT_HEAD_DIMS = common.TWO_PART_HEAD_DIMS
 """Head dims the backward also runs without padding (48, 80, 96), in two power-of-two column parts (80 = 64 + 16,
 ``common.head_dim_parts``); the forward pads them to 128."""
-BLOCK_N = 128  # keys held per backward program (64 per consumer warpgroup), keys per forward step
+BLOCK_N = 128  # keys per forward step; keys of a backward program of two consumer warpgroups (backward_tiles)
 FORWARD_ROWS = 64  # queries per forward consumer warpgroup (two per program)
 BACKWARD_ROWS = 64
 """Queries per backward step, every head dim: S^T, dP^T, dK and dV then fit in the consumers' registers (at 128,
 S^T and dP^T alone would take 128 of them at d = 64)."""
 STAGES = 2
 """Depth of the K/V and Q/dO rings (3 measured no faster at d = 64; at d = 128 it does not fit in shared memory)."""
-ROWS_PER_PROGRAM = 2 * FORWARD_ROWS  # queries per forward program; BLOCK_N keys per backward program
+ROWS_PER_PROGRAM = 2 * FORWARD_ROWS  # queries per forward program; the unit of keys :func:`programs` counts
 DELTA_ROWS = 64  # queries per program of the dQ conversion kernel
 
 _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}
@@ -304,6 +304,12 @@ def _descriptors(descriptors: tuple[DescriptorPlan, ...], tensors: list[Tensor],
 # ---------------------------------------------------------------------------------------------------
 
 BACKWARD = Kernel(attn_bwd_hopper_kernel)
+BACKWARD_CONFIG = triton.Config({}, num_warps=8)
+SMALL_BACKWARD_KEYS = 64
+SMALL_BACKWARD_CONFIG = triton.Config({}, num_warps=4, maxnreg=128)
+"""One consumer warpgroup (and the loader's warp, padded to a warpgroup): 256 threads at 128 registers, of which
+the consumers get 232 (``setmaxnreg``), so that two programs fit a multiprocessor's 64K registers."""
+SMALL_BACKWARD_WAVES = 4
 DQ_CONVERT = Kernel(triton_kernels.attn_bwd_dq_convert_kernel)
 DQ_CONVERT_CONFIG = triton.Config({"BLOCK_M": DELTA_ROWS}, num_warps=4)
 
@@ -336,27 +342,44 @@ def backward(
     return dQ, dK, dV
 
 
+def backward_tiles(head_dim: int, programs: int, multiprocessors: int) -> tuple[int, triton.Config]:
+    """Keys per backward program and the launch configuration, for a call of ``programs`` tiles of
+    ``ROWS_PER_PROGRAM`` keys (:func:`programs`) on a GPU of ``multiprocessors``: 128 keys on two consumer
+    warpgroups (8 warps), or 64 keys on one, with registers capped so that two programs share a multiprocessor.
+
+    The two warpgroups of a 128-key program meet at a CTA barrier every step; two one-warpgroup programs do not,
+    but each loads its own Q and dO blocks and reduces its own dQ share. Measured on an H200 (optimisation log:
+    backward-64-key-programs): one warpgroup is faster at head dims up to 32 (0.93x at 16 heads of 16,384) and, up
+    to 64, where 128-key programs would fill at most :data:`SMALL_BACKWARD_WAVES` waves of the multiprocessors
+    (0.85-0.90x at context 512, 0.85x at one head of 16,384); two are faster on a full GPU (1.07x at 16 heads of
+    16,384)."""
+    if head_dim <= 32 or (head_dim <= 64 and programs <= SMALL_BACKWARD_WAVES * multiprocessors):
+        return SMALL_BACKWARD_KEYS, SMALL_BACKWARD_CONFIG
+    return BLOCK_N, BACKWARD_CONFIG
+
+
 def _backward_plan(Q: Tensor, K: Tensor, V: Tensor, dO: Tensor, is_causal: bool, sm_scale: float) -> LaunchPlan:
     """The plan of the Gluon backward on inputs laid out as these (Q, K, V, dO, then the contiguous dK, dV and the
     float32 dQ accumulator): one descriptor per tensor, and at a head dim of two column parts (:data:`SPLIT_HEAD_DIMS`)
     a second one per tensor, over its second part, after them."""
     n_heads, batch_heads, n_queries, n_keys, head_dim = common.sizes(Q, K)
     part_a, part_b = common.head_dim_parts(head_dim)
+    keys, config = backward_tiles(head_dim, programs("backward", Q, K), multiprocessors(Q.device))
     descriptors = []
     for columns in (part_a, part_b) if part_b else (0,):  # 0: the whole head dim
         inputs = [DescriptorPlan.of(x, rows, columns) for x, rows in
-                  ((Q, BACKWARD_ROWS), (K, BLOCK_N), (V, BLOCK_N), (dO, BACKWARD_ROWS))]
+                  ((Q, BACKWARD_ROWS), (K, keys), (V, keys), (dO, BACKWARD_ROWS))]
         (q, q_columns), (k, k_columns), (v, v_columns), (do, do_columns) = inputs
-        dk = dv = _output_plan((batch_heads, n_keys, head_dim), BLOCK_N, columns)
+        dk = dv = _output_plan((batch_heads, n_keys, head_dim), keys, columns)
         dq = _output_plan((batch_heads, n_queries, head_dim), BACKWARD_ROWS, columns)
         descriptors += [q, k, v, do, dk, dv, dq]
     scalars = in_order(BACKWARD.fn, dict(n_heads=n_heads, n_queries=n_queries, n_keys=n_keys, sm_scale=sm_scale,
                                          qk_scale=sm_scale * common.LOG2_E), first=9)
-    return LaunchPlan(lambda tiles: (triton.cdiv(n_keys, BLOCK_N), batch_heads),
-                      dict(HEAD_DIM=head_dim, IS_CAUSAL=is_causal, BLOCK_M=BACKWARD_ROWS, BLOCK_N=BLOCK_N,
+    return LaunchPlan(lambda tiles: (triton.cdiv(n_keys, keys), batch_heads),
+                      dict(HEAD_DIM=head_dim, IS_CAUSAL=is_causal, BLOCK_M=BACKWARD_ROWS, BLOCK_N=keys,
                            STAGES=STAGES, Q_COLUMNS=q_columns, K_COLUMNS=k_columns, V_COLUMNS=v_columns,
                            DO_COLUMNS=do_columns, HEAD_DIM_B=part_b),
-                      triton.Config({}, num_warps=8), (tuple(descriptors), scalars))
+                      config, (tuple(descriptors), scalars))
 
 
 _NO_SECOND_PART = (None,) * 7

@@ -12,8 +12,9 @@ matmuls occupy the tensor cores. S_(j+1) = Q K_(j+1)^T is issued behind P V_j; P
 Q tiles come in two slots and the K/V ring runs on across tiles, so that the loader fetches the next tile's Q and
 first blocks while the consumers finish a tile, and a tile's O, staged in its Q slot, leaves during the next tile.
 
-Backward. One program holds ``BLOCK_N`` = 128 keys (K and V in shared memory, dK and dV accumulating in
-registers, 64 keys per consumer warpgroup) and sweeps the query blocks that see them, ``BLOCK_M`` queries at a
+Backward. One program holds ``BLOCK_N`` keys, 64 per consumer warpgroup (K and V in shared memory, dK and dV
+accumulating in registers): 128 on two warpgroups, or 64 on one where two such programs per multiprocessor run
+faster (``hopper.backward_tiles``). It sweeps the query blocks that see its keys, ``BLOCK_M`` queries at a
 time; the loader also stores each block's base-2 logsumexp and Delta into the ring. Per step, five matmuls, in
 FlashAttention-3's order: S^T = K Q^T and dP^T = V dO^T from shared memory, each warpgroup the rows of its keys,
 so that P^T and dS^T stay in its registers for dV += P^T dO and dK += dS^T Q (register-sourced wgmma; P is
@@ -21,8 +22,8 @@ never written to shared memory); dS^T is written once, for dQ_j = dS K, which is
 the copy engine's bulk reduction (``cp.reduce.async.bulk``) from a double-buffered staging tile, so that the
 warps go on at once. The next block's S^T and dP^T are issued behind dK and all matmuls are waited for before
 the step ends: a wgmma whose accumulator crosses the loop's back edge in flight makes ptxas serialise every
-wgmma of the kernel (its info C7514; the test suite compiles the kernel and checks). Two CTA-wide barriers per
-step order the shared buffers.
+wgmma of the kernel (its info C7514; the test suite compiles the kernel and checks). Two barriers of the consumer
+warps per step order the shared buffers.
 
 Head dims of two power-of-two parts (48, 80, 96). Tensor descriptors move power-of-two blocks only: the backward
 moves each tensor as two column blocks and runs every product over the head dim as two matmuls (S^T and dP^T
@@ -431,9 +432,9 @@ def attn_fwd_hopper_kernel(
 # ---------------------------------------------------------------------------------------------------
 # Backward
 # ---------------------------------------------------------------------------------------------------
-# A program holds BLOCK_N = 128 keys: two consumer warpgroups in one partition, each owning 64 of the keys'
-# rows of S^T, dP^T, dK and dV, meeting at CTA-wide barriers around the shared dS^T and the dQ staging tile. A
-# one-warp partition streams Q and dO blocks, with their rows' logsumexp and Delta, through a ring.
+# A program holds BLOCK_N keys (128 or 64): BLOCK_N // 64 consumer warpgroups in one partition, each owning 64 of
+# the keys' rows of S^T, dP^T, dK and dV, meeting at the partition's barriers around the shared dS^T and the dQ
+# staging tile. A one-warp partition streams Q and dO blocks, with their rows' logsumexp and Delta, through a ring.
 #
 # At a head dim of two power-of-two parts (80 = 64 + 16; tensor descriptors move power-of-two blocks only) every
 # tensor moves as two column blocks and every product over the head dim is two matmuls: S^T and dP^T accumulate
@@ -476,25 +477,29 @@ class BwdConfig:
         self.HEAD_DIM_A = gl.constexpr(HEAD_DIM - HEAD_DIM_B)
         self.HEAD_DIM_B = gl.constexpr(HEAD_DIM_B)
         # S^T = K Q^T (BLOCK_N, BLOCK_M): warpgroup w computes the rows of its keys, so that P^T and dS^T are in
-        # the registers of the warpgroup whose dV and dK rows they feed (register-sourced wgmma).
-        self.st_layout = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
+        # the registers of the warpgroup whose dV and dK rows they feed (register-sourced wgmma). A warp holds 16
+        # keys: BLOCK_N // 16 consumer warps.
+        warps = BLOCK_N // 16
+        self.st_layout = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1],
                                                                 instr_shape=[16, BLOCK_M, 16]))
         # dK, dV (BLOCK_N, columns): warpgroup w accumulates the rows of its keys; dQ (BLOCK_M, columns): each
-        # warpgroup half of the columns.
-        self.acc_layout = gl.constexpr(_acc_layout(HEAD_DIM - HEAD_DIM_B))
-        self.dq_layout = gl.constexpr(_dq_layout(HEAD_DIM - HEAD_DIM_B))
-        self.acc_layout_b = gl.constexpr(_acc_layout(HEAD_DIM_B) if HEAD_DIM_B else None)
-        self.dq_layout_b = gl.constexpr(_dq_layout(HEAD_DIM_B) if HEAD_DIM_B else None)
+        # warpgroup its share of the columns.
+        self.acc_layout = gl.constexpr(_acc_layout(HEAD_DIM - HEAD_DIM_B, warps))
+        self.dq_layout = gl.constexpr(_dq_layout(HEAD_DIM - HEAD_DIM_B, warps))
+        self.acc_layout_b = gl.constexpr(_acc_layout(HEAD_DIM_B, warps) if HEAD_DIM_B else None)
+        self.dq_layout_b = gl.constexpr(_dq_layout(HEAD_DIM_B, warps) if HEAD_DIM_B else None)
 
 
 @gluon.constexpr_function
-def _acc_layout(columns):
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, columns, 16])
+def _acc_layout(columns, warps):
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, columns, 16])
 
 
 @gluon.constexpr_function
-def _dq_layout(columns):
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, columns // 2, 16])
+def _dq_layout(columns, warps):
+    warpgroups = warps // 4
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, warpgroups],
+                                     instr_shape=[16, columns // warpgroups, 16])
 
 
 @aggregate
@@ -741,7 +746,7 @@ def _bwd_step(config, program, buffers, ring, dq_desc, qk_scale, state, scores_t
 
 @gluon.jit
 def _bwd_compute_partition(config, buffers, ring, dq_desc, program, qk_scale, dq_desc_b):
-    """Default partition (two warpgroups, each owning 64 of the keys): five matmuls per query block (two per
+    """Default partition (one or two warpgroups, each owning 64 of the keys): five matmuls per query block (two per
     product over the head dim at a two-part head dim); returns dK (without the 1/sqrt(d)) and dV, float32
     (BLOCK_N, HEAD_DIM_A), and their second column parts or None."""
     zero_acc = gl.zeros([config.BLOCK_N, config.HEAD_DIM_A], gl.float32, config.acc_layout)

@@ -1,0 +1,161 @@
+"""The Hopper backward's program shapes compared on one GPU, in one process: for each choice of keys per program and
+consumer warps (``hopper.backward_tiles``), the gradients' errors against float64 attention, then the backward's GPU
+time (CUDA graphs of the forward and of the forward + backward replayed; the backward, Delta, the main kernel and the
+dQ conversion, is their difference) beside
+SDPA's cuDNN backend, in alternating rounds so that a drifting clock moves every column alike.
+
+    python scripts/hopper_backward_tiles.py                       # 128x8 (two warpgroups) vs 64x4 (one)
+    python scripts/hopper_backward_tiles.py --shapes 1,16,16384,64 --rounds 3
+
+Prints one JSON line per (round, shape, provider) and a last line per shape with the medians and ratios to cuDNN.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.functional import scaled_dot_product_attention
+
+from cs336_systems.attention.backends import hopper
+from cs336_systems.attention.op import flash_attention
+
+TILES = {
+    "128x8": (128, triton.Config({}, num_warps=8)),
+    "64x4": (64, triton.Config({}, num_warps=4, maxnreg=128)),
+}
+SHAPES = ["4,25,512,64", "4,25,2048,64", "1,25,8192,64", "1,16,16384,64", "1,1,16384,64", "4,12,512,64",
+          "1,16,16384,32"]
+CHECKS = [  # batch, heads, n_queries, n_keys, head_dim, causal, heads in the columns (a (b, s, h, d) transpose)
+    (2, 3, 1000, 1000, 64, True, False), (2, 3, 1000, 777, 64, False, False), (1, 2, 300, 100, 64, True, False),
+    (3, 5, 129, 129, 16, True, True), (1, 4, 1500, 1500, 32, True, False), (200, 1, 256, 256, 64, True, False),
+    (1, 2, 1, 1, 64, True, False), (2, 4, 4096, 4096, 64, True, True),
+]
+BOUND = 1e-2
+
+
+DEFAULT_TILES = hopper.backward_tiles
+
+
+def use_tiles(name: str) -> None:
+    """Every later backward plan at head dims up to 64 takes ``name``'s program shape (plans made before are
+    dropped); larger head dims keep the default."""
+    hopper.backward_tiles = lambda head_dim, *shape: TILES[name] if head_dim <= 64 else DEFAULT_TILES(head_dim, *shape)
+    hopper.BACKWARD.entries.clear()
+
+
+def inputs(batch, heads, n_queries, n_keys, head_dim, columns=False, seed=0):
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+
+    def randn(n):
+        shape = (batch, n, heads, head_dim) if columns else (batch, heads, n, head_dim)
+        x = torch.randn(*shape, device="cuda", generator=generator, dtype=torch.bfloat16)
+        return x.transpose(1, 2) if columns else x
+    return randn(n_queries), randn(n_keys), randn(n_keys), randn(n_queries)
+
+
+def errors(case) -> list[float]:
+    *shape, causal, columns = case
+    q, k, v, do = inputs(*shape, columns=columns, seed=sum(shape))
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    grads = torch.autograd.grad(flash_attention(q, k, v, causal), (q, k, v), do)
+    ref = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    ref_grads = torch.autograd.grad(scaled_dot_product_attention(*ref, is_causal=causal), ref, do.double())
+    # Relative where the reference is nonzero (one query and one key: dQ = dK = 0, the error is absolute).
+    return [((g.double() - r).norm() / max(r.norm(), 1.0)).item() for g, r in zip(grads, ref_grads)]
+
+
+def graphs_of(attention, shape):
+    """CUDA graphs of the forward and of the forward + backward of ``attention`` at ``shape`` (causal), the inputs
+    they read (kept alive with them)."""
+    q, k, v, do = inputs(*shape)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+
+    def forward():
+        return attention(q, k, v)
+
+    def forward_backward():
+        return torch.autograd.grad(attention(q, k, v), (q, k, v), do)
+
+    captured = []
+    for work in (forward, forward_backward):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                work()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            work()
+        captured.append(graph)
+    return captured, (q, k, v, do)
+
+
+def replay_ms(graph, replays: int) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / replays
+
+
+def cudnn(q, k, v):
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        return scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiles", nargs="+", choices=list(TILES), default=list(TILES))
+    parser.add_argument("--shapes", nargs="+", default=SHAPES, help="batch,heads,seq,d (causal)")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--ms", type=float, default=300, help="GPU time per measurement, ms")
+    args = parser.parse_args()
+    failed = 0
+    for name in args.tiles:
+        use_tiles(name)
+        for case in CHECKS:
+            errs = errors(case)
+            bad = not max(errs) <= BOUND
+            failed += bad
+            print(json.dumps({"check": name, "case": case, "rel_err_dq_dk_dv": [round(e, 5) for e in errs],
+                              "ok": not bad}), flush=True)
+    if failed:
+        raise SystemExit(f"{failed} checks over {BOUND}")
+    for text in args.shapes:
+        shape = tuple(int(x) for x in text.split(","))
+        batch, heads, seq, head_dim = shape
+        graphs = {}
+        for name in args.tiles:
+            use_tiles(name)
+            graphs[name] = graphs_of(lambda q, k, v: flash_attention(q, k, v, True),
+                                     (batch, heads, seq, seq, head_dim))
+        graphs["cudnn"] = graphs_of(cudnn, (batch, heads, seq, seq, head_dim))
+        first = replay_ms(graphs["cudnn"][0][1], 3)
+        replays = max(3, min(2000, int(args.ms / max(first, 1e-3))))
+        times = {name: ([], []) for name in graphs}  # forward, forward + backward
+        for r in range(args.rounds):
+            for name in (graphs if r % 2 == 0 else reversed(graphs)):
+                for graph, column in zip(graphs[name][0], times[name]):
+                    column.append(statistics.median(replay_ms(graph, replays) for _ in range(5)))
+        fwd_bwd = {name: statistics.median(t[1]) for name, t in times.items()}
+        bwd = {name: fwd_bwd[name] - statistics.median(t[0]) for name, t in times.items()}
+        print(json.dumps({"shape": shape, "backward_ms": {n: round(m, 4) for n, m in bwd.items()},
+                          "fwd_bwd_ms": {n: round(m, 4) for n, m in fwd_bwd.items()},
+                          "rounds_fwd_bwd": {n: [round(x, 4) for x in t[1]] for n, t in times.items()},
+                          "backward_over_cudnn": {n: round(m / bwd["cudnn"], 4) for n, m in bwd.items()},
+                          "device": torch.cuda.get_device_name()}), flush=True)
+        del graphs
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
