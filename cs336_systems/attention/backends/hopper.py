@@ -309,7 +309,7 @@ SMALL_BACKWARD_KEYS = 64
 SMALL_BACKWARD_CONFIG = triton.Config({}, num_warps=4, maxnreg=128)
 """One consumer warpgroup (and the loader's warp, padded to a warpgroup): 256 threads at 128 registers, of which
 the consumers get 232 (``setmaxnreg``), so that two programs fit a multiprocessor's 64K registers."""
-SMALL_BACKWARD_WAVES = 4
+SMALL_BACKWARD_WAVES = 7
 DQ_CONVERT = Kernel(triton_kernels.attn_bwd_dq_convert_kernel)
 DQ_CONVERT_CONFIG = triton.Config({"BLOCK_M": DELTA_ROWS}, num_warps=4)
 
@@ -347,12 +347,12 @@ def backward_tiles(head_dim: int, programs: int, multiprocessors: int) -> tuple[
     ``ROWS_PER_PROGRAM`` keys (:func:`programs`) on a GPU of ``multiprocessors``: 128 keys on two consumer
     warpgroups (8 warps), or 64 keys on one, with registers capped so that two programs share a multiprocessor.
 
-    The two warpgroups of a 128-key program meet at a CTA barrier every step; two one-warpgroup programs do not,
-    but each loads its own Q and dO blocks and reduces its own dQ share. Measured on an H200 (optimisation log:
-    backward-64-key-programs): one warpgroup is faster at head dims up to 32 (0.93x at 16 heads of 16,384) and, up
-    to 64, where 128-key programs would fill at most :data:`SMALL_BACKWARD_WAVES` waves of the multiprocessors
-    (0.85-0.90x at context 512, 0.85x at one head of 16,384); two are faster on a full GPU (1.07x at 16 heads of
-    16,384)."""
+    The two warpgroups of a 128-key program meet at a barrier every step; two one-warpgroup programs do not, but
+    each loads its own Q and dO blocks and reduces its own dQ share. Measured on an H200 (backward against the
+    two-warpgroup kernel, optimisation log: backward-64-key-programs): one warpgroup is faster at head dims up to 32
+    (0.93x at 16 heads of 16,384) and, up to 64, where 128-key programs would fill at most
+    :data:`SMALL_BACKWARD_WAVES` waves of the multiprocessors (0.85-0.98x from 128 to 800 programs); two are faster
+    from 1,024 programs up (1.03x at 1,024, 1.07x at 16 heads of 16,384)."""
     if head_dim <= 32 or (head_dim <= 64 and programs <= SMALL_BACKWARD_WAVES * multiprocessors):
         return SMALL_BACKWARD_KEYS, SMALL_BACKWARD_CONFIG
     return BLOCK_N, BACKWARD_CONFIG
