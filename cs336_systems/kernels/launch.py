@@ -154,7 +154,10 @@ def unit_last_stride(x: Tensor) -> Tensor:
 
 def aligned(*tensors: Tensor) -> bool:
     """Whether every tensor's data starts on 16 bytes, which Triton specialises pointers on."""
-    return all(t.data_ptr() % 16 == 0 for t in tensors)
+    address = 0
+    for t in tensors:
+        address |= t.data_ptr()
+    return address % 16 == 0
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -156,13 +156,19 @@ class DescriptorPlan(NamedTuple):
 
 
 def _output_plan(shape: tuple[int, ...], rows: int, columns: int = 0) -> DescriptorPlan:
-    """The plan of a contiguous output seen as ``shape`` (batch * heads, seq, d)."""
-    return DescriptorPlan(False, shape, (shape[1] * shape[2], shape[2], 1), rows, columns)
+    """The plan of a contiguous output seen as ``shape`` (batch * heads, seq, d), blocks of ``columns`` (0: all
+    ``d``), whatever the shape of the tensor it is given (the backward's DQ_acc is the start of a flat workspace)."""
+    return DescriptorPlan(False, shape, (shape[1] * shape[2], shape[2], 1), rows, columns or shape[2])
 
 
 
-def _layout_key(x: Tensor) -> tuple:
-    return x.shape, x.stride(), aligned(x)
+def _alignment(*tensors: Tensor) -> bool | tuple[bool, ...]:
+    """True where every tensor starts on 16 bytes (the usual case, one test of their addresses or'ed together); else
+    each tensor's own alignment, which decides whether its descriptor views a copy."""
+    address = 0
+    for t in tensors:
+        address |= t.data_ptr()
+    return True if address % 16 == 0 else tuple(t.data_ptr() % 16 == 0 for t in tensors)
 
 
 TILE_COST = 1
@@ -257,7 +263,8 @@ def forward(
     """``O`` (contiguous, Q's shape and dtype) and the natural-log logsumexp ``L`` (contiguous, float32)."""
     O = new_output(Q.shape, Q.dtype, Q.device)
     L = new_output(Q.shape[:-1], torch.float32, Q.device)
-    key = (Q.device.index, Q.dtype, is_causal, sm_scale, _layout_key(Q), _layout_key(K), _layout_key(V), aligned(L))
+    key = (Q.device.index, Q.dtype, is_causal, sm_scale, Q.shape, K.shape, Q.stride(), K.stride(), V.stride(),
+           _alignment(Q, K, V, L))
     FORWARD.launch(key, (Q, K, V, O, L), _forward_plan, Q, K, V, is_causal, sm_scale, build=_descriptor_args)
     return O, L
 
@@ -292,10 +299,10 @@ def _descriptors(descriptors: tuple[DescriptorPlan, ...], tensors: list[Tensor],
     whatever its descriptors; where there are two descriptors per tensor, one per column part, the second ones
     follow all the first): what Triton compiles the kernel from, or once ``compiled`` only what its launcher
     reads."""
-    sources = tuple(_aligned_copy(x) if p.copied else x for p, x in zip(descriptors, tensors))
+    sources = tuple([_aligned_copy(x) if p.copied else x for p, x in zip(descriptors, tensors)])
     sources *= len(descriptors) // len(tensors)
     if compiled:
-        return tuple(DescriptorArg(source, p.shape, p.strides) for p, source in zip(descriptors, sources, strict=True))
+        return tuple([DescriptorArg(source, p.shape, p.strides) for p, source in zip(descriptors, sources)])
     return tuple(p.full_descriptor(source) for p, source in zip(descriptors, sources, strict=True))
 
 
@@ -322,23 +329,23 @@ def backward(
     """``dQ, dK, dV`` (contiguous, the inputs' dtype) from the forward's ``O`` and ``L`` and the output gradient
     ``dO`` (unit stride along ``d``, O's dtype)."""
     _, batch_heads, n_queries, _, head_dim = common.sizes(Q, K)
-    # The Gluon kernel adds dS K over key tiles into a float32 buffer, which the Delta kernel zeroes. One allocation
-    # holds it and Delta, and one the three gradients where they have one shape: each allocation costs the host
-    # more than a view.
+    # The Gluon kernel adds dS K over key tiles into a float32 buffer DQ_acc, which the Delta kernel zeroes. One
+    # allocation holds it and Delta, and one the three gradients where they have one shape: each allocation costs
+    # the host more than a view.
+    # The kernels address DQ_acc (batch * heads, n_queries, d) from the workspace's start, where no view is needed.
     dq_acc_size = batch_heads * n_queries * head_dim
-    accumulators = new_output((dq_acc_size + batch_heads * n_queries,), torch.float32, Q.device)
-    DQ_acc = accumulators[:dq_acc_size].view(batch_heads, n_queries, head_dim)
-    Delta = common.launch_delta(O, dO, DQ_acc, accumulators[dq_acc_size:].view(batch_heads, n_queries))
+    workspace = new_output((dq_acc_size + batch_heads * n_queries,), torch.float32, Q.device)
+    Delta = common.launch_delta(O, dO, workspace, workspace[dq_acc_size:])
     if Q.shape == K.shape:
         dQ, dK, dV = new_output((3, *Q.shape), Q.dtype, Q.device).unbind(0)
     else:
         dQ = new_output(Q.shape, Q.dtype, Q.device)
         dK, dV = new_output((2, *K.shape), K.dtype, K.device).unbind(0)
-    key = (Q.device.index, Q.dtype, is_causal, sm_scale, _layout_key(Q), _layout_key(K), _layout_key(V),
-           _layout_key(dO), aligned(L, Delta))
-    BACKWARD.launch(key, (Q, K, V, dO, dK, dV, DQ_acc, L, Delta), _backward_plan, Q, K, V, dO, is_causal, sm_scale,
-                    build=_backward_args)
-    DQ_CONVERT.launch((dQ.dtype, dQ.shape, sm_scale), (DQ_acc, dQ), _dq_convert_plan, dQ, sm_scale)
+    key = (Q.device.index, Q.dtype, is_causal, sm_scale, Q.shape, K.shape, Q.stride(), K.stride(), V.stride(),
+           dO.stride(), _alignment(Q, K, V, dO, L, Delta))
+    BACKWARD.launch(key, (Q, K, V, dO, dK, dV, workspace, L, Delta), _backward_plan, Q, K, V, dO, is_causal,
+                    sm_scale, build=_backward_args)
+    DQ_CONVERT.launch((dQ.dtype, dQ.shape, sm_scale), (workspace, dQ), _dq_convert_plan, dQ, sm_scale)
     return dQ, dK, dV
 
 
