@@ -79,15 +79,17 @@ def test_backward_compiles_for_sm90_without_spills_or_serialized_wgmma(monkeypat
 
 
 def test_backward_runs_one_warpgroup_a_program_where_the_gpu_would_not_fill():
-    """64-key programs of one warpgroup at head dims up to 32, and up to 64 where 128-key programs would fill at most
-    a few waves of the multiprocessors; 128-key programs of two warpgroups otherwise."""
+    """64-key programs of one warpgroup at head dims up to 32; up to 64 where 128-key programs would not fill one
+    wave, or at short contexts where they fill at most a few; 128-key programs of two warpgroups otherwise."""
     small = (hopper.SMALL_BACKWARD_KEYS, hopper.SMALL_BACKWARD_CONFIG)
     large = (hopper.BLOCK_N, hopper.BACKWARD_CONFIG)
-    waves = hopper.SMALL_BACKWARD_WAVES
-    assert hopper.backward_tiles(16, 10**6, 132) == hopper.backward_tiles(32, 10**6, 132) == small
-    assert hopper.backward_tiles(64, waves * 132, 132) == hopper.backward_tiles(48, 1, 132) == small
-    assert hopper.backward_tiles(64, waves * 132 + 1, 132) == hopper.backward_tiles(48, waves * 132 + 1, 132) == large
-    assert hopper.backward_tiles(80, 1, 132) == hopper.backward_tiles(128, 1, 132) == large
+    waves, context = hopper.SMALL_BACKWARD_WAVES, hopper.SMALL_BACKWARD_CONTEXT
+    assert hopper.backward_tiles(16, 65536, 10**6, 132) == hopper.backward_tiles(32, 65536, 10**6, 132) == small
+    assert hopper.backward_tiles(64, 65536, 132, 132) == hopper.backward_tiles(48, 16384, 1, 132) == small
+    assert hopper.backward_tiles(64, context, waves * 132, 132) == small
+    assert hopper.backward_tiles(64, context, waves * 132 + 1, 132) == large
+    assert hopper.backward_tiles(64, context + 1, 133, 132) == hopper.backward_tiles(48, 65536, 512, 132) == large
+    assert hopper.backward_tiles(80, 512, 1, 132) == hopper.backward_tiles(128, 512, 1, 132) == large
     assert small[1].num_warps == 4 and large[1].num_warps == 8  # a warp holds 16 keys
 
 
@@ -427,7 +429,7 @@ def test_short_path_launches_what_the_first_launch_compiled(monkeypatch, part, d
                 hopper.backward(Q, K, V, O, L, dO, True, 0.125)
     ((_, grid, first, entry),) = [launch for launch in compiled if launch[0] is kernel.fn]
     ((_, grid_again, second, tail),) = [launch for launch in short if launch[0] is kernel.fn]
-    keys = hopper.backward_tiles(d, hopper.programs("backward", Q, K), 2)[0]  # 2 multiprocessors on the CPU
+    keys = hopper.backward_tiles(d, seq, hopper.programs("backward", Q, K), 2)[0]  # 2 multiprocessors on the CPU
     # The forward: one program per SM; the backward: one per tile of keys and batch-head.
     assert grid == grid_again == ((2, 1) if part == "forward" else (math.ceil(seq / keys), 6))
     assert entry.config.num_warps == (4 if part == "forward" else keys // 16) and tail == entry.tail

@@ -317,6 +317,7 @@ SMALL_BACKWARD_CONFIG = triton.Config({}, num_warps=4, maxnreg=128)
 """One consumer warpgroup (and the loader's warp, padded to a warpgroup): 256 threads at 128 registers, of which
 the consumers get 232 (``setmaxnreg``), so that two programs fit a multiprocessor's 64K registers."""
 SMALL_BACKWARD_WAVES = 7
+SMALL_BACKWARD_CONTEXT = 2048
 DQ_CONVERT = Kernel(triton_kernels.attn_bwd_dq_convert_kernel)
 DQ_CONVERT_CONFIG = triton.Config({"BLOCK_M": DELTA_ROWS}, num_warps=4)
 
@@ -349,18 +350,26 @@ def backward(
     return dQ, dK, dV
 
 
-def backward_tiles(head_dim: int, programs: int, multiprocessors: int) -> tuple[int, triton.Config]:
-    """Keys per backward program and the launch configuration, for a call of ``programs`` tiles of
-    ``ROWS_PER_PROGRAM`` keys (:func:`programs`) on a GPU of ``multiprocessors``: 128 keys on two consumer
+def backward_tiles(head_dim: int, n_keys: int, programs: int, multiprocessors: int) -> tuple[int, triton.Config]:
+    """Keys per backward program and the launch configuration, for a call over ``n_keys`` keys of ``programs``
+    tiles of ``ROWS_PER_PROGRAM`` keys (:func:`programs`) on a GPU of ``multiprocessors``: 128 keys on two consumer
     warpgroups (8 warps), or 64 keys on one, with registers capped so that two programs share a multiprocessor.
 
-    The two warpgroups of a 128-key program meet at a barrier every step; two one-warpgroup programs do not, but
-    each loads its own Q and dO blocks and reduces its own dQ share. Measured on an H200 (backward against the
-    two-warpgroup kernel, optimisation log: backward-64-key-programs): one warpgroup is faster at head dims up to 32
-    (0.93x at 16 heads of 16,384) and, up to 64, where 128-key programs would fill at most
-    :data:`SMALL_BACKWARD_WAVES` waves of the multiprocessors (0.85-0.98x from 128 to 800 programs); two are faster
-    from 1,024 programs up (1.03x at 1,024, 1.07x at 16 heads of 16,384)."""
-    if head_dim <= 32 or (head_dim <= 64 and programs <= SMALL_BACKWARD_WAVES * multiprocessors):
+    The two warpgroups of a 128-key program meet at a barrier every step; two one-warpgroup programs do not, and
+    one's start and end (K and V loaded, dK and dV stored) overlap the other's steps, but each loads its own Q and
+    dO blocks and reduces its own dQ share. Measured on an H200 (backward against the two-warpgroup kernel,
+    optimisation log: backward-64-key-programs), one warpgroup is faster
+
+    * at head dims up to 32 (0.93x at 16 heads of 16,384),
+    * up to 64, where 128-key programs would not fill one wave of the multiprocessors (0.85x at one head of
+      16,384), or at contexts up to :data:`SMALL_BACKWARD_CONTEXT` where they fill at most
+      :data:`SMALL_BACKWARD_WAVES` waves (0.86-0.98x from 192 to 800 programs of 512 to 2,048 keys).
+
+    Elsewhere two are as fast or faster (one warpgroup 0.99-1.07x from 256 programs of 4,096 to 65,536 keys, 1.01x
+    at 1,600 programs of 2,048)."""
+    if head_dim <= 32 or (head_dim <= 64 and (
+            programs <= multiprocessors
+            or (n_keys <= SMALL_BACKWARD_CONTEXT and programs <= SMALL_BACKWARD_WAVES * multiprocessors))):
         return SMALL_BACKWARD_KEYS, SMALL_BACKWARD_CONFIG
     return BLOCK_N, BACKWARD_CONFIG
 
@@ -371,7 +380,7 @@ def _backward_plan(Q: Tensor, K: Tensor, V: Tensor, dO: Tensor, is_causal: bool,
     a second one per tensor, over its second part, after them."""
     n_heads, batch_heads, n_queries, n_keys, head_dim = common.sizes(Q, K)
     part_a, part_b = common.head_dim_parts(head_dim)
-    keys, config = backward_tiles(head_dim, programs("backward", Q, K), multiprocessors(Q.device))
+    keys, config = backward_tiles(head_dim, n_keys, programs("backward", Q, K), multiprocessors(Q.device))
     descriptors = []
     for columns in (part_a, part_b) if part_b else (0,):  # 0: the whole head dim
         inputs = [DescriptorPlan.of(x, rows, columns) for x, rows in
