@@ -330,10 +330,9 @@ def backward(
     """``dQ, dK, dV`` (contiguous, the inputs' dtype) from the forward's ``O`` and ``L`` and the output gradient
     ``dO`` (unit stride along ``d``, O's dtype)."""
     _, batch_heads, n_queries, _, head_dim = common.sizes(Q, K)
-    # The Gluon kernel adds dS K over key tiles into a float32 buffer DQ_acc, which the Delta kernel zeroes. One
-    # allocation holds it and Delta, and one the three gradients where they have one shape: each allocation costs
-    # the host more than a view.
-    # The kernels address DQ_acc (batch * heads, n_queries, d) from the workspace's start, where no view is needed.
+    # The Gluon kernel adds dS K over key tiles into a float32 buffer DQ_acc (batch * heads, n_queries, d), which the
+    # Delta kernel zeroes. One allocation holds it, at its start (where the kernels address it, without a view), and
+    # Delta; one the three gradients where they have one shape: each allocation costs the host more than a view.
     dq_acc_size = batch_heads * n_queries * head_dim
     workspace = new_output((dq_acc_size + batch_heads * n_queries,), torch.float32, Q.device)
     Delta = common.launch_delta(O, dO, workspace, workspace[dq_acc_size:])
