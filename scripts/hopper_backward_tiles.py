@@ -17,7 +17,6 @@ import json
 import statistics
 
 import torch
-import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.functional import scaled_dot_product_attention
 
@@ -25,8 +24,8 @@ from cs336_systems.attention.backends import hopper
 from cs336_systems.attention.op import flash_attention
 
 TILES = {
-    "128x8": (128, triton.Config({}, num_warps=8)),
-    "64x4": (64, triton.Config({}, num_warps=4, maxnreg=128)),
+    "128x8": (hopper.BLOCK_N, hopper.BACKWARD_CONFIG),
+    "64x4": (hopper.SMALL_BACKWARD_KEYS, hopper.SMALL_BACKWARD_CONFIG),
 }
 SHAPES = ["4,25,512,64", "4,25,2048,64", "1,25,8192,64", "1,16,16384,64", "1,1,16384,64", "4,12,512,64",
           "1,16,16384,32"]
@@ -119,6 +118,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--ms", type=float, default=300, help="GPU time per measurement, ms")
     args = parser.parse_args()
+    if not torch.cuda.is_available() or hopper.supports(torch.device("cuda"), torch.bfloat16, 64):
+        raise SystemExit("hopper_backward_tiles: needs a Hopper GPU (H100/H200)")
     failed = 0
     for name in args.tiles:
         use_tiles(name)

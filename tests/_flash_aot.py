@@ -103,14 +103,12 @@ def recorded_launches() -> Iterator[list[Launch]]:
     runs), so that calls on CPU tensors with the kernels compiled (``TRITON_INTERPRET=0``) show what a GPU would
     compile."""
     from cs336_systems.kernels import compat
-    from cs336_systems.kernels.launch import Kernel
+    from cs336_systems.kernels.launch import Kernel, compile_options
 
     launches: list[Launch] = []
 
     def record(kernel, slot, entry, grid, args):
-        options = dict(num_warps=entry.config.num_warps, num_stages=entry.config.num_stages)
-        if entry.config.maxnreg is not None:
-            options["maxnreg"] = entry.config.maxnreg
+        options = compile_options(entry.config)
         launches.append(Launch(kernel.fn, tuple(grid), tuple(args), {**entry.kwargs, **options}))
 
     device = object()  # a device of its own: no entry made before (or after) the block is used

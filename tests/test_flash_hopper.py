@@ -44,6 +44,13 @@ HOPPER_SHARED_MEMORY = 227 * 1024  # bytes a block may use on an H100/H200
 # A few configurations (a few seconds of ptxas apiece): the largest head dim, causal, the smallest, not causal, and
 # two head dims of two column parts (two descriptors per tensor); every head dim runs on the GPU. The launches are
 # the backend's own, recorded on CPU tensors (tests/_flash_aot.py).
+def _run_backward_programs_of(monkeypatch, keys: int) -> None:
+    """Every Hopper backward in the test takes programs of ``keys`` keys (64: one warpgroup; 128: two), whatever the
+    call's size would choose."""
+    config = hopper.SMALL_BACKWARD_CONFIG if keys == hopper.SMALL_BACKWARD_KEYS else hopper.BACKWARD_CONFIG
+    monkeypatch.setattr(hopper, "backward_tiles", lambda *shape: (keys, config))
+
+
 @pytest.mark.slow
 @pytest.mark.compiled_kernels
 @pytest.mark.parametrize("d, dtype, is_causal, keys", [
@@ -52,8 +59,7 @@ HOPPER_SHARED_MEMORY = 227 * 1024  # bytes a block may use on an H100/H200
 def test_backward_compiles_for_sm90_without_spills_or_serialized_wgmma(monkeypatch, d, dtype, is_causal, keys):
     if not nvidia_toolchain_available():
         pytest.skip("this Triton has no NVIDIA backend or ptxas")
-    tiles = (keys, hopper.SMALL_BACKWARD_CONFIG if keys == hopper.SMALL_BACKWARD_KEYS else hopper.BACKWARD_CONFIG)
-    monkeypatch.setattr(hopper, "backward_tiles", lambda *shape: tiles)
+    _run_backward_programs_of(monkeypatch, keys)
     launch = hopper_launches(dtype, d, is_causal, forward=False)["bwd"]
     assert launch.grid == (math.ceil(777 / keys), 6)
     assert (launch.kwargs["BLOCK_N"], launch.kwargs["num_warps"]) == (keys, keys // 16)
@@ -349,8 +355,7 @@ def test_backward_of_either_program_shape_matches_float64_gpu(monkeypatch, keys,
     """The Hopper backward with 64-key programs of one warpgroup and 128-key programs of two, whatever the call's
     size would choose, against float64: n_keys != n_queries, ragged ends, the heads in the columns of Q's view,
     gradients NaN-poisoned."""
-    tiles = (keys, hopper.SMALL_BACKWARD_CONFIG if keys == hopper.SMALL_BACKWARD_KEYS else hopper.BACKWARD_CONFIG)
-    monkeypatch.setattr(hopper, "backward_tiles", lambda *shape: tiles)
+    _run_backward_programs_of(monkeypatch, keys)
     monkeypatch.setattr(hopper.BACKWARD, "entries", collections.OrderedDict())
     torch.manual_seed(keys + d)
     Q = torch.randn(2, 1000, 6, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)

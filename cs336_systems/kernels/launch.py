@@ -323,19 +323,19 @@ class Kernel:
         return None if tuned else entry
 
     def _compile_and_launch(self, slot: tuple, entry: LaunchEntry, grid: tuple[int, ...], args: tuple) -> None:
-        compiled = self.fn[grid](*args, **entry.kwargs, **_options(entry.config))
+        compiled = self.fn[grid](*args, **entry.kwargs, **compile_options(entry.config))
         if slot in self.entries and not _INTERPRETING:
             self.entries[slot] = entry._replace(kernel=compat.CompiledLauncher(compiled))
 
     def _launch_traced(self, grid: Grid, args: tuple, constexprs: dict[str, Any], config: triton.Config) -> None:
         # The interpreter's kernels are not jit functions, which wrap_triton refuses: their operators are opaque
-        # (see define_operator) and launch them directly. Only the tiles, warps and stages: torch.compile refuses
-        # num_ctas passed as a launch argument.
+        # (see define_operator) and launch them directly. Only the tiles, warps, stages and a register cap:
+        # torch.compile refuses num_ctas passed as a launch argument.
         fn = self.fn if _INTERPRETING else wrap_triton(self.fn)
-        fn[grid(config.kwargs)](*args, **constexprs, **config.kwargs, **_options(config))
+        fn[grid(config.kwargs)](*args, **constexprs, **config.kwargs, **compile_options(config))
 
 
-def _options(config: triton.Config) -> dict[str, int]:
+def compile_options(config: triton.Config) -> dict[str, int]:
     """The compile options of ``config`` that a launch passes: warps, stages, and a register cap where it sets one."""
     options = dict(num_warps=config.num_warps, num_stages=config.num_stages)
     if config.maxnreg is not None:

@@ -163,12 +163,9 @@ def _output_plan(shape: tuple[int, ...], rows: int, columns: int = 0) -> Descrip
 
 
 def _alignment(*tensors: Tensor) -> bool | tuple[bool, ...]:
-    """True where every tensor starts on 16 bytes (the usual case, one test of their addresses or'ed together); else
-    each tensor's own alignment, which decides whether its descriptor views a copy."""
-    address = 0
-    for t in tensors:
-        address |= t.data_ptr()
-    return True if address % 16 == 0 else tuple(t.data_ptr() % 16 == 0 for t in tensors)
+    """True where every tensor starts on 16 bytes (the usual case, one test: :func:`aligned`); else each tensor's own
+    alignment, which decides whether its descriptor views a copy."""
+    return True if aligned(*tensors) else tuple(aligned(t) for t in tensors)
 
 
 TILE_COST = 1
@@ -302,7 +299,8 @@ def _descriptors(descriptors: tuple[DescriptorPlan, ...], tensors: list[Tensor],
     sources = tuple([_aligned_copy(x) if p.copied else x for p, x in zip(descriptors, tensors)])
     sources *= len(descriptors) // len(tensors)
     if compiled:
-        return tuple([DescriptorArg(source, p.shape, p.strides) for p, source in zip(descriptors, sources)])
+        return tuple([DescriptorArg(source, p.shape, p.strides)
+                      for p, source in zip(descriptors, sources, strict=True)])
     return tuple(p.full_descriptor(source) for p, source in zip(descriptors, sources, strict=True))
 
 
