@@ -58,7 +58,7 @@ def recorded_kernel(monkeypatch, best: triton.Config | None = None) -> tuple[Ker
     monkeypatch.setattr(launch, "wrap_triton", lambda f: f)  # traced launches call the recorder itself
     monkeypatch.setattr(launch, "_INTERPRETING", False)  # as on a GPU, whatever this process runs under
     monkeypatch.setattr(compat, "current_device", lambda: 0)
-    monkeypatch.setattr(compat, "CompiledLauncher", lambda compiled: compiled)
+    monkeypatch.setattr(compat, "CompiledLauncher", lambda compiled, compile_args: compiled)
     monkeypatch.setattr(compat, "launch_compiled",
                         lambda compiled, device, grid_, args, tail: short.append((compiled, grid_, args, tail)))
     return kernel, fn, autotuner, short
@@ -220,6 +220,12 @@ class CLauncher:
         self.calls.append(args)
 
 
+def _triton_launcher_call(self, grid_x, grid_y, grid_z, stream, function, *args):
+    """What Triton's launcher object does when called (no scratch memory here)."""
+    self.launch(grid_x, grid_y, grid_z, stream, function, self.launch_cooperative_grid, self.launch_pdl, None, None,
+                *args)
+
+
 class CompiledStandIn:
     """A compiled kernel as :class:`compat.CompiledLauncher` reads it, whose launcher object wraps a recording C
     launcher in Triton's own descriptor-expanding wrapper (``wrap_handle_tensordesc``), descriptors not lowered
@@ -233,44 +239,71 @@ class CompiledStandIn:
         raw = CLauncher(self.calls)  # like a C function: no Python code object
         self.run = type("Launcher", (), dict(launch=staticmethod(wrap_handle_tensordesc(raw, signature, None)),
                                              launch_cooperative_grid=False, launch_pdl=False, global_scratch_size=0,
-                                             profile_scratch_size=0))()
+                                             profile_scratch_size=0, __call__=_triton_launcher_call))()
 
 
 SIGNATURE = {"a": "tensordesc<bf16[1, 64, 64]>", "x": "*fp32", "n": "i32", "b": "tensordesc<bf16[1, 64, 64]>",
              "BLOCK": "constexpr"}
 
 
+def _descriptor(tensor: torch.Tensor) -> compat.DescriptorArg:
+    return compat.DescriptorArg(tensor, (4, 64, 64), (4096, 64, 1))
+
+
 def test_compiled_launcher_passes_what_tritons_wrapper_passes_and_encodes_once_per_address(monkeypatch):
+    """Given, in each descriptor's place, the tensor it addresses, the launcher passes the C launcher what Triton's
+    own wrapper passes for full descriptors (the shapes and strides of those the kernel was compiled from)."""
     encoded = []
     make = compat.make_tensordesc_arg
     monkeypatch.setattr(compat, "make_tensordesc_arg", lambda arg, meta: encoded.append(arg) or make(arg, meta))
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 77)
     kernel = CompiledStandIn(SIGNATURE)
-    launcher = compat.CompiledLauncher(kernel)
-    assert [index for index, _ in launcher.descriptors] == [0, 3]
     first, second, x = torch.zeros(4, 64, 64), torch.zeros(4, 64, 64), torch.zeros(3)
-
-    def descriptor(tensor):
-        return launch.DescriptorArg(tensor, (4, 64, 64), (4096, 64, 1))
-
+    launcher = compat.CompiledLauncher(kernel, (_descriptor(first), x, 9, _descriptor(second)))
+    assert [index for index, _ in launcher.descriptors] == [0, 3]
     for a in (first, first, second):
-        launcher.launch(0, (5, 2), (descriptor(a), x, 9, descriptor(second)), (64,))
+        launcher.launch(0, (5, 2), (a, x, 9, second), (64,))
     kernel.run.launch(5, 2, 1, 77, "function", False, False, None, None, "packed", None,
                       triton.knobs.runtime.launch_enter_hook, triton.knobs.runtime.launch_exit_hook,
-                      descriptor(second), x, 9, descriptor(second), 64)  # Triton's own expansion of the last call
-    assert kernel.calls[2] == kernel.calls[3]
+                      _descriptor(second), x, 9, _descriptor(second), 64)  # Triton's own expansion of the last call
+    assert kernel.calls[2][13:] == kernel.calls[3][13:]
+    assert kernel.calls[2][:11] == kernel.calls[3][:11]  # grid, stream, function, flags, metadata
     assert kernel.calls[0][13] is first and kernel.calls[2][13] is second and kernel.calls[0][-1] == 64
     # (position, address) pairs: (0, first), (3, second), (0, second); the repeated call encoded nothing
     assert len(encoded) == 3 and all(arg.base is t for arg, t in zip(encoded, (first, second, second)))
+    assert all(arg.shape == (4, 64, 64) and arg.strides == (4096, 64, 1) for arg in encoded)
+
+
+def test_compiled_launcher_skips_empty_hook_chains_and_defers_to_triton_for_listened_ones(monkeypatch):
+    """An empty chain of launch hooks goes to the C launcher as None (nothing to call); with an enter hook set
+    (a profiler's), the launch goes through Triton's launcher with full descriptors, and the hook sees it."""
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 0)
+    kernel = CompiledStandIn(SIGNATURE)
+    a, x = torch.zeros(4, 64, 64), torch.zeros(3)
+    launcher = compat.CompiledLauncher(kernel, (_descriptor(a), x, 9, _descriptor(a)))
+    launcher.launch(0, (1,), (a, x, 9, a), (64,))
+    assert kernel.calls[0][11:13] == (None, None)
+    monkeypatch.setattr(kernel, "launch_metadata", lambda grid, stream, *args: ("metadata", args), raising=False)
+    hook, hooks = [].append, triton.knobs.runtime.launch_enter_hook
+    hooks.add(hook)
+    try:
+        launcher.launch(0, (1,), (a, x, 9, a), (64,))
+    finally:
+        hooks.remove(hook)
+    # Through Triton's wrapper, which expanded the descriptors; the C launcher calls the hooks with the metadata.
+    assert len(kernel.calls) == 2 and kernel.calls[1][11] is hooks and kernel.calls[1][13] is a
+    _, described = kernel.calls[1][10]
+    assert isinstance(described[0], compat.DescriptorArg) and described[0].shape == (4, 64, 64)
 
 
 def test_compiled_launcher_forgets_encodings_beyond_its_bound(monkeypatch):
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 0)
     monkeypatch.setattr(compat, "ENCODED_DESCRIPTORS", 3)
-    launcher = compat.CompiledLauncher(CompiledStandIn(SIGNATURE))
-    b = launch.DescriptorArg(torch.zeros(2), (2,), (1,))
+    b = torch.zeros(2)
+    described = compat.DescriptorArg(b, (2,), (1,))
+    launcher = compat.CompiledLauncher(CompiledStandIn(SIGNATURE), (described, b, 1, described))
     for _ in range(4):
-        launcher.launch(0, (1,), (launch.DescriptorArg(torch.zeros(2), (2,), (1,)), b.base, 1, b), (64,))
+        launcher.launch(0, (1,), (torch.zeros(2), b, 1, b), (64,))
     assert 0 < len(launcher.encoded) <= 3
 
 

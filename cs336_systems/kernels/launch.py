@@ -165,17 +165,6 @@ def aligned(*tensors: Tensor) -> bool:
 # ---------------------------------------------------------------------------------------------------
 
 
-class DescriptorArg(NamedTuple):
-    """What a compiled kernel's launcher reads of a host tensor descriptor (base, shape, strides, padding): the
-    descriptor's layout and block shape are part of the compiled kernel, so a call needs only these, not a new
-    ``TensorDescriptor`` (whose construction validates and derives its layout: microseconds each)."""
-
-    base: Tensor
-    shape: tuple[int, ...]
-    strides: tuple[int, ...]
-    padding: str = "zero"
-
-
 Grid = Callable[[dict[str, Any]], tuple[int, ...]]
 """The grid of a launch as a function of the configuration's tile sizes (``config.kwargs``; the autotuner passes
 all keyword arguments, which include them)."""
@@ -325,7 +314,7 @@ class Kernel:
     def _compile_and_launch(self, slot: tuple, entry: LaunchEntry, grid: tuple[int, ...], args: tuple) -> None:
         compiled = self.fn[grid](*args, **entry.kwargs, **compile_options(entry.config))
         if slot in self.entries and not _INTERPRETING:
-            self.entries[slot] = entry._replace(kernel=compat.CompiledLauncher(compiled))
+            self.entries[slot] = entry._replace(kernel=compat.CompiledLauncher(compiled, args))
 
     def _launch_traced(self, grid: Grid, args: tuple, constexprs: dict[str, Any], config: triton.Config) -> None:
         # The interpreter's kernels are not jit functions, which wrap_triton refuses: their operators are opaque

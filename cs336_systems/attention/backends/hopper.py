@@ -14,7 +14,7 @@ Launches. Each kernel is a :class:`cs336_systems.kernels.launch.Kernel` with one
 strides, alignment, causal, scale): per descriptor the tensor it views, whether that tensor must be copied, and the
 view's shape and strides; the grid, sizes and constexprs; for the persistent forward, its schedule of tiles
 (:func:`forward_schedule`), on the GPU. The first call of a key builds full ``TensorDescriptor`` objects (Triton
-compiles from them); later calls build only what holds the tensors' addresses (``DescriptorArg``).
+compiles from them); later calls pass only the tensors they address.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from cs336_systems.attention.backends import common, triton_kernels
 from cs336_systems.attention.backends.hopper_kernels import attn_bwd_hopper_kernel, attn_fwd_hopper_kernel
 from cs336_systems.kernels.launch import (
-    DescriptorArg,
     Kernel,
     LaunchPlan,
     aligned,
@@ -285,22 +284,21 @@ def _forward_plan(Q: Tensor, K: Tensor, V: Tensor, is_causal: bool, sm_scale: fl
 
 
 def _descriptor_args(descriptors: tuple[DescriptorPlan, ...], tensors: tuple[Tensor, ...], compiled: bool) -> tuple:
-    """The forward's arguments before its trailing ones: a descriptor on each of Q, K, V, O (``DescriptorArg`` once
-    compiled), then L."""
+    """The forward's arguments before its trailing ones: a descriptor on each of Q, K, V, O (once compiled, the
+    tensor it addresses), then L."""
     *viewed, L = tensors
     return (*_descriptors(descriptors, viewed, compiled), L)
 
 
 def _descriptors(descriptors: tuple[DescriptorPlan, ...], tensors: list[Tensor], compiled: bool) -> tuple:
-    """The descriptors on ``tensors`` (each, or its aligned copy where its plan says so; one copy per tensor
+    """The descriptor arguments on ``tensors`` (each, or its aligned copy where its plan says so; one copy per tensor
     whatever its descriptors; where there are two descriptors per tensor, one per column part, the second ones
-    follow all the first): what Triton compiles the kernel from, or once ``compiled`` only what its launcher
-    reads."""
+    follow all the first): the descriptors Triton compiles the kernel from, or once ``compiled`` only the tensors
+    they address (the compiled kernel's launcher keeps their shapes and strides)."""
     sources = tuple([_aligned_copy(x) if p.copied else x for p, x in zip(descriptors, tensors)])
     sources *= len(descriptors) // len(tensors)
     if compiled:
-        return tuple([DescriptorArg(source, p.shape, p.strides)
-                      for p, source in zip(descriptors, sources, strict=True)])
+        return sources
     return tuple(p.full_descriptor(source) for p, source in zip(descriptors, sources, strict=True))
 
 
