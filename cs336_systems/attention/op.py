@@ -49,6 +49,7 @@ from cs336_systems.kernels.launch import FLOAT_DTYPES, define_operator, unit_las
 
 SUPPORTED_HEAD_DIMS = tuple(d for d in portable.HEAD_DIMS if d in hopper.HEAD_DIMS)
 """The head dims every backend runs without padding (the portable kernels run a few more: ``portable.HEAD_DIMS``)."""
+MAX_HEAD_DIM = max(SUPPORTED_HEAD_DIMS)
 MAX_GRID_Y = 65535  # CUDA's limit on the second grid dimension, which runs over batch * heads
 
 
@@ -81,30 +82,34 @@ def check_attention_inputs(Q: Tensor, K: Tensor, V: Tensor) -> None:
             raise ValueError(
                 f"{name} must have shape (batch, seq, d) or (batch, heads, seq, d), got shape {tuple(tensor.shape)}"
             )
-    if not Q.dim() == K.dim() == V.dim():
+    # Every check runs on every call: the shapes, device and dtype are read once.
+    q_shape, k_shape, v_shape = Q.shape, K.shape, V.shape
+    if not len(q_shape) == len(k_shape) == len(v_shape):
         raise ValueError(
-            f"Q, K, V must have the same rank, got shapes {tuple(Q.shape)}, {tuple(K.shape)}, {tuple(V.shape)}"
+            f"Q, K, V must have the same rank, got shapes {tuple(q_shape)}, {tuple(k_shape)}, {tuple(v_shape)}"
         )
-    if not Q.device == K.device == V.device:
-        raise ValueError(f"Q, K, V must be on one device, got {Q.device}, {K.device}, {V.device}")
-    if not Q.dtype == K.dtype == V.dtype:
-        raise TypeError(f"Q, K, V must have one dtype, got {Q.dtype}, {K.dtype}, {V.dtype}")
-    if not Q.dtype.is_floating_point:
-        raise TypeError(f"attention needs floating-point inputs, got {Q.dtype}")
-    if not Q.shape[:-2] == K.shape[:-2] == V.shape[:-2]:
-        raise ValueError(
-            "Q, K, V must have the same batch (and head) dimensions, got "
-            f"{tuple(Q.shape[:-2])}, {tuple(K.shape[:-2])}, {tuple(V.shape[:-2])}"
-        )
-    if not Q.shape[-1] == K.shape[-1] == V.shape[-1]:
-        raise ValueError(
-            f"Q, K, V must have the same head dimension d, got {Q.shape[-1]}, {K.shape[-1]}, {V.shape[-1]}"
-        )
-    if K.shape[-2] != V.shape[-2]:
-        raise ValueError(f"K and V must have the same length, got {K.shape[-2]} and {V.shape[-2]}")
-    if Q.shape[-2] == 0 or K.shape[-2] == 0:
-        raise ValueError(f"sequence lengths must be positive, got n_queries={Q.shape[-2]}, n_keys={K.shape[-2]}")
-    if Q.shape[-1] == 0:
+    device, dtype = Q.device, Q.dtype
+    if not device == K.device == V.device:
+        raise ValueError(f"Q, K, V must be on one device, got {device}, {K.device}, {V.device}")
+    if not dtype == K.dtype == V.dtype:
+        raise TypeError(f"Q, K, V must have one dtype, got {dtype}, {K.dtype}, {V.dtype}")
+    if not dtype.is_floating_point:
+        raise TypeError(f"attention needs floating-point inputs, got {dtype}")
+    if not q_shape == k_shape == v_shape:  # else the batch (and head) dims, d and the K/V lengths all match
+        if not q_shape[:-2] == k_shape[:-2] == v_shape[:-2]:
+            raise ValueError(
+                "Q, K, V must have the same batch (and head) dimensions, got "
+                f"{tuple(q_shape[:-2])}, {tuple(k_shape[:-2])}, {tuple(v_shape[:-2])}"
+            )
+        if not q_shape[-1] == k_shape[-1] == v_shape[-1]:
+            raise ValueError(
+                f"Q, K, V must have the same head dimension d, got {q_shape[-1]}, {k_shape[-1]}, {v_shape[-1]}"
+            )
+        if k_shape[-2] != v_shape[-2]:
+            raise ValueError(f"K and V must have the same length, got {k_shape[-2]} and {v_shape[-2]}")
+    if q_shape[-2] == 0 or k_shape[-2] == 0:
+        raise ValueError(f"sequence lengths must be positive, got n_queries={q_shape[-2]}, n_keys={k_shape[-2]}")
+    if q_shape[-1] == 0:
         raise ValueError("the head dimension d must be positive, got 0 (scores are scaled by 1/sqrt(d))")
 
 
@@ -117,15 +122,16 @@ def check_inputs(Q: Tensor, K: Tensor, V: Tensor, is_causal: bool) -> None:
                          "(CPU tensors under TRITON_INTERPRET=1)")
     if Q.dtype not in FLOAT_DTYPES:
         raise TypeError(f"unsupported dtype {Q.dtype}: the kernels take float16, bfloat16 or float32")
-    if Q.shape[-1] > max(SUPPORTED_HEAD_DIMS) or Q.shape[-1] % 8:
+    shape = Q.shape
+    if shape[-1] > MAX_HEAD_DIM or shape[-1] % 8:
         raise ValueError(
-            f"unsupported head dimension d={Q.shape[-1]}: the kernels run d in {SUPPORTED_HEAD_DIMS} (the portable "
+            f"unsupported head dimension d={shape[-1]}: the kernels run d in {SUPPORTED_HEAD_DIMS} (the portable "
             f"ones and the Hopper backward also {tuple(d for d in portable.HEAD_DIMS if d not in SUPPORTED_HEAD_DIMS)}"
             "),"
-            f" and other multiples of 8 up to {max(SUPPORTED_HEAD_DIMS)} zero-padded to the next of those the chosen "
+            f" and other multiples of 8 up to {MAX_HEAD_DIM} zero-padded to the next of those the chosen "
             "kernels run"
         )
-    batch_heads = math.prod(Q.shape[:-2])
+    batch_heads = shape[0] * shape[1] if len(shape) == 4 else shape[0]
     if batch_heads > MAX_GRID_Y:
         raise ValueError(f"batch * heads = {batch_heads} exceeds the grid limit {MAX_GRID_Y}")
 

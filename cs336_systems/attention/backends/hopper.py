@@ -40,6 +40,7 @@ from cs336_systems.kernels.launch import (
     interpreting,
     multiprocessors,
     new_output,
+    new_output_like,
 )
 
 NAME = "hopper"
@@ -257,7 +258,7 @@ def forward(
     is_causal: bool, sm_scale: float,
 ) -> tuple[Float[Tensor, "batch *heads q d"], Float[Tensor, "batch *heads q"]]:
     """``O`` (contiguous, Q's shape and dtype) and the natural-log logsumexp ``L`` (contiguous, float32)."""
-    O = new_output(Q.shape, Q.dtype, Q.device)
+    O = new_output_like(Q)
     L = new_output(Q.shape[:-1], torch.float32, Q.device)
     key = (Q.device.index, Q.dtype, is_causal, sm_scale, Q.shape, K.shape, Q.stride(), K.stride(), V.stride(),
            _alignment(Q, K, V, L))
@@ -335,7 +336,7 @@ def backward(
     if Q.shape == K.shape:
         dQ, dK, dV = new_output((3, *Q.shape), Q.dtype, Q.device).unbind(0)
     else:
-        dQ = new_output(Q.shape, Q.dtype, Q.device)
+        dQ = new_output_like(Q)
         dK, dV = new_output((2, *K.shape), K.dtype, K.device).unbind(0)
     key = (Q.device.index, Q.dtype, is_causal, sm_scale, Q.shape, K.shape, Q.stride(), K.stride(), V.stride(),
            dO.stride(), _alignment(Q, K, V, dO, L, Delta))

@@ -49,6 +49,7 @@ from cs336_systems.kernels.launch import (
     interpreting,
     multiprocessors,
     new_output,
+    new_output_like,
     unsupported_device,
 )
 
@@ -261,7 +262,7 @@ def forward(
     n_splits = forward_key_splits(Q, K, is_causal)
     if n_splits > 1:
         return split_forward(Q, K, V, is_causal, sm_scale, n_splits)
-    O = new_output(Q.shape, Q.dtype, Q.device)
+    O = new_output_like(Q)
     L = new_output(Q.shape[:-1], torch.float32, Q.device)
     # What the compilation depends on: Triton specialises the strides and the pointers' alignment; O's strides
     # follow from Q's shape.
@@ -297,9 +298,7 @@ def backward(
     if n_parts > 1:
         return split_backward(Q, K, V, O, L, dO, is_causal, sm_scale, n_parts)
     Delta = launch_delta(O, dO)
-    dQ = new_output(Q.shape, Q.dtype, Q.device)
-    dK = new_output(K.shape, K.dtype, K.device)
-    dV = new_output(V.shape, V.dtype, V.device)
+    dQ, dK, dV = new_output_like(Q), new_output_like(K), new_output_like(V)
     key = (Q.dtype, Q.shape, K.shape, Q.stride(), K.stride(), V.stride(), dO.stride(), aligned(Q, K, V, dO),
            is_causal, _dot_precision(Q.dtype), sm_scale)
     KERNELS["bwd"].launch(key, (Q, K, V, dO, L, Delta, dQ, dK, dV), _backward_plan, Q, K, V, dO, dQ, dK, dV,
@@ -429,7 +428,7 @@ def split_forward(
     LSE_part = new_output((n_splits, batch_heads, n_queries), torch.float32, Q.device)
     SPLIT_KERNELS["fwd"].launch(key, (Q, K, V, O_part, LSE_part), _split_forward_plan, Q, K, V, is_causal, sm_scale,
                                 n_splits)
-    O = new_output(Q.shape, Q.dtype, Q.device)
+    O = new_output_like(Q)
     L = new_output(Q.shape[:-1], torch.float32, Q.device)
     SPLIT_KERNELS["combine"].launch(key, (O_part, LSE_part, O, L), _parts_plan, O, n_splits, "n_queries",
                                     "n_splits")
