@@ -40,7 +40,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from cs336_systems.attention.backends import hopper
+from cs336_systems.attention.backends import common, hopper
 from cs336_systems.attention.backends import triton as portable
 from cs336_systems.attention.backends.common import Backend
 from cs336_systems.attention.config import FLASH_CONFIG, FlashConfig
@@ -131,7 +131,7 @@ def check_inputs(Q: Tensor, K: Tensor, V: Tensor, is_causal: bool) -> None:
             f" and other multiples of 8 up to {MAX_HEAD_DIM} zero-padded to the next of those the chosen "
             "kernels run"
         )
-    batch_heads = shape[0] * shape[1] if len(shape) == 4 else shape[0]
+    batch_heads = common.batch_heads(Q)
     if batch_heads > MAX_GRID_Y:
         raise ValueError(f"batch * heads = {batch_heads} exceeds the grid limit {MAX_GRID_Y}")
 

@@ -47,8 +47,8 @@ def _listened(hook) -> bool:
     return bool(hook.calls) if type(hook) is HookChain else hook is not None
 
 
-def _three_dimensions(grid: tuple[int, ...]) -> tuple[int, int, int]:
-    return grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1
+def _three_dimensions(grid: tuple[int, ...]) -> tuple[int, ...]:
+    return (*grid, 1, 1)[:3]
 
 
 ENCODED_DESCRIPTORS = 512
@@ -112,7 +112,7 @@ class CompiledLauncher:
         if self.descriptors:
             values = self._expand(values)
         # An empty chain of exit hooks is passed as None, which the C launcher skips instead of calling.
-        self.raw(*(*grid, 1, 1)[:3], torch._C._cuda_getCurrentRawStream(device), self.function, *self.flags,
+        self.raw(*_three_dimensions(grid), torch._C._cuda_getCurrentRawStream(device), self.function, *self.flags,
                  None, None, self.packed_metadata, None, None, leave if _listened(leave) else None, *values)
 
     def descriptor_args(self, args: tuple) -> tuple:

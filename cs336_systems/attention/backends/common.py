@@ -56,6 +56,12 @@ def head_dim_parts(head_dim: int) -> tuple[int, int]:
     return first, head_dim - first
 
 
+def batch_heads(x: Tensor) -> int:
+    """``batch * heads`` of a 4-D ``(batch, heads, seq, d)`` tensor, ``batch`` of a 3-D ``(batch, seq, d)`` one."""
+    shape = x.shape
+    return shape[0] * shape[1] if len(shape) == 4 else shape[0]
+
+
 def sizes(Q: Tensor, K: Tensor) -> tuple[int, int, int, int, int]:
     """(heads, batch * heads, n_queries, n_keys, d) of 3-D ``(batch, seq, d)`` or 4-D inputs."""
     n_heads = Q.shape[1] if Q.dim() == 4 else 1
@@ -93,9 +99,8 @@ def launch_delta(O: Float[Tensor, "batch *heads q d"], dO: Float[Tensor, "batch 
     """Delta = rowsum(O * dO), float32, into ``Delta`` (contiguous) or a new tensor; also zeroes the float32
     ``DQ_acc`` when given (the Hopper backward's)."""
     zero_dq_acc = DQ_acc is not None
-    batch_heads = O.shape[0] * O.shape[1] if O.dim() == 4 else O.shape[0]
     if Delta is None:
-        Delta = new_output((batch_heads, O.shape[-2]), torch.float32, O.device)
+        Delta = new_output((batch_heads(O), O.shape[-2]), torch.float32, O.device)
     key = (O.dtype, O.shape, O.stride(), dO.stride(), aligned(O, dO), zero_dq_acc)
     DELTA.launch(key, (O, dO, Delta, DQ_acc if zero_dq_acc else Delta), _delta_plan, O, dO, zero_dq_acc,
                  build=_delta_args)

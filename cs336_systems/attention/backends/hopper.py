@@ -92,8 +92,7 @@ def kernel_head_dims(part: str) -> tuple[int, ...]:
 
 def programs(part: str, Q: Tensor, K: Tensor) -> int:
     """``batch * heads`` times the tiles of ``ROWS_PER_PROGRAM`` queries (forward) or keys (backward)."""
-    batch_heads = Q.shape[0] * Q.shape[1] if Q.dim() == 4 else Q.shape[0]
-    return batch_heads * -(-(Q.shape[-2] if part == "forward" else K.shape[-2]) // ROWS_PER_PROGRAM)
+    return common.batch_heads(Q) * -(-(Q.shape[-2] if part == "forward" else K.shape[-2]) // ROWS_PER_PROGRAM)
 
 
 # ---------------------------------------------------------------------------------------------------
