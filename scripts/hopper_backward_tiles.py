@@ -1,13 +1,15 @@
-"""The Hopper backward's program shapes compared on one GPU, in one process: for each choice of keys per program and
-consumer warps (``hopper.backward_tiles``), the gradients' errors against float64 attention, then the backward's GPU
-time (CUDA graphs of the forward and of the forward + backward replayed; the backward, Delta, the main kernel and the
-dQ conversion, is their difference) beside
+"""The Hopper backward's program shapes and grid orders compared on one GPU, in one process: for each choice of keys
+per program and consumer warps (``hopper.backward_tiles``) and of grid order (``hopper.backward_heads_first``), the
+gradients' errors against float64 attention, then the backward's GPU time (CUDA graphs of the forward and of the
+forward + backward replayed; the backward, Delta, the main kernel and the dQ conversion, is their difference) beside
 SDPA's cuDNN backend, in alternating rounds so that a drifting clock moves every column alike.
 
     python scripts/hopper_backward_tiles.py                       # 128x8 (two warpgroups) vs 64x4 (one)
     python scripts/hopper_backward_tiles.py --shapes 1,16,16384,64 --rounds 3
+    python scripts/hopper_backward_tiles.py --tiles rule --orders keys heads   # the grid's order, tiles as chosen
 
-Prints one JSON line per (round, shape, provider) and a last line per shape with the medians and ratios to cuDNN.
+Prints one JSON line per check and a line per shape with the medians and ratios to cuDNN; providers are named
+``TILES/ORDER`` ("rule": the backend's own choice).
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ from cs336_systems.attention.op import flash_attention
 TILES = {
     "128x8": (hopper.BLOCK_N, hopper.BACKWARD_CONFIG),
     "64x4": (hopper.SMALL_BACKWARD_KEYS, hopper.SMALL_BACKWARD_CONFIG),
+    "rule": None,
 }
+ORDERS = ("rule", "keys", "heads")  # the backend's choice, key tiles first, heads first
 SHAPES = ["4,25,512,64", "4,25,2048,64", "1,25,8192,64", "1,16,16384,64", "1,1,16384,64", "4,12,512,64",
           "1,16,16384,32"]
 CHECKS = [  # batch, heads, n_queries, n_keys, head_dim, causal, heads in the columns (a (b, s, h, d) transpose)
@@ -38,12 +42,18 @@ BOUND = 1e-2
 
 
 DEFAULT_TILES = hopper.backward_tiles
+DEFAULT_ORDER = hopper.backward_heads_first
 
 
-def use_tiles(name: str) -> None:
-    """Every later backward plan at head dims up to 64 takes ``name``'s program shape (plans made before are
-    dropped); larger head dims keep the default."""
-    hopper.backward_tiles = lambda head_dim, *shape: TILES[name] if head_dim <= 64 else DEFAULT_TILES(head_dim, *shape)
+def use(provider: str) -> None:
+    """Every later backward plan takes ``provider``'s program shape (at head dims up to 64; larger ones keep the
+    default) and grid order (plans made before are dropped)."""
+    tiles, order = provider.split("/")
+
+    def chosen_tiles(head_dim, *shape):
+        return TILES[tiles] if tiles != "rule" and head_dim <= 64 else DEFAULT_TILES(head_dim, *shape)
+    hopper.backward_tiles = chosen_tiles
+    hopper.backward_heads_first = DEFAULT_ORDER if order == "rule" else lambda *sizes: order == "heads"
     hopper.BACKWARD.entries.clear()
 
 
@@ -69,8 +79,8 @@ def errors(case) -> list[float]:
 
 
 def graphs_of(attention, shape):
-    """CUDA graphs of the forward and of the forward + backward of ``attention`` at ``shape`` (causal), the inputs
-    they read (kept alive with them)."""
+    """CUDA graphs of the forward and of the forward + backward of ``attention`` at ``shape``, the inputs they read
+    (kept alive with them)."""
     q, k, v, do = inputs(*shape)
     q, k, v = (x.requires_grad_() for x in (q, k, v))
 
@@ -106,23 +116,26 @@ def replay_ms(graph, replays: int) -> float:
     return start.elapsed_time(end) / replays
 
 
-def cudnn(q, k, v):
+def cudnn(q, k, v, causal=True):
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-        return scaled_dot_product_attention(q, k, v, is_causal=True)
+        return scaled_dot_product_attention(q, k, v, is_causal=causal)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tiles", nargs="+", choices=list(TILES), default=list(TILES))
+    parser.add_argument("--tiles", nargs="+", choices=list(TILES), default=["128x8", "64x4"])
+    parser.add_argument("--orders", nargs="+", choices=ORDERS, default=["rule"])
+    parser.add_argument("--not-causal", dest="causal", action="store_false", help="time full attention")
     parser.add_argument("--shapes", nargs="+", default=SHAPES, help="batch,heads,seq,d (causal)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--ms", type=float, default=300, help="GPU time per measurement, ms")
     args = parser.parse_args()
     if not torch.cuda.is_available() or hopper.supports(torch.device("cuda"), torch.bfloat16, 64):
         raise SystemExit("hopper_backward_tiles: needs a Hopper GPU (H100/H200)")
+    providers = [f"{tiles}/{order}" for tiles in args.tiles for order in args.orders]
     failed = 0
-    for name in args.tiles:
-        use_tiles(name)
+    for name in providers:
+        use(name)
         for case in CHECKS:
             errs = errors(case)
             bad = not max(errs) <= BOUND
@@ -135,11 +148,11 @@ def main() -> None:
         shape = tuple(int(x) for x in text.split(","))
         batch, heads, seq, head_dim = shape
         graphs = {}
-        for name in args.tiles:
-            use_tiles(name)
-            graphs[name] = graphs_of(lambda q, k, v: flash_attention(q, k, v, True),
+        for name in providers:
+            use(name)
+            graphs[name] = graphs_of(lambda q, k, v: flash_attention(q, k, v, args.causal),
                                      (batch, heads, seq, seq, head_dim))
-        graphs["cudnn"] = graphs_of(cudnn, (batch, heads, seq, seq, head_dim))
+        graphs["cudnn"] = graphs_of(lambda q, k, v: cudnn(q, k, v, args.causal), (batch, heads, seq, seq, head_dim))
         first = replay_ms(graphs["cudnn"][0][1], 3)
         replays = max(3, min(2000, int(args.ms / max(first, 1e-3))))
         times = {name: ([], []) for name in graphs}  # forward, forward + backward
@@ -153,6 +166,7 @@ def main() -> None:
                           "fwd_bwd_ms": {n: round(m, 4) for n, m in fwd_bwd.items()},
                           "rounds_fwd_bwd": {n: [round(x, 4) for x in t[1]] for n, t in times.items()},
                           "backward_over_cudnn": {n: round(m / bwd["cudnn"], 4) for n, m in bwd.items()},
+                          "causal": args.causal,
                           "device": torch.cuda.get_device_name()}), flush=True)
         del graphs
         torch.cuda.empty_cache()

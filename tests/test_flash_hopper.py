@@ -61,7 +61,7 @@ def test_backward_compiles_for_sm90_without_spills_or_serialized_wgmma(monkeypat
         pytest.skip("this Triton has no NVIDIA backend or ptxas")
     _run_backward_programs_of(monkeypatch, keys)
     launch = hopper_launches(dtype, d, is_causal, forward=False)["bwd"]
-    assert launch.grid == (math.ceil(777 / keys), 6)
+    assert launch.grid == (6, math.ceil(777 / keys)) and launch.kwargs["HEADS_FIRST"]  # small: heads first
     assert (launch.kwargs["BLOCK_N"], launch.kwargs["num_warps"]) == (keys, keys // 16)
     parts = [part for part in head_dim_parts(d) if part]
     assert launch.kwargs["HEAD_DIM_B"] == (parts[1] if len(parts) == 2 else 0)
@@ -97,6 +97,21 @@ def test_backward_runs_one_warpgroup_a_program_where_the_gpu_would_not_fill():
     assert hopper.backward_tiles(64, context + 1, 133, 132) == hopper.backward_tiles(48, 65536, 512, 132) == large
     assert hopper.backward_tiles(80, 512, 1, 132) == hopper.backward_tiles(128, 512, 1, 132) == large
     assert small[1].num_warps == 4 and large[1].num_warps == 8  # a warp holds 16 keys
+
+
+def test_backward_grid_runs_over_the_heads_first_where_their_q_and_do_fit_in_l2():
+    """Heads first where Q and dO of all batch-heads fit in HEADS_FIRST_BYTES (and the key tiles in the grid's
+    second dimension), key tiles first otherwise."""
+    budget = hopper.HEADS_FIRST_BYTES
+    rows = budget // (2 * 64 * 2)  # batch-heads times queries at the budget, d 64, 2-byte elements
+    assert hopper.backward_heads_first(100, rows // 100, 64, 2, 8)
+    assert hopper.backward_heads_first(1, rows, 64, 2, 8)
+    assert not hopper.backward_heads_first(1, rows + 1, 64, 2, 8)
+    assert not hopper.backward_heads_first(1, rows // 2 + 1, 64, 4, 8)
+    assert not hopper.backward_heads_first(1, 64, 64, 2, 65536)
+    assert hopper.backward_heads_first(4 * 25, 512, 64, 2, 8)  # the 2026 models' shapes, batch 4, context 512
+    assert not hopper.backward_heads_first(4 * 36, 512, 128, 2, 4)
+    assert not hopper.backward_heads_first(16, 16384, 64, 2, 128)  # the leaderboard
 
 
 @pytest.mark.compiled_kernels
@@ -349,13 +364,15 @@ def test_forward_first_planned_in_a_cuda_graph_capture_replays_gpu(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not hopper_gpu(), reason="needs a Hopper GPU")
+@pytest.mark.parametrize("heads_first", [True, False])
 @pytest.mark.parametrize("keys", [64, 128])
 @pytest.mark.parametrize("d, is_causal", [(64, True), (48, False), (32, True)])
-def test_backward_of_either_program_shape_matches_float64_gpu(monkeypatch, keys, d, is_causal):
-    """The Hopper backward with 64-key programs of one warpgroup and 128-key programs of two, whatever the call's
-    size would choose, against float64: n_keys != n_queries, ragged ends, the heads in the columns of Q's view,
-    gradients NaN-poisoned."""
+def test_backward_of_either_program_shape_matches_float64_gpu(monkeypatch, keys, d, is_causal, heads_first):
+    """The Hopper backward with 64-key programs of one warpgroup and 128-key programs of two, its grid over the
+    heads first or the key tiles first, whatever the call's size would choose, against float64: n_keys !=
+    n_queries, ragged ends, the heads in the columns of Q's view, gradients NaN-poisoned."""
     _run_backward_programs_of(monkeypatch, keys)
+    monkeypatch.setattr(hopper, "backward_heads_first", lambda *sizes: heads_first)
     monkeypatch.setattr(hopper.BACKWARD, "entries", collections.OrderedDict())
     torch.manual_seed(keys + d)
     Q = torch.randn(2, 1000, 6, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
@@ -369,7 +386,8 @@ def test_backward_of_either_program_shape_matches_float64_gpu(monkeypatch, keys,
     with poisoned_outputs():
         grads = hopper.backward(Q, K, V, O, L, dO, is_causal, d ** -0.5)
     entries = hopper.BACKWARD.entries.values()
-    assert entries and all(entry.kwargs["BLOCK_N"] == keys for entry in entries)
+    assert entries and all(entry.kwargs["BLOCK_N"] == keys and entry.kwargs["HEADS_FIRST"] == heads_first
+                           for entry in entries)
     for name, grad, leaf in zip("QKV", grads, leaves):
         assert relative_error(grad, leaf.grad) < 1e-2, name
 
@@ -435,8 +453,8 @@ def test_short_path_launches_what_the_first_launch_compiled(monkeypatch, part, d
     ((_, grid, first, entry),) = [launch for launch in compiled if launch[0] is kernel.fn]
     ((_, grid_again, second, tail),) = [launch for launch in short if launch[0] is kernel.fn]
     keys = hopper.backward_tiles(d, seq, hopper.programs("backward", Q, K), 2)[0]  # 2 multiprocessors on the CPU
-    # The forward: one program per SM; the backward: one per tile of keys and batch-head.
-    assert grid == grid_again == ((2, 1) if part == "forward" else (math.ceil(seq / keys), 6))
+    # The forward: one program per SM; the backward: one per batch-head and tile of keys (heads first, this small).
+    assert grid == grid_again == ((2, 1) if part == "forward" else (6, math.ceil(seq / keys)))
     assert entry.config.num_warps == (4 if part == "forward" else keys // 16) and tail == entry.tail
     assert entry.kwargs["Q_COLUMNS"] == (layout == "transposed") and entry.kwargs["HEAD_DIM"] == d
     columns = {64: [64], 80: [64, 16]}[d]

@@ -50,7 +50,6 @@ from cs336_systems.kernels.launch import FLOAT_DTYPES, define_operator, unit_las
 SUPPORTED_HEAD_DIMS = tuple(d for d in portable.HEAD_DIMS if d in hopper.HEAD_DIMS)
 """The head dims every backend runs without padding (the portable kernels run a few more: ``portable.HEAD_DIMS``)."""
 MAX_HEAD_DIM = max(SUPPORTED_HEAD_DIMS)
-MAX_GRID_Y = 65535  # CUDA's limit on the second grid dimension, which runs over batch * heads
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -132,8 +131,8 @@ def check_inputs(Q: Tensor, K: Tensor, V: Tensor, is_causal: bool) -> None:
             "kernels run"
         )
     batch_heads = common.batch_heads(Q)
-    if batch_heads > MAX_GRID_Y:
-        raise ValueError(f"batch * heads = {batch_heads} exceeds the grid limit {MAX_GRID_Y}")
+    if batch_heads > common.MAX_GRID_Y:  # the grids' second dimension runs over batch * heads
+        raise ValueError(f"batch * heads = {batch_heads} exceeds the grid limit {common.MAX_GRID_Y}")
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -803,14 +803,20 @@ def attn_bwd_hopper_kernel(
     STAGES: gl.constexpr,
     Q_COLUMNS: gl.constexpr, K_COLUMNS: gl.constexpr, V_COLUMNS: gl.constexpr, DO_COLUMNS: gl.constexpr,
     HEAD_DIM_B: gl.constexpr,  # columns of the second part, 0 for none (the first: HEAD_DIM - HEAD_DIM_B)
+    HEADS_FIRST: gl.constexpr,  # the grid is (batch * heads, key tiles) rather than (key tiles, batch * heads)
 ):
-    """Program ``(i, bh)``: dK and dV of keys ``i * BLOCK_N ..`` of batch-head ``bh``, and their share of dQ."""
+    """Program ``(i, bh)`` (``(bh, i)`` when ``HEADS_FIRST``): dK and dV of keys ``i * BLOCK_N ..`` of batch-head
+    ``bh``, and their share of dQ."""
     config = BwdConfig(HEAD_DIM, HEAD_DIM_B, IS_CAUSAL, BLOCK_M, BLOCK_N, Q_COLUMNS, K_COLUMNS, V_COLUMNS,
                        DO_COLUMNS)
     HEAD_DIM_A: gl.constexpr = HEAD_DIM - HEAD_DIM_B
     dtype: gl.constexpr = q_desc.dtype
-    start_n = gl.program_id(0) * BLOCK_N
-    bh = gl.program_id(1)
+    if HEADS_FIRST:
+        start_n = gl.program_id(1) * BLOCK_N
+        bh = gl.program_id(0)
+    else:
+        start_n = gl.program_id(0) * BLOCK_N
+        bh = gl.program_id(1)
     b = bh // n_heads
     h = bh % n_heads
     if IS_CAUSAL:
