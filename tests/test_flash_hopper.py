@@ -61,7 +61,8 @@ def test_backward_compiles_for_sm90_without_spills_or_serialized_wgmma(monkeypat
         pytest.skip("this Triton has no NVIDIA backend or ptxas")
     _run_backward_programs_of(monkeypatch, keys)
     launch = hopper_launches(dtype, d, is_causal, forward=False)["bwd"]
-    assert launch.grid == (6, math.ceil(777 / keys)) and launch.kwargs["HEADS_FIRST"]  # small: heads first
+    tiles = math.ceil(777 / keys)  # small: causal, heads first
+    assert launch.grid == ((6, tiles) if is_causal else (tiles, 6)) and launch.kwargs["HEADS_FIRST"] == is_causal
     assert (launch.kwargs["BLOCK_N"], launch.kwargs["num_warps"]) == (keys, keys // 16)
     parts = [part for part in head_dim_parts(d) if part]
     assert launch.kwargs["HEAD_DIM_B"] == (parts[1] if len(parts) == 2 else 0)
@@ -100,18 +101,20 @@ def test_backward_runs_one_warpgroup_a_program_where_the_gpu_would_not_fill():
 
 
 def test_backward_grid_runs_over_the_heads_first_where_their_q_and_do_fit_in_l2():
-    """Heads first where Q and dO of all batch-heads fit in HEADS_FIRST_BYTES (and the key tiles in the grid's
-    second dimension), key tiles first otherwise."""
-    budget = hopper.HEADS_FIRST_BYTES
-    rows = budget // (2 * 64 * 2)  # batch-heads times queries at the budget, d 64, 2-byte elements
-    assert hopper.backward_heads_first(100, rows // 100, 64, 2, 8)
-    assert hopper.backward_heads_first(1, rows, 64, 2, 8)
-    assert not hopper.backward_heads_first(1, rows + 1, 64, 2, 8)
-    assert not hopper.backward_heads_first(1, rows // 2 + 1, 64, 4, 8)
-    assert not hopper.backward_heads_first(1, 64, 64, 2, 65536)
-    assert hopper.backward_heads_first(4 * 25, 512, 64, 2, 8)  # the 2026 models' shapes, batch 4, context 512
-    assert not hopper.backward_heads_first(4 * 36, 512, 128, 2, 4)
-    assert not hopper.backward_heads_first(16, 16384, 64, 2, 128)  # the leaderboard
+    """Causal, heads first where Q and dO of all batch-heads fit in HEADS_FIRST_BYTES (and the key tiles in the
+    grid's second dimension), key tiles first otherwise; full attention always key tiles first."""
+    rows = hopper.HEADS_FIRST_BYTES // (2 * 64 * 2)  # batch-heads times queries at the budget, d 64, 2-byte elements
+    assert hopper.backward_heads_first(128, rows // 128, 64, 2, 8, True)
+    assert hopper.backward_heads_first(1, rows, 64, 2, 8, True)
+    assert not hopper.backward_heads_first(1, rows, 64, 2, 8, False)
+    assert not hopper.backward_heads_first(1, rows + 1, 64, 2, 8, True)
+    assert not hopper.backward_heads_first(1, rows // 2 + 1, 64, 4, 8, True)
+    assert not hopper.backward_heads_first(1, 64, 64, 2, 65536, True)
+    # The 2026 models at batch 4, context 512: small to xl heads first, 10B (36 heads of d 128) not.
+    assert hopper.backward_heads_first(4 * 12, 512, 64, 2, 8, True)
+    assert hopper.backward_heads_first(4 * 32, 512, 80, 2, 4, True)
+    assert not hopper.backward_heads_first(4 * 36, 512, 128, 2, 4, True)
+    assert not hopper.backward_heads_first(16, 16384, 64, 2, 128, True)  # the leaderboard
 
 
 @pytest.mark.compiled_kernels

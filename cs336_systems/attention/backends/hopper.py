@@ -369,23 +369,25 @@ def backward_tiles(head_dim: int, n_keys: int, programs: int, multiprocessors: i
     return BLOCK_N, BACKWARD_CONFIG
 
 
-HEADS_FIRST_BYTES = 24 * 2**20
-"""The most bytes of Q and dO (all batch-heads together) at which the backward's grid runs over the heads first
-(:func:`backward_heads_first`)."""
+HEADS_FIRST_BYTES = 20 * 2**20
+"""The most bytes of Q and dO (all batch-heads together) at which the causal backward's grid runs over the heads
+first (:func:`backward_heads_first`)."""
 
 
-def backward_heads_first(batch_heads: int, n_queries: int, head_dim: int, element_size: int, key_tiles: int) -> bool:
+def backward_heads_first(batch_heads: int, n_queries: int, head_dim: int, element_size: int, key_tiles: int,
+                         is_causal: bool) -> bool:
     """Whether the backward's grid is ``(batch * heads, key tiles)``, so that the GPU starts every head's first key
     tile, then every head's second, and so on, rather than ``(key tiles, batch * heads)``, a head's tiles after
-    another's: where Q and dO of all heads (which the programs running at once then read) fit in
-    :data:`HEADS_FIRST_BYTES` of L2.
+    another's: causal, where Q and dO of all heads (which the programs running at once then read) fit in
+    :data:`HEADS_FIRST_BYTES`.
 
-    Causal, a head's first key tiles see the most queries: heads first starts the longest programs first, so that
-    short ones fill the end. Measured on an H200 (backward, CUDA graphs, causal bf16; optimisation log:
-    backward-heads-first), heads first against keys first: 0.85-0.93x at 12 to 25 heads of 512 and 1,024 (d 64,
-    6 to 17 MB of Q and dO) and one batch of 25 heads of 2,048 (13 MB), 0.91x at 32 heads of 512 at d 80 (21 MB);
-    1.01x at 16 heads of 2,048 (34 MB), 1.05-1.31x from 38 MB up, where the heads in flight no longer share L2."""
-    return (batch_heads * 2 * n_queries * head_dim * element_size <= HEADS_FIRST_BYTES
+    Causal, a head's first key tiles see the most queries: heads first starts the longest programs first and
+    leaves the short ones for the end. Measured on an H200 (backward, CUDA graphs, bf16; optimisation log:
+    backward-heads-first), heads first against keys first, causal: 0.84-0.93x at 12 to 32 heads of 512 (d 64 and
+    80), 0.87-0.98x at 12 to 20 heads of 1,024 and 0.89x at 25 heads of 2,048 (6 to 21 MB of Q and dO); from 25 MB
+    (24 MiB) on, 0.93-0.97x at some shapes but 1.01-1.04x at others, and 1.01-1.31x from 33 MB up, where the heads
+    in flight no longer share L2. Full attention, whose programs are all as long: 1.00-1.02x."""
+    return (is_causal and batch_heads * 2 * n_queries * head_dim * element_size <= HEADS_FIRST_BYTES
             and key_tiles <= common.MAX_GRID_Y)
 
 
@@ -407,7 +409,7 @@ def _backward_plan(Q: Tensor, K: Tensor, V: Tensor, dO: Tensor, is_causal: bool,
     scalars = in_order(BACKWARD.fn, dict(n_heads=n_heads, n_queries=n_queries, n_keys=n_keys, sm_scale=sm_scale,
                                          qk_scale=sm_scale * common.LOG2_E), first=9)
     key_tiles = triton.cdiv(n_keys, keys)
-    heads_first = backward_heads_first(batch_heads, n_queries, head_dim, Q.element_size(), key_tiles)
+    heads_first = backward_heads_first(batch_heads, n_queries, head_dim, Q.element_size(), key_tiles, is_causal)
     return LaunchPlan((lambda tiles: (batch_heads, key_tiles)) if heads_first else
                       (lambda tiles: (key_tiles, batch_heads)),
                       dict(HEAD_DIM=head_dim, IS_CAUSAL=is_causal, BLOCK_M=BACKWARD_ROWS, BLOCK_N=keys,
