@@ -383,9 +383,9 @@ def backward_heads_first(batch_heads: int, n_queries: int, head_dim: int, elemen
 
     Causal, a head's first key tiles see the most queries: heads first starts the longest programs first and
     leaves the short ones for the end. Measured on an H200 (backward, CUDA graphs, bf16; optimisation log:
-    backward-heads-first), heads first against keys first, causal: 0.84-0.93x at 12 to 32 heads of 512 (d 64 and
+    backward-heads-first), heads first against keys first, causal: 0.84-0.95x at 12 to 32 heads of 512 (d 64 and
     80), 0.87-0.98x at 12 to 20 heads of 1,024 and 0.89x at 25 heads of 2,048 (6 to 21 MB of Q and dO); from 25 MB
-    (24 MiB) on, 0.93-0.97x at some shapes but 1.01-1.04x at others, and 1.01-1.31x from 33 MB up, where the heads
+    (24 MiB) on, 0.92-0.97x at some shapes but 1.01-1.04x at others, and 1.01-1.31x from 33 MB up, where the heads
     in flight no longer share L2. Full attention, whose programs are all as long: 1.00-1.02x."""
     return (is_causal and batch_heads * 2 * n_queries * head_dim * element_size <= HEADS_FIRST_BYTES
             and key_tiles <= common.MAX_GRID_Y)
