@@ -131,7 +131,7 @@ def check_inputs(Q: Tensor, K: Tensor, V: Tensor, is_causal: bool) -> None:
             "kernels run"
         )
     batch_heads = common.batch_heads(Q)
-    if batch_heads > common.MAX_GRID_Y:  # the grids' second dimension runs over batch * heads
+    if batch_heads > common.MAX_GRID_Y:  # several kernels' grids run over batch * heads in their second dimension
         raise ValueError(f"batch * heads = {batch_heads} exceeds the grid limit {common.MAX_GRID_Y}")
 
 
