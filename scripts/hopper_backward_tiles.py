@@ -126,7 +126,7 @@ def main() -> None:
     parser.add_argument("--tiles", nargs="+", choices=list(TILES), default=["128x8", "64x4"])
     parser.add_argument("--orders", nargs="+", choices=ORDERS, default=["rule"])
     parser.add_argument("--not-causal", dest="causal", action="store_false", help="time full attention")
-    parser.add_argument("--shapes", nargs="+", default=SHAPES, help="batch,heads,seq,d (causal)")
+    parser.add_argument("--shapes", nargs="+", default=SHAPES, help="batch,heads,seq,d")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--ms", type=float, default=300, help="GPU time per measurement, ms")
     args = parser.parse_args()

@@ -410,8 +410,8 @@ def _backward_plan(Q: Tensor, K: Tensor, V: Tensor, dO: Tensor, is_causal: bool,
                                          qk_scale=sm_scale * common.LOG2_E), first=9)
     key_tiles = triton.cdiv(n_keys, keys)
     heads_first = backward_heads_first(batch_heads, n_queries, head_dim, Q.element_size(), key_tiles, is_causal)
-    return LaunchPlan((lambda tiles: (batch_heads, key_tiles)) if heads_first else
-                      (lambda tiles: (key_tiles, batch_heads)),
+    grid = (batch_heads, key_tiles) if heads_first else (key_tiles, batch_heads)
+    return LaunchPlan(lambda tiles: grid,
                       dict(HEAD_DIM=head_dim, IS_CAUSAL=is_causal, BLOCK_M=BACKWARD_ROWS, BLOCK_N=keys,
                            STAGES=STAGES, Q_COLUMNS=q_columns, K_COLUMNS=k_columns, V_COLUMNS=v_columns,
                            DO_COLUMNS=do_columns, HEAD_DIM_B=part_b, HEADS_FIRST=heads_first),
