@@ -26,7 +26,8 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 def fingerprint_lines(head_dim: int, dtype: str, is_causal: bool, save_dir: str | None = None) -> list[str]:
     """One line per kernel the Hopper backend launches at this head dim (the forward where it runs the head dim)."""
     lines = []
-    launches = hopper_launches(DTYPES[dtype], head_dim, is_causal, forward=head_dim in hopper.HEAD_DIMS)
+    forward = head_dim in hopper.kernel_head_dims("forward")
+    launches = hopper_launches(DTYPES[dtype], head_dim, is_causal, forward=forward)
     for name, launch in launches.items():
         compiled = compile_for_gpu(launch.kernel, launch.args, launch.kwargs)
         code = cuobjdump(compiled, "-sass")

@@ -119,13 +119,17 @@ def test_backward_grid_runs_over_the_heads_first_where_their_q_and_do_fit_in_l2(
 
 @pytest.mark.compiled_kernels
 @pytest.mark.parametrize("d, dtype, is_causal", [pytest.param(128, torch.bfloat16, True, marks=pytest.mark.slow),
-                                                (64, torch.float16, False)])
+                                                (64, torch.float16, False), (80, torch.bfloat16, True)])
 def test_forward_compiles_for_sm90_without_spills(d, dtype, is_causal):
     if not nvidia_toolchain_available():
         pytest.skip("this Triton has no NVIDIA backend or ptxas")
     launch = hopper_launches(dtype, d, is_causal)["fwd"]
     # one persistent program per multiprocessor, at most (2 where kernels are compiled on the CPU), each tile once
     assert launch.grid == (2, 1) and sorted(launch.kwargs["schedule"][3:].tolist()) == list(range(6 * 8))
+    parts = [part for part in head_dim_parts(d) if part]
+    assert launch.kwargs["HEAD_DIM_B"] == (parts[1] if len(parts) == 2 else 0)
+    widths = [arg.block_shape[-1] for arg in launch.args if isinstance(arg, TensorDescriptor)]
+    assert widths == [width for width in parts for _ in range(4)]  # one descriptor per tensor and column part
     compiled = compile_for_gpu(launch.kernel, launch.args, launch.kwargs)
     usage = resource_usage(compiled)
     assert usage.spill_bytes == 0, usage
@@ -216,7 +220,7 @@ def test_two_part_head_dims_run_the_portable_forward_and_the_hopper_backward(mon
     monkeypatch.setattr(hopper, "supports", lambda device, dtype, head_dim: None)
     hopper_config, cpu = FlashConfig(kernels="hopper"), torch.device("cpu")
     assert op.route(hopper_config, cpu, torch.bfloat16, 80, "backward", True) == (hopper, 80)
-    assert op.route(hopper_config, cpu, torch.bfloat16, 80, "forward", True) == (hopper, 128)
+    assert op.route(hopper_config, cpu, torch.bfloat16, 80, "forward", True) == (hopper, 80)
     assert op.route(hopper_config, cpu, torch.bfloat16, 72, "backward", True) == (hopper, 80)  # the next it runs
     # the route passes the shape class on: many programs, but a two-part head dim's forward.
     seen = []
@@ -436,7 +440,7 @@ def _inputs(layout: str, batch: int, heads: int, seq: int, d: int) -> torch.Tens
     return torch.randn(batch, heads, seq, d, dtype=torch.bfloat16)
 
 
-@pytest.mark.parametrize("part, d", [("forward", 64), ("backward", 64), ("backward", 80)])
+@pytest.mark.parametrize("part, d", [("forward", 64), ("forward", 80), ("backward", 64), ("backward", 80)])
 @pytest.mark.parametrize("layout", ["contiguous", "transposed", "misaligned"])
 def test_short_path_launches_what_the_first_launch_compiled(monkeypatch, part, d, layout):
     """The second call of a key (descriptors rebuilt from the cached entry) passes the kernel the same views, sizes
@@ -463,7 +467,7 @@ def test_short_path_launches_what_the_first_launch_compiled(monkeypatch, part, d
     columns = {64: [64], 80: [64, 16]}[d]
     assert [full.block_shape[-1] for full in first if isinstance(full, TensorDescriptor)] == [
         width for width in columns for _ in range(7 if part == "backward" else 4)]
-    inputs = {0, 1, 2} if part == "forward" else {0, 1, 2, 3, 14, 15, 16, 17}  # Q, K, V (dO) of each column part
+    inputs = {0, 1, 2, 4, 5, 6} if part == "forward" else {0, 1, 2, 3, 14, 15, 16, 17}  # Q, K, V (dO) of each part
     assert len(first) == len(second)
     for position, (full, again) in enumerate(zip(first, second)):
         if not isinstance(full, TensorDescriptor):  # no second column part at d = 64: None both times

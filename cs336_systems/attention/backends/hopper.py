@@ -87,7 +87,7 @@ def supports(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | N
 
 def kernel_head_dims(part: str) -> tuple[int, ...]:
     """The head dims the kernels run ``part`` ("forward" or "backward") at without padding."""
-    return HEAD_DIMS + SPLIT_HEAD_DIMS if part == "backward" else HEAD_DIMS
+    return HEAD_DIMS + SPLIT_HEAD_DIMS
 
 
 def programs(part: str, Q: Tensor, K: Tensor) -> int:
@@ -261,16 +261,19 @@ def forward(
     L = new_output(Q.shape[:-1], torch.float32, Q.device)
     key = (Q.device.index, Q.dtype, is_causal, sm_scale, Q.shape, K.shape, Q.stride(), K.stride(), V.stride(),
            _alignment(Q, K, V, L))
-    FORWARD.launch(key, (Q, K, V, O, L), _forward_plan, Q, K, V, is_causal, sm_scale, build=_descriptor_args)
+    FORWARD.launch(key, (Q, K, V, O, L), _forward_plan, Q, K, V, is_causal, sm_scale, build=_forward_args)
     return O, L
 
 
 def _forward_plan(Q: Tensor, K: Tensor, V: Tensor, is_causal: bool, sm_scale: float) -> LaunchPlan:
     """The plan of the forward on inputs laid out as these (Q, K, V, then the contiguous output O)."""
     n_heads, batch_heads, n_queries, n_keys, head_dim = common.sizes(Q, K)
-    (q, q_columns), (k, k_columns), (v, v_columns) = (
-        DescriptorPlan.of(x, rows) for x, rows in ((Q, FORWARD_ROWS), (K, BLOCK_N), (V, BLOCK_N)))
-    o = _output_plan((batch_heads, n_queries, head_dim), FORWARD_ROWS)
+    part_a, part_b = common.head_dim_parts(head_dim)
+    descriptors = []
+    for columns in (part_a, part_b) if part_b else (0,):  # 0: the whole head dim
+        (q, q_columns), (k, k_columns), (v, v_columns) = (
+            DescriptorPlan.of(x, rows, columns) for x, rows in ((Q, FORWARD_ROWS), (K, BLOCK_N), (V, BLOCK_N)))
+        descriptors += [q, k, v, _output_plan((batch_heads, n_queries, head_dim), FORWARD_ROWS, columns)]
     schedule = forward_schedule(batch_heads, n_queries, n_keys, is_causal, multiprocessors(Q.device),
                                 2 * n_keys * head_dim * Q.element_size())
     capturing = Q.is_cuda and torch.cuda.is_current_stream_capturing()
@@ -279,15 +282,16 @@ def _forward_plan(Q: Tensor, K: Tensor, V: Tensor, is_causal: bool, sm_scale: fl
                       dict(schedule=_schedule_tensor(schedule, Q.device), n_heads=n_heads, n_queries=n_queries,
                            n_keys=n_keys, qk_scale=sm_scale * common.LOG2_E, HEAD_DIM=head_dim, IS_CAUSAL=is_causal,
                            ROWS=FORWARD_ROWS, BLOCK_N=BLOCK_N, STAGES=STAGES, Q_COLUMNS=q_columns, K_COLUMNS=k_columns,
-                           V_COLUMNS=v_columns),
-                      triton.Config({}, num_warps=4), (q, k, v, o), keep=not capturing)
+                           V_COLUMNS=v_columns, HEAD_DIM_B=part_b),
+                      triton.Config({}, num_warps=4), tuple(descriptors), keep=not capturing)
 
 
-def _descriptor_args(descriptors: tuple[DescriptorPlan, ...], tensors: tuple[Tensor, ...], compiled: bool) -> tuple:
+def _forward_args(descriptors: tuple[DescriptorPlan, ...], tensors: tuple[Tensor, ...], compiled: bool) -> tuple:
     """The forward's arguments before its trailing ones: a descriptor on each of Q, K, V, O (once compiled, the
-    tensor it addresses), then L."""
+    tensor it addresses), the same on their second column parts (None without one), then L."""
     *viewed, L = tensors
-    return (*_descriptors(descriptors, viewed, compiled), L)
+    built = _descriptors(descriptors, viewed, compiled)
+    return (*built[:4], *(built[4:] or (None,) * 4), L)
 
 
 def _descriptors(descriptors: tuple[DescriptorPlan, ...], tensors: list[Tensor], compiled: bool) -> tuple:

@@ -79,6 +79,18 @@ def _block_coord(b, h, m, n_heads, HEAD_DIM: gl.constexpr, HEADS_IN_COLUMNS: gl.
         return [b * n_heads + h, m, COLUMN]
 
 
+@gluon.constexpr_function
+def _acc_layout(columns, warps):
+    """The register layout of a wgmma accumulator of ``columns`` columns over ``warps`` warps (16 rows each)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, columns, 16])
+
+
+@gluon.constexpr_function
+def _optional(value):
+    """A field that is None at a power-of-two head dim: ``None`` arrives unwrapped, wrap it as a constexpr."""
+    return gl.constexpr(None) if value is None else value
+
+
 @aggregate
 class Ring:
     """The barriers of a ring of ``STAGES`` shared-memory stages that a producer fills with blocks ``0, 1, 2, ..``
@@ -170,10 +182,13 @@ class FwdConfig:
     K_COLUMNS: gl.constexpr
     V_COLUMNS: gl.constexpr
     s_layout: gl.constexpr  # S (ROWS, BLOCK_N) of one warpgroup
-    o_layout: gl.constexpr  # O (ROWS, HEAD_DIM) of one warpgroup
+    o_layout: gl.constexpr  # O (ROWS, HEAD_DIM_A) of one warpgroup
+    HEAD_DIM_A: gl.constexpr
+    HEAD_DIM_B: gl.constexpr
+    o_layout_b: gl.constexpr  # O's second column part (ROWS, HEAD_DIM_B), or None
 
     @gluon.constexpr_function
-    def __init__(self, HEAD_DIM, IS_CAUSAL, ROWS, BLOCK_N, Q_COLUMNS, K_COLUMNS, V_COLUMNS):
+    def __init__(self, HEAD_DIM, HEAD_DIM_B, IS_CAUSAL, ROWS, BLOCK_N, Q_COLUMNS, K_COLUMNS, V_COLUMNS):
         self.HEAD_DIM = gl.constexpr(HEAD_DIM)
         self.IS_CAUSAL = gl.constexpr(IS_CAUSAL)
         self.ROWS = gl.constexpr(ROWS)
@@ -183,8 +198,10 @@ class FwdConfig:
         self.V_COLUMNS = gl.constexpr(V_COLUMNS)
         self.s_layout = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                                instr_shape=[16, BLOCK_N, 16]))
-        self.o_layout = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                               instr_shape=[16, HEAD_DIM, 16]))
+        self.HEAD_DIM_A = gl.constexpr(HEAD_DIM - HEAD_DIM_B)
+        self.HEAD_DIM_B = gl.constexpr(HEAD_DIM_B)
+        self.o_layout = gl.constexpr(_acc_layout(HEAD_DIM - HEAD_DIM_B, 4))
+        self.o_layout_b = gl.constexpr(_acc_layout(HEAD_DIM_B, 4) if HEAD_DIM_B else None)
 
 
 @aggregate
@@ -243,45 +260,57 @@ def _fwd_schedule(schedule):
 @aggregate
 class FwdBuffers:
     """The forward's shared memory: the warpgroups' Q tiles in two slots (slot ``t % 2`` holds tile ``t``'s, for
-    warpgroup ``w`` at index ``2 * slot + w``: (4, ROWS, HEAD_DIM)), its ring barriers ``q`` (a slot is landed by
+    warpgroup ``w`` at index ``2 * slot + w``: (4, ROWS, HEAD_DIM_A)), its ring barriers ``q`` (a slot is landed by
     the copy engine, released by both warpgroups once its tile's O, staged in it, has left); the K/V ring
-    (STAGES, BLOCK_N, HEAD_DIM) and its barriers ``kv`` (a stage is released by both warpgroups)."""
+    (STAGES, BLOCK_N, HEAD_DIM_A) and its barriers ``kv`` (a stage is released by both warpgroups); the second
+    column parts of the Q slots and the K/V ring ((4, ROWS, HEAD_DIM_B), (STAGES, BLOCK_N, HEAD_DIM_B)), or None."""
 
     q_smem: gl.shared_memory_descriptor
     k_ring: gl.shared_memory_descriptor
     v_ring: gl.shared_memory_descriptor
     q: Ring
     kv: Ring
+    q_smem_b: (gl.shared_memory_descriptor, gl.constexpr)
+    k_ring_b: (gl.shared_memory_descriptor, gl.constexpr)
+    v_ring_b: (gl.shared_memory_descriptor, gl.constexpr)
 
     @gluon.constexpr_function
-    def __init__(self, q_smem, k_ring, v_ring, q, kv):
+    def __init__(self, q_smem, k_ring, v_ring, q, kv, q_smem_b, k_ring_b, v_ring_b):
         self.q_smem = q_smem
         self.k_ring = k_ring
         self.v_ring = v_ring
         self.q = q
         self.kv = kv
+        self.q_smem_b = _optional(q_smem_b)
+        self.k_ring_b = _optional(k_ring_b)
+        self.v_ring_b = _optional(v_ring_b)
 
 
 @aggregate
 class FwdState:
-    """One warpgroup's online softmax: the unnormalised O (ROWS, HEAD_DIM), and per row the sum of the
-    probabilities and the running maximum of the scaled base-2 scores (ROWS,), all float32."""
+    """One warpgroup's online softmax: the unnormalised O (ROWS, HEAD_DIM_A), and per row the sum of the
+    probabilities and the running maximum of the scaled base-2 scores (ROWS,), all float32; O's second column part
+    (ROWS, HEAD_DIM_B) or None."""
 
     acc: gl.tensor
     row_sum: gl.tensor
     row_max: gl.tensor
+    acc_b: (gl.tensor, gl.constexpr)
 
     @gluon.constexpr_function
-    def __init__(self, acc, row_sum, row_max):
+    def __init__(self, acc, row_sum, row_max, acc_b):
         self.acc = acc
         self.row_sum = row_sum
         self.row_max = row_max
+        self.acc_b = _optional(acc_b)
 
 
 @gluon.jit
-def _fwd_load_partition(config, q_desc, k_desc, v_desc, buffers, schedule, n_heads, n_queries, n_keys):
+def _fwd_load_partition(config, q_desc, k_desc, v_desc, buffers, schedule, n_heads, n_queries, n_keys, q_desc_b,
+                        k_desc_b, v_desc_b):
     """Worker partition: per tile, both warpgroups' Q tiles into a free slot, then K and V blocks into the ring, as
-    far ahead of the consumers as they have room, across tiles."""
+    far ahead of the consumers as they have room, across tiles (each in two column blocks at a two-part head
+    dim)."""
     first, last = _fwd_schedule(schedule)
     block = 0  # K/V blocks streamed so far: the ring's position
     for k in range(first, last):
@@ -292,6 +321,11 @@ def _fwd_load_partition(config, q_desc, k_desc, v_desc, buffers, schedule, n_hea
             tma.async_copy_global_to_shared(
                 q_desc, _block_coord(program.b, program.h, program.start_m + w * config.ROWS, program.n_heads,
                                      config.HEAD_DIM, config.Q_COLUMNS, 0), landed, buffers.q_smem.index(2 * slot + w))
+            if config.HEAD_DIM_B > 0:
+                tma.async_copy_global_to_shared(
+                    q_desc_b, _block_coord(program.b, program.h, program.start_m + w * config.ROWS, program.n_heads,
+                                           config.HEAD_DIM, config.Q_COLUMNS, config.HEAD_DIM_A),
+                    landed, buffers.q_smem_b.index(2 * slot + w))
         for j in range(program.n_blocks):
             s, landed = buffers.kv.acquire(block + j,
                                            2 * config.BLOCK_N * config.HEAD_DIM * k_desc.dtype.primitive_bitwidth // 8)
@@ -302,20 +336,31 @@ def _fwd_load_partition(config, q_desc, k_desc, v_desc, buffers, schedule, n_hea
             tma.async_copy_global_to_shared(
                 v_desc, _block_coord(program.b, program.h, n, program.n_heads, config.HEAD_DIM, config.V_COLUMNS, 0),
                 landed, buffers.v_ring.index(s))
+            if config.HEAD_DIM_B > 0:
+                tma.async_copy_global_to_shared(
+                    k_desc_b, _block_coord(program.b, program.h, n, program.n_heads, config.HEAD_DIM, config.K_COLUMNS,
+                                           config.HEAD_DIM_A), landed, buffers.k_ring_b.index(s))
+                tma.async_copy_global_to_shared(
+                    v_desc_b, _block_coord(program.b, program.h, n, program.n_heads, config.HEAD_DIM, config.V_COLUMNS,
+                                           config.HEAD_DIM_A), landed, buffers.v_ring_b.index(s))
         block += program.n_blocks
 
 
 @gluon.jit
-def _fwd_issue_scores(config, program, buffers, block, j, q):
+def _fwd_issue_scores(config, program, buffers, block, j, q, q_b):
     """Start S_j = Q K_j^T once the tile's block ``j`` (the ring's ``block + j``) has landed (see
-    :meth:`Ring.wait_landed` past the last block)."""
+    :meth:`Ring.wait_landed` past the last block); ``q`` is (ROWS, HEAD_DIM_A), ``q_b`` the second column part
+    (ROWS, HEAD_DIM_B) or None."""
     s = buffers.kv.wait_landed(j, program.n_blocks, block)
     zero = gl.zeros([config.ROWS, config.BLOCK_N], gl.float32, config.s_layout)
-    return warpgroup_mma(q, buffers.k_ring.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
+    scores = warpgroup_mma(q, buffers.k_ring.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
+    if config.HEAD_DIM_B > 0:
+        scores = warpgroup_mma(q_b, buffers.k_ring_b.index(s).permute((1, 0)), scores, is_async=True)
+    return scores
 
 
 @gluon.jit
-def _fwd_step(config, program, buffers, state, scores, block, j, q, offs_m, qk_scale, MASKED: gl.constexpr):
+def _fwd_step(config, program, buffers, state, scores, block, j, q, q_b, offs_m, qk_scale, MASKED: gl.constexpr):
     """Key block ``j`` of the tile (the ring's ``block + j``), whose S is in flight: online softmax, then P V_j,
     with S_(j+1) started behind it."""
     s = buffers.kv.stage(block + j)
@@ -334,18 +379,27 @@ def _fwd_step(config, program, buffers, state, scores, block, j, q, offs_m, qk_s
     acc = state.acc * gl.convert_layout(rescale, gl.SliceLayout(1, config.o_layout))[:, None]
     p_op = gl.convert_layout(p.to(q.dtype), gl.DotOperandLayout(operand_index=0, parent=config.o_layout, k_width=2))
     acc = warpgroup_mma(p_op, buffers.v_ring.index(s), acc, is_async=True)
-    scores = _fwd_issue_scores(config, program, buffers, block, j + 1, q)
-    acc = warpgroup_mma_wait(1, deps=[acc])
+    acc_b = state.acc_b
+    if config.HEAD_DIM_B > 0:
+        acc_b = acc_b * gl.convert_layout(rescale, gl.SliceLayout(1, config.o_layout_b))[:, None]
+        p_op_b = gl.convert_layout(p.to(q.dtype),
+                                   gl.DotOperandLayout(operand_index=0, parent=config.o_layout_b, k_width=2))
+        acc_b = warpgroup_mma(p_op_b, buffers.v_ring_b.index(s), acc_b, is_async=True)
+    scores = _fwd_issue_scores(config, program, buffers, block, j + 1, q, q_b)
+    if config.HEAD_DIM_B > 0:
+        acc, acc_b = warpgroup_mma_wait(2, deps=[acc, acc_b])  # S_(j+1)'s two matmuls may run on
+    else:
+        acc = warpgroup_mma_wait(1, deps=[acc])
     # This warpgroup is done with stage s (K_j long since, V_j now): one arrive from it, after its own barrier.
     # Past the tile's last block the S in flight reads a released stage, which the loader may be refilling with
     # the next tile's block: that S is never used.
     buffers.kv.release(block + j)
-    return FwdState(acc, row_sum, new_row_max), scores
+    return FwdState(acc, row_sum, new_row_max, acc_b), scores
 
 
 @gluon.jit
 def _fwd_compute_partition(config, buffers, o_desc, L, schedule, n_heads, n_queries, n_keys, qk_scale,
-                           w: gl.constexpr):
+                           w: gl.constexpr, o_desc_b):
     """Warpgroup ``w`` (the default partition for 0, a worker for 1): per tile, rows ``start_m + w * ROWS ..``
     of O (staged in the tile's Q slot for the copy engine, the store overlapping the next tile) and L."""
     row_layout: gl.constexpr = gl.SliceLayout(1, config.s_layout)
@@ -355,38 +409,69 @@ def _fwd_compute_partition(config, buffers, o_desc, L, schedule, n_heads, n_quer
         program = _fwd_tile(config, gl.load(schedule + k), n_heads, n_queries, n_keys)
         first_row = program.start_m + w * config.ROWS
         offs_m = first_row + gl.arange(0, config.ROWS, layout=row_layout)
-        state = FwdState(gl.zeros([config.ROWS, config.HEAD_DIM], gl.float32, config.o_layout),
+        acc_b = None
+        if config.HEAD_DIM_B > 0:
+            acc_b = gl.zeros([config.ROWS, config.HEAD_DIM_B], gl.float32, config.o_layout_b)
+        state = FwdState(gl.zeros([config.ROWS, config.HEAD_DIM_A], gl.float32, config.o_layout),
                          gl.zeros([config.ROWS], gl.float32, row_layout),
-                         gl.full([config.ROWS], float("-inf"), gl.float32, row_layout))
+                         gl.full([config.ROWS], float("-inf"), gl.float32, row_layout), acc_b)
 
-        q = buffers.q_smem.index(2 * buffers.q.wait(k - first) + w)
-        scores = _fwd_issue_scores(config, program, buffers, block, 0, q)
+        slot = buffers.q.wait(k - first)
+        q = buffers.q_smem.index(2 * slot + w)
+        q_b = buffers.q_smem_b
+        if config.HEAD_DIM_B > 0:
+            q_b = buffers.q_smem_b.index(2 * slot + w)
+        scores = _fwd_issue_scores(config, program, buffers, block, 0, q, q_b)
         for j in range(0, program.n_full):
-            state, scores = _fwd_step(config, program, buffers, state, scores, block, j, q, offs_m, qk_scale, False)
+            state, scores = _fwd_step(config, program, buffers, state, scores, block, j, q, q_b, offs_m, qk_scale,
+                                      False)
         # The previous tile's O has left its slot by now (waited here, not at the tile's start, where the store
         # has just been issued): the loader may refill the slot with the next tile's Q.
         tma.store_wait(0)
         gl.thread_barrier()
         buffers.q.release_previous(k - first)
         for j in range(program.n_full, program.n_blocks):
-            state, scores = _fwd_step(config, program, buffers, state, scores, block, j, q, offs_m, qk_scale, True)
-        acc = warpgroup_mma_wait(0, deps=[state.acc, scores])[0]
+            state, scores = _fwd_step(config, program, buffers, state, scores, block, j, q, q_b, offs_m, qk_scale,
+                                      True)
+        if config.HEAD_DIM_B > 0:
+            acc, acc_b, scores = warpgroup_mma_wait(0, deps=[state.acc, state.acc_b, scores])
+        else:
+            acc = warpgroup_mma_wait(0, deps=[state.acc, scores])[0]
         block += program.n_blocks
 
         L_row = L + program.bh.to(gl.int64) * program.n_queries
         gl.store(L_row + offs_m, (state.row_max + gl.log2(state.row_sum)) * LN_2, mask=offs_m < program.n_queries)
         out = acc / gl.convert_layout(state.row_sum, gl.SliceLayout(1, config.o_layout))[:, None]
         q.store(out.to(q.dtype))  # Q is no longer read: its buffer stages O for the copy engine
+        if config.HEAD_DIM_B > 0:
+            out_b = acc_b / gl.convert_layout(state.row_sum, gl.SliceLayout(1, config.o_layout_b))[:, None]
+            q_b.store(out_b.to(q.dtype))
         fence_async_shared()
         gl.thread_barrier()
         tma.async_copy_shared_to_global(o_desc, [program.bh, first_row, 0], q)
+        if config.HEAD_DIM_B > 0:
+            tma.async_copy_shared_to_global(o_desc_b, [program.bh, first_row, config.HEAD_DIM_A], q_b)
     tma.store_wait(0)
+
+
+@gluon.jit
+def _fwd_operand_buffers(dtype: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                         COLUMNS: gl.constexpr):
+    """One column part's (``COLUMNS`` of the head dim) shared memory for the matmuls' operands: the Q slots
+    (4, ROWS, COLUMNS), the K and V rings (STAGES, BLOCK_N, COLUMNS)."""
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, COLUMNS], dtype)
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, COLUMNS], dtype)
+    q_smem = gl.allocate_shared_memory(dtype, [4, ROWS, COLUMNS], q_layout)
+    k_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, COLUMNS], kv_layout)
+    v_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, COLUMNS], kv_layout)
+    return q_smem, k_ring, v_ring
 
 
 @gluon.jit(do_not_specialize=["n_heads", "n_queries", "n_keys"])
 def attn_fwd_hopper_kernel(
-    q_desc, k_desc, v_desc,  # 3-D views of Q, K, V, blocks (1, ROWS or BLOCK_N, HEAD_DIM)
-    o_desc,  # contiguous (batch * heads, n_queries, HEAD_DIM) output, blocks (1, ROWS, HEAD_DIM)
+    q_desc, k_desc, v_desc,  # 3-D views of Q, K, V, blocks (1, ROWS or BLOCK_N, HEAD_DIM_A)
+    o_desc,  # contiguous (batch * heads, n_queries, HEAD_DIM) output, blocks (1, ROWS, HEAD_DIM_A)
+    q_desc_b, k_desc_b, v_desc_b, o_desc_b,  # the second column blocks, or None
     L,  # float32 (batch * heads, n_queries) output: natural-log logsumexp
     schedule,  # int32: where each program's tile ids start (programs + 1 entries), then the ids
     n_heads, n_queries, n_keys,
@@ -397,16 +482,19 @@ def attn_fwd_hopper_kernel(
     BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr,
     Q_COLUMNS: gl.constexpr, K_COLUMNS: gl.constexpr, V_COLUMNS: gl.constexpr,
+    HEAD_DIM_B: gl.constexpr,  # columns of the second part, 0 for none (the first: HEAD_DIM - HEAD_DIM_B)
 ):
     """Persistent program ``i``: O and L of the tiles the schedule gives it, one after another."""
-    config = FwdConfig(HEAD_DIM, IS_CAUSAL, ROWS, BLOCK_N, Q_COLUMNS, K_COLUMNS, V_COLUMNS)
+    config = FwdConfig(HEAD_DIM, HEAD_DIM_B, IS_CAUSAL, ROWS, BLOCK_N, Q_COLUMNS, K_COLUMNS, V_COLUMNS)
     dtype: gl.constexpr = q_desc.dtype
 
-    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM], dtype)
-    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
-    q_smem = gl.allocate_shared_memory(dtype, [4, ROWS, HEAD_DIM], q_layout)
-    k_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
-    v_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
+    q_smem, k_ring, v_ring = _fwd_operand_buffers(dtype, ROWS, BLOCK_N, STAGES, HEAD_DIM - HEAD_DIM_B)
+    if HEAD_DIM_B > 0:
+        q_smem_b, k_ring_b, v_ring_b = _fwd_operand_buffers(dtype, ROWS, BLOCK_N, STAGES, HEAD_DIM_B)
+    else:
+        q_smem_b = None
+        k_ring_b = None
+        v_ring_b = None
     q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     q_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -416,13 +504,16 @@ def attn_fwd_hopper_kernel(
     q.init(1, 2)  # landed by the copy engine's bytes; released by both consumer warpgroups
     kv.init(1, 2)
     fence_async_shared()
-    buffers = FwdBuffers(q_smem, k_ring, v_ring, q, kv)
+    buffers = FwdBuffers(q_smem, k_ring, v_ring, q, kv, q_smem_b, k_ring_b, v_ring_b)
 
     gl.warp_specialize(
         [
-            (_fwd_compute_partition, (config, buffers, o_desc, L, schedule, n_heads, n_queries, n_keys, qk_scale, 0)),
-            (_fwd_compute_partition, (config, buffers, o_desc, L, schedule, n_heads, n_queries, n_keys, qk_scale, 1)),
-            (_fwd_load_partition, (config, q_desc, k_desc, v_desc, buffers, schedule, n_heads, n_queries, n_keys)),
+            (_fwd_compute_partition, (config, buffers, o_desc, L, schedule, n_heads, n_queries, n_keys, qk_scale, 0,
+                                      o_desc_b)),
+            (_fwd_compute_partition, (config, buffers, o_desc, L, schedule, n_heads, n_queries, n_keys, qk_scale, 1,
+                                      o_desc_b)),
+            (_fwd_load_partition, (config, q_desc, k_desc, v_desc, buffers, schedule, n_heads, n_queries, n_keys,
+                                   q_desc_b, k_desc_b, v_desc_b)),
         ],
         [4, 1],
         [240, 24],
@@ -491,11 +582,6 @@ class BwdConfig:
 
 
 @gluon.constexpr_function
-def _acc_layout(columns, warps):
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, columns, 16])
-
-
-@gluon.constexpr_function
 def _dq_layout(columns, warps):
     warpgroups = warps // 4
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, warpgroups],
@@ -552,12 +638,6 @@ class BwdRing:
         self.barriers = barriers
         self.q_b = _optional(q_b)
         self.do_b = _optional(do_b)
-
-
-@gluon.constexpr_function
-def _optional(value):
-    """A field that is None at a power-of-two head dim: ``None`` arrives unwrapped, wrap it as a constexpr."""
-    return gl.constexpr(None) if value is None else value
 
 
 @aggregate

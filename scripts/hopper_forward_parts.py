@@ -1,0 +1,135 @@
+"""The attention forward at head dims of two column parts (48 = 32 + 16, 80 = 64 + 16, 96 = 64 + 32) on one Hopper
+GPU, in one process: the Hopper (Gluon) kernel against the portable Triton kernel, beside SDPA's cuDNN backend.
+First the outputs' errors against float64 attention (both kernels, causal and not, ragged lengths, both TMA views),
+then each provider's forward GPU time (a CUDA graph of the forward replayed), in alternating rounds so that a
+drifting clock moves every column alike.
+
+    python scripts/hopper_forward_parts.py                                # the 2.7B/xl shapes of d 80, and 48, 96
+    python scripts/hopper_forward_parts.py --shapes 4,32,512,80 --rounds 4
+
+Prints one JSON line per check and a line per shape with the medians and ratios to cuDNN.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.functional import scaled_dot_product_attention
+
+from cs336_systems.attention.backends import hopper
+from cs336_systems.attention.config import FLASH_CONFIG
+from cs336_systems.attention.op import chosen_backends, flash_attention
+
+PROVIDERS = ("hopper", "triton")  # FlashConfig.kernels, forced
+SHAPES = ["4,32,512,80", "4,32,1024,80", "4,32,2048,80", "1,32,8192,80", "4,16,2048,48", "4,24,2048,96"]
+CHECKS = [  # batch, heads, n_queries, n_keys, head_dim, causal, heads in the columns (a (b, s, h, d) transpose)
+    (2, 3, 1000, 1000, 80, True, False), (2, 3, 1000, 777, 80, False, True), (1, 2, 300, 900, 80, True, False),
+    (3, 5, 129, 129, 48, True, True), (1, 4, 1500, 1500, 96, True, False), (2, 4, 777, 1000, 96, False, True),
+    (1, 2, 1, 1, 80, True, False), (4, 8, 512, 512, 48, False, False),
+]
+BOUND = 1e-2
+
+
+def inputs(batch, heads, n_queries, n_keys, head_dim, columns=False, seed=0):
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+
+    def randn(n):
+        shape = (batch, n, heads, head_dim) if columns else (batch, heads, n, head_dim)
+        x = torch.randn(*shape, device="cuda", generator=generator, dtype=torch.bfloat16)
+        return x.transpose(1, 2) if columns else x
+    return randn(n_queries), randn(n_keys), randn(n_keys)
+
+
+def error(case, kernels: str) -> tuple[float, dict[str, str]]:
+    """The relative error of the forward's output under ``kernels`` against float64, and the backends that ran."""
+    *shape, causal, columns = case
+    q, k, v = inputs(*shape, columns=columns, seed=sum(shape))
+    with FLASH_CONFIG.use(kernels=kernels):
+        out = flash_attention(q, k, v, causal)
+        chosen = chosen_backends(q, k)
+    ref = scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=causal)
+    return ((out.double() - ref).norm() / ref.norm()).item(), chosen
+
+
+def graph_of(attention, q, k, v) -> torch.cuda.CUDAGraph:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            attention(q, k, v)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        attention(q, k, v)
+    return graph
+
+
+def replay_ms(graph, replays: int) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / replays
+
+
+def cudnn(q, k, v, causal=True):
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        return scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
+def ours(kernels: str, causal: bool):
+    def attention(q, k, v):
+        with FLASH_CONFIG.use(kernels=kernels):
+            return flash_attention(q, k, v, causal)
+    return attention
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--not-causal", dest="causal", action="store_false", help="time full attention")
+    parser.add_argument("--shapes", nargs="+", default=SHAPES, help="batch,heads,seq,d")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--ms", type=float, default=200, help="GPU time per measurement, ms")
+    args = parser.parse_args()
+    if not torch.cuda.is_available() or hopper.supports(torch.device("cuda"), torch.bfloat16, 64):
+        raise SystemExit("hopper_forward_parts: needs a Hopper GPU (H100/H200)")
+    failed = 0
+    for kernels in PROVIDERS:
+        for case in CHECKS:
+            err, chosen = error(case, kernels)
+            bad = not err <= BOUND
+            failed += bad
+            print(json.dumps({"check": kernels, "forward": chosen["forward"], "case": case, "rel_err_o": round(err, 5),
+                              "ok": not bad}), flush=True)
+    if failed:
+        raise SystemExit(f"{failed} checks over {BOUND}")
+    for text in args.shapes:
+        batch, heads, seq, head_dim = (int(x) for x in text.split(","))
+        q, k, v = inputs(batch, heads, seq, seq, head_dim)
+        graphs = {kernels: graph_of(ours(kernels, args.causal), q, k, v) for kernels in PROVIDERS}
+        graphs["cudnn"] = graph_of(lambda q, k, v: cudnn(q, k, v, args.causal), q, k, v)
+        first = replay_ms(graphs["cudnn"], 3)
+        replays = max(3, min(5000, int(args.ms / max(first, 1e-3))))
+        times = {name: [] for name in graphs}
+        for r in range(args.rounds):
+            for name in (graphs if r % 2 == 0 else reversed(graphs)):
+                times[name].append(statistics.median(replay_ms(graphs[name], replays) for _ in range(5)))
+        forward = {name: statistics.median(t) for name, t in times.items()}
+        print(json.dumps({"shape": [batch, heads, seq, head_dim],
+                          "forward_ms": {n: round(m, 4) for n, m in forward.items()},
+                          "rounds_ms": {n: [round(x, 4) for x in t] for n, t in times.items()},
+                          "forward_over_cudnn": {n: round(m / forward["cudnn"], 4) for n, m in forward.items()},
+                          "causal": args.causal, "device": torch.cuda.get_device_name()}), flush=True)
+        del graphs
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
