@@ -24,10 +24,9 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def fingerprint_lines(head_dim: int, dtype: str, is_causal: bool, save_dir: str | None = None) -> list[str]:
-    """One line per kernel the Hopper backend launches at this head dim (the forward where it runs the head dim)."""
+    """One line per kernel the Hopper backend launches at this head dim."""
     lines = []
-    forward = head_dim in hopper.kernel_head_dims("forward")
-    launches = hopper_launches(DTYPES[dtype], head_dim, is_causal, forward=forward)
+    launches = hopper_launches(DTYPES[dtype], head_dim, is_causal)
     for name, launch in launches.items():
         compiled = compile_for_gpu(launch.kernel, launch.args, launch.kwargs)
         code = cuobjdump(compiled, "-sass")
@@ -45,7 +44,7 @@ def fingerprint_lines(head_dim: int, dtype: str, is_causal: bool, save_dir: str 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--head-dims", type=int, nargs="+", default=list(hopper.kernel_head_dims("backward")),
+    parser.add_argument("--head-dims", type=int, nargs="+", default=list(hopper.HEAD_DIMS),
                         help="head dims (default: every one the backward runs; the forward at those it runs)")
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
     parser.add_argument("--causal", nargs="+", default=["true", "false"], choices=["true", "false"])

@@ -27,7 +27,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 SHAPES = [(1, 32, 32768, 128), (1, 1, 65536, 128), (1, 16, 16384, 128), (1, 1, 65536, 64), (16, 1, 16384, 64),
           (1, 1, 16384, 128), (1, 1, 16384, 64)]
 # The model sizes' own attention (batch, heads, context, d): small and xl at 512, xl at 2048 and 8192, 2.7B (d = 80,
-# which our kernels run as 64 + 16 columns, except the Hopper forward, which pads to 128) at 512, 2048 and 8192.
+# which our kernels run as 64 + 16 columns) at 512, 2048 and 8192.
 MODEL_SHAPES = [(4, 12, 512, 64), (4, 25, 512, 64), (4, 25, 2048, 64), (1, 25, 8192, 64), (4, 32, 512, 80),
                 (4, 32, 2048, 80), (1, 32, 8192, 80)]
 

@@ -157,7 +157,7 @@ def portable_launches(dtype: torch.dtype, head_dim: int, is_causal: bool) -> dic
 
 
 def hopper_launches(dtype: torch.dtype, head_dim: int, is_causal: bool, forward: bool = True) -> dict[str, Launch]:
-    """The Hopper backend's launches of one forward (at head dims it runs) and backward, on ``(2, 3, 1000,
+    """The Hopper backend's launches of one forward (unless ``forward`` is False) and backward, on ``(2, 3, 1000,
     head_dim)`` queries and 777 keys, by kernel: "fwd", "delta", "bwd", "dq_convert"."""
     from cs336_systems.attention.backends import hopper
 

@@ -18,7 +18,8 @@ from typing import NamedTuple
 import torch
 
 from cs336_systems.attention.config import FLASH_CONFIG, FlashConfig
-from cs336_systems.attention.op import SUPPORTED_HEAD_DIMS, FlashAttention2Triton
+from cs336_systems.attention.backends.common import POWER_OF_TWO_HEAD_DIMS
+from cs336_systems.attention.op import FlashAttention2Triton
 from cs336_systems.kernels.launch import poisoned_outputs
 from tests._flash_checks import QUANTITIES, make_qkv, relative_error, run_function, run_reference
 
@@ -50,7 +51,7 @@ def grid() -> list[Case]:
     cases = []
     for p, precision in enumerate(("fp32", "fp16", "bf16")):
         for i, (n_queries, n_keys) in enumerate(length_pairs):
-            d = SUPPORTED_HEAD_DIMS[i % 4]
+            d = POWER_OF_TWO_HEAD_DIMS[i % 4]
             is_causal = (i + p) % 2 == 0
             long = max(n_queries, n_keys) >= 2048
             batch, heads = (1, 2) if long else ((3, None) if i % 3 == 0 else (2, 3))

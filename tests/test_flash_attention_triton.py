@@ -385,8 +385,7 @@ def test_split_head_dims_match_float64_reference_gpu(case):
                          + [Case("bf16", 1, 4, 1000, 1000, 80, False), Case("fp16", 2, 2, 777, 1500, 96, True),
                             Case("bf16", 2, 3, 300, 200, 48, True)], ids=str)
 def test_hopper_split_head_dims_match_float64_reference_gpu(case):
-    """Head dims the Hopper backward holds in two column parts (80 = 64 + 16), with the Hopper kernels forced (the
-    forward then pads to 128)."""
+    """Head dims the Hopper kernels hold in two column parts (80 = 64 + 16), with the Hopper kernels forced."""
     assert not failures(measure(case, kernels="hopper"))
 
 

@@ -208,28 +208,24 @@ def test_kernel_choice_follows_the_configuration():
     assert triton_backend.supports(cpu, torch.float32, 72) == "head dim 72 (needs one of (16, 32, 48, 64, 80, 96, 128))"
 
 
-def test_two_part_head_dims_run_the_portable_forward_and_the_hopper_backward(monkeypatch):
-    """At 48, 80 and 96 the portable forward runs the head dim in two parts where the Hopper forward pads it to 128:
-    the forward stays portable; both backwards hold the two parts, and the Hopper one is left to the programs rule,
-    as are other head dims."""
-    for d in (48, 80, 96):
-        assert op.portable_runs_faster(d, "forward") and not op.portable_runs_faster(d, "backward")
-    for d in (16, 32, 64, 128, 72, 112):  # every backend's head dims, and padded ones the portable kernels pad too
-        assert not any(op.portable_runs_faster(d, part) for part in ("forward", "backward"))
+def test_two_part_head_dims_run_unpadded_on_either_backend(monkeypatch):
+    """At 48, 80 and 96 both backends hold the head dim in two column parts: the route gives the Hopper kernels the
+    head dim as it is, and leaves them to the programs rule in both directions, as other head dims; a head dim no
+    kernel holds (72) goes to the next one that does."""
     fresh_route(monkeypatch)
     monkeypatch.setattr(hopper, "supports", lambda device, dtype, head_dim: None)
     hopper_config, cpu = FlashConfig(kernels="hopper"), torch.device("cpu")
-    assert op.route(hopper_config, cpu, torch.bfloat16, 80, "backward", True) == (hopper, 80)
-    assert op.route(hopper_config, cpu, torch.bfloat16, 80, "forward", True) == (hopper, 80)
-    assert op.route(hopper_config, cpu, torch.bfloat16, 72, "backward", True) == (hopper, 80)  # the next it runs
-    # the route passes the shape class on: many programs, but a two-part head dim's forward.
+    for part in ("forward", "backward"):
+        for d in (48, 80, 96):
+            assert op.route(hopper_config, cpu, torch.bfloat16, d, part, True) == (hopper, d)
+        assert op.route(hopper_config, cpu, torch.bfloat16, 72, part, True) == (hopper, 80)
     seen = []
     monkeypatch.setattr(op, "route", op.route.__wrapped__)  # every call chooses
     monkeypatch.setattr(op, "choose_backend", lambda *args: seen.append(args[-1]) or triton_backend)
-    for d, n in [(80, 2048), (80, 8192), (64, 2048)]:
-        Q = torch.empty(4, 32, n, d)
+    for d, n in [(80, 2048), (80, 64), (64, 2048)]:
+        Q = torch.empty(2, 8, n, d)
         op._route("forward", Q, Q), op._route("backward", Q, Q)
-    assert seen == [False, True, False, True, True, True]
+    assert seen == [True, True, False, False, True, True]  # 2 x 8 heads x 16 tiles of 128: 256 programs; 16
 
 
 def fresh_route(monkeypatch) -> None:
@@ -405,8 +401,8 @@ def test_backward_of_either_program_shape_matches_float64_gpu(monkeypatch, keys,
 @pytest.mark.parametrize("layout", ["contiguous", "transposed"])
 def test_hopper_and_triton_kernels_agree_gpu(d, layout):
     """Forced Gluon and forced Triton forwards and backwards against float64, at a length with many key tiles and
-    a ragged end, for the two TMA views (at d = 80 the Gluon backward's two column blocks of each head, the forward
-    padded to 128); gradients NaN-poisoned so that unwritten rows show."""
+    a ragged end, for the two TMA views (at d = 80 the Gluon kernels' two column blocks of each head); gradients
+    NaN-poisoned so that unwritten rows show."""
     torch.manual_seed(d)
     batch, heads, seq = 2, 4, 1000 + d
     if layout == "contiguous":

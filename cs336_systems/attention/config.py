@@ -29,8 +29,7 @@ class FlashConfig:
     """How our attention operator chooses and launches its kernels.
 
     ``kernels``: "auto" runs the Gluon kernels (``backends/hopper.py``) on Hopper GPUs (compute capability 9.x) for
-    float16/bfloat16 inputs with at least ``hopper_min_programs`` programs (except the forward where the portable
-    kernels run the head dim unpadded and faster: ``op.portable_runs_faster``), else the portable Triton kernels;
+    float16/bfloat16 inputs with at least ``hopper_min_programs`` programs, else the portable Triton kernels;
     "hopper" runs them wherever they can run and raises where they cannot; "triton" never runs them.
     ``autotune``: the Triton kernels' tiles picked by ``triton.autotune`` per (coarsened lengths, head dim, causal,
     dtype), tens of seconds per new length bucket, instead of the fixed tiles per dtype and head dim (float32 calls

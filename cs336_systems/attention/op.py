@@ -5,22 +5,19 @@ operators and the ``torch.autograd.Function``.
 
 Q is ``(batch, n_queries, d)`` and K, V are ``(batch, n_keys, d)``, or all four-dimensional
 ``(batch, heads, seq, d)``; any lengths (``n_queries != n_keys`` allowed, the causal rule being ``i >= j`` on
-absolute indices), ``d`` in 16, 32, 64, 128, and for the portable kernels and the Hopper backward also 48, 80, 96
-(other multiples of 8 up to 128 zero-padded to the next head dim the chosen kernels run: zero features change no
-score or output), dtype float16, bfloat16 or float32. Inputs may be non-contiguous; a copy is made only when the
-last dimension is strided.
+absolute indices), ``d`` in 16, 32, 48, 64, 80, 96, 128 (48, 80 and 96 held in two power-of-two column parts; other
+multiples of 8 up to 128 zero-padded to the next of these: zero features change no score or output), dtype float16,
+bfloat16 or float32. Inputs may be non-contiguous; a copy is made only when the last dimension is strided.
 
 Backends. Each is a module of ``backends/`` that is a :class:`~cs336_systems.attention.backends.common.Backend`:
-``supports(device, dtype, head_dim)`` (why it cannot run such inputs, or None), ``kernel_head_dims(part)`` (the
-head dims it runs the forward or the backward at unpadded), ``programs(part, Q, K)``,
+``supports(device, dtype, head_dim)`` (why it cannot run such inputs, or None), ``programs(part, Q, K)``,
 ``forward(Q, K, V, is_causal, sm_scale) -> (O, L)`` and ``backward(Q, K, V, O, L, dO, is_causal, sm_scale) ->
 (dQ, dK, dV)``. A call goes op -> backend -> ``Kernel.launch`` -> kernel, and returns.
 
 * ``backends/triton.py``: the portable Triton kernels (any CUDA GPU, every dtype, the CPU interpreter);
 * ``backends/hopper.py``: the Gluon kernels for Hopper GPUs (float16/bfloat16), run when
   :data:`cs336_systems.attention.config.FLASH_CONFIG` says so (by default, where they can run, for calls of at
-  least ``hopper_min_programs`` programs, as ``hopper.programs`` counts them, except the forward at a head dim the
-  Hopper forward pads and the portable one does not: see :func:`portable_runs_faster`).
+  least ``hopper_min_programs`` programs, as ``hopper.programs`` counts them).
 
 The choice is resolved once per (configuration, device, dtype, head dim, part, shape class) and cached
 (:func:`route`).
@@ -48,7 +45,7 @@ from cs336_systems.kernels.compat import dispatch_mode_active
 from cs336_systems.kernels.launch import FLOAT_DTYPES, define_operator, unit_last_stride
 
 SUPPORTED_HEAD_DIMS = tuple(d for d in portable.HEAD_DIMS if d in hopper.HEAD_DIMS)
-"""The head dims every backend runs without padding (the portable kernels run a few more: ``portable.HEAD_DIMS``)."""
+"""The head dims every backend runs without padding."""
 MAX_HEAD_DIM = max(SUPPORTED_HEAD_DIMS)
 
 
@@ -124,11 +121,8 @@ def check_inputs(Q: Tensor, K: Tensor, V: Tensor, is_causal: bool) -> None:
     shape = Q.shape
     if shape[-1] > MAX_HEAD_DIM or shape[-1] % 8:
         raise ValueError(
-            f"unsupported head dimension d={shape[-1]}: the kernels run d in {SUPPORTED_HEAD_DIMS} (the portable "
-            f"ones and the Hopper backward also {tuple(d for d in portable.HEAD_DIMS if d not in SUPPORTED_HEAD_DIMS)}"
-            "),"
-            f" and other multiples of 8 up to {MAX_HEAD_DIM} zero-padded to the next of those the chosen "
-            "kernels run"
+            f"unsupported head dimension d={shape[-1]}: the kernels run d in {SUPPORTED_HEAD_DIMS}, and other "
+            f"multiples of 8 up to {MAX_HEAD_DIM} zero-padded to the next of those"
         )
     batch_heads = common.batch_heads(Q)
     if batch_heads > common.MAX_GRID_Y:  # several kernels' grids run over batch * heads in their second dimension
@@ -147,7 +141,7 @@ def choose_backend(config: FlashConfig, device: torch.device, dtype: torch.dtype
                    hopper_by_default: bool) -> Backend:
     """The backend that runs ``part`` ("forward" or "backward") under ``config`` at ``head_dim`` (one every backend
     runs); ``hopper_by_default`` (the shape class): the Hopper kernels would start at least
-    ``config.hopper_min_programs`` programs and the portable ones do not run the call faster. Raises where
+    ``config.hopper_min_programs`` programs. Raises where
     ``config`` asks for the Hopper kernels and they cannot run, and where no backend can."""
     if config.kernels != "triton":
         reason = hopper.supports(device, dtype, head_dim)
@@ -161,24 +155,14 @@ def choose_backend(config: FlashConfig, device: torch.device, dtype: torch.dtype
     return portable
 
 
-def portable_runs_faster(head_dim: int, part: str) -> bool:
-    """Whether, by default, the portable kernels run ``part`` where the Hopper ones could: the forward at the head
-    dims the portable kernels hold in two column parts and the Hopper forward pads to 128 (optimisation log:
-    portable-forward-two-column-parts). The Hopper backward holds them in two parts too, and runs faster."""
-    return part == "forward" and head_dim not in SUPPORTED_HEAD_DIMS and head_dim in portable.HEAD_DIMS
-
-
 @functools.lru_cache(maxsize=ROUTE_CACHE_SIZE)
 def route(config: FlashConfig, device: torch.device, dtype: torch.dtype, head_dim: int, part: str,
           hopper_programs: bool) -> tuple[Backend, int]:
     """The backend that runs ``part`` of inputs of ``head_dim`` and the head dim its kernels run it at (``head_dim``
-    itself, or the width it is zero-padded to). The backend is chosen at the head dim rounded up to
-    :data:`SUPPORTED_HEAD_DIMS`, so that d = 80 goes where d = 128 goes; ``hopper_programs``: the Hopper kernels
-    would start at least ``config.hopper_min_programs`` programs."""
+    itself, or the next of :data:`SUPPORTED_HEAD_DIMS`, to which it is zero-padded); ``hopper_programs``: the Hopper
+    kernels would start at least ``config.hopper_min_programs`` programs."""
     padded = min(d for d in SUPPORTED_HEAD_DIMS if d >= head_dim)
-    backend = choose_backend(config, device, dtype, padded, part,
-                             hopper_programs and not portable_runs_faster(head_dim, part))
-    return backend, min(d for d in backend.kernel_head_dims(part) if d >= head_dim)
+    return choose_backend(config, device, dtype, padded, part, hopper_programs), padded
 
 
 def _route(part: str, Q: Tensor, K: Tensor) -> tuple[Backend, int]:

@@ -1,5 +1,5 @@
 """Head dims 48, 80 and 96 in the portable Triton kernels, held as two power-of-two column parts (80 = 64 + 16),
-under the Triton CPU interpreter at small sizes; and where the operator still pads.
+under the Triton CPU interpreter at small sizes; and where the operator pads (head dims no kernel holds).
 
 float32 and float16 only: the interpreter's ``tl.dot`` multiplies the raw bits of bfloat16 values. The interpreter's
 small unequal tiles (``INTERPRETER_CONFIGS``) make these lengths cover full, ragged, diagonal and skipped tiles.
@@ -8,6 +8,7 @@ small unequal tiles (``INTERPRETER_CONFIGS``) make these lengths cover full, rag
 from __future__ import annotations
 
 import functools
+import math
 
 import pytest
 import torch
@@ -89,9 +90,9 @@ def test_portable_kernels_take_split_head_dims_unpadded_and_pad_the_others_to_th
         assert relative_error(result[name], reference[name]) <= TOLERANCE[torch.float32], name
 
 
-def test_hopper_forward_pads_split_head_dims_and_the_hopper_backward_does_not(monkeypatch):
-    """Where the Hopper backend is chosen, the forward gets d = 80 padded to 128 (its kernel runs powers of two
-    only) and the backward gets it as it is (its kernel holds 64 + 16 columns), each with the scale of the true d."""
+def test_hopper_kernels_get_split_head_dims_unpadded(monkeypatch):
+    """Where the Hopper backend is chosen, the forward and the backward get d = 80 as it is (their kernels hold
+    64 + 16 columns) and d = 72 padded to 80, each with the scale of the true d."""
     widths = _recorded_pads(monkeypatch)
     seen = []
 
@@ -110,6 +111,10 @@ def test_hopper_forward_pads_split_head_dims_and_the_hopper_backward_does_not(mo
     monkeypatch.setattr(op, "route", functools.lru_cache(maxsize=8)(op.route.__wrapped__))
     Q, K, V = (torch.randn(1, 2, 21, 80) for _ in range(3))
     O, L = op.attention_forward(Q, K, V, True)
-    assert seen == [(128, 128, 128, 80 ** -0.5)] and widths == [128] * 3 and O.shape == (1, 2, 21, 80)
     grads = op.attention_backward(Q, K, V, O, L, torch.randn_like(O), True)
-    assert seen[1:] == [(80, 80, 80, 80 ** -0.5)] and widths == [128] * 3 and grads[0].shape == (1, 2, 21, 80)
+    assert seen == [(80, 80, 80, 80 ** -0.5)] * 2 and widths == [] and O.shape == grads[0].shape == (1, 2, 21, 80)
+    Q, K, V = (torch.randn(1, 2, 21, 72) for _ in range(3))
+    O, L = op.attention_forward(Q, K, V, True)
+    grads = op.attention_backward(Q, K, V, O, L, torch.randn_like(O), True)
+    assert seen[2:] == [(80, 80, 80, 1 / math.sqrt(72))] * 2 and widths == [80] * 3 + [80] * 5
+    assert O.shape == grads[0].shape == (1, 2, 21, 72)

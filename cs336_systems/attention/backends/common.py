@@ -27,15 +27,13 @@ LOG2_E = math.log2(math.e)  # the kernels take exp2: exp(x) = exp2(x * log2(e)),
 @runtime_checkable
 class Backend(Protocol):
     """A kernel family of our attention operator (a module of ``backends/``). The operator checks inputs once and
-    hands a backend contiguous-last-dimension tensors at a head dim of ``kernel_head_dims(part)``."""
+    hands a backend contiguous-last-dimension tensors at one of its head dims (:data:`POWER_OF_TWO_HEAD_DIMS` and
+    :data:`TWO_PART_HEAD_DIMS`)."""
 
     NAME: str
 
     def supports(self, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
         """Why the kernels cannot run such inputs, or None when they can."""
-
-    def kernel_head_dims(self, part: str) -> tuple[int, ...]:
-        """The head dims the kernels run ``part`` ("forward" or "backward") at without padding."""
 
     def programs(self, part: str, Q: Tensor, K: Tensor) -> int:
         """How many programs (tiles of work) ``part`` of a call on these inputs would start."""

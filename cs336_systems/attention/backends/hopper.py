@@ -1,5 +1,5 @@
 """The Hopper backend: the host side of the Gluon kernels of ``hopper_kernels.py`` (H100/H200, float16/bfloat16,
-head dims 16, 32, 64, 128; the backward also 48, 80, 96 in two column parts, :data:`SPLIT_HEAD_DIMS`). A
+head dims 16, 32, 64, 128, and 48, 80, 96 in two power-of-two column parts: :data:`HEAD_DIMS`). A
 :class:`~cs336_systems.attention.backends.common.Backend`; its programs are ``batch * heads`` times the tiles of
 ``ROWS_PER_PROGRAM`` queries (forward) or keys (backward): the backward's programs, the tiles the persistent
 forward deals to at most one program per multiprocessor.
@@ -44,11 +44,9 @@ from cs336_systems.kernels.launch import (
 )
 
 NAME = "hopper"
-HEAD_DIMS = common.POWER_OF_TWO_HEAD_DIMS
-"""Head dims both kernels run without padding."""
-SPLIT_HEAD_DIMS = common.TWO_PART_HEAD_DIMS
-"""Head dims the backward also runs without padding (48, 80, 96), in two power-of-two column parts (80 = 64 + 16,
-``common.head_dim_parts``); the forward pads them to 128."""
+HEAD_DIMS = tuple(sorted(common.POWER_OF_TWO_HEAD_DIMS + common.TWO_PART_HEAD_DIMS))
+"""Head dims both kernels run without padding: powers of two, and 48, 80, 96 in two power-of-two column parts
+(80 = 64 + 16, ``common.head_dim_parts``)."""
 BLOCK_N = 128  # keys per forward step; keys of a backward program of two consumer warpgroups (backward_tiles)
 FORWARD_ROWS = 64  # queries per forward consumer warpgroup (two per program)
 BACKWARD_ROWS = 64
@@ -69,8 +67,7 @@ _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.floa
 
 def supports(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
     """Why these kernels cannot run on such inputs, or None when they can (asked once per device, dtype and head
-    dim: the operator caches its choice; it asks at the head dim padded to :data:`HEAD_DIMS`, and gives the backward
-    :data:`SPLIT_HEAD_DIMS` unpadded)."""
+    dim: the operator caches its choice; it asks at the head dim padded to :data:`HEAD_DIMS`)."""
     if interpreting():
         return "the Triton interpreter (TRITON_INTERPRET=1) runs no Gluon kernels"
     if device.type != "cuda":
@@ -83,11 +80,6 @@ def supports(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | N
     if head_dim not in HEAD_DIMS:
         return f"head dim {head_dim} (needs one of {HEAD_DIMS})"
     return None
-
-
-def kernel_head_dims(part: str) -> tuple[int, ...]:
-    """The head dims the kernels run ``part`` ("forward" or "backward") at without padding."""
-    return HEAD_DIMS + SPLIT_HEAD_DIMS
 
 
 def programs(part: str, Q: Tensor, K: Tensor) -> int:
@@ -397,7 +389,7 @@ def backward_heads_first(batch_heads: int, n_queries: int, head_dim: int, elemen
 
 def _backward_plan(Q: Tensor, K: Tensor, V: Tensor, dO: Tensor, is_causal: bool, sm_scale: float) -> LaunchPlan:
     """The plan of the Gluon backward on inputs laid out as these (Q, K, V, dO, then the contiguous dK, dV and the
-    float32 dQ accumulator): one descriptor per tensor, and at a head dim of two column parts (:data:`SPLIT_HEAD_DIMS`)
+    float32 dQ accumulator): one descriptor per tensor, and at a head dim of two column parts (48, 80, 96)
     a second one per tensor, over its second part, after them."""
     n_heads, batch_heads, n_queries, n_keys, head_dim = common.sizes(Q, K)
     part_a, part_b = common.head_dim_parts(head_dim)

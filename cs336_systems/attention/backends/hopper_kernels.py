@@ -25,10 +25,10 @@ the step ends: a wgmma whose accumulator crosses the loop's back edge in flight 
 wgmma of the kernel (its info C7514; the test suite compiles the kernel and checks). Two barriers of the consumer
 warps per step order the shared buffers.
 
-Head dims of two power-of-two parts (48, 80, 96). Tensor descriptors move power-of-two blocks only: the backward
-moves each tensor as two column blocks and runs every product over the head dim as two matmuls (S^T and dP^T
-accumulate both parts; dV, dK and dQ are two accumulators each), with the same step otherwise. The forward at
-these head dims is the portable kernels' (or this one padded to 128).
+Head dims of two power-of-two parts (48, 80, 96). Tensor descriptors move power-of-two blocks only: both kernels
+move each tensor as two column blocks and run every product over the head dim as two matmuls, with the same steps
+otherwise: the forward's S accumulates both parts and O is two accumulators; the backward's S^T and dP^T
+accumulate both parts, and dV, dK and dQ are two accumulators each.
 
 Code. The file reads: what both directions share (the :class:`Ring` of stages with its barriers), the forward,
 then the backward, with the same names on both sides (``_fwd_load_partition`` / ``_bwd_load_partition``,

@@ -67,11 +67,6 @@ def supports(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | N
     return unsupported_device(device, "the Triton kernels", "cs336_systems.attention")
 
 
-def kernel_head_dims(part: str) -> tuple[int, ...]:
-    """The head dims the kernels run ``part`` ("forward" or "backward") at without padding: :data:`HEAD_DIMS`."""
-    return HEAD_DIMS
-
-
 def programs(part: str, Q: Tensor, K: Tensor) -> int:
     """The programs ``part`` of a call on these inputs starts at the fixed tiles (unsplit): one per query tile
     (forward) or per tile of the longer sequence (backward), per batch and head."""

@@ -314,7 +314,9 @@ def _model_shapes(res, head_dim: int) -> tuple[dict[str, Any], dict[str, Any]] |
     if not rows:
         return None
     date = max(r.get("date", "") for r in rows)
-    latest = {(backends_label(r), tuple(r["shape"])): r for r in rows if r.get("date", "") == date}
+    # Our default's newest row per shape, whichever backends it ran; each other kernel family's newest
+    latest = {("ours (default)" if r["provider"] == "ours" and r.get("kernels") == "auto" else backends_label(r),
+               tuple(r["shape"])): r for r in rows if r.get("date", "") == date}
     # cuDNN of the same commit where it ran there, so that a ratio compares rows of one code
     cudnn_of = {(r.get("commit"), tuple(r["shape"])): r for r in rows
                 if r.get("date", "") == date and r["provider"] == "sdpa"}
@@ -326,7 +328,7 @@ def _model_shapes(res, head_dim: int) -> tuple[dict[str, Any], dict[str, Any]] |
         ratios = {part: r[part] / cudnn[part] for part in parts} if cudnn else {}
         if ratios and r.get("kernels") == "auto":
             default_ratios[shape] = ratios
-        body.append([label, " × ".join(str(x) for x in shape), *(num(r[part], 3) for part in parts),
+        body.append([backends_label(r), " × ".join(str(x) for x in shape), *(num(r[part], 3) for part in parts),
                      *(times(ratios[part], 2) if ratios else DASH for part in parts), str(r.get("commit", DASH))])
     first = next(iter(latest.values()))
     found = table(["kernels", "shape (B, H, T, d)", "fwd ms", "bwd ms", "both ms", "fwd ÷ cuDNN", "bwd ÷ cuDNN",
