@@ -1,13 +1,14 @@
-"""The attention forward at head dims of two column parts (48 = 32 + 16, 80 = 64 + 16, 96 = 64 + 32) on one Hopper
-GPU, in one process: the Hopper (Gluon) kernel against the portable Triton kernel, beside SDPA's cuDNN backend.
-First the outputs' errors against float64 attention (both kernels, causal and not, ragged lengths, both TMA views),
-then each provider's forward GPU time (a CUDA graph of the forward replayed), in alternating rounds so that a
-drifting clock moves every column alike.
+"""The attention forward on one Hopper GPU, in one process: the Hopper (Gluon) kernel, in variants of its keys per
+step and K/V ring depth, against the portable Triton kernel, beside SDPA's cuDNN backend. First the outputs' errors
+against float64 attention (every kernel, causal and not, ragged lengths, both TMA views, head dims of one and of two
+column parts), then each provider's forward GPU time (a CUDA graph of the forward replayed), in alternating rounds
+so that a drifting clock moves every column alike.
 
-    python scripts/hopper_forward_parts.py                                # the 2.7B/xl shapes of d 80, and 48, 96
-    python scripts/hopper_forward_parts.py --shapes 4,32,512,80 --rounds 4
+    python scripts/hopper_forward_bench.py                       # head dims of two column parts (48, 80, 96)
+    python scripts/hopper_forward_bench.py --shapes 4,36,512,128 --variants 128x2 64x2 64x4 --no-portable
 
-Prints one JSON line per check and a line per shape with the medians and ratios to cuDNN.
+Providers: ``hopper/KEYSxSTAGES`` (the backend's ``BLOCK_N`` and ``STAGES`` for the forward's plans), ``triton``,
+``cudnn``. Prints one JSON line per check and a line per shape with the medians and ratios to cuDNN.
 """
 
 from __future__ import annotations
@@ -24,12 +25,12 @@ from cs336_systems.attention.backends import hopper
 from cs336_systems.attention.config import FLASH_CONFIG
 from cs336_systems.attention.op import chosen_backends, flash_attention
 
-PROVIDERS = ("hopper", "triton")  # FlashConfig.kernels, forced
 SHAPES = ["4,32,512,80", "4,32,1024,80", "4,32,2048,80", "1,32,8192,80", "4,16,2048,48", "4,24,2048,96"]
 CHECKS = [  # batch, heads, n_queries, n_keys, head_dim, causal, heads in the columns (a (b, s, h, d) transpose)
     (2, 3, 1000, 1000, 80, True, False), (2, 3, 1000, 777, 80, False, True), (1, 2, 300, 900, 80, True, False),
     (3, 5, 129, 129, 48, True, True), (1, 4, 1500, 1500, 96, True, False), (2, 4, 777, 1000, 96, False, True),
-    (1, 2, 1, 1, 80, True, False), (4, 8, 512, 512, 48, False, False),
+    (1, 2, 1, 1, 80, True, False), (4, 8, 512, 512, 48, False, False), (2, 3, 1000, 1000, 64, True, True),
+    (1, 4, 1500, 777, 128, False, False), (2, 4, 700, 700, 128, True, True),
 ]
 BOUND = 1e-2
 
@@ -44,11 +45,24 @@ def inputs(batch, heads, n_queries, n_keys, head_dim, columns=False, seed=0):
     return randn(n_queries), randn(n_keys), randn(n_keys)
 
 
-def error(case, kernels: str) -> tuple[float, dict[str, str]]:
-    """The relative error of the forward's output under ``kernels`` against float64, and the backends that ran."""
+DEFAULT_FORWARD_TILES = (hopper.BLOCK_N, hopper.STAGES)
+
+
+def use(provider: str) -> str:
+    """Set up ``provider``'s forward (the Hopper backend's keys per step and ring depth for the plans made from now
+    on, plans made before dropped); its ``FlashConfig.kernels``."""
+    kernels, _, variant = provider.partition("/")
+    keys, stages = (int(x) for x in variant.split("x")) if variant else DEFAULT_FORWARD_TILES
+    hopper.BLOCK_N, hopper.STAGES = keys, stages
+    hopper.FORWARD.entries.clear()
+    return kernels
+
+
+def error(case, provider: str) -> tuple[float, dict[str, str]]:
+    """The relative error of the forward's output under ``provider`` against float64, and the backends that ran."""
     *shape, causal, columns = case
     q, k, v = inputs(*shape, columns=columns, seed=sum(shape))
-    with FLASH_CONFIG.use(kernels=kernels):
+    with FLASH_CONFIG.use(kernels=use(provider)):
         out = flash_attention(q, k, v, causal)
         chosen = chosen_backends(q, k)
     ref = scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=causal)
@@ -84,7 +98,9 @@ def cudnn(q, k, v, causal=True):
         return scaled_dot_product_attention(q, k, v, is_causal=causal)
 
 
-def ours(kernels: str, causal: bool):
+def ours(provider: str, causal: bool):
+    kernels = use(provider)
+
     def attention(q, k, v):
         with FLASH_CONFIG.use(kernels=kernels):
             return flash_attention(q, k, v, causal)
@@ -97,23 +113,27 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=SHAPES, help="batch,heads,seq,d")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--ms", type=float, default=200, help="GPU time per measurement, ms")
+    parser.add_argument("--variants", nargs="+", default=[], metavar="KEYSxSTAGES",
+                        help="Hopper forward variants beside the backend's own (e.g. 64x4: 64 keys a step, 4 stages)")
+    parser.add_argument("--no-portable", dest="portable", action="store_false", help="leave the portable kernel out")
     args = parser.parse_args()
     if not torch.cuda.is_available() or hopper.supports(torch.device("cuda"), torch.bfloat16, 64):
-        raise SystemExit("hopper_forward_parts: needs a Hopper GPU (H100/H200)")
+        raise SystemExit("hopper_forward_bench: needs a Hopper GPU (H100/H200)")
+    providers = ["hopper", *(f"hopper/{variant}" for variant in args.variants)] + (["triton"] if args.portable else [])
     failed = 0
-    for kernels in PROVIDERS:
+    for provider in providers:
         for case in CHECKS:
-            err, chosen = error(case, kernels)
+            err, chosen = error(case, provider)
             bad = not err <= BOUND
             failed += bad
-            print(json.dumps({"check": kernels, "forward": chosen["forward"], "case": case, "rel_err_o": round(err, 5),
-                              "ok": not bad}), flush=True)
+            print(json.dumps({"check": provider, "forward": chosen["forward"], "case": case,
+                              "rel_err_o": round(err, 5), "ok": not bad}), flush=True)
     if failed:
         raise SystemExit(f"{failed} checks over {BOUND}")
     for text in args.shapes:
         batch, heads, seq, head_dim = (int(x) for x in text.split(","))
         q, k, v = inputs(batch, heads, seq, seq, head_dim)
-        graphs = {kernels: graph_of(ours(kernels, args.causal), q, k, v) for kernels in PROVIDERS}
+        graphs = {provider: graph_of(ours(provider, args.causal), q, k, v) for provider in providers}
         graphs["cudnn"] = graph_of(lambda q, k, v: cudnn(q, k, v, args.causal), q, k, v)
         first = replay_ms(graphs["cudnn"], 3)
         replays = max(3, min(5000, int(args.ms / max(first, 1e-3))))
