@@ -348,6 +348,7 @@ def test_forward_first_planned_in_a_cuda_graph_capture_replays_gpu(monkeypatch):
     Q, K, V = (torch.randn(2, 40, 1000, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     hopper.forward(Q, K, V, True, 1 / 8)  # compiled before the capture: the test is of the plan made in it
     monkeypatch.setattr(hopper.FORWARD, "entries", collections.OrderedDict())
+    monkeypatch.setattr(hopper, "_device_schedules", {})
     monkeypatch.setattr(hopper, "_captured_sources", [])
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph), poisoned_outputs():
@@ -363,6 +364,41 @@ def test_forward_first_planned_in_a_cuda_graph_capture_replays_gpu(monkeypatch):
                                                                     is_causal=True)
         assert relative_error(output, expected) < 1e-2
     del graph  # before the page-locked schedule it copies from
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not hopper_gpu(), reason="needs a Hopper GPU")
+def test_forward_captured_after_its_plan_replays_once_the_entry_is_gone_gpu(monkeypatch):
+    """The usual warm-up: a forward planned before a CUDA graph captures it. The graph reads the plan's schedule at
+    every replay, long after the launch entry that made it may have left its bounded cache: here every entry is
+    dropped and blocks of the schedule's size are allocated and zeroed (a zero schedule gives every program no tile)
+    before the replay, whose output, NaN-poisoned, must match float64."""
+    torch.manual_seed(5)
+    Q, K, V = (torch.randn(2, 40, 1000, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    monkeypatch.setattr(hopper.FORWARD, "entries", collections.OrderedDict())
+    with poisoned_outputs():
+        hopper.forward(Q, K, V, True, 1 / 8)
+        (entry,) = hopper.FORWARD.entries.values()
+        schedule_size = entry.kwargs["schedule"].numel()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            output, _ = hopper.forward(Q, K, V, True, 1 / 8)
+    del entry
+    hopper.FORWARD.entries.clear()
+    refill = [torch.zeros(schedule_size, dtype=torch.int32, device="cuda") for _ in range(256)]
+    graph.replay()
+    expected = torch.nn.functional.scaled_dot_product_attention(Q.double(), K.double(), V.double(), is_causal=True)
+    assert relative_error(output, expected) < 1e-2
+    del graph, refill
+
+
+def test_forward_schedules_are_copied_once_per_schedule_and_device():
+    """Plans that deal the same tiles share one schedule on the device, kept for the process."""
+    cpu = torch.device("cpu")
+    schedule = hopper._schedule_tensor([3, 3, 5, 0, 1], cpu)
+    assert schedule.dtype == torch.int32 and schedule.tolist() == [3, 3, 5, 0, 1]
+    assert hopper._schedule_tensor([3, 3, 5, 0, 1], cpu) is schedule
+    assert hopper._schedule_tensor([3, 3, 5, 1, 0], cpu) is not schedule
 
 
 @pytest.mark.gpu

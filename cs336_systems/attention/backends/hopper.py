@@ -221,20 +221,27 @@ def forward_schedule(batch_heads: int, n_queries: int, n_keys: int, is_causal: b
 
 
 def _schedule_tensor(schedule: list[int], device: torch.device) -> Tensor:
-    """``schedule`` as an int32 tensor on ``device``: copied before this returns (so that a launch on any stream
-    finds it there), or, while a CUDA graph is being captured, copied by the graph from page-locked memory at each
-    replay (a capture allows no synchronous copy)."""
+    """``schedule`` as an int32 tensor on ``device``: copied once per schedule and device and kept for the process
+    (:data:`_device_schedules`), or, while a CUDA graph is being captured and the schedule is new, copied by the
+    graph from page-locked memory at each replay (a capture allows no synchronous copy)."""
+    key = (tuple(schedule), device)
+    kept = _device_schedules.get(key)
+    if kept is not None:
+        return kept
     host = torch.tensor(schedule, dtype=torch.int32)
     if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
-        return host.to(device)
+        kept = _device_schedules[key] = host.to(device)
+        return kept
     host = host.pin_memory()
     _captured_sources.append(host)  # kept for as long as the graph may replay the copy
     return torch.empty_like(host, device=device).copy_(host, non_blocking=True)
 
 
+_device_schedules: dict[tuple[tuple[int, ...], torch.device], Tensor] = {}
+"""The schedules copied to a device, by content: a CUDA graph captured after the launch that planned one reads it at
+every replay, long after the launch entry that holds it may have left its bounded cache (a few kilobytes each)."""
 _captured_sources: list[Tensor] = []
 """The page-locked sources of the schedules that captured graphs copy (a few kilobytes per captured call)."""
-
 
 
 # ---------------------------------------------------------------------------------------------------
