@@ -7,8 +7,9 @@ so that a drifting clock moves every column alike.
     python scripts/hopper_forward_bench.py                       # head dims of two column parts (48, 80, 96)
     python scripts/hopper_forward_bench.py --shapes 4,36,512,128 --variants 128x2 64x2 64x4 --no-portable
 
-Providers: ``hopper/KEYSxSTAGES`` (the backend's ``BLOCK_N`` and ``STAGES`` for the forward's plans), ``triton``,
-``cudnn``. Prints one JSON line per check and a line per shape with the medians and ratios to cuDNN.
+Providers: ``hopper`` (the backend's own keys per step and ring depth, ``hopper.forward_tiles``),
+``hopper/KEYSxSTAGES`` (these at every length), ``triton``, ``cudnn``. Prints one JSON line per check and a line per
+shape with the medians and ratios to cuDNN.
 """
 
 from __future__ import annotations
@@ -45,15 +46,18 @@ def inputs(batch, heads, n_queries, n_keys, head_dim, columns=False, seed=0):
     return randn(n_queries), randn(n_keys), randn(n_keys)
 
 
-DEFAULT_FORWARD_TILES = (hopper.BLOCK_N, hopper.STAGES)
+DEFAULT_FORWARD_TILES = hopper.forward_tiles
 
 
 def use(provider: str) -> str:
     """Set up ``provider``'s forward (the Hopper backend's keys per step and ring depth for the plans made from now
     on, plans made before dropped); its ``FlashConfig.kernels``."""
     kernels, _, variant = provider.partition("/")
-    keys, stages = (int(x) for x in variant.split("x")) if variant else DEFAULT_FORWARD_TILES
-    hopper.BLOCK_N, hopper.STAGES = keys, stages
+    if variant:
+        keys, stages = (int(x) for x in variant.split("x"))
+        hopper.forward_tiles = lambda n_keys: (keys, stages)
+    else:
+        hopper.forward_tiles = DEFAULT_FORWARD_TILES
     hopper.FORWARD.entries.clear()
     return kernels
 
@@ -114,7 +118,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--ms", type=float, default=200, help="GPU time per measurement, ms")
     parser.add_argument("--variants", nargs="+", default=[], metavar="KEYSxSTAGES",
-                        help="Hopper forward variants beside the backend's own (e.g. 64x4: 64 keys a step, 4 stages)")
+                        help="Hopper forward variants beside the backend's own (e.g. 128x2: 128 keys a step, 2 stages)")
     parser.add_argument("--no-portable", dest="portable", action="store_false", help="leave the portable kernel out")
     args = parser.parse_args()
     if not torch.cuda.is_available() or hopper.supports(torch.device("cuda"), torch.bfloat16, 64):

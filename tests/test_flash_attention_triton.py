@@ -86,7 +86,7 @@ def _valid(**overrides):
     "inputs, error, match",
     [
         (_valid(dtype=torch.float64), TypeError, "unsupported dtype"),
-        (_valid(q=(2, 3, 20, 20), k=(2, 3, 24, 20), v=(2, 3, 24, 20)), ValueError, r"16, 32, 64, 128"),
+        (_valid(q=(2, 3, 20, 20), k=(2, 3, 24, 20), v=(2, 3, 24, 20)), ValueError, r"16, 32, 48, 64, 80, 96, 128"),
         (_valid(q=(2, 3, 20, 136), k=(2, 3, 24, 136), v=(2, 3, 24, 136)), ValueError, r"multiples of 8 up to 128"),
         (_valid(q=(2, 3, 20, 0), k=(2, 3, 24, 0), v=(2, 3, 24, 0)), ValueError, "head dimension d must be positive"),
         (_valid(q=(3, 3, 20, 32)), ValueError, "batch"),

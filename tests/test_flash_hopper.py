@@ -100,6 +100,18 @@ def test_backward_runs_one_warpgroup_a_program_where_the_gpu_would_not_fill():
     assert small[1].num_warps == 4 and large[1].num_warps == 8  # a warp holds 16 keys
 
 
+def test_forward_takes_64_keys_a_step_at_short_contexts():
+    """64 keys a step through 4 stages up to SHORT_FORWARD_KEYS keys, 128 through 2 above; the schedule counts a
+    tile's key blocks at the step's width."""
+    assert hopper.forward_tiles(1) == hopper.forward_tiles(hopper.SHORT_FORWARD_KEYS) == (64, 4)
+    assert hopper.forward_tiles(hopper.SHORT_FORWARD_KEYS + 1) == (hopper.BLOCK_N, hopper.STAGES) == (128, 2)
+    # One head of 512 queries, causal, on 4 programs: tiles of 8, 6, 4, 2 blocks of 64 keys (4, 3, 2, 1 of 128),
+    # each plus a tile's fixed cost.
+    for block_n, costs in ((64, [9, 7, 5, 3]), (128, [5, 4, 3, 2])):
+        schedule = hopper.forward_schedule(1, 512, 512, True, 4, 1, block_n)
+        assert _program_loads(schedule, 512, 512, True, block_n) == costs
+
+
 def test_backward_grid_runs_over_the_heads_first_where_their_q_and_do_fit_in_l2():
     """Causal, heads first where Q and dO of all batch-heads fit in HEADS_FIRST_BYTES (and the key tiles in the
     grid's second dimension), key tiles first otherwise; full attention always key tiles first."""
@@ -118,12 +130,17 @@ def test_backward_grid_runs_over_the_heads_first_where_their_q_and_do_fit_in_l2(
 
 
 @pytest.mark.compiled_kernels
-@pytest.mark.parametrize("d, dtype, is_causal", [pytest.param(128, torch.bfloat16, True, marks=pytest.mark.slow),
-                                                (64, torch.float16, False), (80, torch.bfloat16, True)])
-def test_forward_compiles_for_sm90_without_spills(d, dtype, is_causal):
+@pytest.mark.parametrize("d, dtype, is_causal, short", [
+    pytest.param(128, torch.bfloat16, True, False, marks=pytest.mark.slow), (64, torch.float16, False, False),
+    (80, torch.bfloat16, True, False), (128, torch.bfloat16, True, True)])
+def test_forward_compiles_for_sm90_without_spills(monkeypatch, d, dtype, is_causal, short):
+    """``short``: the tiles of short contexts (64 keys a step through 4 stages: the most shared memory at d 128)."""
     if not nvidia_toolchain_available():
         pytest.skip("this Triton has no NVIDIA backend or ptxas")
+    tiles = hopper.forward_tiles(hopper.SHORT_FORWARD_KEYS if short else hopper.SHORT_FORWARD_KEYS + 1)
+    monkeypatch.setattr(hopper, "forward_tiles", lambda n_keys: tiles)
     launch = hopper_launches(dtype, d, is_causal)["fwd"]
+    assert (launch.kwargs["BLOCK_N"], launch.kwargs["STAGES"]) == tiles
     # one persistent program per multiprocessor, at most (2 where kernels are compiled on the CPU), each tile once
     assert launch.grid == (2, 1) and sorted(launch.kwargs["schedule"][3:].tolist()) == list(range(6 * 8))
     parts = [part for part in head_dim_parts(d) if part]
@@ -255,15 +272,16 @@ def test_backends_are_backends():
         assert not {"triton", "hopper"} & names, backend.__name__
 
 
-def _program_loads(schedule: list[int], n_queries: int, n_keys: int, is_causal: bool) -> list[int]:
+def _program_loads(schedule: list[int], n_queries: int, n_keys: int, is_causal: bool,
+                   block_n: int = hopper.BLOCK_N) -> list[int]:
     """Each program's work under the schedule's cost model (a tile's fixed cost plus its key blocks)."""
     query_tiles = math.ceil(n_queries / hopper.ROWS_PER_PROGRAM)
-    key_blocks = math.ceil(n_keys / hopper.BLOCK_N)
+    key_blocks = math.ceil(n_keys / block_n)
     programs = schedule[0] - 1
 
     def cost(tile: int) -> int:
         i = tile % query_tiles
-        return hopper.TILE_COST + (min(key_blocks, math.ceil((i + 1) * hopper.ROWS_PER_PROGRAM / hopper.BLOCK_N))
+        return hopper.TILE_COST + (min(key_blocks, math.ceil((i + 1) * hopper.ROWS_PER_PROGRAM / block_n))
                                    if is_causal else key_blocks)
 
     return [sum(cost(tile) for tile in schedule[schedule[p]:schedule[p + 1]]) for p in range(programs)]

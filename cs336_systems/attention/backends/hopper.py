@@ -47,7 +47,7 @@ NAME = "hopper"
 HEAD_DIMS = tuple(sorted(common.POWER_OF_TWO_HEAD_DIMS + common.TWO_PART_HEAD_DIMS))
 """Head dims both kernels run without padding: powers of two, and 48, 80, 96 in two power-of-two column parts
 (80 = 64 + 16, ``common.head_dim_parts``)."""
-BLOCK_N = 128  # keys per forward step; keys of a backward program of two consumer warpgroups (backward_tiles)
+BLOCK_N = 128  # keys per forward step (forward_tiles); keys of a backward program of two warpgroups (backward_tiles)
 FORWARD_ROWS = 64  # queries per forward consumer warpgroup (two per program)
 BACKWARD_ROWS = 64
 """Queries per backward step, every head dim: S^T, dP^T, dK and dV then fit in the consumers' registers (at 128,
@@ -188,25 +188,42 @@ def _heads_in_flight(dealt: list[list[tuple[int, int, int]]]) -> int:
     return max(len({program[k][0] for program in dealt if k < len(program)}) for k in range(steps))
 
 
+def forward_tiles(n_keys: int) -> tuple[int, int]:
+    """Keys per forward step and the depth of the K/V ring for a call over ``n_keys`` keys: 64 keys through 4
+    stages up to :data:`SHORT_FORWARD_KEYS`, 128 through 2 above.
+
+    Causal, the last key block of a tile of 128 queries straddles their diagonal: at 64 keys a step a quarter of it,
+    not half, is masked work; at short contexts, where that block is a large share of a tile's, that outweighs
+    twice the steps. Measured on an H200 (forward, CUDA graphs, against 128 keys through 2 stages, same run;
+    optimisation log: forward-64-key-steps-short-contexts): at context 512 0.94x (d 128, 36 heads), 0.93x and
+    0.96x (d 64, 12 and 25 heads), 0.97x (d 80); from 1,024 on 1.05-1.16x."""
+    return (SHORT_FORWARD_BLOCK_N, SHORT_FORWARD_STAGES) if n_keys <= SHORT_FORWARD_KEYS else (BLOCK_N, STAGES)
+
+
+SHORT_FORWARD_KEYS = 512
+SHORT_FORWARD_BLOCK_N = 64
+SHORT_FORWARD_STAGES = 4  # 197 KB of shared memory at d = 128
+
+
 def forward_schedule(batch_heads: int, n_queries: int, n_keys: int, is_causal: bool, programs: int,
-                     head_bytes: int) -> list[int]:
+                     head_bytes: int, block_n: int = BLOCK_N) -> list[int]:
     """The forward's tiles (``bh * query_tiles + i``: queries ``i * ROWS_PER_PROGRAM ..`` of ``bh``) dealt to at
     most ``programs`` persistent programs: each program's first index into the list (``programs + 1`` entries,
     the last the list's length), then each program's tile ids in order (the kernel's ``schedule``).
 
-    A tile costs ``TILE_COST`` plus its key blocks. Head-major: tiles go head after head, the heaviest causal tiles
-    of a head first, each to the program that would be free first (what the hardware's scheduler does for a grid
-    of one program per tile): programs running together work on a few heads, whose K and V (``head_bytes`` each)
-    stay in L2. Where that leaves the busiest program more than ``BALANCE_TOLERANCE`` times the balanced schedule's
-    work, the balanced one, if its heads in flight fit in ``L2_BUDGET``: the heaviest tiles first over all heads
-    (longest processing time first), then each program's tiles in head order, so that programs still meet on
-    nearby heads."""
+    A tile costs ``TILE_COST`` plus its key blocks of ``block_n`` keys. Head-major: tiles go head after head, the
+    heaviest causal tiles of a head first, each to the program that would be free first (what the hardware's
+    scheduler does for a grid of one program per tile): programs running together work on a few heads, whose K and V
+    (``head_bytes`` each) stay in L2. Where that leaves the busiest program more than ``BALANCE_TOLERANCE`` times
+    the balanced schedule's work, the balanced one, if its heads in flight fit in ``L2_BUDGET``: the heaviest tiles
+    first over all heads (longest processing time first), then each program's tiles in head order, so that programs
+    still meet on nearby heads."""
     query_tiles = triton.cdiv(n_queries, ROWS_PER_PROGRAM)
-    key_blocks = triton.cdiv(n_keys, BLOCK_N)
+    key_blocks = triton.cdiv(n_keys, block_n)
     programs = min(programs, batch_heads * query_tiles)
 
     def cost(i: int) -> int:
-        return TILE_COST + (min(key_blocks, triton.cdiv((i + 1) * ROWS_PER_PROGRAM, BLOCK_N)) if is_causal
+        return TILE_COST + (min(key_blocks, triton.cdiv((i + 1) * ROWS_PER_PROGRAM, block_n)) if is_causal
                             else key_blocks)
 
     tiles = [(bh, i, cost(i)) for bh in range(batch_heads) for i in reversed(range(query_tiles))]
@@ -268,19 +285,20 @@ def _forward_plan(Q: Tensor, K: Tensor, V: Tensor, is_causal: bool, sm_scale: fl
     """The plan of the forward on inputs laid out as these (Q, K, V, then the contiguous output O)."""
     n_heads, batch_heads, n_queries, n_keys, head_dim = common.sizes(Q, K)
     part_a, part_b = common.head_dim_parts(head_dim)
+    keys, stages = forward_tiles(n_keys)
     descriptors = []
     for columns in (part_a, part_b) if part_b else (0,):  # 0: the whole head dim
         (q, q_columns), (k, k_columns), (v, v_columns) = (
-            DescriptorPlan.of(x, rows, columns) for x, rows in ((Q, FORWARD_ROWS), (K, BLOCK_N), (V, BLOCK_N)))
+            DescriptorPlan.of(x, rows, columns) for x, rows in ((Q, FORWARD_ROWS), (K, keys), (V, keys)))
         descriptors += [q, k, v, _output_plan((batch_heads, n_queries, head_dim), FORWARD_ROWS, columns)]
     schedule = forward_schedule(batch_heads, n_queries, n_keys, is_causal, multiprocessors(Q.device),
-                                2 * n_keys * head_dim * Q.element_size())
+                                2 * n_keys * head_dim * Q.element_size(), keys)
     capturing = Q.is_cuda and torch.cuda.is_current_stream_capturing()
     # A plan made during a capture is not kept: its schedule lives in the graph's memory, copied at replays.
     return LaunchPlan(lambda tiles: (schedule[0] - 1, 1),
                       dict(schedule=_schedule_tensor(schedule, Q.device), n_heads=n_heads, n_queries=n_queries,
                            n_keys=n_keys, qk_scale=sm_scale * common.LOG2_E, HEAD_DIM=head_dim, IS_CAUSAL=is_causal,
-                           ROWS=FORWARD_ROWS, BLOCK_N=BLOCK_N, STAGES=STAGES, Q_COLUMNS=q_columns, K_COLUMNS=k_columns,
+                           ROWS=FORWARD_ROWS, BLOCK_N=keys, STAGES=stages, Q_COLUMNS=q_columns, K_COLUMNS=k_columns,
                            V_COLUMNS=v_columns, HEAD_DIM_B=part_b),
                       triton.Config({}, num_warps=4), tuple(descriptors), keep=not capturing)
 
