@@ -24,6 +24,7 @@ from torch.nn.functional import scaled_dot_product_attention
 
 from cs336_systems.attention.backends import hopper
 from cs336_systems.attention.op import flash_attention
+from cs336_systems.bench.common.timing import captured_graph, replay_mean_ms
 
 TILES = {
     "128x8": (hopper.BLOCK_N, hopper.BACKWARD_CONFIG),
@@ -90,30 +91,7 @@ def graphs_of(attention, shape):
     def forward_backward():
         return torch.autograd.grad(attention(q, k, v), (q, k, v), do)
 
-    captured = []
-    for work in (forward, forward_backward):
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(3):
-                work()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            work()
-        captured.append(graph)
-    return captured, (q, k, v, do)
-
-
-def replay_ms(graph, replays: int) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    graph.replay()
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / replays
+    return [captured_graph(work, q.device) for work in (forward, forward_backward)], (q, k, v, do)
 
 
 def cudnn(q, k, v, causal=True):
@@ -153,13 +131,13 @@ def main() -> None:
             graphs[name] = graphs_of(lambda q, k, v: flash_attention(q, k, v, args.causal),
                                      (batch, heads, seq, seq, head_dim))
         graphs["cudnn"] = graphs_of(lambda q, k, v: cudnn(q, k, v, args.causal), (batch, heads, seq, seq, head_dim))
-        first = replay_ms(graphs["cudnn"][0][1], 3)
+        first = replay_mean_ms(graphs["cudnn"][0][1], 3)
         replays = max(3, min(2000, int(args.ms / max(first, 1e-3))))
         times = {name: ([], []) for name in graphs}  # forward, forward + backward
         for r in range(args.rounds):
             for name in (graphs if r % 2 == 0 else reversed(graphs)):
                 for graph, column in zip(graphs[name][0], times[name]):
-                    column.append(statistics.median(replay_ms(graph, replays) for _ in range(5)))
+                    column.append(statistics.median(replay_mean_ms(graph, replays) for _ in range(5)))
         fwd_bwd = {name: statistics.median(t[1]) for name, t in times.items()}
         bwd = {name: fwd_bwd[name] - statistics.median(t[0]) for name, t in times.items()}
         print(json.dumps({"shape": shape, "backward_ms": {n: round(m, 4) for n, m in bwd.items()},

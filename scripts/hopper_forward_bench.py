@@ -25,6 +25,7 @@ from torch.nn.functional import scaled_dot_product_attention
 from cs336_systems.attention.backends import hopper
 from cs336_systems.attention.config import FLASH_CONFIG
 from cs336_systems.attention.op import chosen_backends, flash_attention
+from cs336_systems.bench.common.timing import captured_graph, replay_mean_ms
 
 SHAPES = ["4,32,512,80", "4,32,1024,80", "4,32,2048,80", "1,32,8192,80", "4,16,2048,48", "4,24,2048,96"]
 CHECKS = [  # batch, heads, n_queries, n_keys, head_dim, causal, heads in the columns (a (b, s, h, d) transpose)
@@ -73,30 +74,6 @@ def error(case, provider: str) -> tuple[float, dict[str, str]]:
     return ((out.double() - ref).norm() / ref.norm()).item(), chosen
 
 
-def graph_of(attention, q, k, v) -> torch.cuda.CUDAGraph:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            attention(q, k, v)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        attention(q, k, v)
-    return graph
-
-
-def replay_ms(graph, replays: int) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    graph.replay()
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / replays
-
-
 def cudnn(q, k, v, causal=True):
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         return scaled_dot_product_attention(q, k, v, is_causal=causal)
@@ -137,14 +114,17 @@ def main() -> None:
     for text in args.shapes:
         batch, heads, seq, head_dim = (int(x) for x in text.split(","))
         q, k, v = inputs(batch, heads, seq, seq, head_dim)
-        graphs = {provider: graph_of(ours(provider, args.causal), q, k, v) for provider in providers}
-        graphs["cudnn"] = graph_of(lambda q, k, v: cudnn(q, k, v, args.causal), q, k, v)
-        first = replay_ms(graphs["cudnn"], 3)
+        graphs = {}
+        for provider in providers:
+            attention = ours(provider, args.causal)
+            graphs[provider] = captured_graph(lambda: attention(q, k, v), q.device)
+        graphs["cudnn"] = captured_graph(lambda: cudnn(q, k, v, args.causal), q.device)
+        first = replay_mean_ms(graphs["cudnn"], 3)
         replays = max(3, min(5000, int(args.ms / max(first, 1e-3))))
         times = {name: [] for name in graphs}
         for r in range(args.rounds):
             for name in (graphs if r % 2 == 0 else reversed(graphs)):
-                times[name].append(statistics.median(replay_ms(graphs[name], replays) for _ in range(5)))
+                times[name].append(statistics.median(replay_mean_ms(graphs[name], replays) for _ in range(5)))
         forward = {name: statistics.median(t) for name, t in times.items()}
         print(json.dumps({"shape": [batch, heads, seq, head_dim],
                           "forward_ms": {n: round(m, 4) for n, m in forward.items()},

@@ -222,6 +222,31 @@ def _replay_times_ms(graph: torch.cuda.CUDAGraph, replays: int) -> list[float]:
     return [start.elapsed_time(end) for start, end in zip(starts, ends)]
 
 
+def captured_graph(fn: Callable[[], Any], device: torch.device, warmup: int = 3) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of one call of ``fn``, captured after ``warmup`` eager calls on a side stream (compilation, the
+    allocator's warm-up): for providers kept as graphs and timed in turns (:func:`replay_mean_ms`). Raises
+    :class:`GraphCaptureError` where capture fails."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    return _captured(lambda _: fn(), [None], 1, stream)
+
+
+def replay_mean_ms(graph: torch.cuda.CUDAGraph, replays: int) -> float:
+    """The mean time of ``replays`` back-to-back replays of ``graph`` (after one untimed), ms."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / replays
+
+
 def graph_replay_ms(fn_of_input: Callable[[Any], Any], inputs: Sequence[Any], device: torch.device,
                     replays: int = 15, target_replay_ms: float = 2.0) -> dict[str, float]:
     """Device time per call of ``fn_of_input(one input set)``, without the host's time between calls.
