@@ -764,12 +764,18 @@ def _bwd_step(config, program, buffers, ring, dq_desc, qk_scale, state, scores_t
     do = ring.do.index(s)
 
     p_t = gl.exp2(scores_t * qk_scale - lse[None, :])
-    # Every step is masked: a split into masked and unmasked steps compiled to more spills than it saved.
-    visible = (offs_m < program.n_queries)[None, :]
+    # Up to d = 64 only blocks that reach the program's diagonal (causal) or past the last query are masked: a
+    # branch around the mask, not two copies of the step (which compiled to more spills than they saved); at d = 128
+    # the branch spills, and every block is masked.
+    needs_mask = (m + BLOCK_M > program.n_queries) | (config.HEAD_DIM > 64)
     if config.IS_CAUSAL:
-        offs_n = program.start_n + gl.arange(0, config.BLOCK_N, layout=gl.SliceLayout(1, st_layout))
-        visible = visible & (offs_m[None, :] >= offs_n[:, None])
-    p_t = gl.where(visible, p_t, 0.0)
+        needs_mask = needs_mask | (m < program.start_n + config.BLOCK_N)
+    if needs_mask:
+        visible = (offs_m < program.n_queries)[None, :]
+        if config.IS_CAUSAL:
+            offs_n = program.start_n + gl.arange(0, config.BLOCK_N, layout=gl.SliceLayout(1, st_layout))
+            visible = visible & (offs_m[None, :] >= offs_n[:, None])
+        p_t = gl.where(visible, p_t, 0.0)
     dv = warpgroup_mma(gl.convert_layout(p_t.to(q.dtype), operand_layout), do, state.dv, is_async=True)
     dv_b = state.dv_b
     if config.HEAD_DIM_B > 0:
