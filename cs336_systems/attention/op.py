@@ -141,8 +141,8 @@ def choose_backend(config: FlashConfig, device: torch.device, dtype: torch.dtype
                    hopper_by_default: bool) -> Backend:
     """The backend that runs ``part`` ("forward" or "backward") under ``config`` at ``head_dim`` (one every backend
     runs); ``hopper_by_default`` (the shape class): the Hopper kernels would start at least
-    ``config.hopper_min_programs`` programs. Raises where
-    ``config`` asks for the Hopper kernels and they cannot run, and where no backend can."""
+    ``config.hopper_min_programs`` programs. Raises where ``config`` asks for the Hopper kernels and they cannot
+    run, and where no backend can."""
     if config.kernels != "triton":
         reason = hopper.supports(device, dtype, head_dim)
         if reason is not None and config.kernels == "hopper":
