@@ -19,11 +19,11 @@ import json
 import statistics
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.functional import scaled_dot_product_attention
 
 from cs336_systems.attention.backends import hopper
 from cs336_systems.attention.op import flash_attention
+from cs336_systems.bench.common.attention_providers import cudnn_attention, head_inputs
 from cs336_systems.bench.common.timing import captured_graph, replay_mean_ms
 
 TILES = {
@@ -58,19 +58,9 @@ def use(provider: str) -> None:
     hopper.BACKWARD.entries.clear()
 
 
-def inputs(batch, heads, n_queries, n_keys, head_dim, columns=False, seed=0):
-    generator = torch.Generator(device="cuda").manual_seed(seed)
-
-    def randn(n):
-        shape = (batch, n, heads, head_dim) if columns else (batch, heads, n, head_dim)
-        x = torch.randn(*shape, device="cuda", generator=generator, dtype=torch.bfloat16)
-        return x.transpose(1, 2) if columns else x
-    return randn(n_queries), randn(n_keys), randn(n_keys), randn(n_queries)
-
-
 def errors(case) -> list[float]:
     *shape, causal, columns = case
-    q, k, v, do = inputs(*shape, columns=columns, seed=sum(shape))
+    q, k, v, do = head_inputs(*shape, heads_in_columns=columns, seed=sum(shape), with_output_grad=True)
     q, k, v = (x.requires_grad_() for x in (q, k, v))
     grads = torch.autograd.grad(flash_attention(q, k, v, causal), (q, k, v), do)
     ref = [x.detach().double().requires_grad_() for x in (q, k, v)]
@@ -82,7 +72,7 @@ def errors(case) -> list[float]:
 def graphs_of(attention, shape):
     """CUDA graphs of the forward and of the forward + backward of ``attention`` at ``shape``, the inputs they read
     (kept alive with them)."""
-    q, k, v, do = inputs(*shape)
+    q, k, v, do = head_inputs(*shape, with_output_grad=True)
     q, k, v = (x.requires_grad_() for x in (q, k, v))
 
     def forward():
@@ -92,11 +82,6 @@ def graphs_of(attention, shape):
         return torch.autograd.grad(attention(q, k, v), (q, k, v), do)
 
     return [captured_graph(work, q.device) for work in (forward, forward_backward)], (q, k, v, do)
-
-
-def cudnn(q, k, v, causal=True):
-    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-        return scaled_dot_product_attention(q, k, v, is_causal=causal)
 
 
 def main() -> None:
@@ -130,7 +115,8 @@ def main() -> None:
             use(name)
             graphs[name] = graphs_of(lambda q, k, v: flash_attention(q, k, v, args.causal),
                                      (batch, heads, seq, seq, head_dim))
-        graphs["cudnn"] = graphs_of(lambda q, k, v: cudnn(q, k, v, args.causal), (batch, heads, seq, seq, head_dim))
+        graphs["cudnn"] = graphs_of(lambda q, k, v: cudnn_attention(q, k, v, args.causal),
+                                    (batch, heads, seq, seq, head_dim))
         first = replay_mean_ms(graphs["cudnn"][0][1], 3)
         replays = max(3, min(2000, int(args.ms / max(first, 1e-3))))
         times = {name: ([], []) for name in graphs}  # forward, forward + backward

@@ -19,12 +19,12 @@ import json
 import statistics
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.functional import scaled_dot_product_attention
 
 from cs336_systems.attention.backends import hopper
 from cs336_systems.attention.config import FLASH_CONFIG
 from cs336_systems.attention.op import chosen_backends, flash_attention
+from cs336_systems.bench.common.attention_providers import cudnn_attention, head_inputs
 from cs336_systems.bench.common.timing import captured_graph, replay_mean_ms
 
 SHAPES = ["4,32,512,80", "4,32,1024,80", "4,32,2048,80", "1,32,8192,80", "4,16,2048,48", "4,24,2048,96"]
@@ -35,16 +35,6 @@ CHECKS = [  # batch, heads, n_queries, n_keys, head_dim, causal, heads in the co
     (1, 4, 1500, 777, 128, False, False), (2, 4, 700, 700, 128, True, True),
 ]
 BOUND = 1e-2
-
-
-def inputs(batch, heads, n_queries, n_keys, head_dim, columns=False, seed=0):
-    generator = torch.Generator(device="cuda").manual_seed(seed)
-
-    def randn(n):
-        shape = (batch, n, heads, head_dim) if columns else (batch, heads, n, head_dim)
-        x = torch.randn(*shape, device="cuda", generator=generator, dtype=torch.bfloat16)
-        return x.transpose(1, 2) if columns else x
-    return randn(n_queries), randn(n_keys), randn(n_keys)
 
 
 DEFAULT_FORWARD_TILES = hopper.forward_tiles
@@ -66,17 +56,12 @@ def use(provider: str) -> str:
 def error(case, provider: str) -> tuple[float, dict[str, str]]:
     """The relative error of the forward's output under ``provider`` against float64, and the backends that ran."""
     *shape, causal, columns = case
-    q, k, v = inputs(*shape, columns=columns, seed=sum(shape))
+    q, k, v = head_inputs(*shape, heads_in_columns=columns, seed=sum(shape))
     with FLASH_CONFIG.use(kernels=use(provider)):
         out = flash_attention(q, k, v, causal)
         chosen = chosen_backends(q, k)
     ref = scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=causal)
     return ((out.double() - ref).norm() / ref.norm()).item(), chosen
-
-
-def cudnn(q, k, v, causal=True):
-    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-        return scaled_dot_product_attention(q, k, v, is_causal=causal)
 
 
 def ours(provider: str, causal: bool):
@@ -113,12 +98,12 @@ def main() -> None:
         raise SystemExit(f"{failed} checks over {BOUND}")
     for text in args.shapes:
         batch, heads, seq, head_dim = (int(x) for x in text.split(","))
-        q, k, v = inputs(batch, heads, seq, seq, head_dim)
+        q, k, v = head_inputs(batch, heads, seq, seq, head_dim)
         graphs = {}
         for provider in providers:
             attention = ours(provider, args.causal)
             graphs[provider] = captured_graph(lambda: attention(q, k, v), q.device)
-        graphs["cudnn"] = captured_graph(lambda: cudnn(q, k, v, args.causal), q.device)
+        graphs["cudnn"] = captured_graph(lambda: cudnn_attention(q, k, v, args.causal), q.device)
         first = replay_mean_ms(graphs["cudnn"], 3)
         replays = max(3, min(5000, int(args.ms / max(first, 1e-3))))
         times = {name: [] for name in graphs}

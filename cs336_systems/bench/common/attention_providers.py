@@ -207,6 +207,27 @@ def make_inputs(
     return q, k, v
 
 
+def head_inputs(batch: int, heads: int, n_queries: int, n_keys: int, head_dim: int, heads_in_columns: bool = False,
+                seed: int = 0, with_output_grad: bool = False) -> tuple[Float[Tensor, "batch heads seq d"], ...]:
+    """Random bf16 ``q, k, v`` (and ``dO`` of q's shape, ``with_output_grad``) of shape ``(batch, heads, seq, d)`` on
+    the current CUDA device, drawn in that order from one generator seeded with ``seed``; ``heads_in_columns``: each
+    a ``(batch, seq, heads, d)`` tensor transposed, as attention layers make them."""
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+
+    def randn(n: int) -> Tensor:
+        shape = (batch, n, heads, head_dim) if heads_in_columns else (batch, heads, n, head_dim)
+        x = torch.randn(*shape, device="cuda", generator=generator, dtype=torch.bfloat16)
+        return x.transpose(1, 2) if heads_in_columns else x
+    lengths = (n_queries, n_keys, n_keys, n_queries) if with_output_grad else (n_queries, n_keys, n_keys)
+    return tuple(randn(n) for n in lengths)
+
+
+def cudnn_attention(q: Tensor, k: Tensor, v: Tensor, is_causal: bool = True) -> Tensor:
+    """SDPA pinned to its cuDNN backend, on ``(batch, heads, seq, d)`` inputs."""
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+
+
 def reset_grads(*tensors: Tensor) -> None:
     """Drop the gradients accumulated into these tensors, or into the leaves they are views of."""
     for x in tensors:
