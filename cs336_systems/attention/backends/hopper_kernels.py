@@ -91,6 +91,14 @@ def _optional(value):
     return gl.constexpr(None) if value is None else value
 
 
+@gluon.jit
+def _operand_tiles(dtype: gl.constexpr, COUNT: gl.constexpr, ROWS: gl.constexpr, COLUMNS: gl.constexpr):
+    """``COUNT`` tiles of (ROWS, COLUMNS) in shared memory, in the swizzled layout that both the copy engine and
+    ``wgmma`` address."""
+    layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, COLUMNS], dtype)
+    return gl.allocate_shared_memory(dtype, [COUNT, ROWS, COLUMNS], layout)
+
+
 @aggregate
 class Ring:
     """The barriers of a ring of ``STAGES`` shared-memory stages that a producer fills with blocks ``0, 1, 2, ..``
@@ -459,11 +467,9 @@ def _fwd_operand_buffers(dtype: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.co
                          COLUMNS: gl.constexpr):
     """One column part's (``COLUMNS`` of the head dim) shared memory for the matmuls' operands: the Q slots
     (4, ROWS, COLUMNS), the K and V rings (STAGES, BLOCK_N, COLUMNS)."""
-    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, COLUMNS], dtype)
-    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, COLUMNS], dtype)
-    q_smem = gl.allocate_shared_memory(dtype, [4, ROWS, COLUMNS], q_layout)
-    k_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, COLUMNS], kv_layout)
-    v_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, COLUMNS], kv_layout)
+    q_smem = _operand_tiles(dtype, 4, ROWS, COLUMNS)
+    k_ring = _operand_tiles(dtype, STAGES, BLOCK_N, COLUMNS)
+    v_ring = _operand_tiles(dtype, STAGES, BLOCK_N, COLUMNS)
     return q_smem, k_ring, v_ring
 
 
@@ -864,12 +870,10 @@ def _bwd_operand_buffers(dtype: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl
                          COLUMNS: gl.constexpr):
     """One column part's (``COLUMNS`` of the head dim) shared memory for the matmuls' operands: K and V
     (1, BLOCK_N, COLUMNS), the Q and dO rings (STAGES, BLOCK_M, COLUMNS)."""
-    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, COLUMNS], dtype)
-    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, COLUMNS], dtype)
-    k_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, COLUMNS], kv_layout)
-    v_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, COLUMNS], kv_layout)
-    q_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, COLUMNS], q_layout)
-    do_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, COLUMNS], q_layout)
+    k_smem = _operand_tiles(dtype, 1, BLOCK_N, COLUMNS)
+    v_smem = _operand_tiles(dtype, 1, BLOCK_N, COLUMNS)
+    q_ring = _operand_tiles(dtype, STAGES, BLOCK_M, COLUMNS)
+    do_ring = _operand_tiles(dtype, STAGES, BLOCK_M, COLUMNS)
     return k_smem, v_smem, q_ring, do_ring
 
 
@@ -913,10 +917,8 @@ def attn_bwd_hopper_kernel(
     program = BwdProgram(b, h, bh, n_heads, start_n, query_start, n_steps, n_queries)
 
     k_smem, v_smem, q_ring, do_ring = _bwd_operand_buffers(dtype, BLOCK_N, BLOCK_M, STAGES, HEAD_DIM_A)
-    st_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
-    ds_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, BLOCK_M], st_layout)
-    dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM_A], gl.float32)
-    dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM_A], dq_layout)
+    ds_smem = _operand_tiles(dtype, 1, BLOCK_N, BLOCK_M)
+    dq_smem = _operand_tiles(gl.float32, 2, BLOCK_M, HEAD_DIM_A)
     row_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
     lse_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_layout)
     delta_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_layout)
@@ -925,8 +927,7 @@ def attn_bwd_hopper_kernel(
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     if HEAD_DIM_B > 0:
         k_smem_b, v_smem_b, q_ring_b, do_ring_b = _bwd_operand_buffers(dtype, BLOCK_N, BLOCK_M, STAGES, HEAD_DIM_B)
-        dq_layout_b: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM_B], gl.float32)
-        dq_smem_b = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM_B], dq_layout_b)
+        dq_smem_b = _operand_tiles(gl.float32, 2, BLOCK_M, HEAD_DIM_B)
     else:
         k_smem_b = None
         v_smem_b = None
