@@ -44,7 +44,7 @@ from cs336_systems.attention.config import FLASH_CONFIG, FlashConfig
 from cs336_systems.kernels.compat import dispatch_mode_active
 from cs336_systems.kernels.launch import FLOAT_DTYPES, define_operator, unit_last_stride
 
-SUPPORTED_HEAD_DIMS = tuple(d for d in portable.HEAD_DIMS if d in hopper.HEAD_DIMS)
+SUPPORTED_HEAD_DIMS = common.KERNEL_HEAD_DIMS
 """The head dims every backend runs without padding."""
 MAX_HEAD_DIM = max(SUPPORTED_HEAD_DIMS)
 

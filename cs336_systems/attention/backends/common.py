@@ -20,6 +20,8 @@ POWER_OF_TWO_HEAD_DIMS = (16, 32, 64, 128)
 16)."""
 TWO_PART_HEAD_DIMS = (48, 80, 96)
 """Head dims a kernel may hold in two power-of-two column blocks (:func:`head_dim_parts`) instead of padding."""
+KERNEL_HEAD_DIMS = tuple(sorted(POWER_OF_TWO_HEAD_DIMS + TWO_PART_HEAD_DIMS))
+"""The head dims every backend's kernels run without padding, in one or two column blocks."""
 MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension (and third)
 LOG2_E = math.log2(math.e)  # the kernels take exp2: exp(x) = exp2(x * log2(e)), the scale folded in
 

@@ -44,7 +44,7 @@ from cs336_systems.kernels.launch import (
 )
 
 NAME = "hopper"
-HEAD_DIMS = tuple(sorted(common.POWER_OF_TWO_HEAD_DIMS + common.TWO_PART_HEAD_DIMS))
+HEAD_DIMS = common.KERNEL_HEAD_DIMS
 """Head dims both kernels run without padding: powers of two, and 48, 80, 96 in two power-of-two column parts
 (80 = 64 + 16, ``common.head_dim_parts``)."""
 BLOCK_N = 128  # keys per forward step (forward_tiles); keys of a backward program of two warpgroups (backward_tiles)

@@ -31,9 +31,8 @@ from torch import Tensor
 
 from cs336_systems.attention.backends import triton_kernels
 from cs336_systems.attention.backends.common import (
+    KERNEL_HEAD_DIMS,
     LOG2_E,
-    POWER_OF_TWO_HEAD_DIMS,
-    TWO_PART_HEAD_DIMS,
     head_dim_parts,
     launch_delta,
     named_strides,
@@ -54,7 +53,7 @@ from cs336_systems.kernels.launch import (
 )
 
 NAME = "triton"
-HEAD_DIMS = tuple(sorted(POWER_OF_TWO_HEAD_DIMS + TWO_PART_HEAD_DIMS))
+HEAD_DIMS = KERNEL_HEAD_DIMS
 """Head dims the kernels run without padding."""
 
 
