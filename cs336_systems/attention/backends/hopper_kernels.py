@@ -770,10 +770,10 @@ def _bwd_step(config, program, buffers, ring, dq_desc, qk_scale, state, scores_t
     do = ring.do.index(s)
 
     p_t = gl.exp2(scores_t * qk_scale - lse[None, :])
-    # Up to d = 64 only blocks that reach the program's diagonal (causal) or past the last query are masked: a
-    # branch around the mask, not two copies of the step (which compiled to more spills than they saved); at d = 128
-    # the branch spills, and every block is masked.
-    needs_mask = (m + BLOCK_M > program.n_queries) | (config.HEAD_DIM > 64)
+    # Only blocks that reach the program's diagonal (causal) or past the last query are masked: a branch around the
+    # mask, not two copies of the step (which compiled to more spills than they saved). At d = 128 the branch spills
+    # (three local loads a step) and measured no faster: every block is masked there.
+    needs_mask = (m + BLOCK_M > program.n_queries) | (config.HEAD_DIM == 128)
     if config.IS_CAUSAL:
         needs_mask = needs_mask | (m < program.start_n + config.BLOCK_N)
     if needs_mask:
