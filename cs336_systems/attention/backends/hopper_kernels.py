@@ -92,6 +92,27 @@ def _optional(value):
 
 
 @gluon.jit
+def _load_pair(config, program, row, landed, x_desc, x_ring, X_COLUMNS: gl.constexpr, y_desc, y_ring,
+               Y_COLUMNS: gl.constexpr, s, x_desc_b, x_ring_b, y_desc_b, y_ring_b):
+    """Copy rows ``row ..`` of the program's batch-head of two tensors (K and V, or Q and dO) into stage ``s`` of
+    their rings, first parts first, then (at a two-part head dim) the second column parts into ``x_ring_b`` and
+    ``y_ring_b`` (None at a power of two), all landing at ``landed``."""
+    tma.async_copy_global_to_shared(
+        x_desc, _block_coord(program.b, program.h, row, program.n_heads, config.HEAD_DIM, X_COLUMNS, 0), landed,
+        x_ring.index(s))
+    tma.async_copy_global_to_shared(
+        y_desc, _block_coord(program.b, program.h, row, program.n_heads, config.HEAD_DIM, Y_COLUMNS, 0), landed,
+        y_ring.index(s))
+    if config.HEAD_DIM_B > 0:
+        tma.async_copy_global_to_shared(
+            x_desc_b, _block_coord(program.b, program.h, row, program.n_heads, config.HEAD_DIM, X_COLUMNS,
+                                   config.HEAD_DIM_A), landed, x_ring_b.index(s))
+        tma.async_copy_global_to_shared(
+            y_desc_b, _block_coord(program.b, program.h, row, program.n_heads, config.HEAD_DIM, Y_COLUMNS,
+                                   config.HEAD_DIM_A), landed, y_ring_b.index(s))
+
+
+@gluon.jit
 def _operand_tiles(dtype: gl.constexpr, COUNT: gl.constexpr, ROWS: gl.constexpr, COLUMNS: gl.constexpr):
     """``COUNT`` tiles of (ROWS, COLUMNS) in shared memory, in the swizzled layout that both the copy engine and
     ``wgmma`` address."""
@@ -337,20 +358,8 @@ def _fwd_load_partition(config, q_desc, k_desc, v_desc, buffers, schedule, n_hea
         for j in range(program.n_blocks):
             s, landed = buffers.kv.acquire(block + j,
                                            2 * config.BLOCK_N * config.HEAD_DIM * k_desc.dtype.primitive_bitwidth // 8)
-            n = j * config.BLOCK_N
-            tma.async_copy_global_to_shared(
-                k_desc, _block_coord(program.b, program.h, n, program.n_heads, config.HEAD_DIM, config.K_COLUMNS, 0),
-                landed, buffers.k_ring.index(s))
-            tma.async_copy_global_to_shared(
-                v_desc, _block_coord(program.b, program.h, n, program.n_heads, config.HEAD_DIM, config.V_COLUMNS, 0),
-                landed, buffers.v_ring.index(s))
-            if config.HEAD_DIM_B > 0:
-                tma.async_copy_global_to_shared(
-                    k_desc_b, _block_coord(program.b, program.h, n, program.n_heads, config.HEAD_DIM, config.K_COLUMNS,
-                                           config.HEAD_DIM_A), landed, buffers.k_ring_b.index(s))
-                tma.async_copy_global_to_shared(
-                    v_desc_b, _block_coord(program.b, program.h, n, program.n_heads, config.HEAD_DIM, config.V_COLUMNS,
-                                           config.HEAD_DIM_A), landed, buffers.v_ring_b.index(s))
+            _load_pair(config, program, j * config.BLOCK_N, landed, k_desc, buffers.k_ring, config.K_COLUMNS, v_desc,
+                       buffers.v_ring, config.V_COLUMNS, s, k_desc_b, buffers.k_ring_b, v_desc_b, buffers.v_ring_b)
         block += program.n_blocks
 
 
@@ -702,19 +711,8 @@ def _bwd_load_partition(config, q_desc, do_desc, ring, L_row, Delta_row, program
     for j in range(program.n_steps):
         s, landed = ring.barriers.acquire(j, 2 * BLOCK_M * config.HEAD_DIM * q_desc.dtype.primitive_bitwidth // 8)
         m = program.query_start + j * BLOCK_M
-        tma.async_copy_global_to_shared(
-            q_desc, _block_coord(program.b, program.h, m, program.n_heads, config.HEAD_DIM, config.Q_COLUMNS, 0),
-            landed, ring.q.index(s))
-        tma.async_copy_global_to_shared(
-            do_desc, _block_coord(program.b, program.h, m, program.n_heads, config.HEAD_DIM, config.DO_COLUMNS, 0),
-            landed, ring.do.index(s))
-        if config.HEAD_DIM_B > 0:
-            tma.async_copy_global_to_shared(
-                q_desc_b, _block_coord(program.b, program.h, m, program.n_heads, config.HEAD_DIM, config.Q_COLUMNS,
-                                      config.HEAD_DIM_A), landed, ring.q_b.index(s))
-            tma.async_copy_global_to_shared(
-                do_desc_b, _block_coord(program.b, program.h, m, program.n_heads, config.HEAD_DIM, config.DO_COLUMNS,
-                                       config.HEAD_DIM_A), landed, ring.do_b.index(s))
+        _load_pair(config, program, m, landed, q_desc, ring.q, config.Q_COLUMNS, do_desc, ring.do, config.DO_COLUMNS,
+                   s, q_desc_b, ring.q_b, do_desc_b, ring.do_b)
         offs_m = m + gl.arange(0, BLOCK_M, layout=row_layout)
         in_bounds = offs_m < program.n_queries
         ring.lse.index(s).store(gl.load(L_row + offs_m, mask=in_bounds, other=0.0) * LOG2_E)
