@@ -723,16 +723,17 @@ def _bwd_load_partition(config, q_desc, do_desc, ring, L_row, Delta_row, program
 
 
 @gluon.jit
-def _bwd_issue_scores(config, program, ring, j, k_smem, v_smem, k_smem_b, v_smem_b):
+def _bwd_issue_scores(config, program, ring, j, k, v, k_smem_b, v_smem_b):
     """Start S_j^T = K Q_j^T and dP_j^T = V dO_j^T on the tensor cores once block ``j`` has landed (see
-    :meth:`Ring.wait_landed` past the last block); ``k_smem`` and ``v_smem`` are (BLOCK_N, HEAD_DIM_A), ``k_smem_b``
-    and ``v_smem_b`` the second column parts (BLOCK_N, HEAD_DIM_B) or None."""
+    :meth:`Ring.wait_landed` past the last block); ``k`` and ``v`` are (BLOCK_N, HEAD_DIM_A), in shared memory or,
+    where ``config.KV_IN_REGISTERS``, in registers; ``k_smem_b`` and ``v_smem_b`` the second column parts
+    (BLOCK_N, HEAD_DIM_B) or None."""
     s = ring.barriers.wait_landed(j, program.n_steps, 0)
     zero = gl.zeros([config.BLOCK_N, config.BLOCK_M], gl.float32, config.st_layout)
-    scores_t = warpgroup_mma(k_smem, ring.q.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
+    scores_t = warpgroup_mma(k, ring.q.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
     if config.HEAD_DIM_B > 0:
         scores_t = warpgroup_mma(k_smem_b, ring.q_b.index(s).permute((1, 0)), scores_t, is_async=True)
-    dp_t = warpgroup_mma(v_smem, ring.do.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
+    dp_t = warpgroup_mma(v, ring.do.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
     if config.HEAD_DIM_B > 0:
         dp_t = warpgroup_mma(v_smem_b, ring.do_b.index(s).permute((1, 0)), dp_t, is_async=True)
     return scores_t, dp_t
@@ -741,7 +742,8 @@ def _bwd_issue_scores(config, program, ring, j, k_smem, v_smem, k_smem_b, v_smem
 @gluon.jit
 def _bwd_step(config, program, buffers, ring, dq_desc, qk_scale, state, scores_t, dp_t, j, dq_desc_b, kv_op):
     """Query block ``j`` of the sweep, whose S^T and dP^T have landed: accumulate its share of dK and dV, add its dQ
-    rows by TMA, and compute block ``j + 1``'s S^T and dP^T behind dK.
+    rows by TMA, and compute block ``j + 1``'s S^T and dP^T behind dK (from ``kv_op``, K and V in registers, where
+    ``config.KV_IN_REGISTERS``).
 
     P^T and dS^T never leave the registers of the warpgroup that computed them for dV += P^T dO and dK += dS^T Q
     (register-sourced wgmma, as FlashAttention-3 does); dS^T is written to shared memory once, for dQ = dS K.
@@ -857,8 +859,8 @@ def _bwd_compute_partition(config, buffers, ring, dq_desc, program, qk_scale, dq
         v_smem_b = buffers.v_smem_b.index(0)
     kv_op = (buffers.k_smem.index(0), buffers.v_smem.index(0))
     if config.KV_IN_REGISTERS:
-        # Loaded once: the tensor cores then read only Q and dO from shared memory for S^T and dP^T (2.7 % faster
-        # at d = 32, no faster at 64).
+        # Loaded once: the tensor cores then read only Q and dO from shared memory for S^T and dP^T (1.5-3.5 %
+        # faster at d = 16 and 32, no faster at 64).
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=config.st_layout, k_width=2)
         kv_op = (kv_op[0].load(a_layout), kv_op[1].load(a_layout))
     scores_t, dp_t = _bwd_issue_scores(config, program, ring, 0, kv_op[0], kv_op[1], k_smem_b, v_smem_b)
