@@ -44,6 +44,17 @@ HOPPER_SHARED_MEMORY = 227 * 1024  # bytes a block may use on an H100/H200
 # A few configurations (a few seconds of ptxas apiece): the largest head dim, causal, the smallest, not causal, and
 # two head dims of two column parts (two descriptors per tensor); every head dim runs on the GPU. The launches are
 # the backend's own, recorded on CPU tensors (tests/_flash_aot.py).
+def _wgmma_a_operands(ptx: str, shape: str) -> list[str]:
+    """Where each ``wgmma`` of ``shape`` (e.g. "m64n64k16") in ``ptx`` takes its A operand: "registers" (a register
+    list after the accumulators) or "descriptor" (a shared-memory descriptor)."""
+    operands = []
+    for line in ptx.splitlines():
+        if "wgmma.mma_async" in line and f".{shape}." in line:
+            after_accumulators = line.split("}", 1)[1].lstrip(", \t")
+            operands.append("registers" if after_accumulators.startswith("{") else "descriptor")
+    return operands
+
+
 def _run_backward_programs_of(monkeypatch, keys: int) -> None:
     """Every Hopper backward in the test takes programs of ``keys`` keys (64: one warpgroup; 128: two), whatever the
     call's size would choose."""
@@ -77,6 +88,13 @@ def test_backward_compiles_for_sm90_without_spills_or_serialized_wgmma(monkeypat
     for instruction in ("wgmma.mma_async", "cp.async.bulk.tensor", "cp.reduce.async.bulk.tensor", "setmaxnreg"):
         assert instruction in ptx, instruction
     assert serialized_wgmma(compiled) is None
+    # S^T = K Q^T and dP^T = V dO^T are the 64-query-wide matmuls (m64n64 at d 16; at d 64 dV, dK and dQ are too):
+    # up to d 32 K and V come from registers, else from shared memory.
+    score_operands = _wgmma_a_operands(ptx, "m64n64k16")
+    if d <= 32:
+        assert score_operands and set(score_operands) == {"registers"}, score_operands
+    else:
+        assert "descriptor" in score_operands, score_operands
     if keys == hopper.SMALL_BACKWARD_KEYS:
         # One consumer warpgroup a program: two programs must share a multiprocessor (64K registers, 228 KB of
         # shared memory, 1 KB of it reserved per block), or the tensor cores get half the warps they have at 128 keys.
