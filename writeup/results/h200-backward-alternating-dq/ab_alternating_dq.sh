@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # A/B of the alternating-dQ backward at d = 64 (the working tree, alternating_dq_v1.diff applied to 81ca133)
-# against 81ca133 (.before): float64 checks with 128-key programs forced, then backward times, the trees in the order before, after, after, before.
+# against 81ca133 (.before): float64 checks with 128-key programs forced, then backward times, the trees in the
+# order before, after, after, before.
 set -uo pipefail
 root=$PWD
 export PYTHONUNBUFFERED=1 CS336_GIT_COMMIT=81ca133-alt-dq
