@@ -41,9 +41,6 @@ from tests._flash_checks import hopper_gpu, relative_error
 HOPPER_SHARED_MEMORY = 227 * 1024  # bytes a block may use on an H100/H200
 
 
-# A few configurations (a few seconds of ptxas apiece): the largest head dim, causal, the smallest, not causal, and
-# two head dims of two column parts (two descriptors per tensor); every head dim runs on the GPU. The launches are
-# the backend's own, recorded on CPU tensors (tests/_flash_aot.py).
 def _wgmma_a_operands(ptx: str, shape: str) -> list[str]:
     """Where each ``wgmma`` of ``shape`` (e.g. "m64n64k16") in ``ptx`` takes its A operand: "registers" (a register
     list after the accumulators) or "descriptor" (a shared-memory descriptor)."""
@@ -55,6 +52,9 @@ def _wgmma_a_operands(ptx: str, shape: str) -> list[str]:
     return operands
 
 
+# A few configurations (a few seconds of ptxas apiece): the largest head dim, causal, the smallest, not causal, and
+# two head dims of two column parts (two descriptors per tensor); every head dim runs on the GPU. The launches are
+# the backend's own, recorded on CPU tensors (tests/_flash_aot.py).
 def _run_backward_programs_of(monkeypatch, keys: int) -> None:
     """Every Hopper backward in the test takes programs of ``keys`` keys (64: one warpgroup; 128: two), whatever the
     call's size would choose."""

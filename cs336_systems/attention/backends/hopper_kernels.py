@@ -828,10 +828,8 @@ def _bwd_step(config, program, buffers, ring, dq_desc, qk_scale, state, scores_t
     if config.HEAD_DIM_B > 0:
         tma_reduce_add(dq_desc_b, [program.bh, m, config.HEAD_DIM_A],
                        dq_buffer_b.reshape([1, BLOCK_M, config.HEAD_DIM_B]))
-    if config.KV_IN_REGISTERS:
-        scores_t, dp_t = _bwd_issue_scores(config, program, ring, j + 1, kv_op[0], kv_op[1], None, None)
-    else:
-        scores_t, dp_t = _bwd_issue_scores(config, program, ring, j + 1, k_smem, v_smem, k_smem_b, v_smem_b)
+    k, v = kv_op if config.KV_IN_REGISTERS else (k_smem, v_smem)
+    scores_t, dp_t = _bwd_issue_scores(config, program, ring, j + 1, k, v, k_smem_b, v_smem_b)
     # Nothing crosses the loop's back edge in flight: an accumulator carried there while its wgmma runs makes
     # ptxas serialise every wgmma of the kernel (C7514).
     if config.HEAD_DIM_B > 0:
