@@ -103,6 +103,62 @@ def test_backward_compiles_for_sm90_without_spills_or_serialized_wgmma(monkeypat
         assert 2 * (usage.shared_bytes + 1024) <= 228 * 1024, usage
 
 
+def _staging_offsets(layout, rows: int, columns: int) -> dict[tuple[int, int], int]:
+    """Where a shared linear layout puts each (row, column) of a (rows, columns) tile: offset k holds the XOR of the
+    bases of k's set bits."""
+    where = {}
+    for offset in range(rows * columns):
+        row = column = 0
+        for bit, (basis_row, basis_column) in enumerate(layout.offset_bases):
+            if offset >> bit & 1:
+                row, column = row ^ basis_row, column ^ basis_column
+        where[row, column] = offset
+    return where
+
+
+def _swizzled_128(row: int, column: int, rows: int) -> int:
+    """The float32 offset of (row, column) in a tile swizzled over 128 bytes (what the copy engine reads): 32-column
+    blocks one after the other, rows of 128 bytes, a row's 16-byte chunks permuted by the row's index mod 8."""
+    chunk = (column % 32 // 4) ^ (row % 8)
+    return column // 32 * rows * 32 + row * 32 + chunk * 4 + column % 4
+
+
+def _wavefronts(addresses: list[int]) -> int:
+    """Shared-memory wavefronts of one store: the most 4-byte words that fall in any one of 32 banks (distinct words;
+    8-byte stores are taken a half-warp at a time, so pass one half-warp's words)."""
+    banks = collections.defaultdict(set)
+    for address in addresses:
+        banks[address % 32].add(address)
+    return max(len(words) for words in banks.values())
+
+
+@pytest.mark.parametrize("columns", [32, 64, 128])
+def test_dq_staging_tile_keeps_the_copy_engines_layout_and_stores_without_bank_conflicts(columns):
+    """The backward stages dQ through a linear layout of the 128-byte swizzle: unmoved it is that swizzle; moved,
+    every value still lands where the swizzle has it (odd rows' columns c and c xor 16 exchanged in the registers
+    and in the layout), and a half-warp's 8-byte stores of the wgmma accumulator (four rows, 32 bytes each) take one
+    wavefront where the plain store takes two."""
+    from cs336_systems.attention.backends.hopper_kernels import _dq_staging_layout
+
+    rows = 64
+    plain = _staging_offsets(_dq_staging_layout(rows, columns, False), rows, columns)
+    moved = _staging_offsets(_dq_staging_layout(rows, columns, True), rows, columns)
+    assert len(plain) == len(moved) == rows * columns
+    assert all(plain[r, c] == _swizzled_128(r, c, rows) for r, c in plain)
+    assert all(moved[r, c] == plain[r, c ^ (16 if r % 2 else 0)] for r, c in moved)
+
+    # The accumulator's layout: lane l of a warp holds rows l // 4 (+ 8), columns 2 (l % 4) + 8 i (+ 1), i the
+    # register group; one 8-byte store per group (a warpgroup's first 32 columns; the others repeat the pattern).
+    for layout, wavefronts in ((plain, 2), (moved, 1)):
+        for group in range(4):
+            for half in range(2):
+                words = []
+                for lane in range(16 * half, 16 * half + 16):
+                    row, column = lane // 4, 2 * (lane % 4) + 8 * group
+                    words += [layout[row, column], layout[row, column + 1]]
+                assert _wavefronts(words) == wavefronts, (group, half)
+
+
 def test_backward_runs_one_warpgroup_a_program_where_the_gpu_would_not_fill():
     """64-key programs of one warpgroup at head dims up to 32; up to 64 where 128-key programs would not fill one
     wave, or at short contexts where they fill at most a few; 128-key programs of two warpgroups otherwise."""

@@ -562,6 +562,7 @@ class BwdConfig:
     V_COLUMNS: gl.constexpr
     DO_COLUMNS: gl.constexpr
     KV_IN_REGISTERS: gl.constexpr  # K and V the register operands of S^T = K Q^T and dP^T = V dO^T
+    DQ_ODD_ROWS_MOVED: gl.constexpr  # dQ staged through _dq_odd_rows_moved (a warpgroup's dQ of 32 columns or more)
     st_layout: gl.constexpr
     acc_layout: gl.constexpr
     dq_layout: gl.constexpr
@@ -582,6 +583,7 @@ class BwdConfig:
         self.V_COLUMNS = gl.constexpr(V_COLUMNS)
         self.DO_COLUMNS = gl.constexpr(DO_COLUMNS)
         self.KV_IN_REGISTERS = gl.constexpr(HEAD_DIM <= 32)
+        self.DQ_ODD_ROWS_MOVED = gl.constexpr((HEAD_DIM - HEAD_DIM_B) // (BLOCK_N // 64) >= 32)
         self.HEAD_DIM_A = gl.constexpr(HEAD_DIM - HEAD_DIM_B)
         self.HEAD_DIM_B = gl.constexpr(HEAD_DIM_B)
         # S^T = K Q^T (BLOCK_N, BLOCK_M): warpgroup w computes the rows of its keys, so that P^T and dS^T are in
@@ -596,6 +598,39 @@ class BwdConfig:
         self.dq_layout = gl.constexpr(_dq_layout(HEAD_DIM - HEAD_DIM_B, warps))
         self.acc_layout_b = gl.constexpr(_acc_layout(HEAD_DIM_B, warps) if HEAD_DIM_B else None)
         self.dq_layout_b = gl.constexpr(_dq_layout(HEAD_DIM_B, warps) if HEAD_DIM_B else None)
+
+
+@gluon.constexpr_function
+def _dq_staging_layout(rows, columns, odd_rows_moved):
+    """The 128-byte swizzle of a float32 (rows, columns) staging tile as a linear layout (offset bit k holds the
+    logical (row, column) of offset 2^k); with ``odd_rows_moved``, logical column c of an odd row is stored where
+    column c xor 16 would be (see :func:`_dq_odd_rows_moved`)."""
+    bases = [[0, 1], [0, 2], [0, 4], [0, 8], [0, 16], [1, 20 if odd_rows_moved else 4], [2, 8], [4, 16]]
+    row = 8
+    while row < rows:
+        bases.append([row, 0])
+        row *= 2
+    column = 32
+    while column < columns:
+        bases.append([0, column])
+        column *= 2
+    return gl.SharedLinearLayout(bases)
+
+
+@gluon.jit
+def _dq_odd_rows_moved(dq):
+    """``dq`` (BLOCK_M, COLUMNS) with its odd rows' columns c and c xor 16 exchanged: stored through
+    ``_dq_staging_layout(.., True)`` every value lands where the plain tile has it, but a half-warp's four rows of 32
+    bytes then cover all of a 128-byte swizzled row's banks (rows r and r xor 1 otherwise share two 16-byte bank
+    groups: ncu counted twice the ideal shared-memory wavefronts)."""
+    BLOCK_M: gl.constexpr = dq.shape[0]
+    COLUMNS: gl.constexpr = dq.shape[1]
+    halves = dq.reshape([BLOCK_M, COLUMNS // 32, 2, 16]).permute((0, 1, 3, 2))
+    low, high = halves.split()
+    swapped = gl.join(high, low).permute((0, 1, 3, 2)).reshape([BLOCK_M, COLUMNS])
+    swapped = gl.convert_layout(swapped, dq.type.layout)
+    rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq.type.layout))
+    return gl.where((rows % 2 == 1)[:, None], swapped, dq)
 
 
 @gluon.constexpr_function
@@ -817,7 +852,11 @@ def _bwd_step(config, program, buffers, ring, dq_desc, qk_scale, state, scores_t
         dq, dq_b = warpgroup_mma_wait(2, deps=[dq, dq_b])
     else:
         dq = warpgroup_mma_wait(1, deps=[dq])
-    dq_buffer.store(dq)
+    if config.DQ_ODD_ROWS_MOVED:
+        staging: gl.constexpr = _dq_staging_layout(BLOCK_M, config.HEAD_DIM_A, True)
+        dq_buffer._reinterpret(gl.float32, [BLOCK_M, config.HEAD_DIM_A], staging).store(_dq_odd_rows_moved(dq))
+    else:
+        dq_buffer.store(dq)
     if config.HEAD_DIM_B > 0:
         dq_buffer_b = buffers.dq_smem_b.index(j % 2)
         dq_buffer_b.store(dq_b)
