@@ -583,9 +583,10 @@ class BwdConfig:
         self.V_COLUMNS = gl.constexpr(V_COLUMNS)
         self.DO_COLUMNS = gl.constexpr(DO_COLUMNS)
         self.KV_IN_REGISTERS = gl.constexpr(HEAD_DIM <= 32)
-        self.DQ_ODD_ROWS_MOVED = gl.constexpr((HEAD_DIM - HEAD_DIM_B) // (BLOCK_N // 64) >= 32)
         self.HEAD_DIM_A = gl.constexpr(HEAD_DIM - HEAD_DIM_B)
         self.HEAD_DIM_B = gl.constexpr(HEAD_DIM_B)
+        warpgroups = BLOCK_N // 64
+        self.DQ_ODD_ROWS_MOVED = gl.constexpr(self.HEAD_DIM_A // warpgroups >= 32)
         # S^T = K Q^T (BLOCK_N, BLOCK_M): warpgroup w computes the rows of its keys, so that P^T and dS^T are in
         # the registers of the warpgroup whose dV and dK rows they feed (register-sourced wgmma). A warp holds 16
         # keys: BLOCK_N // 16 consumer warps.
