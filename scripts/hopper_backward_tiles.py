@@ -10,16 +10,25 @@ SDPA's cuDNN backend, in alternating rounds so that a drifting clock moves every
 
 Prints one JSON line per check and a line per shape with the medians and ratios to cuDNN; providers are named
 ``TILES/ORDER`` ("rule": the backend's own choice).
+
+With ``--kernel-times`` the same rounds time each kernel instead (``torch.profiler`` over eager forward + backward
+calls, each kernel's GPU time per call): the main backward kernel alone and the backward's kernels together (Delta,
+the main kernel, the dQ conversion; cuDNN's own three and its memset), beside cuDNN's. Graph replays include the
+gaps between kernels; kernel times do not.
+
+    python scripts/hopper_backward_tiles.py --tiles rule --shapes 1,16,16384,64 --rounds 4 --kernel-times
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import statistics
 
 import torch
 from torch.nn.functional import scaled_dot_product_attention
+from torch.profiler import ProfilerActivity, profile
 
 from cs336_systems.attention.backends import hopper
 from cs336_systems.attention.op import flash_attention
@@ -84,6 +93,60 @@ def graphs_of(attention, shape):
     return [captured_graph(work, q.device) for work in (forward, forward_backward)], (q, k, v, do)
 
 
+MAIN_BACKWARD_KERNELS = ("attn_bwd_hopper", "flash_bprop")  # ours, cuDNN's
+FORWARD_KERNELS = ("attn_fwd", "flash_fprop")
+
+
+def kernel_times_ms(attention, shape, calls: int) -> dict[str, float]:
+    """GPU time per forward + backward call of each kernel ``attention`` launches at ``shape`` (name: ms), over
+    ``calls`` eager calls after three unprofiled ones."""
+    q, k, v, do = head_inputs(*shape, with_output_grad=True)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    for _ in range(3):
+        torch.autograd.grad(attention(q, k, v), (q, k, v), do)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            torch.autograd.grad(attention(q, k, v), (q, k, v), do)
+        torch.cuda.synchronize()
+    totals = collections.Counter()
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            totals[event.name] += event.device_time / 1e3 / calls
+    return dict(totals)
+
+
+def backward_split(kernels: dict[str, float]) -> tuple[float, float]:
+    """The main backward kernel's time and the backward's kernels' time (all but the forward's), ms."""
+    main = [t for name, t in kernels.items() if any(m in name for m in MAIN_BACKWARD_KERNELS)]
+    if len(main) != 1:
+        raise SystemExit(f"hopper_backward_tiles: expected one main backward kernel among {sorted(kernels)}")
+    return main[0], sum(t for name, t in kernels.items() if not any(f in name for f in FORWARD_KERNELS))
+
+
+def time_kernels(providers, attention, cudnn, shape, rounds: int) -> dict:
+    """:func:`kernel_times_ms` of every provider and cuDNN in alternating rounds: the medians of the main backward
+    kernel and of the backward's kernels, each over cuDNN's, and every round's kernels."""
+    names = [*providers, "cudnn"]
+    runs = {name: [] for name in names}
+    first = kernel_times_ms(cudnn, shape, 3)
+    calls = max(5, min(200, int(100 / max(sum(first.values()), 1e-3))))
+    for r in range(rounds):
+        for name in (names if r % 2 == 0 else reversed(names)):
+            if name != "cudnn":
+                use(name)
+            runs[name].append(kernel_times_ms(cudnn if name == "cudnn" else attention, shape, calls))
+    main = {n: statistics.median(backward_split(k)[0] for k in runs[n]) for n in names}
+    backward = {n: statistics.median(backward_split(k)[1] for k in runs[n]) for n in names}
+    return {"main_backward_kernel_ms": {n: round(t, 4) for n, t in main.items()},
+            "backward_kernels_ms": {n: round(t, 4) for n, t in backward.items()},
+            "main_over_cudnn": {n: round(t / main["cudnn"], 4) for n, t in main.items()},
+            "backward_kernels_over_cudnn": {n: round(t / backward["cudnn"], 4) for n, t in backward.items()},
+            "calls_per_round": calls,
+            "rounds_kernels_ms": {n: [{k: round(t, 4) for k, t in sorted(ks.items())} for ks in runs[n]]
+                                  for n in names}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiles", nargs="+", choices=list(TILES), default=["128x8", "64x4"])
@@ -92,6 +155,8 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=SHAPES, help="batch,heads,seq,d")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--ms", type=float, default=300, help="GPU time per measurement, ms")
+    parser.add_argument("--kernel-times", action="store_true",
+                        help="time each kernel (torch.profiler, eager calls) instead of replaying graphs")
     args = parser.parse_args()
     if not torch.cuda.is_available() or hopper.supports(torch.device("cuda"), torch.bfloat16, 64):
         raise SystemExit("hopper_backward_tiles: needs a Hopper GPU (H100/H200)")
@@ -110,6 +175,13 @@ def main() -> None:
     for text in args.shapes:
         shape = tuple(int(x) for x in text.split(","))
         batch, heads, seq, head_dim = shape
+        if args.kernel_times:
+            row = time_kernels(providers, lambda q, k, v: flash_attention(q, k, v, args.causal),
+                               lambda q, k, v: cudnn_attention(q, k, v, args.causal),
+                               (batch, heads, seq, seq, head_dim), args.rounds)
+            print(json.dumps({"shape": shape, **row, "causal": args.causal,
+                              "device": torch.cuda.get_device_name()}), flush=True)
+            continue
         graphs = {}
         for name in providers:
             use(name)
