@@ -631,3 +631,23 @@ def test_backend_choice_weighs_the_hopper_programs(monkeypatch):
     assert chosen("forward", 128, 128, kernels="hopper") is hopper
     assert chosen("forward", 16 * 128, 64, kernels="triton") is triton_backend
     assert chosen("forward", 16 * 128, 64, hopper_min_programs=33) is triton_backend
+
+
+def test_kernel_times_split_the_backward_from_the_forward_for_ours_and_cudnn():
+    """``scripts/hopper_backward_tiles.py --kernel-times``: the main backward kernel by name, the backward's kernels
+    as every kernel but the forward's, and a refusal where no main kernel (or two) shows."""
+    import runpy
+
+    script = runpy.run_path(str(Path(__file__).parents[1] / "scripts" / "hopper_backward_tiles.py"))
+    split = script["backward_split"]
+    ours = {"attn_fwd_hopper_kernel": 1.0, "attn_bwd_delta_kernel": 0.03, "attn_bwd_hopper_kernel": 2.5,
+            "attn_bwd_dq_convert_kernel": 0.02}
+    cudnn = {"cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7": 1.2,
+             "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26": 3.0,
+             "void cudnn::fusion::compute_dot_do_o_specialized<true, 64>": 0.04,
+             "void cudnn::fusion::convert_dq_to_16bits<true>": 0.03, "Memset (Device)": 0.002}
+    assert split(ours) == pytest.approx((2.5, 2.55))
+    assert split(cudnn) == pytest.approx((3.0, 3.072))
+    for kernels in ({"attn_fwd_hopper_kernel": 1.0}, {**ours, "flash_bprop_other": 1.0}):
+        with pytest.raises(SystemExit, match="one main backward kernel"):
+            split(kernels)
