@@ -22,7 +22,6 @@ gaps between kernels; kernel times do not.
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import statistics
 
@@ -33,7 +32,7 @@ from torch.profiler import ProfilerActivity, profile
 from cs336_systems.attention.backends import hopper
 from cs336_systems.attention.op import flash_attention
 from cs336_systems.bench.common.attention_providers import cudnn_attention, head_inputs
-from cs336_systems.bench.common.timing import captured_graph, replay_mean_ms
+from cs336_systems.bench.common.timing import captured_graph, kernel_times_ms, replay_mean_ms
 
 TILES = {
     "128x8": (hopper.BLOCK_N, hopper.BACKWARD_CONFIG),
@@ -97,23 +96,23 @@ MAIN_BACKWARD_KERNELS = ("attn_bwd_hopper", "flash_bprop")  # ours, cuDNN's
 FORWARD_KERNELS = ("attn_fwd", "flash_fprop")
 
 
-def kernel_times_ms(attention, shape, calls: int) -> dict[str, float]:
+def profiled_kernels_ms(attention, shape, calls: int) -> dict[str, float]:
     """GPU time per forward + backward call of each kernel ``attention`` launches at ``shape`` (name: ms), over
     ``calls`` eager calls after three unprofiled ones."""
     q, k, v, do = head_inputs(*shape, with_output_grad=True)
     q, k, v = (x.requires_grad_() for x in (q, k, v))
+
+    def forward_backward():
+        return torch.autograd.grad(attention(q, k, v), (q, k, v), do)
+
     for _ in range(3):
-        torch.autograd.grad(attention(q, k, v), (q, k, v), do)
+        forward_backward()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
-            torch.autograd.grad(attention(q, k, v), (q, k, v), do)
+            forward_backward()
         torch.cuda.synchronize()
-    totals = collections.Counter()
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            totals[event.name] += event.device_time / 1e3 / calls
-    return dict(totals)
+    return dict(kernel_times_ms(prof.events(), calls)[0])
 
 
 def backward_split(kernels: dict[str, float]) -> tuple[float, float]:
@@ -125,19 +124,20 @@ def backward_split(kernels: dict[str, float]) -> tuple[float, float]:
 
 
 def time_kernels(providers, attention, cudnn, shape, rounds: int) -> dict:
-    """:func:`kernel_times_ms` of every provider and cuDNN in alternating rounds: the medians of the main backward
-    kernel and of the backward's kernels, each over cuDNN's, and every round's kernels."""
+    """:func:`profiled_kernels_ms` of every provider and cuDNN in alternating rounds: the medians of the main
+    backward kernel and of the backward's kernels, each over cuDNN's, and every round's kernels."""
     names = [*providers, "cudnn"]
     runs = {name: [] for name in names}
-    first = kernel_times_ms(cudnn, shape, 3)
+    first = profiled_kernels_ms(cudnn, shape, 3)
     calls = max(5, min(200, int(100 / max(sum(first.values()), 1e-3))))
     for r in range(rounds):
         for name in (names if r % 2 == 0 else reversed(names)):
             if name != "cudnn":
                 use(name)
-            runs[name].append(kernel_times_ms(cudnn if name == "cudnn" else attention, shape, calls))
-    main = {n: statistics.median(backward_split(k)[0] for k in runs[n]) for n in names}
-    backward = {n: statistics.median(backward_split(k)[1] for k in runs[n]) for n in names}
+            runs[name].append(profiled_kernels_ms(cudnn if name == "cudnn" else attention, shape, calls))
+    splits = {n: [backward_split(k) for k in runs[n]] for n in names}
+    main = {n: statistics.median(m for m, _ in splits[n]) for n in names}
+    backward = {n: statistics.median(b for _, b in splits[n]) for n in names}
     return {"main_backward_kernel_ms": {n: round(t, 4) for n, t in main.items()},
             "backward_kernels_ms": {n: round(t, 4) for n, t in backward.items()},
             "main_over_cudnn": {n: round(t / main["cudnn"], 4) for n, t in main.items()},

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from cs336_systems.bench.common import model_sizes
+from cs336_systems.bench.common import model_sizes, timing
 from cs336_systems.bench.common.lm import LMConfig, build_model, random_batch
 from cs336_systems.train import STACKS, build_training_step
 
@@ -69,25 +69,19 @@ def main() -> None:
             step(x, y)
         torch.cuda.synchronize()
         wall = (time.perf_counter() - start) / args.steps
-    kernels = collections.Counter()
-    calls = collections.Counter()
-    for event in prof.events():
-        # Annotations of host ranges (the optimizer's step, compiled graphs) are mirrored on the GPU's timeline.
-        if event.device_type == torch.autograd.DeviceType.CUDA and not event.is_user_annotation:
-            kernels[event.name] += event.device_time
-            calls[event.name] += 1
-    gpu = sum(kernels.values()) / 1e3 / args.steps
+    kernels, calls = timing.kernel_times_ms(prof.events(), args.steps)  # per step
+    gpu = sum(kernels.values())
     by_class = collections.Counter()
-    for name, us in kernels.items():
-        by_class[kernel_class(name)] += us / 1e3 / args.steps
+    for name, ms in kernels.items():
+        by_class[kernel_class(name)] += ms
     by_class["idle"] = max(wall * 1e3 - gpu, 0.0)
     print(json.dumps(dict(stack=args.stack, parts=vars(parts), size=size, edition=args.edition, context=args.context,
                           batch=args.batch, wall_ms=wall * 1e3, gpu_kernel_ms=gpu,
                           host_bound_share=1 - gpu / (wall * 1e3), peak_gb=torch.cuda.max_memory_allocated() / 1e9,
                           device=torch.cuda.get_device_name(), ms_by_class=dict(by_class.most_common()))))
-    for name, us in kernels.most_common(args.top):
-        print(json.dumps(dict(kernel=name[:90], kernel_class=kernel_class(name), ms_per_step=us / 1e3 / args.steps,
-                              calls_per_step=calls[name] / args.steps)))
+    for name, ms in kernels.most_common(args.top):
+        print(json.dumps(dict(kernel=name[:90], kernel_class=kernel_class(name), ms_per_step=ms,
+                              calls_per_step=calls[name])))
     host = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[: args.top]
     for e in host:
         print(json.dumps(dict(host_op=e.key[:90], self_cpu_ms_per_step=e.self_cpu_time_total / 1e3 / args.steps,

@@ -315,3 +315,18 @@ def test_latest_row_is_the_last_measured_then_the_furthest_down_the_file():
     assert [(r["name"], r["value"]) for r in latest] == [("b", 1), ("a", 4)]  # keys in order of first appearance
     assert result_store.latest(rows) == [rows[3]] and result_store.latest([]) == []
     assert result_store.latest([{"value": 5}, {"value": 6}]) == [{"value": 6}]  # no dates: file order
+
+
+def test_kernel_times_sum_each_kernels_gpu_time_per_call_and_skip_host_annotations():
+    from types import SimpleNamespace
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+    def event(name, us, device=cuda, annotation=False):
+        return SimpleNamespace(name=name, device_time=us, device_type=device, is_user_annotation=annotation)
+
+    events = [event("gemm", 300.0), event("gemm", 500.0), event("softmax", 40.0), event("optimizer.step", 900.0,
+              annotation=True), event("aten::mm", 70.0, device=cpu)]
+    ms, launches = timing.kernel_times_ms(events, per=2)
+    assert ms == pytest.approx({"gemm": 0.4, "softmax": 0.02})
+    assert launches == pytest.approx({"gemm": 1.0, "softmax": 0.5})

@@ -1,9 +1,10 @@
 """Timing and memory measurement shared by the benchmarks: synchronisation, timed calls and their
-statistics, replays of a captured CUDA graph over rotating inputs, peak memory, and the device's measured matmul
-rate (the ceiling MFU is stated against)."""
+statistics, replays of a captured CUDA graph over rotating inputs, each kernel's GPU time in a profile, peak memory,
+and the device's measured matmul rate (the ceiling MFU is stated against)."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
 import statistics
@@ -58,6 +59,18 @@ def time_calls(fn: Callable[[], Any], warmup: int, steps: int, device: torch.dev
         synchronize(device)
         times.append(timeit.default_timer() - start)
     return times
+
+
+def kernel_times_ms(events: Sequence[Any], per: int = 1) -> tuple[collections.Counter, collections.Counter]:
+    """Each GPU kernel's time (ms) and launches among ``torch.profiler`` events (``prof.events()``), divided by
+    ``per`` (the profiled calls or steps). Annotations of host ranges, which the profiler mirrors on the GPU's
+    timeline, are not kernels."""
+    ms, launches = collections.Counter(), collections.Counter()
+    for event in events:
+        if event.device_type == torch.autograd.DeviceType.CUDA and not event.is_user_annotation:
+            ms[event.name] += event.device_time / 1e3 / per
+            launches[event.name] += 1 / per
+    return ms, launches
 
 
 @contextlib.contextmanager
